@@ -26,7 +26,10 @@ def _expand_kv_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def partial_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
     causal_offset: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q over one key range: (output [Tq, H, Dv], log-sum-exp [Tq, H]).
@@ -55,14 +58,19 @@ def merge_partials(
     stacked = torch.stack(lses)  # [P, Tq, H]
     lse = torch.logsumexp(stacked, dim=0)
     weights = torch.exp(stacked - lse).nan_to_num(0.0)
-    out = sum((w[..., None] * o for w, o in zip(weights, outs, strict=True)),
-              torch.zeros_like(outs[0]))
+    out = sum(
+        (w[..., None] * o for w, o in zip(weights, outs, strict=True)), torch.zeros_like(outs[0])
+    )
     return out, lse
 
 
 def _attend_ranges(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int,
-    ranges: list[KeyRange], scale: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_start: int,
+    ranges: list[KeyRange],
+    scale: float,
 ) -> torch.Tensor:
     outs, lses = [], []
     for r in ranges:
@@ -74,8 +82,12 @@ def _attend_ranges(
 
 
 def isolated_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SegmentLayout,
-    isolation: Isolation, scale: float | None = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: SegmentLayout,
+    isolation: Isolation,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Attention of a whole chunked prompt from the compact form alone."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -89,7 +101,10 @@ def isolated_attention(
 
 
 def dense_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
     scale: float | None = None,
 ) -> torch.Tensor:
     """Attention with a dense boolean mask [Tq, Tk] (True = attend), through torch SDPA."""

@@ -67,8 +67,11 @@ def visible_ranges(layout: SegmentLayout, isolation: Isolation, index: int) -> l
     if kind is SegmentKind.QUESTION:
         return [KeyRange(s, e, False) for s, e in bounds[:index] if e > s] + [own]
     if kind is SegmentKind.CHUNK and isolation is Isolation.SYS:
-        sys = [KeyRange(s, e, False) for (s, e), k in zip(bounds[:index], layout.kinds, strict=False)
-               if k is SegmentKind.SYS and e > s]
+        sys = [
+            KeyRange(s, e, False)
+            for (s, e), k in zip(bounds[:index], layout.kinds, strict=False)
+            if k is SegmentKind.SYS and e > s
+        ]
         return [*sys, own]
     return [own]
 
@@ -76,8 +79,9 @@ def visible_ranges(layout: SegmentLayout, isolation: Isolation, index: int) -> l
 _KIND_CODE = {kind: code for code, kind in enumerate(SegmentKind)}
 
 
-def allowed(layout: SegmentLayout, isolation: Isolation, device: torch.device | str = "cpu"
-            ) -> torch.Tensor:
+def allowed(
+    layout: SegmentLayout, isolation: Isolation, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """Dense boolean mask [tokens, tokens]: True where the query (row) may see the key."""
     seg = layout.segment_ids(device).long()
     codes = torch.tensor([_KIND_CODE[k] for k in layout.kinds], device=device)[seg]
@@ -102,8 +106,11 @@ class MaskForm(StrEnum):
 
 
 def isolation_mask(
-    layout: SegmentLayout, isolation: Isolation, form: MaskForm,
-    dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+    layout: SegmentLayout,
+    isolation: Isolation,
+    form: MaskForm,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
 ) -> torch.Tensor:
     ok = allowed(layout, isolation, device)
     if form is MaskForm.BOOL:
@@ -124,8 +131,12 @@ class IsolationMaskBuilder:
         self.builds = 0
 
     def get(
-        self, layout: SegmentLayout, isolation: Isolation, form: MaskForm,
-        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+        self,
+        layout: SegmentLayout,
+        isolation: Isolation,
+        form: MaskForm,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
     ) -> torch.Tensor:
         key = (layout, isolation, form, dtype, str(device))
         mask = self._cache.get(key)

@@ -102,12 +102,20 @@ class RotaryConfig:
             # MLA: the cache holds one latent per token, [compressed KV | k_pe]; only the
             # decoupled k_pe is rotated.
             rope_dim = config.qk_rope_head_dim
-            return cls(kv_lora_rank + rope_dim, rope_dim, theta, rope_type, style,
-                       kv_lora_rank, scaling)
+            return cls(
+                kv_lora_rank + rope_dim, rope_dim, theta, rope_type, style, kv_lora_rank, scaling
+            )
         if rope_type == "proportional":
             # Rotates the whole head; the tail pairs have frequency zero.
-            return cls(head_dim, head_dim, theta, rope_type, style, 0,
-                       scaling + (("partial_rotary_factor", partial),))
+            return cls(
+                head_dim,
+                head_dim,
+                theta,
+                rope_type,
+                style,
+                0,
+                scaling + (("partial_rotary_factor", partial),),
+            )
         return cls(head_dim, int(head_dim * partial), theta, rope_type, style, 0, scaling)
 
 
@@ -173,7 +181,9 @@ def _yarn_frequencies(cfg: RotaryConfig, p: dict[str, Any]) -> torch.Tensor:
 
 
 def rotation_table(
-    cfg: RotaryConfig, deltas: torch.Tensor | int, num_tokens: int | None = None,
+    cfg: RotaryConfig,
+    deltas: torch.Tensor | int,
+    num_tokens: int | None = None,
     device: torch.device | str = "cpu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of delta * f_i, float32, shaped [tokens, rotary_dim / 2].
@@ -189,11 +199,24 @@ def rotation_table(
     return angles.cos().float().to(device), angles.sin().float().to(device)
 
 
+def pair_indices(cfg: RotaryConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two dims of each rotated pair, in frequency order (int64)."""
+    j = torch.arange(cfg.rotary_dim // 2)
+    if cfg.style == "neox":
+        first, second = j, j + cfg.rotary_dim // 2
+    else:
+        first, second = 2 * j, 2 * j + 1
+    return first + cfg.rotary_offset, second + cfg.rotary_offset
+
+
 Rotator = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, RotaryConfig, torch.Tensor], None]
 
 
 def _rotate_torch(
-    keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: RotaryConfig,
+    keys: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cfg: RotaryConfig,
     out: torch.Tensor,
 ) -> None:
     """Plain torch ops: CPU and CUDA. Computes in float32 whatever the storage dtype."""
@@ -204,8 +227,11 @@ def _rotate_torch(
     else:
         x1, x2 = x[..., 0::2], x[..., 1::2]
     rotated = torch.empty_like(x)
-    r1, r2 = (rotated[..., :half], rotated[..., half:]) if cfg.style == "neox" else (
-        rotated[..., 0::2], rotated[..., 1::2])
+    r1, r2 = (
+        (rotated[..., :half], rotated[..., half:])
+        if cfg.style == "neox"
+        else (rotated[..., 0::2], rotated[..., 1::2])
+    )
     torch.mul(x1, cos, out=r1)
     r1.addcmul_(x2, sin, value=-1.0)
     torch.mul(x2, cos, out=r2)
@@ -219,7 +245,10 @@ def _rotate_torch(
 
 
 def _rotate_npu(
-    keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: RotaryConfig,
+    keys: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cfg: RotaryConfig,
     out: torch.Tensor,
 ) -> None:
     from chunkstore import rope_npu
@@ -232,7 +261,10 @@ ROTATORS: dict[str, Rotator] = {"cpu": _rotate_torch, "cuda": _rotate_torch, "np
 
 
 def rotate_keys(
-    keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: RotaryConfig,
+    keys: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cfg: RotaryConfig,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate keys shaped [tokens, (heads,) head_dim] by the angles in a rotation table.
@@ -242,7 +274,9 @@ def rotate_keys(
     if keys.shape[-1] != cfg.head_dim:
         raise LayoutError(f"keys have last dim {keys.shape[-1]}, rotary expects {cfg.head_dim}")
     if cos.shape != (keys.shape[0], cfg.rotary_dim // 2):
-        raise LayoutError(f"rotation table {tuple(cos.shape)} does not fit keys {tuple(keys.shape)}")
+        raise LayoutError(
+            f"rotation table {tuple(cos.shape)} does not fit keys {tuple(keys.shape)}"
+        )
     if keys.dim() == 3:
         cos, sin = cos[:, None, :], sin[:, None, :]
     out = keys if out is None else out
@@ -253,9 +287,7 @@ def rotate_keys(
     return out
 
 
-def remap_keys(
-    keys: torch.Tensor, deltas: torch.Tensor | int, cfg: RotaryConfig
-) -> torch.Tensor:
+def remap_keys(keys: torch.Tensor, deltas: torch.Tensor | int, cfg: RotaryConfig) -> torch.Tensor:
     """A copy of ``keys`` rotated by ``deltas`` positions (one per token, or one for all)."""
     cos, sin = rotation_table(cfg, deltas, keys.shape[0], keys.device)
     return rotate_keys(keys, cos, sin, cfg, out=torch.empty_like(keys))

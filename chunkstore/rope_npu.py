@@ -22,10 +22,13 @@ def full_width(table: torch.Tensor, cfg: RotaryConfig) -> torch.Tensor:
 
 
 def rotate(
-    keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: RotaryConfig,
+    keys: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cfg: RotaryConfig,
     out: torch.Tensor,
 ) -> None:
-    import torch_npu  # type: ignore[import-not-found]
+    import torch_npu
 
     lo, hi = cfg.rotary_offset, cfg.rotary_offset + cfg.rotary_dim
     x = keys[..., lo:hi]

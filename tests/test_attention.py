@@ -8,7 +8,12 @@ import pytest
 import torch
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 
-from chunkstore.attention import dense_attention, isolated_attention, merge_partials, partial_attention
+from chunkstore.attention import (
+    dense_attention,
+    isolated_attention,
+    merge_partials,
+    partial_attention,
+)
 from chunkstore.keys import Isolation
 from chunkstore.masks import MaskForm, SegmentLayout, isolation_mask
 from chunkstore.segments import SegmentKind
@@ -61,8 +66,14 @@ def _register(layout: SegmentLayout, isolation: Isolation) -> str:
     """An HF attention implementation driven by the compact form only (the mask is ignored)."""
 
     def forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
-        out = isolated_attention(query[0].transpose(0, 1), key[0].transpose(0, 1),
-                                 value[0].transpose(0, 1), layout, isolation, scaling)
+        out = isolated_attention(
+            query[0].transpose(0, 1),
+            key[0].transpose(0, 1),
+            value[0].transpose(0, 1),
+            layout,
+            isolation,
+            scaling,
+        )
         return out[None], None
 
     name = f"chunkstore_isolated_{isolation.value}"
@@ -73,11 +84,26 @@ def _register(layout: SegmentLayout, isolation: Isolation) -> str:
 @pytest.mark.parametrize("isolation", list(Isolation))
 def test_hf_masked_forward_equals_model_on_isolated_attention(isolation: Isolation) -> None:
     rng = random.Random(7)
-    layout = SegmentLayout((SegmentKind.SYS, SegmentKind.CHUNK, SegmentKind.CHUNK,
-                            SegmentKind.CHUNK, SegmentKind.QUESTION), (5, 7, 3, 6, 4))
-    config = LlamaConfig(vocab_size=97, hidden_size=128, intermediate_size=256,
-                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=32, max_position_embeddings=512)
+    layout = SegmentLayout(
+        (
+            SegmentKind.SYS,
+            SegmentKind.CHUNK,
+            SegmentKind.CHUNK,
+            SegmentKind.CHUNK,
+            SegmentKind.QUESTION,
+        ),
+        (5, 7, 3, 6, 4),
+    )
+    config = LlamaConfig(
+        vocab_size=97,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     ids = torch.tensor([[rng.randrange(97) for _ in range(layout.num_tokens)]])

@@ -14,9 +14,10 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from chunkstore.keys import Isolation
-from chunkstore.paging import slot_mapping, write_chunk
+from chunkstore.paging import slot_mapping
 from chunkstore.segments import SegmentKind, build_chunked_prompt
 from chunkstore.testing.reference import KV, HFReference, relative_error
+from chunkstore.writer import write_chunk
 
 TOLERANCE = 1e-5
 
@@ -41,8 +42,9 @@ def smollm2(smollm2_dir):
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     ref = HFReference.load(smollm2_dir)
     sep = tok.encode("##", add_special_tokens=False)
-    prompt = build_chunked_prompt(lambda s: tok.encode(s, add_special_tokens=False),
-                                  SYS, DOCS, QUESTION, sep)
+    prompt = build_chunked_prompt(
+        lambda s: tok.encode(s, add_special_tokens=False), SYS, DOCS, QUESTION, sep
+    )
     return ref, prompt
 
 
@@ -73,7 +75,7 @@ def test_none_question_logits_on_assembled_cache_match_masked_prompt(smollm2) ->
     question = prompt.segments[-1]
     masked = ref.masked_prompt(prompt.segments, Isolation.NONE)
     assembled = ref.assembled_cache(prompt.segments, Isolation.NONE)
-    assert logits_error(assembled.logits, masked.logits[question.start:]) <= TOLERANCE
+    assert logits_error(assembled.logits, masked.logits[question.start :]) <= TOLERANCE
     assert relative_error(assembled.kv.keys, masked.kv.keys) <= TOLERANCE
 
 
@@ -83,13 +85,22 @@ def test_sys_first_chunk_is_exact_and_later_chunks_are_not(smollm2) -> None:
     masked = ref.masked_prompt(prompt.segments, Isolation.SYS)
     assembled = ref.assembled_cache(prompt.segments, Isolation.SYS)
     first, *later = chunks(prompt)
-    assert relative_error(assembled.kv.keys[:, : first.end], masked.kv.keys[:, : first.end]) \
+    assert (
+        relative_error(assembled.kv.keys[:, : first.end], masked.kv.keys[:, : first.end])
         <= TOLERANCE
-    assert relative_error(assembled.kv.values[:, : first.end],
-                          masked.kv.values[:, : first.end]) <= TOLERANCE
+    )
+    assert (
+        relative_error(assembled.kv.values[:, : first.end], masked.kv.values[:, : first.end])
+        <= TOLERANCE
+    )
     for seg in later:
-        assert relative_error(assembled.kv.values[:, seg.start:seg.end],
-                              masked.kv.values[:, seg.start:seg.end]) > 1e-3
+        assert (
+            relative_error(
+                assembled.kv.values[:, seg.start : seg.end],
+                masked.kv.values[:, seg.start : seg.end],
+            )
+            > 1e-3
+        )
 
 
 @pytest.mark.slow
@@ -113,12 +124,21 @@ def test_sys_assembled_cache_is_what_the_paged_write_builds(smollm2) -> None:
             stored, virtual_start = ref.segment_kv(seg, sys_kv, len(sys_seg)), len(sys_seg)
         positions = torch.arange(seg.start, seg.end)
         slots = slot_mapping(torch.zeros_like(positions), positions, table, block_size)
-        write_chunk(stored.keys, stored.values, key_cache, value_cache, slots,
-                    seg.start - virtual_start, ref.rotary)
+        write_chunk(
+            stored.keys,
+            stored.values,
+            key_cache,
+            value_cache,
+            slots,
+            seg.start - virtual_start,
+            ref.rotary,
+        )
     positions = torch.arange(total)
     slots = slot_mapping(torch.zeros_like(positions), positions, table, block_size)
-    built = KV(key_cache.view(layers, -1, heads, dim)[:, slots],
-               value_cache.view(layers, -1, heads, dim)[:, slots])
+    built = KV(
+        key_cache.view(layers, -1, heads, dim)[:, slots],
+        value_cache.view(layers, -1, heads, dim)[:, slots],
+    )
     torch.testing.assert_close(built.keys, assembled.kv.keys[:, :total], rtol=0, atol=1e-6)
     assert torch.equal(built.values, assembled.kv.values[:, :total])
     top = ref.forward(prompt.segments[-1].token_ids, total, past=built)
@@ -128,11 +148,20 @@ def test_sys_assembled_cache_is_what_the_paged_write_builds(smollm2) -> None:
 TINY_ROPE = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
     "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
-    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 256},
-    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-             "original_max_position_embeddings": 256},
+    "llama3": {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256,
+    },
+    "yarn": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 256,
+    },
 }
 
 
@@ -140,10 +169,18 @@ TINY_ROPE = {
 def test_none_exact_on_random_tiny_models(variant: str) -> None:
     from chunkstore.segments import split_prompt
 
-    config = LlamaConfig(vocab_size=200, hidden_size=128, intermediate_size=256,
-                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=32, max_position_embeddings=1024,
-                         rope_parameters=dict(TINY_ROPE[variant]), initializer_range=0.2)
+    config = LlamaConfig(
+        vocab_size=200,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=1024,
+        rope_parameters=dict(TINY_ROPE[variant]),
+        initializer_range=0.2,
+    )
     torch.manual_seed(11)
     model = LlamaForCausalLM(config)
     model.set_attn_implementation("eager")
@@ -156,6 +193,6 @@ def test_none_exact_on_random_tiny_models(variant: str) -> None:
     masked = ref.masked_prompt(segments, Isolation.NONE)
     for seg in segments[1:-1]:
         served = ref.segment_kv(seg, None, 0).remapped(seg.start, ref.rotary)
-        assert relative_error(served.keys, masked.kv.keys[:, seg.start:seg.end]) <= TOLERANCE
+        assert relative_error(served.keys, masked.kv.keys[:, seg.start : seg.end]) <= TOLERANCE
     assembled = ref.assembled_cache(segments, Isolation.NONE)
-    assert logits_error(assembled.logits, masked.logits[segments[-1].start:]) <= TOLERANCE
+    assert logits_error(assembled.logits, masked.logits[segments[-1].start :]) <= TOLERANCE

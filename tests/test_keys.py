@@ -15,11 +15,17 @@ MODEL = model_fingerprint("weights-a", "float32", ROTARY)
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64).fingerprint()
 
 
-def keys_of(prompt: list[int], isolation: Isolation = Isolation.SYS, model: bytes = MODEL,
-            layout: bytes = LAYOUT) -> dict[tuple[int, ...], bytes | None]:
+def keys_of(
+    prompt: list[int],
+    isolation: Isolation = Isolation.SYS,
+    model: bytes = MODEL,
+    layout: bytes = LAYOUT,
+) -> dict[tuple[int, ...], bytes | None]:
     segs = split_prompt(prompt, SEP)
-    return {s.token_ids: k for s, k in zip(segs, segment_keys(segs, model, layout, isolation),
-                                           strict=True)}
+    return {
+        s.token_ids: k
+        for s, k in zip(segs, segment_keys(segs, model, layout, isolation), strict=True)
+    }
 
 
 def test_same_chunk_same_key_at_any_position_and_under_any_question() -> None:
@@ -49,7 +55,8 @@ def test_isolation_mode_model_and_layout_change_the_key() -> None:
     other_weights = model_fingerprint("weights-b", "float32", ROTARY)
     other_dtype = model_fingerprint("weights-a", "bfloat16", ROTARY)
     other_rotary = model_fingerprint(
-        "weights-a", "float32", RotaryConfig(head_dim=64, rotary_dim=64, theta=10000.0))
+        "weights-a", "float32", RotaryConfig(head_dim=64, rotary_dim=64, theta=10000.0)
+    )
     for model in (other_weights, other_dtype, other_rotary):
         assert keys_of(prompt, model=model)[(5, 5, 0)] != base
     for layout in (KVLayout(30, 3, 128), KVLayout(24, 3, 64), KVLayout(30, 1, 64, kind="mla")):
@@ -76,8 +83,13 @@ print(",".join(k.hex() for k in segment_keys(segs, model, layout, Isolation.SYS)
 def test_keys_are_identical_across_processes() -> None:
     # Separate interpreters, each with its own hash randomization seed.
     outputs = {
-        subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True,
-                       check=True, env={"PYTHONHASHSEED": seed, **_env()}).stdout.strip()
+        subprocess.run(
+            [sys.executable, "-c", CHILD],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": seed, **_env()},
+        ).stdout.strip()
         for seed in ("1", "2")
     }
     assert len(outputs) == 1

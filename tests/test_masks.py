@@ -62,7 +62,7 @@ def test_compact_form_describes_the_same_mask() -> None:
         for index, (start, end) in enumerate(LAYOUT.bounds()):
             for r in visible_ranges(LAYOUT, isolation, index):
                 block = torch.ones(end - start, r.end - r.start, dtype=torch.bool)
-                dense[start:end, r.start:r.end] = block.tril() if r.causal else block
+                dense[start:end, r.start : r.end] = block.tril() if r.causal else block
         assert torch.equal(dense, isolation_mask(LAYOUT, isolation, MaskForm.BOOL))
     assert LAYOUT.segment_ids().tolist() == [0, 0, 1, 1, 2, 3, 3]
 

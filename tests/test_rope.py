@@ -20,16 +20,27 @@ LLAMA_VARIANTS = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
     "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
     "llama3": {
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
     },
     "yarn": {
-        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
         "original_max_position_embeddings": 2048,
     },
     "yarn-untruncated": {
-        "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 8.0, "beta_fast": 16,
-        "beta_slow": 2, "original_max_position_embeddings": 1024, "truncate": False,
+        "rope_type": "yarn",
+        "rope_theta": 1000000.0,
+        "factor": 8.0,
+        "beta_fast": 16,
+        "beta_slow": 2,
+        "original_max_position_embeddings": 1024,
+        "truncate": False,
         "attention_factor": 1.3,
     },
 }
@@ -37,8 +48,12 @@ LLAMA_VARIANTS = {
 
 def llama_config(params: dict, head_dim: int = 64) -> LlamaConfig:
     return LlamaConfig(
-        hidden_size=head_dim * 4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=head_dim, max_position_embeddings=8192, rope_parameters=dict(params),
+        hidden_size=head_dim * 4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        max_position_embeddings=8192,
+        rope_parameters=dict(params),
     )
 
 
@@ -70,8 +85,12 @@ def test_frequencies_match_transformers(name: str) -> None:
 
 
 def test_proportional_frequencies_match_transformers() -> None:
-    params = {"rope_type": "proportional", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
-              "factor": 2.0}
+    params = {
+        "rope_type": "proportional",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.25,
+        "factor": 2.0,
+    }
     config = llama_config(params)
     cfg = RotaryConfig.from_hf_config(config)
     expected, _ = ROPE_INIT_FUNCTIONS["proportional"](config, "cpu")
@@ -80,8 +99,9 @@ def test_proportional_frequencies_match_transformers() -> None:
 
 @pytest.mark.parametrize("name", list(LLAMA_VARIANTS))
 @pytest.mark.parametrize(("virtual_start", "actual_start"), [(0, 300), (57, 13), (200, 200)])
-def test_remap_equals_rotation_at_new_position(name: str, virtual_start: int,
-                                               actual_start: int) -> None:
+def test_remap_equals_rotation_at_new_position(
+    name: str, virtual_start: int, actual_start: int
+) -> None:
     config = llama_config(LLAMA_VARIANTS[name])
     cfg = RotaryConfig.from_hf_config(config)
     torch.manual_seed(1)
@@ -94,8 +114,9 @@ def test_remap_equals_rotation_at_new_position(name: str, virtual_start: int,
 
 
 def test_partial_rotary_neox_matches_gpt_neox() -> None:
-    config = GPTNeoXConfig(hidden_size=256, num_attention_heads=4, rotary_pct=0.25,
-                           max_position_embeddings=4096)
+    config = GPTNeoXConfig(
+        hidden_size=256, num_attention_heads=4, rotary_pct=0.25, max_position_embeddings=4096
+    )
     cfg = RotaryConfig.from_hf_config(config)
     assert (cfg.head_dim, cfg.rotary_dim) == (64, 16)
     torch.manual_seed(2)
@@ -131,11 +152,21 @@ def test_gptj_pairing_matches_gptj() -> None:
 
 def test_mla_decoupled_k_pe_matches_deepseek_v3() -> None:
     config = DeepseekV3Config(
-        hidden_size=256, num_attention_heads=4, kv_lora_rank=128, qk_rope_head_dim=32,
-        qk_nope_head_dim=32, v_head_dim=32, max_position_embeddings=16384,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                         "original_max_position_embeddings": 4096, "mscale": 1.0,
-                         "mscale_all_dim": 1.0},
+        hidden_size=256,
+        num_attention_heads=4,
+        kv_lora_rank=128,
+        qk_rope_head_dim=32,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        max_position_embeddings=16384,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 4096,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
     )
     cfg = RotaryConfig.from_hf_config(config)
     assert (cfg.head_dim, cfg.rotary_dim, cfg.rotary_offset) == (160, 32, 128)
@@ -191,8 +222,13 @@ def test_bf16_keys_are_rotated_in_float32() -> None:
     "params",
     [
         {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
-        {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 32,
-         "long_factor": [2.0] * 32, "original_max_position_embeddings": 2048},
+        {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0] * 32,
+            "long_factor": [2.0] * 32,
+            "original_max_position_embeddings": 2048,
+        },
     ],
 )
 def test_length_dependent_variants_are_refused(params: dict) -> None:

