@@ -6,9 +6,11 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from chunkstore.bench import remap as remap_bench
+from chunkstore.testing.models import MODELS
 
 BENCHES: dict[
     str,
@@ -48,8 +50,15 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
-    from chunkstore.testing.models import MODELS, model_dir
+    from chunkstore.testing.models import model_dir
 
+    unknown = sorted(set(args.names) - set(MODELS))
+    if unknown:
+        print(
+            f"chunkstore models: unknown model {', '.join(unknown)}; known: {', '.join(MODELS)}",
+            file=sys.stderr,
+        )
+        return 2
     for name in args.names or MODELS:
         print(model_dir(name, args.cache_dir), flush=True)
     return 0
@@ -75,10 +84,6 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--json", action="store_true", help="one JSON object per line")
         sub.set_defaults(func=_bench)
 
-    from pathlib import Path
-
-    from chunkstore.testing.models import MODELS
-
     models = commands.add_parser(
         "models",
         help="build the test models (tiny random Llama, SmolLM2) once and cache them",
@@ -86,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         "rebuilt. Default location: $CHUNKSTORE_MODEL_CACHE or "
         "~/.cache/chunkstore/models.",
     )
-    models.add_argument("names", nargs="*", choices=MODELS, help="default: all")
+    models.add_argument("names", nargs="*", help=f"any of {', '.join(MODELS)} (default: all)")
     models.add_argument("--cache-dir", type=Path, default=None)
     models.set_defaults(func=_models)
     return parser

@@ -59,3 +59,14 @@ def test_models_are_built_once_and_never_rebuilt(tmp_path: Path) -> None:
     assert model_dir("tiny", tmp_path, log=said.append) == first
     assert said == [] and (first / "model.safetensors").stat().st_mtime_ns == stamp
     assert not list(tmp_path.glob(".tiny.partial-*"))  # nothing half-built is left behind
+
+
+def test_models_command_builds_nothing_that_is_present(tmp_path: Path) -> None:
+    for name in ("tiny", "smollm2"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+    run = chunkstore("models", "--cache-dir", str(tmp_path))
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == [str(tmp_path / "tiny"), str(tmp_path / "smollm2")]
+    bad = chunkstore("models", "llama70b", "--cache-dir", str(tmp_path))
+    assert bad.returncode == 2 and "unknown model llama70b" in bad.stderr

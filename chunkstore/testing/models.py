@@ -12,11 +12,9 @@ interrupted build never leaves a half model behind; a present model is never reb
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -152,31 +150,3 @@ def model_dir(name: str, cache_dir: Path | None = None, log: Callable[[str], Non
         shutil.rmtree(partial, ignore_errors=True)
     log(f"built {name!r} in {time.monotonic() - began:.0f} s")
     return final
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="chunkstore models",
-        description="Build the test models once and cache them (never rebuilt when present).",
-    )
-    parser.add_argument(
-        "names",
-        nargs="*",
-        default=list(MODELS),
-        choices=MODELS,
-        help="models to build (default: all)",
-    )
-    parser.add_argument(
-        "--cache-dir",
-        type=Path,
-        default=None,
-        help="where models live (default: $CHUNKSTORE_MODEL_CACHE or ~/.cache/chunkstore/models)",
-    )
-    args = parser.parse_args(argv)
-    for name in args.names:
-        print(model_dir(name, args.cache_dir), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
