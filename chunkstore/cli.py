@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Callable, Iterator
@@ -64,6 +65,68 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from chunkstore import config as config_module
+    from chunkstore.errors import ChunkStoreError
+    from chunkstore.server import serve
+
+    names = {f.name for f in dataclasses.fields(config_module.ServeConfig)}
+    flags = {k: v for k, v in vars(args).items() if k in names}
+    try:
+        config = config_module.load(args.config, flags=flags)
+        return serve(config)
+    except (ChunkStoreError, OSError) as err:
+        print(f"chunkstore serve: {err}", file=sys.stderr)
+        return 2
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from chunkstore.client import ChunkStoreClient
+
+    return ChunkStoreClient(
+        args.address,
+        token=args.token or None,
+        transport="stream",
+        name=f"chunkstore {args.command}",
+    )
+
+
+def _keys(hex_keys: list[str]) -> list[bytes]:
+    try:
+        return [bytes.fromhex(k) for k in hex_keys]
+    except ValueError as err:
+        raise SystemExit(f"keys are hex strings: {err}") from None
+
+
+def _admin(args: argparse.Namespace) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    from chunkstore.errors import ChunkStoreError
+
+    try:
+        with _client(args) as client:
+            if args.command == "stats":
+                reply: Any = client.stats()
+            elif args.command == "evict":
+                reply = client.evict(_keys(args.keys))
+            elif args.command == "clear":
+                reply = client.clear()
+            elif args.command in ("pin", "unpin"):
+                changed = getattr(client, args.command)(_keys(args.keys))
+                reply = {"changed": changed}
+            else:
+                reply = {"leases_left": client.drain(args.timeout)}
+    except ChunkStoreError as err:
+        print(f"chunkstore {args.command}: {err}", file=sys.stderr)
+        return 1
+    if not isinstance(reply, dict):
+        reply = MessageToDict(
+            reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        )
+    print(json.dumps(reply, indent=None if args.json else 2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="chunkstore",
@@ -94,6 +157,50 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("names", nargs="*", help=f"any of {', '.join(MODELS)} (default: all)")
     models.add_argument("--cache-dir", type=Path, default=None)
     models.set_defaults(func=_models)
+
+    from chunkstore.config import add_flags, default_socket
+
+    serve = commands.add_parser(
+        "serve",
+        help="run the daemon that owns the chunk pool",
+        description="Run the per-node daemon: a shared-memory chunk pool and its content-hash "
+        "index behind gRPC on a unix socket and 127.0.0.1 TCP, with Prometheus "
+        "metrics. Settings come from defaults < --config (TOML) < CHUNKSTORE_* "
+        "environment < these flags; the result is logged on start. Prints one "
+        "JSON 'ready' line with the bound addresses. SIGTERM drains and exits 0.",
+    )
+    serve.add_argument(
+        "--config",
+        default=None,
+        help="TOML file of settings (names as the flags, with underscores)",
+    )
+    add_flags(serve)
+    serve.set_defaults(func=_serve)
+
+    admin_help = {
+        "stats": "the daemon's counters and pool usage",
+        "evict": "evict entries by key (leased or pinned ones stay)",
+        "clear": "evict every entry that is neither leased nor pinned",
+        "pin": "keep entries from eviction (e.g. a hot system prompt)",
+        "unpin": "let pinned entries be evicted again",
+        "drain": "stop new reads and writes, wait for leases to end",
+    }
+    for verb, text in admin_help.items():
+        sub = commands.add_parser(verb, help=text, description=text)
+        sub.add_argument(
+            "--address",
+            default=f"unix:{default_socket()}",
+            help="daemon address: unix:/path or host:port (default: the default socket)",
+        )
+        sub.add_argument("--token", default=None, help="bearer token, if the daemon has one")
+        sub.add_argument("--json", action="store_true", help="one line of JSON")
+        if verb in ("evict", "pin", "unpin"):
+            sub.add_argument("keys", nargs="+", help="entry keys, hex")
+        if verb == "drain":
+            sub.add_argument(
+                "--timeout", type=float, default=10.0, help="seconds to wait for leases"
+            )
+        sub.set_defaults(func=_admin)
     return parser
 
 

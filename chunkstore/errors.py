@@ -25,3 +25,53 @@ class SegmentationError(ChunkStoreError):
 
 class LayoutError(ChunkStoreError):
     """Tensors whose shape, dtype or device do not match what the operation needs."""
+
+
+class StoreError(ChunkStoreError):
+    """An error of the daemon's API. ``code`` names the gRPC status it travels as."""
+
+    code = "INTERNAL"
+
+
+class InvalidRequest(StoreError):
+    code = "INVALID_ARGUMENT"
+
+
+class NotFound(StoreError):
+    """An unknown key, reservation, lease or session."""
+
+    code = "NOT_FOUND"
+
+
+class AlreadyExists(StoreError):
+    """The key is committed already, or another writer holds a reservation for it."""
+
+    code = "ALREADY_EXISTS"
+
+
+class PoolFull(StoreError):
+    """No room, even after evicting every entry that is neither leased nor pinned."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+class WrongState(StoreError):
+    """An operation out of order: commit after abort, double commit, short write, draining."""
+
+    code = "FAILED_PRECONDITION"
+
+
+class ChecksumMismatch(StoreError):
+    """The bytes are not the bytes that were committed. Never use them."""
+
+    code = "DATA_LOSS"
+
+
+class Unauthenticated(StoreError):
+    code = "UNAUTHENTICATED"
+
+
+class Unavailable(StoreError):
+    """The daemon cannot be reached (or is shutting down)."""
+
+    code = "UNAVAILABLE"

@@ -1,0 +1,351 @@
+"""``ChunkStoreClient``: the Python client of the daemon.
+
+It opens a session (kept alive by a heartbeat stream: if this process dies, the daemon drops
+its leases and reservations at once), then moves bytes the cheapest way it can: straight
+through the shared-memory pool when it can map it (same host), else over the gRPC streams.
+Every read is checked against the checksum stored at commit; a mismatch raises
+ChecksumMismatch and the bytes are never returned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import socket
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+import torch
+import xxhash
+
+from chunkstore.entry import EntryLayout, layout_of, tensors_of
+from chunkstore.errors import (
+    AlreadyExists,
+    ChecksumMismatch,
+    InvalidRequest,
+    NotFound,
+    PoolFull,
+    StoreError,
+    Unauthenticated,
+    Unavailable,
+    WrongState,
+)
+from chunkstore.pool import gather, map_shared_pool, scatter
+from chunkstore.rpc import chunkstore_pb2 as pb
+from chunkstore.rpc import chunkstore_pb2_grpc as pb_grpc
+from chunkstore.wire import MAX_MESSAGE, layout_from_proto, layout_to_proto
+
+log = logging.getLogger("chunkstore.client")
+
+_ERRORS: dict[grpc.StatusCode, type[StoreError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.ALREADY_EXISTS: AlreadyExists,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: PoolFull,
+    grpc.StatusCode.FAILED_PRECONDITION: WrongState,
+    grpc.StatusCode.DATA_LOSS: ChecksumMismatch,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: Unavailable,
+}
+WRITE_PIECE = 1 << 20
+
+
+def typed_error(err: grpc.RpcError) -> StoreError:
+    code = err.code()
+    kind = _ERRORS.get(code, StoreError)
+    return kind(f"{code.name}: {err.details()}")
+
+
+def as_bytes(t: torch.Tensor) -> np.ndarray:
+    """A tensor's bytes as uint8, without a copy when it is contiguous on the CPU."""
+    return t.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1).numpy()
+
+
+@dataclass
+class LeasedEntry:
+    lease_id: int
+    key: bytes
+    layout: EntryLayout
+    nbytes: int
+    blocks: list[int]
+    checksum: int
+
+
+@dataclass
+class StoredKV:
+    keys: torch.Tensor
+    values: torch.Tensor | None
+    layout: EntryLayout
+
+
+class ChunkStoreClient:
+    def __init__(
+        self,
+        address: str,
+        token: str | None = None,
+        transport: str = "auto",
+        root_certificates: bytes | None = None,
+        client_cert_chain: bytes | None = None,
+        client_key: bytes | None = None,
+        timeout: float = 10.0,
+        name: str = "",
+    ) -> None:
+        """``address``: ``unix:/path/to.sock`` or ``host:port``. ``transport``: "auto" (shared
+        memory when the pool can be mapped), "shm" (required) or "stream"."""
+        if transport not in ("auto", "shm", "stream"):
+            raise InvalidRequest(f"unknown transport {transport!r}: auto, shm or stream")
+        self.address = address
+        self.timeout = timeout
+        options = [
+            ("grpc.max_receive_message_length", MAX_MESSAGE),
+            ("grpc.max_send_message_length", MAX_MESSAGE),
+        ]
+        if root_certificates is not None:
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates, client_key, client_cert_chain
+            )
+            self.channel = grpc.secure_channel(address, credentials, options=options)
+        else:
+            self.channel = grpc.insecure_channel(address, options=options)
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.stub = pb_grpc.ChunkStoreStub(self.channel)
+        hello = self._call(
+            self.stub.Hello,
+            pb.HelloRequest(
+                client_name=name or f"pid-{__import__('os').getpid()}",
+                hostname=socket.gethostname(),
+            ),
+        )
+        self.session = hello.session_id
+        self.block_size = hello.block_size
+        self.server_info = hello
+        self.region: np.ndarray | None = None
+        if transport != "stream" and hello.shm_path and hello.hostname == socket.gethostname():
+            try:
+                self.region = map_shared_pool(hello.shm_path, hello.block_size * hello.num_blocks)
+            except OSError as exc:
+                if transport == "shm":
+                    raise Unavailable(f"cannot map the pool at {hello.shm_path}: {exc}") from exc
+                log.info("pool not mappable (%s); using the gRPC stream", exc)
+        elif transport == "shm":
+            raise Unavailable("the daemon's pool is not shared memory on this host")
+        self.transport = "shm" if self.region is not None else "stream"
+        self._pings: queue.Queue[pb.Ping | None] = queue.Queue()
+        self._closed = threading.Event()
+        self._heartbeat = threading.Thread(
+            target=self._beat,
+            args=(max(0.05, hello.lease_ttl_ms / 3000),),
+            name="chunkstore-heartbeat",
+            daemon=True,
+        )
+        self._heartbeat.start()
+
+    # Plumbing -----------------------------------------------------------------------------
+
+    def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
+        try:
+            return method(request, timeout=timeout or self.timeout, metadata=self.metadata)
+        except grpc.RpcError as err:
+            raise typed_error(err) from None
+
+    def _beat(self, interval: float) -> None:
+        def pings() -> Iterator[pb.Ping]:
+            yield pb.Ping(session_id=self.session)
+            while True:
+                try:
+                    item = self._pings.get(timeout=interval)
+                except queue.Empty:
+                    item = pb.Ping(session_id=self.session)
+                if item is None:
+                    return
+                yield item
+
+        try:
+            for _ in self.stub.Heartbeat(pings(), metadata=self.metadata):
+                if self._closed.is_set():
+                    break
+        except grpc.RpcError as err:
+            if not self._closed.is_set():
+                log.warning("heartbeat to %s ended: %s", self.address, err)
+
+    def close(self) -> None:
+        """End the session (the daemon releases whatever it still holds) and the channel."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._pings.put(None)
+        self._heartbeat.join(timeout=2)
+        self.channel.close()
+
+    def __enter__(self) -> ChunkStoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # Index --------------------------------------------------------------------------------
+
+    def lookup(
+        self, keys: Sequence[bytes], num_tokens: Sequence[int] | None = None
+    ) -> list[int | None]:
+        """Token count of each key's committed entry, or None."""
+        reply = self._call(
+            self.stub.Lookup, pb.LookupRequest(keys=list(keys), num_tokens=list(num_tokens or []))
+        )
+        return [n if p else None for p, n in zip(reply.present, reply.num_tokens, strict=True)]
+
+    def stats(self) -> pb.StatsReply:
+        return self._call(self.stub.Stats, pb.StatsRequest())
+
+    def evict(self, keys: Sequence[bytes]) -> pb.EvictReply:
+        return self._call(self.stub.Evict, pb.EvictRequest(keys=list(keys)))
+
+    def clear(self) -> pb.ClearReply:
+        return self._call(self.stub.Clear, pb.ClearRequest())
+
+    def pin(self, keys: Sequence[bytes]) -> int:
+        return int(self._call(self.stub.Pin, pb.PinRequest(keys=list(keys))).changed)
+
+    def unpin(self, keys: Sequence[bytes]) -> int:
+        return int(self._call(self.stub.Unpin, pb.PinRequest(keys=list(keys))).changed)
+
+    def drain(self, timeout: float = 0.0) -> int:
+        reply = self._call(
+            self.stub.Drain,
+            pb.DrainRequest(timeout_ms=int(timeout * 1000)),
+            timeout=timeout + self.timeout,
+        )
+        return int(reply.leases_left)
+
+    # Writes -------------------------------------------------------------------------------
+
+    def put(
+        self, key: bytes, keys: torch.Tensor, values: torch.Tensor | None, virtual_start: int
+    ) -> bool:
+        """Store one segment's KV ([layers, tokens, kv_heads, head_dim]; values None for an
+        MLA latent). False if the key is stored (or being stored) already."""
+        layout = layout_of(keys, values, virtual_start)
+        parts = [as_bytes(keys)] + ([as_bytes(values)] if values is not None else [])
+        digest = xxhash.xxh3_64()
+        for part in parts:
+            digest.update(part.data)
+        try:
+            reply = self._call(
+                self.stub.Reserve,
+                pb.ReserveRequest(
+                    session_id=self.session,
+                    key=key,
+                    layout=layout_to_proto(layout),
+                    nbytes=layout.nbytes,
+                ),
+            )
+        except AlreadyExists:
+            return False
+        try:
+            if self.region is not None:
+                offset = 0
+                for part in parts:
+                    scatter(self.region, reply.blocks, self.block_size, part, offset)
+                    offset += part.shape[0]
+            else:
+                self._stream_write(reply.reservation_id, parts)
+            self._call(
+                self.stub.Commit,
+                pb.CommitRequest(
+                    session_id=self.session,
+                    reservation_id=reply.reservation_id,
+                    checksum=digest.intdigest(),
+                ),
+            )
+        except BaseException:
+            with contextlib.suppress(StoreError):  # already gone: a failed commit aborts it
+                self._call(
+                    self.stub.Abort,
+                    pb.AbortRequest(session_id=self.session, reservation_id=reply.reservation_id),
+                )
+            raise
+        return True
+
+    def _stream_write(self, reservation_id: int, parts: list[np.ndarray]) -> None:
+        def pieces() -> Iterator[pb.WritePiece]:
+            first = True
+            for part in parts:
+                for lo in range(0, part.shape[0], WRITE_PIECE):
+                    data = part[lo : lo + WRITE_PIECE].tobytes()
+                    if first:
+                        yield pb.WritePiece(
+                            session_id=self.session, reservation_id=reservation_id, data=data
+                        )
+                        first = False
+                    else:
+                        yield pb.WritePiece(data=data)
+
+        self._call(self.stub.Write, pieces(), timeout=max(self.timeout, 120.0))
+
+    # Reads --------------------------------------------------------------------------------
+
+    def acquire(self, keys: Sequence[bytes]) -> list[LeasedEntry | None]:
+        """Leases on the keys' entries (None where absent). Release them when done."""
+        reply = self._call(
+            self.stub.Acquire, pb.AcquireRequest(session_id=self.session, keys=list(keys))
+        )
+        return [
+            LeasedEntry(
+                x.lease_id, x.key, layout_from_proto(x.layout), x.nbytes, list(x.blocks), x.checksum
+            )
+            if x.lease_id
+            else None
+            for x in reply.leases
+        ]
+
+    def release(self, lease_ids: Sequence[int]) -> None:
+        if lease_ids:
+            self._call(
+                self.stub.Release,
+                pb.ReleaseRequest(session_id=self.session, lease_ids=list(lease_ids)),
+            )
+
+    def read_into(self, entry: LeasedEntry, out: torch.Tensor) -> None:
+        """Copy a leased entry's bytes into ``out`` (uint8, CPU, nbytes long) and check them."""
+        target = out.numpy()
+        if self.region is not None:
+            gather(self.region, entry.blocks, self.block_size, target)
+        else:
+            offset = 0
+            request = pb.ReadRequest(session_id=self.session, lease_id=entry.lease_id)
+            try:
+                for piece in self.stub.Read(
+                    request, timeout=max(self.timeout, 120.0), metadata=self.metadata
+                ):
+                    data = np.frombuffer(piece.data, dtype=np.uint8)
+                    target[offset : offset + data.shape[0]] = data
+                    offset += data.shape[0]
+            except grpc.RpcError as err:
+                raise typed_error(err) from None
+            if offset != entry.nbytes:
+                raise ChecksumMismatch(f"read {offset} of {entry.nbytes} bytes")
+        actual = xxhash.xxh3_64_intdigest(target.data)
+        if actual != entry.checksum:
+            raise ChecksumMismatch(
+                f"entry {entry.key.hex()} hashes to {actual:#x}, committed as "
+                f"{entry.checksum:#x}: not used"
+            )
+
+    def get(self, key: bytes) -> StoredKV | None:
+        """One entry's KV, checked against its checksum, or None if absent."""
+        [entry] = self.acquire([key])
+        if entry is None:
+            return None
+        try:
+            buffer = torch.empty(entry.nbytes, dtype=torch.uint8)
+            self.read_into(entry, buffer)
+        finally:
+            self.release([entry.lease_id])
+        keys, values = tensors_of(buffer, entry.layout)
+        return StoredKV(keys, values, entry.layout)

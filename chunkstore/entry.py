@@ -1,0 +1,72 @@
+"""What an entry holds and how its bytes are laid out: keys [layers, tokens, kv_heads,
+head_dim] then values, each C-contiguous in the stored dtype (MLA: one latent tensor)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from chunkstore.errors import InvalidRequest
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KINDS = ("kv", "mla")
+
+
+@dataclass(frozen=True)
+class EntryLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    kind: str
+    num_tokens: int
+    virtual_start: int
+
+    def validate(self) -> None:
+        if self.dtype not in DTYPES:
+            raise InvalidRequest(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.kind not in KINDS:
+            raise InvalidRequest(f"kind {self.kind!r} is not one of {', '.join(KINDS)}")
+        dims = (self.num_layers, self.num_kv_heads, self.head_dim, self.num_tokens)
+        if min(dims) <= 0:
+            raise InvalidRequest(f"layout dimensions must be positive: {self}")
+        if self.virtual_start < 0:
+            raise InvalidRequest("virtual_start must be >= 0")
+
+    @property
+    def tensor_shape(self) -> tuple[int, int, int, int]:
+        return (self.num_layers, self.num_tokens, self.num_kv_heads, self.head_dim)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the layout needs: K and V (or one latent for MLA)."""
+        itemsize = torch.empty(0, dtype=DTYPES[self.dtype]).element_size()
+        count = self.num_layers * self.num_tokens * self.num_kv_heads * self.head_dim
+        return count * itemsize * (2 if self.kind == "kv" else 1)
+
+
+def layout_of(keys: torch.Tensor, values: torch.Tensor | None, virtual_start: int) -> EntryLayout:
+    """The layout of a KV pair [layers, tokens, kv_heads, head_dim] (values None for MLA)."""
+    if keys.dim() != 4 or (values is not None and values.shape != keys.shape):
+        raise InvalidRequest(
+            "keys and values must both be [layers, tokens, kv_heads, head_dim], "
+            f"got {tuple(keys.shape)} and {None if values is None else tuple(values.shape)}"
+        )
+    names = {v: k for k, v in DTYPES.items()}
+    if keys.dtype not in names or (values is not None and values.dtype != keys.dtype):
+        raise InvalidRequest(f"unsupported or mixed dtypes {keys.dtype}")
+    layers, tokens, heads, dim = keys.shape
+    kind = "kv" if values is not None else "mla"
+    return EntryLayout(layers, heads, dim, names[keys.dtype], kind, tokens, virtual_start)
+
+
+def tensors_of(
+    buffer: torch.Tensor, layout: EntryLayout
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Views of an entry's bytes (uint8) as its keys and values, no copy."""
+    typed = buffer.view(DTYPES[layout.dtype])
+    if layout.kind == "mla":
+        return typed.view(layout.tensor_shape), None
+    half = typed.shape[0] // 2
+    return typed[:half].view(layout.tensor_shape), typed[half:].view(layout.tensor_shape)

@@ -1,0 +1,300 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class EntryLayout(_message.Message):
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "kind", "num_tokens", "virtual_start")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VIRTUAL_START_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    kind: str
+    num_tokens: int
+    virtual_start: int
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., kind: _Optional[str] = ..., num_tokens: _Optional[int] = ..., virtual_start: _Optional[int] = ...) -> None: ...
+
+class HelloRequest(_message.Message):
+    __slots__ = ("client_name", "hostname")
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    client_name: str
+    hostname: str
+    def __init__(self, client_name: _Optional[str] = ..., hostname: _Optional[str] = ...) -> None: ...
+
+class HelloReply(_message.Message):
+    __slots__ = ("session_id", "version", "shm_path", "block_size", "num_blocks", "device", "hostname", "lease_ttl_ms")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHM_PATH_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    version: str
+    shm_path: str
+    block_size: int
+    num_blocks: int
+    device: str
+    hostname: str
+    lease_ttl_ms: int
+    def __init__(self, session_id: _Optional[str] = ..., version: _Optional[str] = ..., shm_path: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., device: _Optional[str] = ..., hostname: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+
+class Ping(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class Pong(_message.Message):
+    __slots__ = ("server_time_ms",)
+    SERVER_TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    server_time_ms: int
+    def __init__(self, server_time_ms: _Optional[int] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("keys", "num_tokens")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LookupReply(_message.Message):
+    __slots__ = ("present", "num_tokens")
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    present: _containers.RepeatedScalarFieldContainer[bool]
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, present: _Optional[_Iterable[bool]] = ..., num_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("session_id", "key", "layout", "nbytes")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    key: bytes
+    layout: EntryLayout
+    nbytes: int
+    def __init__(self, session_id: _Optional[str] = ..., key: _Optional[bytes] = ..., layout: _Optional[_Union[EntryLayout, _Mapping]] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class ReserveReply(_message.Message):
+    __slots__ = ("reservation_id", "blocks", "block_size")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: int
+    blocks: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    def __init__(self, reservation_id: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("session_id", "reservation_id", "checksum")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    reservation_id: int
+    checksum: int
+    def __init__(self, session_id: _Optional[str] = ..., reservation_id: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class CommitReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("session_id", "reservation_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    reservation_id: int
+    def __init__(self, session_id: _Optional[str] = ..., reservation_id: _Optional[int] = ...) -> None: ...
+
+class AbortReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AcquireRequest(_message.Message):
+    __slots__ = ("session_id", "keys")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class Lease(_message.Message):
+    __slots__ = ("lease_id", "key", "layout", "nbytes", "blocks", "checksum")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    key: bytes
+    layout: EntryLayout
+    nbytes: int
+    blocks: _containers.RepeatedScalarFieldContainer[int]
+    checksum: int
+    def __init__(self, lease_id: _Optional[int] = ..., key: _Optional[bytes] = ..., layout: _Optional[_Union[EntryLayout, _Mapping]] = ..., nbytes: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class AcquireReply(_message.Message):
+    __slots__ = ("leases", "block_size")
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    leases: _containers.RepeatedCompositeFieldContainer[Lease]
+    block_size: int
+    def __init__(self, leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("session_id", "lease_ids")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReleaseReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WritePiece(_message.Message):
+    __slots__ = ("session_id", "reservation_id", "data")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    reservation_id: int
+    data: bytes
+    def __init__(self, session_id: _Optional[str] = ..., reservation_id: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class WriteReply(_message.Message):
+    __slots__ = ("nbytes",)
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    nbytes: int
+    def __init__(self, nbytes: _Optional[int] = ...) -> None: ...
+
+class ReadRequest(_message.Message):
+    __slots__ = ("session_id", "lease_id", "piece_bytes")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    PIECE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    lease_id: int
+    piece_bytes: int
+    def __init__(self, session_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., piece_bytes: _Optional[int] = ...) -> None: ...
+
+class ReadPiece(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsReply(_message.Message):
+    __slots__ = ("entries", "pinned_entries", "bytes_used", "bytes_capacity", "blocks_free", "blocks_total", "active_leases", "active_reservations", "sessions", "lookups", "hits", "lookup_tokens", "hit_tokens", "evictions", "draining")
+    class EvictionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    entries: int
+    pinned_entries: int
+    bytes_used: int
+    bytes_capacity: int
+    blocks_free: int
+    blocks_total: int
+    active_leases: int
+    active_reservations: int
+    sessions: int
+    lookups: int
+    hits: int
+    lookup_tokens: int
+    hit_tokens: int
+    evictions: _containers.ScalarMap[str, int]
+    draining: bool
+    def __init__(self, entries: _Optional[int] = ..., pinned_entries: _Optional[int] = ..., bytes_used: _Optional[int] = ..., bytes_capacity: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_total: _Optional[int] = ..., active_leases: _Optional[int] = ..., active_reservations: _Optional[int] = ..., sessions: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., evictions: _Optional[_Mapping[str, int]] = ..., draining: _Optional[bool] = ...) -> None: ...
+
+class EvictRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class EvictReply(_message.Message):
+    __slots__ = ("evicted", "busy")
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
+    evicted: int
+    busy: int
+    def __init__(self, evicted: _Optional[int] = ..., busy: _Optional[int] = ...) -> None: ...
+
+class ClearRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ClearReply(_message.Message):
+    __slots__ = ("evicted", "busy")
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
+    evicted: int
+    busy: int
+    def __init__(self, evicted: _Optional[int] = ..., busy: _Optional[int] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class PinReply(_message.Message):
+    __slots__ = ("changed",)
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    changed: int
+    def __init__(self, changed: _Optional[int] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("timeout_ms",)
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    timeout_ms: int
+    def __init__(self, timeout_ms: _Optional[int] = ...) -> None: ...
+
+class DrainReply(_message.Message):
+    __slots__ = ("leases_left",)
+    LEASES_LEFT_FIELD_NUMBER: _ClassVar[int]
+    leases_left: int
+    def __init__(self, leases_left: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,449 @@
+"""``chunkstore serve``: the gRPC daemon. It owns nothing but the translation between the wire
+and the index and pool: requests become index calls, typed errors become status codes."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from chunkstore import __version__
+from chunkstore.config import ServeConfig
+from chunkstore.errors import InvalidRequest, StoreError
+from chunkstore.index import Entry, Index
+from chunkstore.metrics import Metrics
+from chunkstore.pool import Pool, block_runs, create_pool, scatter
+from chunkstore.rpc import chunkstore_pb2 as pb
+from chunkstore.rpc import chunkstore_pb2_grpc as pb_grpc
+from chunkstore.wire import MAX_MESSAGE, layout_from_proto, layout_to_proto
+
+log = logging.getLogger("chunkstore.serve")
+
+SERVICE = "chunkstore.v1.ChunkStore"
+READ_PIECE = 1 << 20
+
+
+def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Time the call, and answer a typed error with its status code."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def unary(self: ChunkStoreService, request: Any, context: grpc.ServicerContext) -> Any:
+        began = time.perf_counter()
+        try:
+            return method(self, request, context)
+        except StoreError as err:
+            self.metrics.errors.labels(err.code).inc()
+            context.abort(grpc.StatusCode[err.code], str(err))
+        finally:
+            self.metrics.rpc_seconds.labels(name).observe(time.perf_counter() - began)
+
+    return unary
+
+
+def _rpc_stream(method: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+    name = method.__name__
+
+    @functools.wraps(method)
+    def streaming(
+        self: ChunkStoreService, request: Any, context: grpc.ServicerContext
+    ) -> Iterator[Any]:
+        began = time.perf_counter()
+        try:
+            yield from method(self, request, context)
+        except StoreError as err:
+            self.metrics.errors.labels(err.code).inc()
+            context.abort(grpc.StatusCode[err.code], str(err))
+        finally:
+            self.metrics.rpc_seconds.labels(name).observe(time.perf_counter() - began)
+
+    return streaming
+
+
+class ChunkStoreService(pb_grpc.ChunkStoreServicer):
+    def __init__(self, config: ServeConfig, index: Index, pool: Pool, metrics: Metrics) -> None:
+        self.config = config
+        self.index = index
+        self.pool = pool
+        self.metrics = metrics
+
+    @_rpc
+    def Hello(self, request: pb.HelloRequest, context: grpc.ServicerContext) -> pb.HelloReply:
+        session = self.index.open_session(request.client_name or context.peer())
+        return pb.HelloReply(
+            session_id=session,
+            version=__version__,
+            shm_path=self.pool.shm_path,
+            block_size=self.pool.block_size,
+            num_blocks=self.pool.num_blocks,
+            device=self.pool.device,
+            hostname=self.config.node,
+            lease_ttl_ms=int(self.config.lease_ttl_s * 1000),
+        )
+
+    def Heartbeat(
+        self, request_iterator: Iterator[pb.Ping], context: grpc.ServicerContext
+    ) -> Iterator[pb.Pong]:
+        """The session lives as long as this stream: when it ends (the client closed or
+        died), its leases and reservations go at once."""
+        session: list[str] = []
+
+        def end() -> None:
+            for s in session:
+                self.index.end_session(s)
+
+        context.add_callback(end)
+        try:
+            for ping in request_iterator:
+                if not session:
+                    session.append(ping.session_id)
+                self.index.renew(ping.session_id)
+                yield pb.Pong(server_time_ms=int(time.time() * 1000))
+        except StoreError as err:
+            context.abort(grpc.StatusCode[err.code], str(err))
+        finally:
+            end()
+
+    @_rpc
+    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupReply:
+        keys = list(request.keys)
+        tokens = list(request.num_tokens)
+        if tokens and len(tokens) != len(keys):
+            raise InvalidRequest(f"{len(tokens)} token counts for {len(keys)} keys")
+        found = self.index.lookup(keys)
+        if tokens:
+            hit = sum(t for t, e in zip(tokens, found, strict=True) if e is not None)
+            self.index.count_tokens(sum(tokens), hit)
+        return pb.LookupReply(
+            present=[e is not None for e in found],
+            num_tokens=[e.layout.num_tokens if e else 0 for e in found],
+        )
+
+    @_rpc
+    def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveReply:
+        layout = layout_from_proto(request.layout)
+        reservation = self.index.reserve(request.session_id, request.key, layout, request.nbytes)
+        return pb.ReserveReply(
+            reservation_id=reservation.id,
+            blocks=reservation.blocks,
+            block_size=self.pool.block_size,
+        )
+
+    @_rpc
+    def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitReply:
+        reservation = self.index.reservation(request.session_id, request.reservation_id)
+        streamed = reservation.written > 0
+        entry = self.index.commit(
+            request.session_id, request.reservation_id, request.checksum, streamed=streamed
+        )
+        if not streamed:
+            self.metrics.bytes.labels("shm", "write").inc(entry.nbytes)
+        return pb.CommitReply()
+
+    @_rpc
+    def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortReply:
+        self.index.abort(request.session_id, request.reservation_id)
+        return pb.AbortReply()
+
+    @_rpc
+    def Acquire(self, request: pb.AcquireRequest, context: grpc.ServicerContext) -> pb.AcquireReply:
+        leases = []
+        for got in self.index.acquire(request.session_id, list(request.keys)):
+            if got is None:
+                leases.append(pb.Lease())
+                continue
+            lease, entry = got
+            leases.append(
+                pb.Lease(
+                    lease_id=lease.id,
+                    key=entry.key,
+                    layout=layout_to_proto(entry.layout),
+                    nbytes=entry.nbytes,
+                    blocks=entry.blocks,
+                    checksum=entry.checksum,
+                )
+            )
+        return pb.AcquireReply(leases=leases, block_size=self.pool.block_size)
+
+    @_rpc
+    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseReply:
+        self.index.release(request.session_id, list(request.lease_ids))
+        return pb.ReleaseReply()
+
+    @_rpc
+    def Write(
+        self, request_iterator: Iterator[pb.WritePiece], context: grpc.ServicerContext
+    ) -> pb.WriteReply:
+        session, reservation_id, total = "", 0, 0
+        for piece in request_iterator:
+            if not session:
+                session, reservation_id = piece.session_id, piece.reservation_id
+            data = np.frombuffer(piece.data, dtype=np.uint8)
+            with self.index.lock:  # the reservation cannot expire mid-copy
+                reservation = self.index.reservation(session, reservation_id)
+                if reservation.written + data.shape[0] > reservation.nbytes:
+                    raise InvalidRequest(
+                        f"reservation {reservation_id} holds {reservation.nbytes} bytes; "
+                        f"{reservation.written + data.shape[0]} were sent"
+                    )
+                scatter(
+                    self.pool.region(),
+                    reservation.blocks,
+                    self.pool.block_size,
+                    data,
+                    offset=reservation.written,
+                )
+                reservation.written += data.shape[0]
+            total += data.shape[0]
+            self.metrics.bytes.labels("grpc", "write").inc(data.shape[0])
+        return pb.WriteReply(nbytes=total)
+
+    @_rpc_stream
+    def Read(
+        self, request: pb.ReadRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.ReadPiece]:
+        entry: Entry = self.index.lease(request.session_id, request.lease_id)
+        piece = request.piece_bytes or READ_PIECE
+        if piece > MAX_MESSAGE // 2:
+            raise InvalidRequest(f"piece_bytes {piece} over {MAX_MESSAGE // 2}")
+        region, bs = self.pool.region(), self.pool.block_size
+        remaining = entry.nbytes
+        for first, count, _ in block_runs(entry.blocks):
+            start = first * bs
+            end = start + min(count * bs, remaining)
+            for lo in range(start, end, piece):
+                hi = min(lo + piece, end)
+                self.metrics.bytes.labels("grpc", "read").inc(hi - lo)
+                yield pb.ReadPiece(data=region[lo:hi].tobytes())
+            remaining -= end - start
+
+    @_rpc
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsReply:
+        s = self.index.stats()
+        return pb.StatsReply(
+            entries=s.entries,
+            pinned_entries=s.pinned_entries,
+            bytes_used=s.bytes_used,
+            bytes_capacity=s.bytes_capacity,
+            blocks_free=s.blocks_free,
+            blocks_total=s.blocks_total,
+            active_leases=s.active_leases,
+            active_reservations=s.active_reservations,
+            sessions=s.sessions,
+            lookups=s.lookups,
+            hits=s.hits,
+            lookup_tokens=s.lookup_tokens,
+            hit_tokens=s.hit_tokens,
+            evictions=s.evictions,
+            draining=s.draining,
+        )
+
+    @_rpc
+    def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictReply:
+        evicted, busy = self.index.evict(list(request.keys))
+        return pb.EvictReply(evicted=evicted, busy=busy)
+
+    @_rpc
+    def Clear(self, request: pb.ClearRequest, context: grpc.ServicerContext) -> pb.ClearReply:
+        evicted, busy = self.index.clear()
+        return pb.ClearReply(evicted=evicted, busy=busy)
+
+    @_rpc
+    def Pin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinReply:
+        return pb.PinReply(changed=self.index.set_pinned(list(request.keys), True))
+
+    @_rpc
+    def Unpin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinReply:
+        return pb.PinReply(changed=self.index.set_pinned(list(request.keys), False))
+
+    @_rpc
+    def Drain(self, request: pb.DrainRequest, context: grpc.ServicerContext) -> pb.DrainReply:
+        timeout = request.timeout_ms / 1000 if request.timeout_ms else self.config.drain_timeout_s
+        return pb.DrainReply(leases_left=drain(self.index, timeout))
+
+
+def drain(index: Index, timeout: float) -> int:
+    """Refuse new reads and writes, then wait (bounded) for held leases to be released."""
+    index.start_draining()
+    deadline = time.monotonic() + timeout
+    while index.stats().active_leases and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return index.stats().active_leases
+
+
+class _TokenCheck(grpc.ServerInterceptor):
+    """Every call but health checks must carry ``authorization: Bearer <token>``."""
+
+    def __init__(self, token: str) -> None:
+        self.expected = f"Bearer {token}"
+
+        def refuse(request: Any, context: grpc.ServicerContext) -> Any:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+        self.refusal = grpc.unary_unary_rpc_method_handler(refuse)
+
+    def intercept_service(self, continuation: Any, details: Any) -> Any:
+        if details.method.startswith("/grpc.health.v1.Health/"):
+            return continuation(details)
+        metadata = dict(details.invocation_metadata or ())
+        if metadata.get("authorization") == self.expected:
+            return continuation(details)
+        handler = continuation(details)
+        if handler is None:
+            return None
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(
+                lambda it, ctx: self.refusal.unary_unary(None, ctx)
+            )
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(
+                lambda it, ctx: self.refusal.unary_unary(None, ctx)
+            )
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(
+                lambda req, ctx: self.refusal.unary_unary(None, ctx)
+            )
+        return self.refusal
+
+
+class Daemon:
+    """The running daemon: pool, index, gRPC server, metrics endpoint, reaper."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        pool_bytes = config.resolved_pool_bytes()
+        num_blocks = max(1, pool_bytes // config.block_size)
+        self.pool = create_pool(
+            config.device, config.block_size, num_blocks, config.shm_dir, config.group_access
+        )
+        self.index = Index(
+            self.pool,
+            config.lease_ttl_s,
+            config.high_watermark,
+            config.low_watermark,
+            config.verify_commits,
+        )
+        self.metrics = Metrics(self.index)
+        interceptors = [_TokenCheck(config.token)] if config.token else []
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=32),
+            interceptors=interceptors,
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE),
+                ("grpc.max_send_message_length", MAX_MESSAGE),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        pb_grpc.add_ChunkStoreServicer_to_server(
+            ChunkStoreService(config, self.index, self.pool, self.metrics), self.server
+        )
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.addresses: dict[str, str] = {}
+        self._stop = threading.Event()
+
+    def start(self) -> dict[str, str]:
+        config = self.config
+        if config.socket:
+            self._bind_socket(config.socket)
+        if config.tcp:
+            host = config.tcp.rsplit(":", 1)[0]
+            if config.tls_cert:
+                credentials = grpc.ssl_server_credentials(
+                    [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())],
+                    root_certificates=(
+                        Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
+                    ),
+                    require_client_auth=bool(config.tls_client_ca),
+                )
+                port = self.server.add_secure_port(config.tcp, credentials)
+            else:
+                port = self.server.add_insecure_port(config.tcp)
+            self.addresses["tcp"] = f"{host}:{port}"
+        if config.metrics:
+            host = config.metrics.rsplit(":", 1)[0]
+            self.addresses["metrics"] = f"{host}:{self.metrics.serve(config.metrics)}"
+        self.server.start()
+        for service in ("", SERVICE):
+            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        threading.Thread(target=self._reap, name="chunkstore-reaper", daemon=True).start()
+        self.addresses["shm_path"] = self.pool.shm_path
+        return self.addresses
+
+    def _bind_socket(self, path: str) -> None:
+        socket_path = Path(path)
+        socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if socket_path.exists():
+            socket_path.unlink()  # a stale socket from a daemon that died
+        previous = os.umask(0o007 if self.config.group_access else 0o077)
+        try:
+            self.server.add_insecure_port(f"unix:{socket_path}")
+        finally:
+            os.umask(previous)
+        self.addresses["socket"] = str(socket_path)
+
+    def _reap(self) -> None:
+        interval = max(0.05, min(1.0, self.config.lease_ttl_s / 4))
+        while not self._stop.wait(interval):
+            self.index.expire()
+
+    def stop(self, drain_timeout: float | None = None) -> int:
+        """Drain (bounded), stop serving, free the pool. Returns the leases left behind."""
+        for service in ("", SERVICE):
+            self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        left = drain(
+            self.index, self.config.drain_timeout_s if drain_timeout is None else drain_timeout
+        )
+        self._stop.set()
+        self.server.stop(grace=1.0).wait()
+        self.metrics.close()
+        self.pool.close()
+        if "socket" in self.addresses:
+            Path(self.addresses["socket"]).unlink(missing_ok=True)
+        return left
+
+
+def serve(config: ServeConfig) -> int:
+    """Run until SIGTERM / SIGINT, then drain and exit 0."""
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    log.info("config: %s", config.describe())
+    daemon = Daemon(config)
+    addresses = daemon.start()
+    stats = daemon.index.stats()
+    ready = {
+        "event": "ready",
+        "pid": os.getpid(),
+        "pool_bytes": stats.bytes_capacity,
+        "block_size": config.block_size,
+        **addresses,
+    }
+    print(json.dumps(ready), flush=True)
+    log.info("serving %s", ", ".join(f"{k}={v}" for k, v in addresses.items()))
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        log.info("got %s: draining", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    stop.wait()
+    left = daemon.stop()
+    if left:
+        log.warning("stopped with %d leases still held after the drain timeout", left)
+    log.info("stopped")
+    return 0

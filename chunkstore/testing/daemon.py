@@ -1,0 +1,94 @@
+"""Start a real ``chunkstore serve`` process on free ports, for tests and benches."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class RunningDaemon:
+    process: subprocess.Popen[str]
+    ready: dict[str, Any]
+    workdir: Path
+
+    @property
+    def unix(self) -> str:
+        return f"unix:{self.ready['socket']}"
+
+    @property
+    def tcp(self) -> str:
+        return str(self.ready["tcp"])
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.ready['metrics']}/metrics"
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, then wait; returns the exit code (kills it if it will not stop)."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return int(self.process.returncode)
+
+    def log(self) -> str:
+        path = self.workdir / "daemon.log"
+        return path.read_text() if path.exists() else ""
+
+
+def start_daemon(
+    workdir: Path,
+    *args: str,
+    pool_bytes: int = 64 << 20,
+    block_size: int = 1 << 16,
+    timeout: float = 60.0,
+) -> RunningDaemon:
+    workdir.mkdir(parents=True, exist_ok=True)
+    command = [
+        sys.executable,
+        "-m",
+        "chunkstore.cli",
+        "serve",
+        "--socket",
+        str(workdir / "chunkstore.sock"),
+        "--tcp",
+        "127.0.0.1:0",
+        "--metrics",
+        "127.0.0.1:0",
+        "--shm-dir",
+        str(workdir),
+        "--pool-bytes",
+        str(pool_bytes),
+        "--block-size",
+        str(block_size),
+        *args,
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKSTORE_")}
+    log = (workdir / "daemon.log").open("w")
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    deadline = time.monotonic() + timeout
+    assert process.stdout is not None
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        if line.startswith("{"):
+            ready = json.loads(line)
+            if ready.get("event") == "ready":
+                return RunningDaemon(process, ready, workdir)
+    process.kill()
+    process.wait()
+    raise RuntimeError(
+        f"chunkstore serve did not become ready: {(workdir / 'daemon.log').read_text()}"
+    )
