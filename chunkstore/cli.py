@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from chunkstore.bench import remap as remap_bench
+from chunkstore.bench import store as store_bench
 from chunkstore.testing.models import MODELS
 
 BENCHES: dict[
@@ -25,6 +26,11 @@ BENCHES: dict[
         remap_bench.add_arguments,
         remap_bench.run,
         "RoPE remap + paged write of a chunk against a plain copy (ratio_vs_copy)",
+    ),
+    "store": (
+        store_bench.add_arguments,
+        store_bench.run,
+        "daemon lookups, and reads via shared memory against memcpy, Redis and gRPC",
     ),
 }
 

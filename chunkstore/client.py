@@ -136,6 +136,7 @@ class ChunkStoreClient:
         elif transport == "shm":
             raise Unavailable("the daemon's pool is not shared memory on this host")
         self.transport = "shm" if self.region is not None else "stream"
+        self._shm_reads: dict[int, int] = {}  # lease id -> bytes copied out of the pool
         self._pings: queue.Queue[pb.Ping | None] = queue.Queue()
         self._closed = threading.Event()
         self._heartbeat = threading.Thread(
@@ -305,17 +306,23 @@ class ChunkStoreClient:
         ]
 
     def release(self, lease_ids: Sequence[int]) -> None:
-        if lease_ids:
-            self._call(
-                self.stub.Release,
-                pb.ReleaseRequest(session_id=self.session, lease_ids=list(lease_ids)),
-            )
+        if not lease_ids:
+            return
+        shm_bytes = sum(self._shm_reads.pop(lease_id, 0) for lease_id in lease_ids)
+        self._call(
+            self.stub.Release,
+            pb.ReleaseRequest(
+                session_id=self.session, lease_ids=list(lease_ids), shm_bytes_read=shm_bytes
+            ),
+        )
 
     def read_into(self, entry: LeasedEntry, out: torch.Tensor) -> None:
         """Copy a leased entry's bytes into ``out`` (uint8, CPU, nbytes long) and check them."""
         target = out.numpy()
+        digest = xxhash.xxh3_64()
         if self.region is not None:
-            gather(self.region, entry.blocks, self.block_size, target)
+            gather(self.region, entry.blocks, self.block_size, target, digest)
+            self._shm_reads[entry.lease_id] = self._shm_reads.get(entry.lease_id, 0) + entry.nbytes
         else:
             offset = 0
             request = pb.ReadRequest(session_id=self.session, lease_id=entry.lease_id)
@@ -330,7 +337,8 @@ class ChunkStoreClient:
                 raise typed_error(err) from None
             if offset != entry.nbytes:
                 raise ChecksumMismatch(f"read {offset} of {entry.nbytes} bytes")
-        actual = xxhash.xxh3_64_intdigest(target.data)
+            digest.update(target.data)
+        actual = digest.intdigest()
         if actual != entry.checksum:
             raise ChecksumMismatch(
                 f"entry {entry.key.hex()} hashes to {actual:#x}, committed as "

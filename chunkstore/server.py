@@ -180,6 +180,8 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
     @_rpc
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseReply:
         self.index.release(request.session_id, list(request.lease_ids))
+        if request.shm_bytes_read:
+            self.metrics.bytes.labels("shm", "read").inc(request.shm_bytes_read)
         return pb.ReleaseReply()
 
     @_rpc

@@ -70,3 +70,63 @@ def test_models_command_builds_nothing_that_is_present(tmp_path: Path) -> None:
     assert run.stdout.split() == [str(tmp_path / "tiny"), str(tmp_path / "smollm2")]
     bad = chunkstore("models", "llama70b", "--cache-dir", str(tmp_path))
     assert bad.returncode == 2 and "unknown model llama70b" in bad.stderr
+
+
+def test_admin_verbs_against_a_running_daemon(tmp_path: Path) -> None:
+    import torch
+
+    from chunkstore.client import ChunkStoreClient
+    from chunkstore.testing.daemon import start_daemon
+
+    daemon = start_daemon(tmp_path / "d")
+    try:
+        with ChunkStoreClient(daemon.unix) as client:
+            k = torch.zeros(1, 2, 1, 8)
+            client.put(b"a" * 16, k, k, 0)
+            client.put(b"b" * 16, k, k, 0)
+        address = ("--address", daemon.unix, "--json")
+
+        def verb(*args: str) -> dict:
+            run = chunkstore(*args, *address)
+            assert run.returncode == 0, run.stderr
+            return json.loads(run.stdout)
+
+        assert verb("stats")["entries"] == "2"  # uint64 fields print as strings in JSON
+        assert verb("pin", (b"a" * 16).hex()) == {"changed": 1}
+        assert verb("clear") == {"evicted": 1, "busy": 1}
+        assert verb("unpin", (b"a" * 16).hex()) == {"changed": 1}
+        assert verb("evict", (b"a" * 16).hex()) == {"evicted": 1, "busy": 0}
+        assert verb("drain", "--timeout", "1") == {"leases_left": 0}
+        assert verb("stats")["draining"] is True
+        missing = chunkstore("pin", "00" * 16, *address)
+        assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
+    finally:
+        assert daemon.stop() == 0
+
+
+def test_stats_without_a_daemon_says_so(tmp_path: Path) -> None:
+    run = chunkstore("stats", "--address", f"unix:{tmp_path}/none.sock")
+    assert run.returncode == 1 and "UNAVAILABLE" in run.stderr
+
+
+def test_bench_store_json(tmp_path: Path) -> None:
+    run = chunkstore(
+        "bench",
+        "store",
+        "--json",
+        "--tokens",
+        "64",
+        "--layers",
+        "2",
+        "--repeats",
+        "2",
+        "--lookup-batches",
+        "20",
+    )
+    assert run.returncode == 0, run.stderr
+    rows = {r["bench"]: r for r in map(json.loads, run.stdout.splitlines())}
+    assert rows["store.lookup"]["batch"] == 64 and rows["store.lookup"]["p99_ms"] > 0
+    read = rows["store.read"]
+    assert read["bytes"] == 2 * 2 * 64 * 3 * 64 * 4
+    for figure in ("shm_vs_memcpy", "shm_vs_redis", "shm_vs_grpc"):
+        assert read[figure] > 0

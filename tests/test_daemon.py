@@ -315,6 +315,7 @@ def test_metrics_move_exactly_as_the_operations(daemon: RunningDaemon) -> None:
     assert delta["chunkstore_hit_tokens_total"] == 30
     assert delta['chunkstore_evictions_total{reason="admin"}'] == 1
     assert delta['chunkstore_bytes_total{direction="write",transport="shm"}'] == nbytes * 3
+    assert delta['chunkstore_bytes_total{direction="read",transport="shm"}'] == nbytes
     assert after["chunkstore_entries"] == 1
     assert after["chunkstore_pool_bytes_used"] == 65536  # one 64 KiB block holds key(1)
     assert after["chunkstore_pool_bytes_capacity"] == 64 << 20

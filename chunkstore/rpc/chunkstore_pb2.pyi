@@ -161,12 +161,14 @@ class AcquireReply(_message.Message):
     def __init__(self, leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("session_id", "lease_ids")
+    __slots__ = ("session_id", "lease_ids", "shm_bytes_read")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    SHM_BYTES_READ_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     lease_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    shm_bytes_read: int
+    def __init__(self, session_id: _Optional[str] = ..., lease_ids: _Optional[_Iterable[int]] = ..., shm_bytes_read: _Optional[int] = ...) -> None: ...
 
 class ReleaseReply(_message.Message):
     __slots__ = ()
