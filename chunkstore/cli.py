@@ -133,6 +133,24 @@ def _admin(args: argparse.Namespace) -> int:
     return 0
 
 
+def _health(args: argparse.Namespace) -> int:
+    """Exit 0 if the daemon's gRPC health service answers SERVING (for probes)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(args.address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
+            )
+    except grpc.RpcError as err:
+        print(f"chunkstore health: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(status)
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="chunkstore",
@@ -207,6 +225,21 @@ def build_parser() -> argparse.ArgumentParser:
                 "--timeout", type=float, default=10.0, help="seconds to wait for leases"
             )
         sub.set_defaults(func=_admin)
+
+    health = commands.add_parser(
+        "health",
+        help="exit 0 if the daemon reports SERVING (container and k8s probes)",
+        description="Ask the daemon's standard gRPC health service; exit 0 on SERVING, 1 "
+        "otherwise. Needs no token.",
+    )
+    health.add_argument(
+        "--address",
+        default=f"unix:{default_socket()}",
+        help="unix:/path or host:port (default: the default socket)",
+    )
+    health.add_argument("--service", default="", help="service name ('' = the daemon)")
+    health.add_argument("--timeout", type=float, default=3.0)
+    health.set_defaults(func=_health)
     return parser
 
 

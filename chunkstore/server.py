@@ -73,11 +73,19 @@ def _rpc_stream(method: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[
 
 
 class ChunkStoreService(pb_grpc.ChunkStoreServicer):
-    def __init__(self, config: ServeConfig, index: Index, pool: Pool, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        config: ServeConfig,
+        index: Index,
+        pool: Pool,
+        metrics: Metrics,
+        on_drain: Callable[[], None] = lambda: None,
+    ) -> None:
         self.config = config
         self.index = index
         self.pool = pool
         self.metrics = metrics
+        self.on_drain = on_drain
 
     @_rpc
     def Hello(self, request: pb.HelloRequest, context: grpc.ServicerContext) -> pb.HelloReply:
@@ -273,6 +281,7 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
     @_rpc
     def Drain(self, request: pb.DrainRequest, context: grpc.ServicerContext) -> pb.DrainReply:
         timeout = request.timeout_ms / 1000 if request.timeout_ms else self.config.drain_timeout_s
+        self.on_drain()  # readiness fails first, so no new traffic is sent here
         return pb.DrainReply(leases_left=drain(self.index, timeout))
 
 
@@ -348,10 +357,11 @@ class Daemon:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        pb_grpc.add_ChunkStoreServicer_to_server(
-            ChunkStoreService(config, self.index, self.pool, self.metrics), self.server
-        )
         self.health = health.HealthServicer()
+        service = ChunkStoreService(
+            config, self.index, self.pool, self.metrics, on_drain=lambda: self._set_health(False)
+        )
+        pb_grpc.add_ChunkStoreServicer_to_server(service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.addresses: dict[str, str] = {}
         self._stop = threading.Event()
@@ -378,11 +388,19 @@ class Daemon:
             host = config.metrics.rsplit(":", 1)[0]
             self.addresses["metrics"] = f"{host}:{self.metrics.serve(config.metrics)}"
         self.server.start()
-        for service in ("", SERVICE):
-            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self._set_health(True)
         threading.Thread(target=self._reap, name="chunkstore-reaper", daemon=True).start()
         self.addresses["shm_path"] = self.pool.shm_path
         return self.addresses
+
+    def _set_health(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else (health_pb2.HealthCheckResponse.NOT_SERVING)
+        )
+        for service in ("", SERVICE):
+            self.health.set(service, status)
 
     def _bind_socket(self, path: str) -> None:
         socket_path = Path(path)
@@ -403,8 +421,7 @@ class Daemon:
 
     def stop(self, drain_timeout: float | None = None) -> int:
         """Drain (bounded), stop serving, free the pool. Returns the leases left behind."""
-        for service in ("", SERVICE):
-            self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._set_health(False)
         left = drain(
             self.index, self.config.drain_timeout_s if drain_timeout is None else drain_timeout
         )

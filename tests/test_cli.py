@@ -96,8 +96,11 @@ def test_admin_verbs_against_a_running_daemon(tmp_path: Path) -> None:
         assert verb("clear") == {"evicted": 1, "busy": 1}
         assert verb("unpin", (b"a" * 16).hex()) == {"changed": 1}
         assert verb("evict", (b"a" * 16).hex()) == {"evicted": 1, "busy": 0}
+        healthy = chunkstore("health", "--address", daemon.unix)
+        assert healthy.returncode == 0 and healthy.stdout.strip() == "SERVING"
         assert verb("drain", "--timeout", "1") == {"leases_left": 0}
         assert verb("stats")["draining"] is True
+        assert chunkstore("health", "--address", daemon.unix).stdout.strip() == "NOT_SERVING"
         missing = chunkstore("pin", "00" * 16, *address)
         assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
     finally:
@@ -107,6 +110,8 @@ def test_admin_verbs_against_a_running_daemon(tmp_path: Path) -> None:
 def test_stats_without_a_daemon_says_so(tmp_path: Path) -> None:
     run = chunkstore("stats", "--address", f"unix:{tmp_path}/none.sock")
     assert run.returncode == 1 and "UNAVAILABLE" in run.stderr
+    run = chunkstore("health", "--address", f"unix:{tmp_path}/none.sock", "--timeout", "1")
+    assert run.returncode == 1 and run.stderr
 
 
 def test_bench_store_json(tmp_path: Path) -> None:
