@@ -81,7 +81,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         config = config_module.load(args.config, flags=flags)
         return serve(config)
-    except (ChunkStoreError, OSError) as err:
+    except (ChunkStoreError, OSError, RuntimeError) as err:  # grpc: RuntimeError on bind
         print(f"chunkstore serve: {err}", file=sys.stderr)
         return 2
 

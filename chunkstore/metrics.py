@@ -19,24 +19,28 @@ PREFIX = "chunkstore"
 
 
 class IndexCollector:
-    def __init__(self, index: Index) -> None:
+    def __init__(self, index: Index, node: str) -> None:
         self.index = index
+        self.node = node
 
     def collect(self) -> Iterator[Metric]:
         s = self.index.stats()
-        for unit, looked, hit in (
-            ("chunks", s.lookups, s.hits),
-            ("tokens", s.lookup_tokens, s.hit_tokens),
-        ):
-            yield CounterMetricFamily(
-                f"{PREFIX}_lookup_{unit}", f"{unit.capitalize()} looked up", value=looked
-            )
-            yield CounterMetricFamily(
-                f"{PREFIX}_hit_{unit}", f"{unit.capitalize()} found committed", value=hit
-            )
-        evictions = CounterMetricFamily(f"{PREFIX}_evictions", "Entries evicted", labels=["reason"])
+        node = [self.node]
+        counts = (
+            ("lookup_chunks", "Chunks looked up", s.lookups),
+            ("hit_chunks", "Chunks found committed", s.hits),
+            ("lookup_tokens", "Tokens looked up", s.lookup_tokens),
+            ("hit_tokens", "Tokens found committed", s.hit_tokens),
+        )
+        for name, doc, value in counts:
+            family = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["node"])
+            family.add_metric(node, value)
+            yield family
+        evictions = CounterMetricFamily(
+            f"{PREFIX}_evictions", "Entries evicted", labels=["node", "reason"]
+        )
         for reason in ("capacity", "watermark", "admin", "clear"):
-            evictions.add_metric([reason], s.evictions.get(reason, 0))
+            evictions.add_metric([self.node, reason], s.evictions.get(reason, 0))
         yield evictions
         gauges = {
             "pool_bytes_used": ("Pool bytes held by entries and reservations", s.bytes_used),
@@ -49,23 +53,39 @@ class IndexCollector:
             "draining": ("1 while draining", int(s.draining)),
         }
         for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+            gauge = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["node"])
+            gauge.add_metric(node, value)
+            yield gauge
+
+
+class _Bound:
+    """A labelled metric with the node label filled in."""
+
+    def __init__(self, metric: Any, node: str) -> None:
+        self.metric = metric
+        self.node = node
+
+    def labels(self, *values: str) -> Any:
+        return self.metric.labels(self.node, *values)
 
 
 class Metrics:
-    def __init__(self, index: Index) -> None:
+    """Every series carries ``node`` (the daemon's --node), so dashboards and rules group by
+    node without relabelling, whatever discovers the targets."""
+
+    def __init__(self, index: Index, node: str) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(IndexCollector(index))
-        self.bytes = Counter(
+        self.registry.register(IndexCollector(index, node))
+        bytes_moved = Counter(
             f"{PREFIX}_bytes",
             "Entry bytes moved",
-            ["transport", "direction"],
+            ["node", "transport", "direction"],
             registry=self.registry,
         )
-        self.rpc_seconds = Histogram(
+        rpc_seconds = Histogram(
             f"{PREFIX}_rpc_seconds",
             "RPC latency",
-            ["method"],
+            ["node", "method"],
             registry=self.registry,
             buckets=(
                 0.0001,
@@ -86,9 +106,15 @@ class Metrics:
                 10,
             ),
         )
-        self.errors = Counter(
-            f"{PREFIX}_errors", "RPCs answered with an error", ["code"], registry=self.registry
+        errors = Counter(
+            f"{PREFIX}_errors",
+            "RPCs answered with an error",
+            ["node", "code"],
+            registry=self.registry,
         )
+        self.bytes = _Bound(bytes_moved, node)
+        self.rpc_seconds = _Bound(rpc_seconds, node)
+        self.errors = _Bound(errors, node)
         self._http: Any = None
 
     def serve(self, address: str) -> int:

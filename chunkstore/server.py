@@ -346,7 +346,7 @@ class Daemon:
             config.low_watermark,
             config.verify_commits,
         )
-        self.metrics = Metrics(self.index)
+        self.metrics = Metrics(self.index, config.node)
         interceptors = [_TokenCheck(config.token)] if config.token else []
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=32),
@@ -440,26 +440,31 @@ def serve(config: ServeConfig) -> int:
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     log.info("config: %s", config.describe())
-    daemon = Daemon(config)
-    addresses = daemon.start()
-    stats = daemon.index.stats()
-    ready = {
-        "event": "ready",
-        "pid": os.getpid(),
-        "pool_bytes": stats.bytes_capacity,
-        "block_size": config.block_size,
-        **addresses,
-    }
-    print(json.dumps(ready), flush=True)
-    log.info("serving %s", ", ".join(f"{k}={v}" for k, v in addresses.items()))
     stop = threading.Event()
 
     def on_signal(signum: int, frame: Any) -> None:
         log.info("got %s: draining", signal.Signals(signum).name)
         stop.set()
 
+    # Before anything is created: a SIGTERM during start-up still drains and cleans up.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    daemon = Daemon(config)
+    try:
+        addresses = daemon.start()
+    except BaseException:
+        daemon.stop(drain_timeout=0)  # removes the pool file and the socket
+        raise
+    ready = {
+        "event": "ready",
+        "pid": os.getpid(),
+        "pool_bytes": daemon.pool.capacity,
+        "node": config.node,
+        "block_size": config.block_size,
+        **addresses,
+    }
+    print(json.dumps(ready), flush=True)
+    log.info("serving %s", ", ".join(f"{k}={v}" for k, v in addresses.items()))
     stop.wait()
     left = daemon.stop()
     if left:

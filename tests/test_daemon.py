@@ -287,10 +287,14 @@ def test_sigterm_drains_and_exits_zero(tmp_path: Path) -> None:
 def scrape(daemon: RunningDaemon) -> dict[str, float]:
     text = urllib.request.urlopen(daemon.metrics_url, timeout=5).read().decode()
     values = {}
+    node = f'node="{daemon.ready["node"]}"'
     for line in text.splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
+            assert node in name, f"{name} lacks its node label"
+            base, _, labels = name.partition("{")
+            rest = [x for x in labels.rstrip("}").split(",") if x and x != node]
+            values[base + ("{" + ",".join(rest) + "}" if rest else "")] = float(value)
     return values
 
 
@@ -321,3 +325,29 @@ def test_metrics_move_exactly_as_the_operations(daemon: RunningDaemon) -> None:
     assert after["chunkstore_pool_bytes_capacity"] == 64 << 20
     assert delta['chunkstore_errors_total{code="INVALID_ARGUMENT"}'] == 1
     assert delta['chunkstore_rpc_seconds_count{method="Lookup"}'] == 3
+
+
+def test_a_port_in_use_fails_start_up_cleanly(daemon: RunningDaemon, tmp_path: Path) -> None:
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "chunkstore.cli",
+            "serve",
+            "--tcp",
+            daemon.tcp,
+            "--socket",
+            "",
+            "--metrics",
+            "",
+            "--pool-bytes",
+            "1048576",
+            "--shm-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2 and daemon.tcp in run.stderr
+    assert not list(tmp_path.glob("chunkstore-*"))  # the pool file was removed
