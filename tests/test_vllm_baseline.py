@@ -18,7 +18,7 @@ from chunkstore.testing.vllm_probe import MARKER
 
 
 @pytest.mark.slow
-def test_vllm_first_token_logprobs_match_hf_reference(smollm2_dir) -> None:
+def test_vllm_first_token_logprobs_match_hf_reference(smollm2_dir, tmp_path) -> None:
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     prompt = build_chunked_prompt(
         lambda s: tok.encode(s, add_special_tokens=False),

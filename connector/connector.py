@@ -1,0 +1,104 @@
+"""``ChunkStoreConnector``: vLLM's KV connector (v1 API) for chunkstore.
+
+    --kv-transfer-config '{"kv_connector": "ChunkStoreConnector",
+        "kv_connector_module_path": "chunkstore_vllm.connector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"address": "unix:/run/chunkstore/chunkstore.sock"}}'
+
+The scheduler side decides (``scheduler.py``), the worker side moves bytes (``worker.py``),
+``common.py`` holds what travels between them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from .common import ChunkStoreMetadata
+from .config import ConnectorConfig
+from .scheduler import SchedulerSide
+from .worker import WorkerSide
+
+log = logging.getLogger("chunkstore.connector")
+
+
+class ChunkStoreConnector(KVConnectorBase_V1):
+    def __init__(
+        self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        if role == KVConnectorRole.SCHEDULER:
+            # A chunk that fails to load (daemon gone, entry evicted, checksum) is computed,
+            # never served wrong and never a failed request. The scheduler reads this after
+            # creating its connector.
+            if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+                log.info("chunkstore: kv_load_failure_policy set to 'recompute'")
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
+        self.scheduler = (
+            SchedulerSide(vllm_config, config) if (role == KVConnectorRole.SCHEDULER) else None
+        )
+        self.worker = WorkerSide(vllm_config, config) if role == KVConnectorRole.WORKER else None
+
+    # Worker side ------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker is not None
+        self.worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self.worker is not None
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, ChunkStoreMetadata)
+        self.worker.start_load_kv(metadata)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv loads every layer before the forward begins
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # saved whole in wait_for_save, once the step's KV is in the cache
+
+    def wait_for_save(self) -> None:
+        assert self.worker is not None
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, ChunkStoreMetadata)
+        self.worker.wait_for_save(metadata)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.get_block_ids_with_load_errors() if self.worker else set()
+
+    def shutdown(self) -> None:
+        for side in (self.scheduler, self.worker):
+            if side is not None:
+                side.shutdown()
+
+    # Scheduler side ---------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_state_after_alloc(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        self.scheduler.request_finished(request)
+        return False, None

@@ -1,0 +1,75 @@
+"""The model and layout fingerprints of the served model, the same in every process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from chunkstore.keys import KVLayout, model_fingerprint, segment_keys, weights_digest
+from chunkstore.rope import RotaryConfig
+from chunkstore.segments import Segment, SegmentKind, split_prompt
+
+from .config import ConnectorConfig
+
+
+@dataclass(frozen=True)
+class SegmentPlan:
+    segment: Segment
+    key: bytes
+
+
+@dataclass
+class ModelKeys:
+    """Computes segment keys for the model vLLM serves."""
+
+    model_fp: bytes
+    layout_fp: bytes
+    rotary: RotaryConfig
+    layout: KVLayout
+    kv_dtype: str
+    separator: list[int]
+    config: ConnectorConfig
+
+    @classmethod
+    def from_vllm(cls, vllm_config: Any, config: ConnectorConfig) -> ModelKeys:
+        model_config = vllm_config.model_config
+        hf = model_config.hf_config
+        rotary = RotaryConfig.from_hf_config(hf)
+        kv_dtype = str(model_config.dtype).removeprefix("torch.")
+        cache_dtype = vllm_config.cache_config.cache_dtype
+        if cache_dtype not in ("auto", None):
+            kv_dtype = str(cache_dtype)
+        model_path = Path(model_config.model)
+        weights = weights_digest(model_path) if model_path.is_dir() else model_config.model
+        layout = KVLayout(
+            num_layers=hf.num_hidden_layers,
+            num_kv_heads=getattr(hf, "num_key_value_heads", hf.num_attention_heads),
+            head_dim=rotary.head_dim,
+        )
+        if isinstance(config.separator, str):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer)
+            separator = list(tokenizer.encode(config.separator, add_special_tokens=False))
+        else:
+            separator = [int(t) for t in config.separator]
+        return cls(
+            model_fingerprint(weights, kv_dtype, rotary),
+            layout.fingerprint(),
+            rotary,
+            layout,
+            kv_dtype,
+            separator,
+            config,
+        )
+
+    def plan(self, token_ids: list[int]) -> list[SegmentPlan]:
+        """The cacheable segments of a prompt (sys and chunks), with their keys, in order."""
+        segments = split_prompt(token_ids, self.separator)
+        keys = segment_keys(segments, self.model_fp, self.layout_fp, self.config.isolation_mode)
+        return [
+            SegmentPlan(seg, key)
+            for seg, key in zip(segments, keys, strict=True)
+            if key is not None and seg.kind is not SegmentKind.QUESTION
+        ]

