@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from chunkstore.bench import e2e as e2e_bench
 from chunkstore.bench import remap as remap_bench
 from chunkstore.bench import store as store_bench
 from chunkstore.testing.models import MODELS
@@ -26,6 +27,11 @@ BENCHES: dict[
         remap_bench.add_arguments,
         remap_bench.run,
         "RoPE remap + paged write of a chunk against a plain copy (ratio_vs_copy)",
+    ),
+    "e2e": (
+        e2e_bench.add_arguments,
+        e2e_bench.run,
+        "time to first token in vLLM: no connector, prefix caching, chunkstore (ttft_speedup)",
     ),
     "store": (
         store_bench.add_arguments,
@@ -133,6 +139,48 @@ def _admin(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ingest(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from chunkstore.client import ChunkStoreClient
+    from chunkstore.errors import ChunkStoreError
+    from chunkstore.fingerprint import fingerprint_of_folder
+    from chunkstore.ingest import ServerBackend, ingest, print_progress, read_corpus
+    from chunkstore.keys import Isolation
+
+    sys_text = Path(args.sys_file).read_text() if args.sys_file else args.sys
+    if sys_text is None:
+        print("chunkstore ingest: give --sys TEXT or --sys-file FILE", file=sys.stderr)
+        return 2
+    try:
+        chunks = read_corpus(args.corpus)
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+
+        def encode(text: str) -> list[int]:
+            return list(tokenizer.encode(text, add_special_tokens=False))
+
+        model = fingerprint_of_folder(args.model, args.dtype)
+        backend = ServerBackend(args.server, args.served_model_name or args.model)
+        with ChunkStoreClient(args.address, token=args.token or None) as client:
+            summary = ingest(
+                backend,
+                client,
+                model,
+                encode,
+                sys_text,
+                chunks,
+                encode(args.separator),
+                Isolation(args.isolation),
+                args.batch_size,
+                None if args.quiet else print_progress,
+            )
+    except (ChunkStoreError, OSError, ValueError) as err:
+        print(f"chunkstore ingest: {err}", file=sys.stderr)
+        return 1
+    print(json.dumps(dataclasses.asdict(summary)))
+    return 0 if summary.failed == 0 else 1
+
+
 def _health(args: argparse.Namespace) -> int:
     """Exit 0 if the daemon's gRPC health service answers SERVING (for probes)."""
     import grpc
@@ -225,6 +273,45 @@ def build_parser() -> argparse.ArgumentParser:
                 "--timeout", type=float, default=10.0, help="seconds to wait for leases"
             )
         sub.set_defaults(func=_admin)
+
+    ingest = commands.add_parser(
+        "ingest",
+        help="pre-warm a corpus of chunks under a sys prompt through vLLM",
+        description="Send each chunk of a corpus through a running vllm serve that has the "
+        "connector (as 'sys ## chunk ##'), so later RAG prompts load it instead of "
+        "computing it. Chunks already stored are skipped. Prints a JSON summary: "
+        "chunks, tokens, stored, already_present, failed; exits 1 if any failed.",
+    )
+    ingest.add_argument("corpus", help="one chunk per line: text, or JSON lines with 'text'")
+    ingest.add_argument(
+        "--model", required=True, help="the model folder vLLM serves (its weights key the entries)"
+    )
+    ingest.add_argument(
+        "--server",
+        default="http://127.0.0.1:8000",
+        help="vllm serve's base URL (default http://127.0.0.1:8000)",
+    )
+    ingest.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name the server answers to (default: --model)",
+    )
+    ingest.add_argument("--sys", default=None, help="the sys prompt the chunks are read under")
+    ingest.add_argument("--sys-file", default=None, help="... or a file holding it")
+    ingest.add_argument(
+        "--address",
+        default=f"unix:{default_socket()}",
+        help="the daemon (to skip chunks already stored and count the rest)",
+    )
+    ingest.add_argument("--token", default=None)
+    ingest.add_argument("--separator", default="##", help="as the connector's (default ##)")
+    ingest.add_argument("--isolation", choices=["sys", "none"], default="sys")
+    ingest.add_argument(
+        "--dtype", default="float32", help="the KV cache dtype vLLM runs with (default float32)"
+    )
+    ingest.add_argument("--batch-size", type=int, default=8, help="chunks per request (8)")
+    ingest.add_argument("--quiet", action="store_true", help="no progress bar")
+    ingest.set_defaults(func=_ingest)
 
     health = commands.add_parser(
         "health",

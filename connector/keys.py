@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from chunkstore.keys import KVLayout, model_fingerprint, segment_keys, weights_digest
+from chunkstore.fingerprint import fingerprint
+from chunkstore.keys import KVLayout, segment_keys
 from chunkstore.rope import RotaryConfig
 from chunkstore.segments import Segment, SegmentKind, split_prompt
 
@@ -34,19 +34,11 @@ class ModelKeys:
     @classmethod
     def from_vllm(cls, vllm_config: Any, config: ConnectorConfig) -> ModelKeys:
         model_config = vllm_config.model_config
-        hf = model_config.hf_config
-        rotary = RotaryConfig.from_hf_config(hf)
         kv_dtype = str(model_config.dtype).removeprefix("torch.")
         cache_dtype = vllm_config.cache_config.cache_dtype
         if cache_dtype not in ("auto", None):
             kv_dtype = str(cache_dtype)
-        model_path = Path(model_config.model)
-        weights = weights_digest(model_path) if model_path.is_dir() else model_config.model
-        layout = KVLayout(
-            num_layers=hf.num_hidden_layers,
-            num_kv_heads=getattr(hf, "num_key_value_heads", hf.num_attention_heads),
-            head_dim=rotary.head_dim,
-        )
+        fp = fingerprint(model_config.hf_config, model_config.model, kv_dtype)
         if isinstance(config.separator, str):
             from transformers import AutoTokenizer
 
@@ -54,15 +46,7 @@ class ModelKeys:
             separator = list(tokenizer.encode(config.separator, add_special_tokens=False))
         else:
             separator = [int(t) for t in config.separator]
-        return cls(
-            model_fingerprint(weights, kv_dtype, rotary),
-            layout.fingerprint(),
-            rotary,
-            layout,
-            kv_dtype,
-            separator,
-            config,
-        )
+        return cls(fp.model_fp, fp.layout_fp, fp.rotary, fp.layout, kv_dtype, separator, config)
 
     def plan(self, token_ids: list[int]) -> list[SegmentPlan]:
         """The cacheable segments of a prompt (sys and chunks), with their keys, in order."""

@@ -135,3 +135,28 @@ def test_bench_store_json(tmp_path: Path) -> None:
     assert read["bytes"] == 2 * 2 * 64 * 3 * 64 * 4
     for figure in ("shm_vs_memcpy", "shm_vs_redis", "shm_vs_grpc"):
         assert read[figure] > 0
+
+
+def test_bench_e2e_json_on_the_tiny_model() -> None:
+    run = chunkstore(
+        "bench",
+        "e2e",
+        "--json",
+        "--model",
+        "tiny",
+        "--chunks",
+        "3",
+        "--chunk-tokens",
+        "64",
+        "--repeats",
+        "2",
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    [row] = [json.loads(line) for line in run.stdout.splitlines()]
+    assert row["bench"] == "e2e" and row["chunks"] == 3
+    # With every chunk stored, everything but the question came from chunkstore; vLLM's own
+    # prefix cache could reuse at most the part before the first reordered chunk.
+    assert row["chunkstore_cached_tokens"] >= 3 * 64
+    assert row["prefix_cache_cached_tokens"] < row["chunkstore_cached_tokens"]
+    for figure in ("ttft_speedup", "full_miss_cost", "baseline_ttft_s"):
+        assert row[figure] > 0

