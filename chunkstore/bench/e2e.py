@@ -123,6 +123,7 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         "chunkstore_ttft_s": round(ttft(hits), 4),
         "chunkstore_cached_tokens": min(r["cached_tokens"] for r in hits),
         "full_miss_ttft_s": round(full_miss["seconds"], 4),
+        "full_miss_cached_tokens": full_miss["cached_tokens"],
         "ttft_speedup": round(ttft(baseline) / ttft(hits), 2),
         "prefix_cache_speedup": round(ttft(baseline) / ttft(prefix), 2),
         "full_miss_cost": round(full_miss["seconds"] / ttft(baseline), 3),

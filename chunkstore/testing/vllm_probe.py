@@ -114,7 +114,15 @@ def run_probe(
     if connector is not None:
         (workdir / "connector.json").write_text(json.dumps(connector))
         command += ["--connector", str(workdir / "connector.json")]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    # vLLM reserves one more core for the scheduler when any KV connector is configured; on
+    # a 2-core machine that silently moves a connector run from one compute core to both
+    # (its fallback when nothing is left). Every run gets the same reservation, so runs
+    # with and without the connector compare like for like.
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"),
+    }
     run = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     (workdir / "vllm.log").write_text(run.stdout + run.stderr)
     results = [
