@@ -199,6 +199,18 @@ def _health(args: argparse.Namespace) -> int:
     return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
+def _add_daemon_address(parser: argparse.ArgumentParser, token: bool = True) -> None:
+    from chunkstore.config import default_socket
+
+    parser.add_argument(
+        "--address",
+        default=f"unix:{default_socket()}",
+        help="the daemon: unix:/path or host:port (default: the default socket)",
+    )
+    if token:
+        parser.add_argument("--token", default=None, help="bearer token, if the daemon has one")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="chunkstore",
@@ -230,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--cache-dir", type=Path, default=None)
     models.set_defaults(func=_models)
 
-    from chunkstore.config import add_flags, default_socket
+    from chunkstore.config import add_flags
 
     serve = commands.add_parser(
         "serve",
@@ -259,12 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     }
     for verb, text in admin_help.items():
         sub = commands.add_parser(verb, help=text, description=text)
-        sub.add_argument(
-            "--address",
-            default=f"unix:{default_socket()}",
-            help="daemon address: unix:/path or host:port (default: the default socket)",
-        )
-        sub.add_argument("--token", default=None, help="bearer token, if the daemon has one")
+        _add_daemon_address(sub)
         sub.add_argument("--json", action="store_true", help="one line of JSON")
         if verb in ("evict", "pin", "unpin"):
             sub.add_argument("keys", nargs="+", help="entry keys, hex")
@@ -298,12 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ingest.add_argument("--sys", default=None, help="the sys prompt the chunks are read under")
     ingest.add_argument("--sys-file", default=None, help="... or a file holding it")
-    ingest.add_argument(
-        "--address",
-        default=f"unix:{default_socket()}",
-        help="the daemon (to skip chunks already stored and count the rest)",
-    )
-    ingest.add_argument("--token", default=None)
+    _add_daemon_address(ingest)
     ingest.add_argument("--separator", default="##", help="as the connector's (default ##)")
     ingest.add_argument("--isolation", choices=["sys", "none"], default="sys")
     ingest.add_argument(
@@ -319,11 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Ask the daemon's standard gRPC health service; exit 0 on SERVING, 1 "
         "otherwise. Needs no token.",
     )
-    health.add_argument(
-        "--address",
-        default=f"unix:{default_socket()}",
-        help="unix:/path or host:port (default: the default socket)",
-    )
+    _add_daemon_address(health, token=False)
     health.add_argument("--service", default="", help="service name ('' = the daemon)")
     health.add_argument("--timeout", type=float, default=3.0)
     health.set_defaults(func=_health)
