@@ -3,18 +3,13 @@ SmolLM2 gives the same first-token logprobs as the HF fp32 reference on a chunke
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from transformers import AutoTokenizer
 
 from chunkstore.segments import build_chunked_prompt
 from chunkstore.testing.reference import HFReference
-from chunkstore.testing.vllm_probe import MARKER
+from chunkstore.testing.vllm_probe import run_probe
 
 
 @pytest.mark.slow
@@ -28,23 +23,7 @@ def test_vllm_first_token_logprobs_match_hf_reference(smollm2_dir, tmp_path) -> 
         tok.encode("##", add_special_tokens=False),
     )
     ids = list(prompt.token_ids)
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "chunkstore.testing.vllm_probe",
-            str(smollm2_dir),
-            ",".join(map(str, ids)),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    lines = [line for line in run.stdout.splitlines() if line.startswith(MARKER)]
-    assert run.returncode == 0 and lines, run.stderr[-3000:]
-    served = json.loads(lines[-1].removeprefix(MARKER))
+    [served] = run_probe(smollm2_dir, [ids], tmp_path)
 
     reference = HFReference.load(smollm2_dir).forward(ids, 0).logits[-1]
     logprobs = torch.log_softmax(reference.double(), dim=-1)
