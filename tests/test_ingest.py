@@ -23,7 +23,11 @@ DOCS = [
 
 def test_ingest_through_vllm_serve_then_a_rag_request_hits(tiny_model_dir, tmp_path) -> None:
     daemon = start_daemon(tmp_path / "daemon", pool_bytes=128 << 20, block_size=1 << 18)
-    server = VllmServer(tiny_model_dir, tmp_path / "vllm", {"address": daemon.unix})
+    try:
+        server = VllmServer(tiny_model_dir, tmp_path / "vllm", {"address": daemon.unix})
+    except BaseException:
+        daemon.stop()  # a server that fails to start must not leave the daemon behind
+        raise
     try:
         corpus = tmp_path / "corpus.jsonl"
         corpus.write_text("\n".join(json.dumps({"text": d}) for d in DOCS) + "\n")
