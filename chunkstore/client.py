@@ -291,11 +291,15 @@ class ChunkStoreClient:
 
     # Reads --------------------------------------------------------------------------------
 
-    def acquire(self, keys: Sequence[bytes]) -> list[LeasedEntry | None]:
-        """Leases on the keys' entries (None where absent). Release them when done."""
-        reply = self._call(
-            self.stub.Acquire, pb.AcquireRequest(session_id=self.session, keys=list(keys))
+    def acquire(
+        self, keys: Sequence[bytes], num_tokens: Sequence[int] = ()
+    ) -> list[LeasedEntry | None]:
+        """Leases on the keys' entries (None where absent). Release them when done.
+        ``num_tokens`` (one per key) makes the daemon count this as a lookup too."""
+        request = pb.AcquireRequest(
+            session_id=self.session, keys=list(keys), num_tokens=list(num_tokens)
         )
+        reply = self._call(self.stub.Acquire, request)
         return [
             LeasedEntry(
                 x.lease_id, x.key, layout_from_proto(x.layout), x.nbytes, list(x.blocks), x.checksum
@@ -305,10 +309,12 @@ class ChunkStoreClient:
             for x in reply.leases
         ]
 
-    def release(self, lease_ids: Sequence[int]) -> None:
+    def release(self, lease_ids: Sequence[int], shm_bytes_read: int = 0) -> None:
+        """End leases. ``shm_bytes_read``: bytes other clients copied out of the pool under
+        them (see ``read_into``), for the daemon's transport metrics."""
         if not lease_ids:
             return
-        shm_bytes = sum(self._shm_reads.pop(lease_id, 0) for lease_id in lease_ids)
+        shm_bytes = shm_bytes_read + sum(self._shm_reads.pop(i, 0) for i in lease_ids)
         self._call(
             self.stub.Release,
             pb.ReleaseRequest(
@@ -316,16 +322,22 @@ class ChunkStoreClient:
             ),
         )
 
-    def read_into(self, entry: LeasedEntry, out: torch.Tensor) -> None:
-        """Copy a leased entry's bytes into ``out`` (uint8, CPU, nbytes long) and check them."""
+    def read_into(self, entry: LeasedEntry, out: torch.Tensor, session: str | None = None) -> None:
+        """Copy a leased entry's bytes into ``out`` (uint8, CPU, nbytes long) and check them.
+
+        ``session``: the session holding the lease when another client took it (the vLLM
+        scheduler leases, its workers read); that client reports the shared-memory bytes
+        when it releases."""
         target = out.numpy()
         digest = xxhash.xxh3_64()
         if self.region is not None:
             gather(self.region, entry.blocks, self.block_size, target, digest)
-            self._shm_reads[entry.lease_id] = self._shm_reads.get(entry.lease_id, 0) + entry.nbytes
+            if session is None:
+                read = self._shm_reads.get(entry.lease_id, 0)
+                self._shm_reads[entry.lease_id] = read + entry.nbytes
         else:
             offset = 0
-            request = pb.ReadRequest(session_id=self.session, lease_id=entry.lease_id)
+            request = pb.ReadRequest(session_id=session or self.session, lease_id=entry.lease_id)
             try:
                 for piece in self.stub.Read(
                     request, timeout=max(self.timeout, 120.0), metadata=self.metadata

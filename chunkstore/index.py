@@ -188,6 +188,12 @@ class Index:
             self._counts["lookup_tokens"] += looked_up
             self._counts["hit_tokens"] += hit
 
+    def count_lookup(self, looked_up: int, hit: int) -> None:
+        """Chunk lookup counts for lookups made another way (an Acquire that looks up)."""
+        with self.lock:
+            self._counts["lookups"] += looked_up
+            self._counts["hits"] += hit
+
     def acquire(self, session_id: str, keys: Sequence[bytes]) -> list[tuple[Lease, Entry] | None]:
         self._check_keys(keys)
         with self.lock:

@@ -72,6 +72,14 @@ def _rpc_stream(method: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[
     return streaming
 
 
+def _token_counts(request: pb.LookupRequest | pb.AcquireRequest) -> list[int]:
+    """The optional per-key token counts of a lookup, checked against its keys."""
+    tokens = list(request.num_tokens)
+    if tokens and len(tokens) != len(request.keys):
+        raise InvalidRequest(f"{len(tokens)} token counts for {len(request.keys)} keys")
+    return tokens
+
+
 class ChunkStoreService(pb_grpc.ChunkStoreServicer):
     def __init__(
         self,
@@ -127,9 +135,7 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
     @_rpc
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupReply:
         keys = list(request.keys)
-        tokens = list(request.num_tokens)
-        if tokens and len(tokens) != len(keys):
-            raise InvalidRequest(f"{len(tokens)} token counts for {len(keys)} keys")
+        tokens = _token_counts(request)
         found = self.index.lookup(keys)
         if tokens:
             hit = sum(t for t, e in zip(tokens, found, strict=True) if e is not None)
@@ -167,8 +173,14 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
 
     @_rpc
     def Acquire(self, request: pb.AcquireRequest, context: grpc.ServicerContext) -> pb.AcquireReply:
+        tokens = _token_counts(request)
+        acquired = self.index.acquire(request.session_id, list(request.keys))
+        if tokens:
+            self.index.count_lookup(len(acquired), sum(got is not None for got in acquired))
+            hit = sum(t for t, got in zip(tokens, acquired, strict=True) if got is not None)
+            self.index.count_tokens(sum(tokens), hit)
         leases = []
-        for got in self.index.acquire(request.session_id, list(request.keys)):
+        for got in acquired:
             if got is None:
                 leases.append(pb.Lease())
                 continue

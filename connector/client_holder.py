@@ -8,7 +8,7 @@ import logging
 import time
 
 from chunkstore.client import ChunkStoreClient
-from chunkstore.errors import ChunkStoreError
+from chunkstore.errors import ChunkStoreError, StoreError, Unauthenticated, Unavailable
 
 from .config import ConnectorConfig
 
@@ -64,6 +64,14 @@ class DaemonLink:
             with contextlib.suppress(Exception):  # closing a broken channel may fail any way
                 self._client.close()
             self._client = None
+
+    def trouble(self, reason: str, err: ChunkStoreError) -> None:
+        """An operation failed. The daemon gone (or refusing us): drop the link as ``failed``
+        does. An answer about one entry (checksum, full pool, evicted): warn, keep the link."""
+        if isinstance(err, Unavailable | Unauthenticated) or type(err) is StoreError:
+            self.failed(f"{reason}: {err}")
+        else:
+            log.warning("%s: %s: %s; computing instead", self.name, reason, err)
 
     def close(self) -> None:
         if self._client is not None:

@@ -4,19 +4,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+from chunkstore.client import LeasedEntry
 
 
 @dataclass(frozen=True)
 class LoadItem:
     """Copy tokens [entry_offset, entry_offset + num_tokens) of entry ``key`` into the
     request's positions from ``actual_start``. The entry records the virtual start its keys
-    were computed at; the worker rotates them by the difference."""
+    were computed at; the worker rotates them by the difference.
+
+    The scheduler holds ``lease`` in daemon session ``session`` from its lookup until the
+    workers report the load done, so the entry cannot be evicted in between."""
 
     key: bytes
     entry_offset: int
     actual_start: int
     num_tokens: int
+    lease: LeasedEntry
+    session: str
 
 
 @dataclass(frozen=True)
@@ -40,3 +50,18 @@ class RequestPlan:
 @dataclass
 class ChunkStoreMetadata(KVConnectorMetadata):
     requests: list[RequestPlan] = field(default_factory=list)
+
+
+@dataclass
+class LoadsDone(KVConnectorWorkerMetadata):
+    """Worker -> scheduler after a step: the requests whose loads ran (so their leases can
+    go), with the bytes each copied out of the shared-memory pool (for the daemon's metrics)."""
+
+    shm_bytes: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> LoadsDone:
+        assert isinstance(other, LoadsDone)
+        merged = dict(self.shm_bytes)
+        for req_id, nbytes in other.shm_bytes.items():
+            merged[req_id] = merged.get(req_id, 0) + nbytes
+        return LoadsDone(merged)

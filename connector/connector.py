@@ -5,7 +5,7 @@
         "kv_connector_extra_config": {"address": "unix:/run/chunkstore/chunkstore.sock"}}'
 
 The scheduler side decides (``scheduler.py``), the worker side moves bytes (``worker.py``),
-``common.py`` holds what travels between them.
+``common.py`` holds what travels between them, ``metrics.py`` what they count.
 """
 
 from __future__ import annotations
@@ -18,10 +18,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
 )
 
 from .common import ChunkStoreMetadata
 from .config import ConnectorConfig
+from .metrics import ConnectorPromMetrics, ConnectorStats
 from .scheduler import SchedulerSide
 from .worker import WorkerSide
 
@@ -75,6 +81,29 @@ class ChunkStoreConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors() if self.worker else set()
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self.worker.loads_done() if self.worker else None
+
+    # Both sides ------------------------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        side = self.worker or self.scheduler
+        return side.stats.take() if side is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return ConnectorStats(dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return ConnectorPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
         for side in (self.scheduler, self.worker):
             if side is not None:
@@ -95,6 +124,10 @@ class ChunkStoreConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self.scheduler is not None
         return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_connector_output(connector_output)
 
     def request_finished(
         self, request: Any, block_ids: list[int]

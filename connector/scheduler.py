@@ -1,20 +1,26 @@
-"""Scheduler side: segment, key, one batch lookup per request; say how many tokens beyond
-vLLM's own prefix hits the store supplies; plan the loads and saves the workers carry out."""
+"""Scheduler side: segment, key, one batch lookup per request (an Acquire: the lookup takes
+the leases that keep hit entries from eviction until the workers have loaded them); say how
+many tokens beyond vLLM's own prefix hits the store supplies; plan the loads and saves the
+workers carry out; release the leases when the workers report the loads done or the request
+ends."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
+from chunkstore.client import LeasedEntry
 from chunkstore.errors import ChunkStoreError
 from chunkstore.keys import Isolation
 from chunkstore.segments import SegmentKind
 
 from .client_holder import DaemonLink
-from .common import ChunkStoreMetadata, LoadItem, RequestPlan, SaveItem
+from .common import ChunkStoreMetadata, LoadItem, LoadsDone, RequestPlan, SaveItem
 from .config import ConnectorConfig
 from .keys import ModelKeys, SegmentPlan
+from .metrics import ConnectorStats
 
 log = logging.getLogger("chunkstore.connector")
 
@@ -27,6 +33,14 @@ class Lookup:
     hit_end: int  # end of the run of stored segments from the start
 
 
+@dataclass
+class Held:
+    """Leases one request holds, in the daemon session they were taken in."""
+
+    session: str
+    leases: dict[int, LeasedEntry] = field(default_factory=dict)  # segment index -> lease
+
+
 class SchedulerSide:
     def __init__(self, vllm_config: Any, config: ConnectorConfig) -> None:
         self.config = config
@@ -34,53 +48,103 @@ class SchedulerSide:
         self.link = DaemonLink(config, "chunkstore-scheduler")
         self._lookups: dict[str, Lookup] = {}
         self._loads: dict[str, list[LoadItem]] = {}
-        self.stats = {"lookups": 0, "loaded_tokens": 0, "fallbacks": 0}
+        self._held: dict[str, Held] = {}
+        self.stats = ConnectorStats()
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        """Lease every stored segment (one batch call); keep the leases of the hit run past
+        vLLM's own prefix hits, which the workers will load."""
+        req_id = request.request_id
+        self._release(req_id)  # asked again: the request was not scheduled last time
         tokens = list(request.prompt_token_ids or [])
         segments = [
             s for s in self.keys.plan(tokens) if len(s.segment) >= self.config.min_chunk_tokens
         ]
         if not segments:
             return 0
-        present = self._lookup(segments)
+        held = self._acquire(segments)
         hit_end = 0
-        for plan, found in zip(segments, present, strict=True):
-            if not found or plan.segment.start != hit_end:
+        for index, plan in enumerate(segments):
+            if index not in held.leases or plan.segment.start != hit_end:
                 break
             hit_end = plan.segment.end
         hit_end = min(hit_end, len(tokens) - 1)  # vLLM must compute at least the last token
-        self._lookups[request.request_id] = Lookup(segments, present, num_computed_tokens, hit_end)
+        present = [index in held.leases for index in range(len(segments))]
+        self._lookups[req_id] = Lookup(segments, present, num_computed_tokens, hit_end)
+        self._held[req_id] = held
+        self._keep(
+            req_id,
+            lambda i: (
+                segments[i].segment.start < hit_end
+                and segments[i].segment.end > num_computed_tokens
+            ),
+        )
         return max(0, hit_end - num_computed_tokens)
 
-    def _lookup(self, segments: list[SegmentPlan]) -> list[bool]:
+    def _acquire(self, segments: list[SegmentPlan]) -> Held:
         client = self.link.get()
         if client is None:
-            self.stats["fallbacks"] += 1
-            return [False] * len(segments)
+            self.stats.add("daemon_unreachable")
+            return Held("")
         try:
-            found = client.lookup(
+            entries = client.acquire(
                 [s.key for s in segments], num_tokens=[len(s.segment) for s in segments]
             )
         except ChunkStoreError as err:
-            self.link.failed(f"lookup failed: {err}")
-            self.stats["fallbacks"] += 1
-            return [False] * len(segments)
-        self.stats["lookups"] += 1
-        return [n is not None for n in found]
+            self.link.trouble("lookup", err)
+            self.stats.add("daemon_unreachable")
+            return Held("")
+        self.stats.add("lookups")
+        self.stats.add("lookup_tokens", sum(len(s.segment) for s in segments))
+        leases = {i: entry for i, entry in enumerate(entries) if entry is not None}
+        return Held(client.session, leases)
+
+    def _keep(self, req_id: str, wanted: Callable[[int], bool]) -> None:
+        """Release the request's leases on segments ``wanted`` rejects."""
+        held = self._held.get(req_id)
+        if held is None:
+            return
+        dropped = {i: lease for i, lease in held.leases.items() if not wanted(i)}
+        for index in dropped:
+            del held.leases[index]
+        self._release_leases(held.session, list(dropped.values()))
+
+    def _release(self, req_id: str, shm_bytes_read: int = 0) -> None:
+        held = self._held.pop(req_id, None)
+        if held is not None:
+            self._release_leases(held.session, list(held.leases.values()), shm_bytes_read)
+
+    def _release_leases(
+        self, session: str, leases: list[LeasedEntry], shm_bytes_read: int = 0
+    ) -> None:
+        client = self.link.get()
+        if not leases or client is None or client.session != session:
+            return  # leases of a session that ended went with it
+        try:
+            client.release([lease.lease_id for lease in leases], shm_bytes_read)
+        except ChunkStoreError as err:
+            self.link.trouble("release", err)
 
     def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
-        lookup = self._lookups.get(request.request_id)
-        if lookup is None or num_external_tokens <= 0:
+        req_id = request.request_id
+        lookup = self._lookups.get(req_id)
+        held = self._held.get(req_id)
+        if lookup is None or held is None or num_external_tokens <= 0:
+            self._release(req_id)
             return
         start, end = lookup.local_computed, lookup.local_computed + num_external_tokens
         loads = []
-        for plan in lookup.segments:
+        for index, plan in enumerate(lookup.segments):
             lo, hi = max(plan.segment.start, start), min(plan.segment.end, end)
-            if hi > lo:
-                loads.append(LoadItem(plan.key, lo - plan.segment.start, lo, hi - lo))
-        self._loads[request.request_id] = loads
-        self.stats["loaded_tokens"] += num_external_tokens
+            lease = held.leases.get(index)
+            if hi > lo and lease is not None:
+                loads.append(
+                    LoadItem(plan.key, lo - plan.segment.start, lo, hi - lo, lease, held.session)
+                )
+        loaded = {item.key for item in loads}
+        self._keep(req_id, lambda i: lookup.segments[i].key in loaded)
+        self._loads[req_id] = loads
+        self.stats.add("hit_tokens", num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> ChunkStoreMetadata:
         meta = ChunkStoreMetadata()
@@ -94,6 +158,13 @@ class SchedulerSide:
             if plan.loads or plan.saves:
                 meta.requests.append(plan)
         return meta
+
+    def update_connector_output(self, output: Any) -> None:
+        """The workers ran these requests' loads: their leases can go."""
+        done = output.kv_connector_worker_meta
+        if isinstance(done, LoadsDone):
+            for req_id, shm_bytes in done.shm_bytes.items():
+                self._release(req_id, shm_bytes)
 
     def _saves(self, lookup: Lookup, computed_end: int) -> list[SaveItem]:
         """Segments vLLM computed under exactly their isolation context, not stored yet: sys
@@ -114,8 +185,11 @@ class SchedulerSide:
         return saves
 
     def request_finished(self, request: Any) -> None:
+        self._release(request.request_id)
         self._lookups.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
 
     def shutdown(self) -> None:
+        for req_id in list(self._held):
+            self._release(req_id)
         self.link.close()

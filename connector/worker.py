@@ -14,24 +14,31 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from typing import Any
 
 import torch
 
+from chunkstore.client import ChunkStoreClient
 from chunkstore.entry import tensors_of
 from chunkstore.errors import ChunkStoreError
 from chunkstore.rope import RotaryConfig, remap_keys
 
 from .client_holder import DaemonLink
-from .common import ChunkStoreMetadata, LoadItem, RequestPlan, SaveItem
+from .common import ChunkStoreMetadata, LoadItem, LoadsDone, RequestPlan, SaveItem
 from .config import ConnectorConfig
 from .keys import ModelKeys
+from .metrics import ConnectorStats
 
 log = logging.getLogger("chunkstore.connector")
 
 
-class LoadFailed(Exception):
-    pass
+class LoadFailed(ChunkStoreError):
+    """This load cannot be done; the tokens are computed instead."""
+
+
+class DaemonDown(LoadFailed):
+    """The link is down (it warned when it went down)."""
 
 
 def _layer_index(name: str) -> int:
@@ -50,12 +57,8 @@ class WorkerSide:
         self.layers: list[tuple[str, torch.Tensor]] = []
         self.can_read_cache = False
         self._failed_blocks: set[int] = set()
-        self.stats = {
-            "loaded_tokens": 0,
-            "load_failures": 0,
-            "saved_segments": 0,
-            "save_failures": 0,
-        }
+        self._done = LoadsDone()
+        self.stats = ConnectorStats()
 
     # Set-up --------------------------------------------------------------------------------
 
@@ -155,33 +158,38 @@ class WorkerSide:
     # Loads ----------------------------------------------------------------------------------
 
     def start_load_kv(self, metadata: ChunkStoreMetadata) -> None:
+        began = time.perf_counter()
         for plan in metadata.requests:
+            if not plan.loads:
+                continue
+            shm_bytes = 0
             for item in plan.loads:
                 try:
-                    self._load(plan, item)
-                    self.stats["loaded_tokens"] += item.num_tokens
-                except (LoadFailed, ChunkStoreError) as err:
-                    self.stats["load_failures"] += 1
-                    self.link.failed(f"load of {item.key.hex()[:12]} failed: {err}")
+                    shm_bytes += self._load(plan, item)
+                    self.stats.add("loaded_tokens", item.num_tokens)
+                except ChunkStoreError as err:
+                    self.stats.add("load_failures")
+                    if not isinstance(err, DaemonDown):
+                        self.link.trouble(f"load of {item.key.hex()[:12]}", err)
                     slots = self._slots(plan, item.actual_start, item.num_tokens)
                     self._failed_blocks.update(
                         int(b) for b in torch.unique(slots // self.block_size)
                     )
+            self._done.shm_bytes[plan.req_id] = shm_bytes
+        if metadata.requests:
+            self.stats.add("load_seconds", time.perf_counter() - began)
 
-    def _load(self, plan: RequestPlan, item: LoadItem) -> None:
+    def _load(self, plan: RequestPlan, item: LoadItem) -> int:
+        """Copy one leased entry into the cache; returns the bytes read through shared memory."""
         if not self.layers:
             raise LoadFailed("no usable KV cache layout")
         client = self.link.get()
         if client is None:
-            raise LoadFailed("daemon unreachable")
-        [entry] = client.acquire([item.key])
-        if entry is None:
-            raise LoadFailed("entry gone (evicted since the lookup)")
-        try:
-            buffer = torch.empty(entry.nbytes, dtype=torch.uint8)
-            client.read_into(entry, buffer)  # raises ChecksumMismatch on bad bytes
-        finally:
-            client.release([entry.lease_id])
+            raise DaemonDown("daemon unreachable")
+        entry = item.lease
+        buffer = torch.empty(entry.nbytes, dtype=torch.uint8)
+        # The scheduler's lease keeps the blocks; the checksum catches any torn read.
+        client.read_into(entry, buffer, session=item.session)
         layout, want = entry.layout, self.keys.layout
         if (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype) != (
             want.num_layers,
@@ -201,6 +209,7 @@ class WorkerSide:
             if delta:
                 k = remap_keys(k, delta, self.rotary)
             self._write(name, cache, k, values[layer, rows, heads], slots)
+        return entry.nbytes if client.transport == "shm" else 0
 
     def _local_heads(self, total: int) -> slice:
         """The KV heads this tensor-parallel rank holds."""
@@ -216,26 +225,37 @@ class WorkerSide:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
+    def loads_done(self) -> LoadsDone | None:
+        """The requests whose loads ran this step, for the scheduler to release their leases."""
+        done, self._done = self._done, LoadsDone()
+        return done if done.shm_bytes else None
+
     # Saves ----------------------------------------------------------------------------------
 
     def wait_for_save(self, metadata: ChunkStoreMetadata) -> None:
         if not self.can_read_cache:
             return
-        for plan in metadata.requests:
-            for item in plan.saves:
-                try:
-                    self._save(plan, item)
-                    self.stats["saved_segments"] += 1
-                except ChunkStoreError as err:
-                    self.stats["save_failures"] += 1
-                    self.link.failed(f"save of {item.key.hex()[:12]} failed: {err}")
-
-    def _save(self, plan: RequestPlan, item: SaveItem) -> None:
-        client = self.link.get()
-        if client is None:
-            return
         if self.layers[0][1].shape[1] != self.keys.layout.num_kv_heads:
             return  # a tensor-parallel rank holds only some heads: entries need them all
+        began = time.perf_counter()
+        saved = False
+        for plan in metadata.requests:
+            for item in plan.saves:
+                client = self.link.get()
+                if client is None:
+                    return
+                try:
+                    self._save(client, plan, item)
+                    self.stats.add("saved_segments")
+                    self.stats.add("saved_tokens", item.num_tokens)
+                    saved = True
+                except ChunkStoreError as err:
+                    self.stats.add("save_failures")
+                    self.link.trouble(f"save of {item.key.hex()[:12]}", err)
+        if saved:
+            self.stats.add("save_seconds", time.perf_counter() - began)
+
+    def _save(self, client: ChunkStoreClient, plan: RequestPlan, item: SaveItem) -> None:
         slots = self._slots(plan, item.start, item.num_tokens)
         pairs = [self._read(cache, slots) for _, cache in self.layers]
         keys = torch.stack([k for k, _ in pairs])

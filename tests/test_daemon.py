@@ -16,7 +16,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from chunkstore.client import ChunkStoreClient
-from chunkstore.entry import layout_of
+from chunkstore.entry import layout_of, tensors_of
 from chunkstore.errors import (
     AlreadyExists,
     ChecksumMismatch,
@@ -307,19 +307,30 @@ def test_metrics_move_exactly_as_the_operations(daemon: RunningDaemon) -> None:
         client.lookup([key(1), key(2), key(3)], num_tokens=[10, 20, 30])
         client.lookup([key(3)], num_tokens=[30])
         client.get(key(1))
+        # An Acquire that looks up (the connector's scheduler); other clients read under its
+        # lease, through shared memory and through the stream, and it reports their bytes.
+        lease, missing = client.acquire([key(1), key(3)], num_tokens=[10, 30])
+        assert lease is not None and missing is None
+        for transport in ("shm", "stream"):
+            with ChunkStoreClient(daemon.unix, transport=transport) as reader:
+                buffer = torch.empty(lease.nbytes, dtype=torch.uint8)
+                reader.read_into(lease, buffer, session=client.session)
+                assert torch.equal(tensors_of(buffer, lease.layout)[0], k)
+        client.release([lease.lease_id], shm_bytes_read=lease.nbytes)
         client.evict([key(2)])
         with pytest.raises(InvalidRequest):
             client.lookup([b"bad"])
         after = scrape(daemon)
     delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
     nbytes = 2 * k.numel() * 4
-    assert delta["chunkstore_lookup_chunks_total"] == 4
-    assert delta["chunkstore_hit_chunks_total"] == 2
-    assert delta["chunkstore_lookup_tokens_total"] == 90
-    assert delta["chunkstore_hit_tokens_total"] == 30
+    assert delta["chunkstore_lookup_chunks_total"] == 4 + 2
+    assert delta["chunkstore_hit_chunks_total"] == 2 + 1
+    assert delta["chunkstore_lookup_tokens_total"] == 90 + 40
+    assert delta["chunkstore_hit_tokens_total"] == 30 + 10
+    assert delta['chunkstore_bytes_total{direction="read",transport="grpc"}'] == nbytes
     assert delta['chunkstore_evictions_total{reason="admin"}'] == 1
     assert delta['chunkstore_bytes_total{direction="write",transport="shm"}'] == nbytes * 3
-    assert delta['chunkstore_bytes_total{direction="read",transport="shm"}'] == nbytes
+    assert delta['chunkstore_bytes_total{direction="read",transport="shm"}'] == 2 * nbytes
     assert after["chunkstore_entries"] == 1
     assert after["chunkstore_pool_bytes_used"] == 65536  # one 64 KiB block holds key(1)
     assert after["chunkstore_pool_bytes_capacity"] == 64 << 20

@@ -129,12 +129,14 @@ class AbortReply(_message.Message):
     def __init__(self) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("session_id", "keys")
+    __slots__ = ("session_id", "keys", "num_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Lease(_message.Message):
     __slots__ = ("lease_id", "key", "layout", "nbytes", "blocks", "checksum")

@@ -1,0 +1,93 @@
+"""The connector's metrics, exported the way vLLM exports connector metrics: each side counts
+into a ``ConnectorStats``; vLLM collects it every step (``get_kv_connector_stats``), sums the
+workers' and the scheduler's, logs it and feeds ``ConnectorPromMetrics``, which shows it on
+vLLM's own ``/metrics`` as ``vllm:chunkstore_*_total`` counters.
+
+Counts are per tensor-parallel rank for the worker fields (each rank loads its own heads).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+# field -> help text; every field is a running sum, exported as vllm:chunkstore_<field>_total.
+FIELDS = {
+    # Scheduler side.
+    "lookups": "Requests looked up in the store.",
+    "lookup_tokens": "Prompt tokens in the segments looked up.",
+    "hit_tokens": "Tokens the store supplies beyond vLLM's own prefix cache.",
+    "daemon_unreachable": "Lookups skipped because the daemon could not be reached (computed).",
+    # Worker side.
+    "loaded_tokens": "Tokens copied from the store into vLLM's KV cache.",
+    "load_failures": "Loads that failed and were computed instead (daemon, lease, checksum).",
+    "load_seconds": "Time spent loading, remap and cache writes included.",
+    "saved_segments": "Segments stored after vLLM computed them under their isolation context.",
+    "saved_tokens": "Tokens stored.",
+    "save_failures": "Saves that failed (the request is unaffected).",
+    "save_seconds": "Time spent saving.",
+}
+
+
+@dataclass
+class ConnectorStats(KVConnectorStats):
+    def __post_init__(self) -> None:
+        for name in FIELDS:
+            self.data.setdefault(name, 0)
+
+    def add(self, name: str, amount: float = 1) -> None:
+        self.data[name] += amount
+
+    def reset(self) -> None:
+        self.data = dict.fromkeys(FIELDS, 0)
+
+    def take(self) -> ConnectorStats | None:
+        """What was counted since the last call (None if nothing), and start again."""
+        if self.is_empty():
+            return None
+        taken = ConnectorStats(dict(self.data))
+        self.reset()
+        return taken
+
+    def aggregate(self, other: KVConnectorStats) -> ConnectorStats:
+        for name, value in other.data.items():
+            if name in FIELDS:
+                self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {name: self.data[name] for name in FIELDS}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(name) for name in FIELDS)
+
+
+class ConnectorPromMetrics(KVConnectorPromMetrics):
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[str, Any] = {
+            name: self._counter_cls(
+                name=f"vllm:chunkstore_{name}",  # prometheus_client appends _total
+                documentation=text,
+                labelnames=labelnames,
+            )
+            for name, text in FIELDS.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        for name, counter in self._counters.items():
+            value = transfer_stats_data.get(name, 0)
+            if value:
+                counter.labels(*labels).inc(value)
