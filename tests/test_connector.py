@@ -8,6 +8,7 @@ logprobs must match the assembled-cache reference (HF transformers, fp32) within
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
@@ -163,9 +164,57 @@ def test_requests_complete_as_without_the_connector_when_the_daemon_fails(
         extra=("--kill-pid", str(daemon.process.pid), "--kill-before", "1"),
     )
     for served in (corrupted, killed):
-        assert served["token"] == plain["token"]
-        for token, logprob in plain["logprobs"].items():
-            assert served["logprobs"][token] == pytest.approx(logprob, abs=1e-4)
+        assert_same_output(served, plain)
+
+
+@pytest.mark.parametrize(("dies_on", "transport"), [("Read", "stream"), ("Release", "shm")])
+def test_a_daemon_killed_in_the_middle_of_a_request(
+    dies_on, transport, tiny_model_dir, tmp_path
+) -> None:
+    """The daemon is SIGKILLed while a RAG request holds leases on it. Over the gRPC stream
+    it dies as the worker reads: the load fails, vLLM computes those blocks. Over shared
+    memory the worker has copied the leased, checksummed bytes when it dies (at the lease's
+    release): the request is served from the store, exactly. Either way the request
+    completes correctly, and the next one is computed."""
+    s = Scenario(tiny_model_dir)
+    ingest = [s.prompt(SYS, [doc], None) for doc in DOCS]
+    rag = s.prompt(SYS, DOCS[::-1], QUESTIONS[0])
+    [plain] = run_vllm(tiny_model_dir, [list(rag.token_ids)], tmp_path / "plain")
+    armed = tmp_path / "armed"
+    daemon = start_daemon(
+        tmp_path / "daemon",
+        pool_bytes=256 << 20,
+        block_size=1 << 18,
+        launcher=("chunkstore.testing.dying_daemon", "--die-on", dies_on, "--armed-by", str(armed)),
+    )
+    try:
+        results = run_vllm(
+            tiny_model_dir,
+            [*(list(p.token_ids) for p in ingest), list(rag.token_ids), list(rag.token_ids)],
+            tmp_path / "run",
+            {"address": daemon.unix, "transport": transport},
+            extra=("--touch", str(armed), "--touch-before", str(len(ingest))),
+        )
+        # It died on the armed call, which only the RAG request's load makes.
+        assert daemon.process.wait(timeout=30) == -signal.SIGKILL
+        assert f"SIGKILL on {dies_on}" in daemon.log()
+    finally:
+        daemon.stop()
+    during, after = results[-2:]
+    assert_same_output(after, plain)
+    if dies_on == "Read":
+        assert_same_output(during, plain)
+    else:
+        assert during["cached_tokens"] == rag.segments[-1].start
+        reference = HFReference.load(tiny_model_dir).assembled_cache(rag.segments, Isolation.SYS)
+        assert_logprobs_match(during, reference.logits[-1])
+
+
+def assert_same_output(served: dict, plain: dict) -> None:
+    """The first token and its top logprobs as a connector-less vLLM gives them."""
+    assert served["token"] == plain["token"]
+    for token, logprob in plain["logprobs"].items():
+        assert served["logprobs"][token] == pytest.approx(logprob, abs=1e-4)
 
 
 def corrupt_sys_entry(daemon: RunningDaemon, model: Path, sys_tokens: list[int]) -> None:

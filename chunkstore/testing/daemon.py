@@ -53,12 +53,15 @@ def start_daemon(
     pool_bytes: int = 64 << 20,
     block_size: int = 1 << 16,
     timeout: float = 60.0,
+    launcher: tuple[str, ...] = ("chunkstore.cli",),
 ) -> RunningDaemon:
+    """``launcher``: the module (and its own flags) that runs ``serve``, e.g.
+    ``("chunkstore.testing.dying_daemon", "--die-on", "Read", "--armed-by", path)``."""
     workdir.mkdir(parents=True, exist_ok=True)
     command = [
         sys.executable,
         "-m",
-        "chunkstore.cli",
+        *launcher,
         "serve",
         "--socket",
         str(workdir / "chunkstore.sock"),

@@ -41,6 +41,8 @@ def main() -> None:
         help="SIGKILL this process (a daemon) before prompt --kill-before",
     )
     parser.add_argument("--kill-before", type=int, default=-1)
+    parser.add_argument("--touch", default="", help="create this file before prompt --touch-before")
+    parser.add_argument("--touch-before", type=int, default=-1)
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -67,6 +69,8 @@ def main() -> None:
     for index, ids in enumerate(json.loads(Path(args.prompts).read_text())):
         if args.kill_pid and index == args.kill_before:
             os.kill(args.kill_pid, signal.SIGKILL)
+        if args.touch and index == args.touch_before:
+            Path(args.touch).touch()
         began = time.perf_counter()
         prompt: Any = {"prompt_token_ids": ids}
         output = llm.generate([prompt], params, use_tqdm=False)[0]
