@@ -84,6 +84,11 @@ class ConnectorPromMetrics(KVConnectorPromMetrics):
             )
             for name, text in FIELDS.items()
         }
+        # Every series exists from the start (at 0), so rates and alerts on failures that
+        # have not happened yet read 0, not "no data".
+        for labels in per_engine_labelvalues.values():
+            for counter in self._counters.values():
+                counter.labels(*labels)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]

@@ -5,13 +5,23 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
+import urllib.request
 
 from transformers import AutoTokenizer
 
 from chunkstore.client import ChunkStoreClient
 from chunkstore.segments import build_chunked_prompt
 from chunkstore.testing.daemon import start_daemon
+from chunkstore.testing.prometheus import (
+    PrometheusServer,
+    about_the_connector,
+    concrete,
+    dashboard_queries,
+    rule_problem,
+)
 from chunkstore.testing.vllm_server import VllmServer
+from chunkstore_vllm.metrics import FIELDS
 
 SYS = "Answer from the documents."
 DOCS = [
@@ -75,12 +85,81 @@ def test_ingest_through_vllm_serve_then_a_rag_request_hits(tiny_model_dir, tmp_p
             return list(tok.encode(text, add_special_tokens=False))
 
         rag = build_chunked_prompt(encode, SYS, DOCS[::-1], "Which river?", encode("##"))
+        # The connector's own counters, on vLLM's /metrics: sys and the three chunks saved
+        # by the first ingest, sys loaded by its 2nd and 3rd request, nothing failed.
+        ingested = wait_for_counters(server.url, {"saved_segments": 4})
+        assert ingested["load_failures"] == ingested["save_failures"] == 0
+        assert ingested["loaded_tokens"] == ingested["hit_tokens"] > 0
         with ChunkStoreClient(daemon.unix) as client:
             before = client.stats().hit_tokens
             reply = server.complete(list(rag.token_ids))
             assert reply["choices"][0]["text"] is not None
             # Every segment but the question was found and loaded.
-            assert client.stats().hit_tokens - before == rag.segments[-1].start
+            loaded = rag.segments[-1].start
+            assert client.stats().hit_tokens - before == loaded
+        expected = ingested["loaded_tokens"] + loaded
+        after = wait_for_counters(server.url, {"loaded_tokens": expected, "hit_tokens": expected})
+        assert after["lookups"] == ingested["lookups"] + 1
+        assert after["load_seconds"] > ingested["load_seconds"]
+        check_connector_dashboard_and_rules(tmp_path, server, daemon, encode, rag)
     finally:
         server.stop()
         daemon.stop()
+
+
+def chunkstore_counters(url: str) -> dict[str, float]:
+    """vllm:chunkstore_*_total from vLLM's /metrics, summed over label sets."""
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    found = dict.fromkeys(FIELDS, 0.0)
+    for line in text.splitlines():
+        name = line.partition("{")[0]
+        if name.startswith("vllm:chunkstore_") and name.endswith("_total"):
+            short = name.removeprefix("vllm:chunkstore_").removesuffix("_total")
+            found[short] += float(line.rsplit(" ", 1)[-1])
+    return found
+
+
+def wait_for_counters(url: str, want: dict[str, float], timeout: float = 30.0) -> dict[str, float]:
+    """vLLM's front end records engine stats as they arrive: wait until ``want`` shows."""
+    deadline = time.monotonic() + timeout
+    while True:
+        counters = chunkstore_counters(url)
+        if all(counters[k] == v for k, v in want.items()) or time.monotonic() > deadline:
+            assert {k: counters[k] for k in want} == want, counters
+            return counters
+        time.sleep(0.5)
+
+
+def check_connector_dashboard_and_rules(tmp_path, server, daemon, encode, rag) -> None:
+    """A real Prometheus scrapes this vLLM server and the daemon with the project's config:
+    the dashboard's connector panels and the connector rules return series."""
+    prometheus = PrometheusServer(
+        tmp_path / "prometheus",
+        [daemon.ready["metrics"]],
+        vllm_targets=[server.url.removeprefix("http://")],
+    )
+    try:
+        deadline = time.monotonic() + 60
+        connector_panels = [(t, e) for t, e in dashboard_queries() if about_the_connector(e)]
+        assert len(connector_panels) >= 5
+        while True:
+            server.complete(list(rag.token_ids))  # traffic, so rates are not empty
+            empty = [t for t, e in connector_panels if not prometheus.query(concrete(e))]
+            rules = [
+                r
+                for g in prometheus.api("rules")["groups"]
+                for r in g["rules"]
+                if about_the_connector(r["query"])
+            ]
+            problems = [p for p in (rule_problem(prometheus, r) for r in rules) if p]
+            if not (empty or problems) or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert not empty, f"connector panels with no series: {empty}"
+        assert len(rules) >= 3 and not problems, problems
+        models = prometheus.api(
+            "label/model_name/values", **{"match[]": "vllm:chunkstore_lookups_total"}
+        )
+        assert models == [str(server.model)]
+    finally:
+        prometheus.stop()

@@ -4,6 +4,7 @@ the project's rule files, for tests."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import time
@@ -17,10 +18,54 @@ import yaml
 from chunkstore.testing.redis import free_port
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
+DASHBOARD = DEPLOY.parent / "grafana" / "dashboards" / "chunkstore.json"
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    """(panel title, PromQL) for every target of the Grafana dashboard."""
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    return [(p["title"], t["expr"]) for p in panels for t in p.get("targets", [])]
+
+
+def concrete(expr: str) -> str:
+    """Grafana's variables as an 'All' selection would fill them in."""
+    for variable in ("$node", "$instance", "$model_name"):
+        expr = expr.replace(variable, ".*")
+    return expr.replace("$__rate_interval", "30s")
+
+
+def about_the_connector(expr: str) -> bool:
+    """Panels and rules on vLLM's vllm:chunkstore_* series (scraped from a vLLM server)."""
+    return "vllm:" in expr or "connector" in expr
+
+
+def rule_problem(prometheus: PrometheusServer, rule: dict[str, Any]) -> str | None:
+    """Why a loaded rule (from Prometheus's rules API) is not sound, or None. A recording
+    rule must record series; an alert must compare one existing signal with a threshold
+    and carry a runbook."""
+    if rule["health"] != "ok":
+        return f"{rule['name']}: {rule.get('lastError')}"
+    if rule["type"] == "recording":
+        return None if prometheus.query(rule["name"]) else f"{rule['name']} records nothing"
+    match = re.fullmatch(r"\s*(\S+)\s*(<|>|<=|>=|==|!=)\s*[0-9.e+-]+\s*", rule["query"])
+    if match is None:
+        return f"alert {rule['name']} is not 'signal <op> threshold'"
+    if not prometheus.query(match.group(1)):
+        return f"{rule['name']}: no {match.group(1)}"
+    if not rule["annotations"].get("runbook"):
+        return f"{rule['name']} has no runbook"
+    return None
 
 
 class PrometheusServer:
-    def __init__(self, workdir: Path, targets: list[str], interval: str = "1s") -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        targets: list[str],
+        interval: str = "1s",
+        vllm_targets: list[str] | None = None,
+    ) -> None:
+        """``targets``: daemons' metrics addresses; ``vllm_targets``: vLLM servers'."""
         binary = shutil.which("prometheus")
         if binary is None:
             raise FileNotFoundError(
@@ -31,7 +76,8 @@ class PrometheusServer:
         config["global"] = {"scrape_interval": interval, "evaluation_interval": interval}
         config["rule_files"] = [str(DEPLOY / f) for f in config["rule_files"]]
         config["scrape_configs"] = [
-            {"job_name": "chunkstore", "static_configs": [{"targets": targets}]}
+            {"job_name": "chunkstore", "static_configs": [{"targets": targets}]},
+            {"job_name": "vllm", "static_configs": [{"targets": vllm_targets or []}]},
         ]
         self.config_file = workdir / "prometheus.yml"
         self.config_file.write_text(yaml.safe_dump(config))
