@@ -27,10 +27,14 @@ log = logging.getLogger("chunkstore.connector")
 
 @dataclass
 class Lookup:
+    """One request's lookup, and what the scheduler learns of it step by step."""
+
     segments: list[SegmentPlan]
     present: list[bool]
     local_computed: int  # tokens vLLM's own prefix cache had
     hit_end: int  # end of the run of stored segments from the start
+    block_ids: list[int] = field(default_factory=list)  # its block table, once scheduled
+    saving: set[int] = field(default_factory=set)  # segments whose save is planned
 
 
 @dataclass
@@ -147,17 +151,42 @@ class SchedulerSide:
         self.stats.add("hit_tokens", num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> ChunkStoreMetadata:
+        """Each scheduled request's loads (first step, or the step that resumes it after a
+        preemption) and the saves of segments this step completes: with chunked prefill a
+        segment is saved in the step that computes its last token, read whole from the
+        cache."""
         meta = ChunkStoreMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            plan = RequestPlan(new.req_id, list(new.block_ids[0]))
-            plan.loads = self._loads.pop(new.req_id, [])
-            lookup = self._lookups.get(new.req_id)
-            if self.config.save and lookup is not None:
-                scheduled = scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
-                plan.saves = self._saves(lookup, new.num_computed_tokens + scheduled)
-            if plan.loads or plan.saves:
-                meta.requests.append(plan)
+            computed_end = new.num_computed_tokens + scheduled.get(new.req_id, 0)
+            self._plan(meta, new.req_id, list(new.block_ids[0]), True, computed_end)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            blocks = cached.new_block_ids[i]
+            computed_end = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
+            resumed = req_id in cached.resumed_req_ids
+            self._plan(meta, req_id, list(blocks[0]) if blocks else [], resumed, computed_end)
         return meta
+
+    def _plan(
+        self,
+        meta: ChunkStoreMetadata,
+        req_id: str,
+        blocks: list[int],
+        replace: bool,
+        computed_end: int,
+    ) -> None:
+        lookup = self._lookups.get(req_id)
+        if lookup is None:
+            return
+        if replace:
+            lookup.block_ids = blocks
+        else:
+            lookup.block_ids.extend(blocks)
+        loads = self._loads.pop(req_id, [])
+        saves = self._saves(lookup, computed_end) if self.config.save else []
+        if loads or saves:
+            meta.requests.append(RequestPlan(req_id, list(lookup.block_ids), loads, saves))
 
     def update_connector_output(self, output: Any) -> None:
         """The workers ran these requests' loads: their leases can go."""
@@ -180,7 +209,8 @@ class SchedulerSide:
                 and lookup.segments[0].segment.end == seg.start
                 and self.config.isolation_mode is Isolation.SYS
             )
-            if own_context and not found and seg.end <= computed_end:
+            if own_context and not found and index not in lookup.saving and seg.end <= computed_end:
+                lookup.saving.add(index)
                 saves.append(SaveItem(plan.key, seg.start, len(seg)))
         return saves
 

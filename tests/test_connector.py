@@ -113,6 +113,32 @@ def test_isolation_sys_reuses_chunks_in_any_order_exactly(
     assert stats.entries == 1 + len(DOCS) + 2  # sys, each doc; other sys and its first doc
 
 
+def test_chunked_prefill_saves_segments_computed_over_several_steps(
+    tiny_model_dir, daemon, tmp_path
+) -> None:
+    """At 8 tokens per step every segment's prefill spans several steps: each is saved in the
+    step that computes its last token (read whole from the cache), and a RAG prompt, itself
+    prefilled in pieces after its loads, is served exactly."""
+    s = Scenario(tiny_model_dir)
+    ingest = [s.prompt(SYS, [doc], None) for doc in DOCS]
+    rag = s.prompt(SYS, DOCS[::-1], QUESTIONS[1])
+    step = 8
+    assert min(len(seg) for p in ingest for seg in p.segments[:2]) > step
+    results = run_vllm(
+        tiny_model_dir,
+        [*(list(p.token_ids) for p in ingest), list(rag.token_ids)],
+        tmp_path,
+        {"address": daemon.unix},
+        extra=("--max-num-batched-tokens", str(step)),
+    )
+    with ChunkStoreClient(daemon.unix) as client:
+        assert client.stats().entries == 1 + len(DOCS)  # sys and every chunk
+    served = results[-1]
+    assert served["cached_tokens"] == rag.segments[-1].start
+    reference = HFReference.load(tiny_model_dir).assembled_cache(rag.segments, Isolation.SYS)
+    assert_logprobs_match(served, reference.logits[-1])
+
+
 @pytest.mark.parametrize("model_name", ["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
 def test_isolation_none_matches_the_dense_mask_reference(
     model_name, daemon, tmp_path, request

@@ -35,6 +35,12 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--prefix-caching", action="store_true")
     parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=0,
+        help="tokens per step (default: max-model-len); fewer splits a prompt's prefill",
+    )
+    parser.add_argument(
         "--kill-pid",
         type=int,
         default=0,
@@ -55,12 +61,14 @@ def main() -> None:
             "kv_role": "kv_both",
             "kv_connector_extra_config": json.loads(Path(args.connector).read_text()),
         }
+    batched = args.max_num_batched_tokens or args.max_model_len
     llm = LLM(
         model=args.model_dir,
         dtype="float32",
         enforce_eager=True,
         max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_model_len,
+        max_num_batched_tokens=batched,
+        max_num_seqs=min(256, batched),
         enable_prefix_caching=args.prefix_caching,
         seed=0,
         **kwargs,
