@@ -19,6 +19,7 @@ class ConnectorConfig:
     save: bool = True  # store what vLLM computed under its isolation context
     min_chunk_tokens: int = 1  # shorter segments are neither looked up nor saved
     reconnect_s: float = 10.0  # how often to retry an unreachable daemon
+    overlap_layers: bool = True  # write layer i + 1 while vLLM computes layer i
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:

@@ -65,7 +65,8 @@ class ChunkStoreConnector(KVConnectorBase_V1):
         self.worker.start_load_kv(metadata)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv loads every layer before the forward begins
+        assert self.worker is not None
+        self.worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from chunkstore.fingerprint import fingerprint
+from chunkstore.fingerprint import ModelFingerprint, fingerprint
 from chunkstore.keys import KVLayout, segment_keys
 from chunkstore.rope import RotaryConfig
 from chunkstore.segments import Segment, SegmentKind, split_prompt
@@ -30,6 +30,7 @@ class ModelKeys:
     kv_dtype: str
     separator: list[int]
     config: ConnectorConfig
+    fingerprint: ModelFingerprint
 
     @classmethod
     def from_vllm(cls, vllm_config: Any, config: ConnectorConfig) -> ModelKeys:
@@ -46,7 +47,7 @@ class ModelKeys:
             separator = list(tokenizer.encode(config.separator, add_special_tokens=False))
         else:
             separator = [int(t) for t in config.separator]
-        return cls(fp.model_fp, fp.layout_fp, fp.rotary, fp.layout, kv_dtype, separator, config)
+        return cls(fp.model_fp, fp.layout_fp, fp.rotary, fp.layout, kv_dtype, separator, config, fp)
 
     def plan(self, token_ids: list[int]) -> list[SegmentPlan]:
         """The cacheable segments of a prompt (sys and chunks), with their keys, in order."""

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -46,6 +48,66 @@ def _layer_index(name: str) -> int:
     return int(numbers[0]) if numbers else 0
 
 
+@dataclass
+class Fetched:
+    """One load, read out of the pool and checked, ready to be written layer by layer."""
+
+    plan: RequestPlan
+    item: LoadItem
+    keys: torch.Tensor  # [layers, tokens, local heads, head_dim], at the entry's positions
+    values: torch.Tensor
+    delta: int  # actual - virtual position: the rotation the keys still need
+    slots: torch.Tensor
+
+
+class LayerLoads:
+    """Writes fetched entries into vLLM's cache one layer at a time on a background thread,
+    so layer i + 1 is written while the model computes layer i; vLLM calls
+    ``wait_for_layer_load`` before each layer's attention. Without ``overlap`` every layer is
+    written here, before the forward begins."""
+
+    def __init__(self, worker: WorkerSide, fetched: list[Fetched], overlap: bool) -> None:
+        self.worker = worker
+        self.fetched = fetched
+        self.ready = [threading.Event() for _ in worker.layers]
+        self.waited: set[int] = set()
+        self.error: Exception | None = None
+        self.seconds = 0.0
+        self.thread: threading.Thread | None = None
+        if overlap:
+            self.thread = threading.Thread(target=self._run, name="chunkstore-load", daemon=True)
+            self.thread.start()
+        else:
+            self._run()
+            self.waited = set(range(len(self.ready)))
+
+    def _run(self) -> None:
+        began = time.perf_counter()
+        try:
+            for layer, ready in enumerate(self.ready):
+                for entry in self.fetched:
+                    self.worker._write_layer(entry, layer)
+                ready.set()
+        except Exception as err:  # reported by finish(); those loads are computed
+            self.error = err
+        finally:
+            self.seconds = time.perf_counter() - began
+            for ready in self.ready:
+                ready.set()  # a failure must not leave the model waiting
+
+    def wait(self, layer: int) -> None:
+        self.waited.add(layer)
+        self.ready[layer].wait()
+
+    def all_waited(self) -> bool:
+        return len(self.waited) == len(self.ready)
+
+    def finish(self) -> Exception | None:
+        if self.thread is not None:
+            self.thread.join()
+        return self.error
+
+
 class WorkerSide:
     def __init__(self, vllm_config: Any, config: ConnectorConfig) -> None:
         self.config = config
@@ -57,6 +119,8 @@ class WorkerSide:
         self.layers: list[tuple[str, torch.Tensor]] = []
         self.can_read_cache = False
         self._failed_blocks: set[int] = set()
+        self._layer_loads: LayerLoads | None = None
+        self._layer_index: dict[str, int] = {}
         self._done = LoadsDone()
         self.stats = ConnectorStats()
 
@@ -64,6 +128,7 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.layers = sorted(kv_caches.items(), key=lambda item: _layer_index(item[0]))
+        self._layer_index = {name: i for i, (name, _) in enumerate(self.layers)}
         layout = self.keys.layout
         if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for _, t in self.layers):
             log.warning(
@@ -158,29 +223,38 @@ class WorkerSide:
     # Loads ----------------------------------------------------------------------------------
 
     def start_load_kv(self, metadata: ChunkStoreMetadata) -> None:
+        """Read and check every entry now; write them into the cache layer by layer on a
+        background thread (``LayerLoads``) while the model computes, or all at once."""
         began = time.perf_counter()
+        fetched: list[Fetched] = []
         for plan in metadata.requests:
             if not plan.loads:
                 continue
             shm_bytes = 0
             for item in plan.loads:
                 try:
-                    shm_bytes += self._load(plan, item)
-                    self.stats.add("loaded_tokens", item.num_tokens)
+                    entry, nbytes = self._fetch(plan, item)
+                    fetched.append(entry)
+                    shm_bytes += nbytes
                 except ChunkStoreError as err:
-                    self.stats.add("load_failures")
                     if not isinstance(err, DaemonDown):
                         self.link.trouble(f"load of {item.key.hex()[:12]}", err)
-                    slots = self._slots(plan, item.actual_start, item.num_tokens)
-                    self._failed_blocks.update(
-                        int(b) for b in torch.unique(slots // self.block_size)
-                    )
+                    self._failed(plan, item)
             self._done.shm_bytes[plan.req_id] = shm_bytes
+        if fetched:
+            self._layer_loads = LayerLoads(self, fetched, self.config.overlap_layers)
         if metadata.requests:
             self.stats.add("load_seconds", time.perf_counter() - began)
 
-    def _load(self, plan: RequestPlan, item: LoadItem) -> int:
-        """Copy one leased entry into the cache; returns the bytes read through shared memory."""
+    def _failed(self, plan: RequestPlan, item: LoadItem) -> None:
+        """vLLM is told these blocks did not load, and computes them."""
+        self.stats.add("load_failures")
+        slots = self._slots(plan, item.actual_start, item.num_tokens)
+        self._failed_blocks.update(int(b) for b in torch.unique(slots // self.block_size))
+
+    def _fetch(self, plan: RequestPlan, item: LoadItem) -> tuple[Fetched, int]:
+        """Copy one leased entry out of the pool and check it; returns it ready to write and
+        the bytes read through shared memory."""
         if not self.layers:
             raise LoadFailed("no usable KV cache layout")
         client = self.link.get()
@@ -202,14 +276,52 @@ class WorkerSide:
         assert values is not None
         rows = slice(item.entry_offset, item.entry_offset + item.num_tokens)
         heads = self._local_heads(layout.num_kv_heads)
-        delta = item.actual_start - item.entry_offset - layout.virtual_start
-        slots = self._slots(plan, item.actual_start, item.num_tokens)
-        for layer, (name, cache) in enumerate(self.layers):
-            k = keys[layer, rows, heads]
-            if delta:
-                k = remap_keys(k, delta, self.rotary)
-            self._write(name, cache, k, values[layer, rows, heads], slots)
-        return entry.nbytes if client.transport == "shm" else 0
+        fetched = Fetched(
+            plan,
+            item,
+            keys[:, rows, heads],
+            values[:, rows, heads],
+            delta=item.actual_start - item.entry_offset - layout.virtual_start,
+            slots=self._slots(plan, item.actual_start, item.num_tokens),
+        )
+        return fetched, entry.nbytes if client.transport == "shm" else 0
+
+    def _write_layer(self, entry: Fetched, layer: int) -> None:
+        name, cache = self.layers[layer]
+        k = entry.keys[layer]
+        if entry.delta:
+            k = remap_keys(k, entry.delta, self.rotary)
+        self._write(name, cache, k, entry.values[layer], entry.slots)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._layer_loads is not None:
+            self._layer_loads.wait(self._layer_index[layer_name])
+
+    def _finish_loads(self) -> None:
+        """End of the step: the background writes are done. If the model did not wait for
+        every layer it may have read one before it was written: those loads count as failed
+        and vLLM computes them (never wrong KV); overlap is turned off from then on."""
+        loads, self._layer_loads = self._layer_loads, None
+        if loads is None:
+            return
+        error = loads.finish()
+        self.stats.add("load_seconds", loads.seconds)
+        if error is None and loads.all_waited():
+            for entry in loads.fetched:
+                self.stats.add("loaded_tokens", entry.item.num_tokens)
+            return
+        if error is None:
+            log.warning(
+                "chunkstore: vLLM did not wait for every layer's load (waited for %d of %d); "
+                "those loads are computed, and layers load before the forward from now on",
+                len(loads.waited),
+                len(self.layers),
+            )
+            self.config = replace(self.config, overlap_layers=False)
+        else:
+            log.warning("chunkstore: writing loaded KV failed: %s; computing instead", error)
+        for entry in loads.fetched:
+            self._failed(entry.plan, entry.item)
 
     def _local_heads(self, total: int) -> slice:
         """The KV heads this tensor-parallel rank holds."""
@@ -222,6 +334,7 @@ class WorkerSide:
         return slice(rank * local, (rank + 1) * local)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_loads()
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
@@ -233,6 +346,7 @@ class WorkerSide:
     # Saves ----------------------------------------------------------------------------------
 
     def wait_for_save(self, metadata: ChunkStoreMetadata) -> None:
+        self._finish_loads()
         if not self.can_read_cache:
             return
         if self.layers[0][1].shape[1] != self.keys.layout.num_kv_heads:

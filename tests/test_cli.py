@@ -157,6 +157,7 @@ def test_bench_e2e_json_on_the_tiny_model() -> None:
     # With every chunk stored, everything but the question came from chunkstore; vLLM's own
     # prefix cache could reuse at most the part before the first reordered chunk.
     assert row["chunkstore_cached_tokens"] >= 3 * 64
+    assert row["chunkstore_serial_cached_tokens"] == row["chunkstore_cached_tokens"]
     assert row["prefix_cache_cached_tokens"] < row["chunkstore_cached_tokens"]
-    for figure in ("ttft_speedup", "full_miss_cost", "baseline_ttft_s"):
+    for figure in ("ttft_speedup", "full_miss_cost", "baseline_ttft_s", "layer_overlap_gain"):
         assert row[figure] > 0

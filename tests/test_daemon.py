@@ -196,28 +196,16 @@ def test_a_wrong_token_is_refused(tmp_path: Path) -> None:
         assert running.stop() == 0
 
 
+def serve_tcp_only(tcp: str, shm_dir: Path) -> subprocess.CompletedProcess[str]:
+    """``chunkstore serve`` on a TCP address alone, for start-ups that must fail."""
+    command = [sys.executable, "-m", "chunkstore.cli", "serve", "--tcp", tcp]
+    command += ["--socket", "", "--metrics", "", "--pool-bytes", "1048576"]
+    command += ["--shm-dir", str(shm_dir)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
+
 def test_non_loopback_tcp_without_a_token_is_refused(tmp_path: Path) -> None:
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "chunkstore.cli",
-            "serve",
-            "--tcp",
-            "0.0.0.0:0",
-            "--socket",
-            "",
-            "--metrics",
-            "",
-            "--pool-bytes",
-            "1048576",
-            "--shm-dir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    run = serve_tcp_only("0.0.0.0:0", tmp_path)
     assert run.returncode == 2 and "refusing to listen on 0.0.0.0:0" in run.stderr
     assert not list(tmp_path.iterdir())  # nothing was created
 
@@ -339,26 +327,6 @@ def test_metrics_move_exactly_as_the_operations(daemon: RunningDaemon) -> None:
 
 
 def test_a_port_in_use_fails_start_up_cleanly(daemon: RunningDaemon, tmp_path: Path) -> None:
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "chunkstore.cli",
-            "serve",
-            "--tcp",
-            daemon.tcp,
-            "--socket",
-            "",
-            "--metrics",
-            "",
-            "--pool-bytes",
-            "1048576",
-            "--shm-dir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    run = serve_tcp_only(daemon.tcp, tmp_path)
     assert run.returncode == 2 and daemon.tcp in run.stderr
     assert not list(tmp_path.glob("chunkstore-*"))  # the pool file was removed

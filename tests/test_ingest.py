@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -11,6 +12,8 @@ import urllib.request
 from transformers import AutoTokenizer
 
 from chunkstore.client import ChunkStoreClient
+from chunkstore.fingerprint import fingerprint_of_folder
+from chunkstore.keys import Isolation, segment_keys
 from chunkstore.segments import build_chunked_prompt
 from chunkstore.testing.daemon import start_daemon
 from chunkstore.testing.prometheus import (
@@ -104,6 +107,61 @@ def test_ingest_through_vllm_serve_then_a_rag_request_hits(tiny_model_dir, tmp_p
         check_connector_dashboard_and_rules(tmp_path, server, daemon, encode, rag)
     finally:
         server.stop()
+        daemon.stop()
+
+
+LLM_INGEST = """
+import dataclasses, json, sys
+from vllm import LLM
+from chunkstore_vllm.ingest import ingest_with_llm
+
+if __name__ == "__main__":
+    model, address, sys_text, docs = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+    llm = LLM(
+        model=model, dtype="float32", enforce_eager=True, max_model_len=2048,
+        kv_transfer_config={
+            "kv_connector": "ChunkStoreConnector",
+            "kv_connector_module_path": "chunkstore_vllm.connector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"address": address},
+        },
+    )
+    summaries = [dataclasses.asdict(ingest_with_llm(llm, docs, sys_text)) for _ in range(2)]
+    print("SUMMARIES " + json.dumps(summaries), flush=True)
+"""
+
+
+def test_ingest_with_an_llm_object(tiny_model_dir, tmp_path) -> None:
+    """The Python API: ``ingest_with_llm`` takes address, separator and model from the LLM's
+    own connector config; what it stores is found under the keys the CLI computes."""
+    daemon = start_daemon(tmp_path / "daemon", pool_bytes=128 << 20, block_size=1 << 18)
+    try:
+        script = tmp_path / "ingest_llm.py"
+        script.write_text(LLM_INGEST)
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+        run = subprocess.run(
+            [sys.executable, str(script), str(tiny_model_dir), daemon.unix, SYS, json.dumps(DOCS)],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env=env,
+        )
+        [line] = [x for x in run.stdout.splitlines() if x.startswith("SUMMARIES ")]
+        first, again = json.loads(line.removeprefix("SUMMARIES "))
+        assert (first["stored"], first["already_present"], first["failed"]) == (3, 0, 0)
+        assert (again["stored"], again["already_present"], again["failed"]) == (0, 3, 0)
+        tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+        def encode(text: str) -> list[int]:
+            return list(tok.encode(text, add_special_tokens=False))
+
+        fp = fingerprint_of_folder(tiny_model_dir, "float32")
+        prompts = [build_chunked_prompt(encode, SYS, [d], None, encode("##")) for d in DOCS]
+        keys = [segment_keys(p.segments, fp.model_fp, fp.layout_fp, Isolation.SYS) for p in prompts]
+        with ChunkStoreClient(daemon.unix) as client:
+            found = client.lookup([k for ks in keys for k in ks if k is not None])
+        assert all(entry is not None for entry in found)
+    finally:
         daemon.stop()
 
 

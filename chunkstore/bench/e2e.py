@@ -102,6 +102,14 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                 {"address": daemon.unix},
                 max_model_len=max_len,
             )
+            # The same hits with every layer written before the forward (no overlap).
+            serial = run_probe(
+                model,
+                [warmup, *measured],
+                work / "serial",
+                {"address": daemon.unix, "overlap_layers": False},
+                max_model_len=max_len,
+            )[1:]
         finally:
             daemon.stop()
     full_miss = results[1]
@@ -122,10 +130,13 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         "prefix_cache_cached_tokens": min(r["cached_tokens"] for r in prefix),
         "chunkstore_ttft_s": round(ttft(hits), 4),
         "chunkstore_cached_tokens": min(r["cached_tokens"] for r in hits),
+        "chunkstore_serial_ttft_s": round(ttft(serial), 4),
+        "chunkstore_serial_cached_tokens": min(r["cached_tokens"] for r in serial),
         "full_miss_ttft_s": round(full_miss["seconds"], 4),
         "full_miss_cached_tokens": full_miss["cached_tokens"],
         "ttft_speedup": round(ttft(baseline) / ttft(hits), 2),
         "prefix_cache_speedup": round(ttft(baseline) / ttft(prefix), 2),
+        "layer_overlap_gain": round(ttft(serial) / ttft(hits), 3),
         "full_miss_cost": round(full_miss["seconds"] / ttft(baseline), 3),
         "same_first_token_as_baseline": sum(
             h["token"] == b["token"] for h, b in zip(hits, baseline, strict=True)

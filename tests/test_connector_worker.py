@@ -1,0 +1,73 @@
+"""The worker's layer-by-layer loads (``LayerLoads``): the model never passes a layer before
+its KV is written, a failing write never leaves the model waiting, and the worker can tell
+whether every layer was waited for. (vLLM itself drives it in tests/test_connector.py.)"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from chunkstore_vllm.worker import LayerLoads
+
+LAYERS = 6
+
+
+class RecordingWorker:
+    """Stands in for WorkerSide: writes are recorded, slowly, and may fail at one layer."""
+
+    def __init__(self, fail_at: int = -1) -> None:
+        self.layers = [(f"model.layers.{i}.attn", None) for i in range(LAYERS)]
+        self.written: list[tuple[int, int]] = []
+        self.fail_at = fail_at
+        self.gate = threading.Event()
+
+    def _write_layer(self, entry: Any, layer: int) -> None:
+        self.gate.wait(5)  # the background thread starts only when the test lets it
+        if layer == self.fail_at:
+            raise RuntimeError(f"write of layer {layer} failed")
+        self.written.append((entry, layer))
+
+
+def test_each_wait_returns_only_once_its_layer_is_written() -> None:
+    worker = RecordingWorker()
+    loads = LayerLoads(worker, ["a", "b"], overlap=True)  # type: ignore[arg-type]
+    assert worker.written == []  # nothing yet: the writes wait on the gate
+    worker.gate.set()
+    for layer in range(LAYERS):
+        loads.wait(layer)
+        assert ("a", layer) in worker.written and ("b", layer) in worker.written
+    assert loads.finish() is None
+    assert loads.all_waited()
+    assert worker.written == [(e, layer) for layer in range(LAYERS) for e in ("a", "b")]
+
+
+def test_a_failed_write_releases_every_waiter_and_is_reported() -> None:
+    worker = RecordingWorker(fail_at=2)
+    worker.gate.set()
+    loads = LayerLoads(worker, ["a"], overlap=True)  # type: ignore[arg-type]
+    for layer in range(LAYERS):
+        loads.wait(layer)  # returns for every layer, also after the failure
+    error = loads.finish()
+    assert isinstance(error, RuntimeError) and "layer 2" in str(error)
+    assert worker.written == [("a", 0), ("a", 1)]
+
+
+def test_layers_not_waited_for_are_seen() -> None:
+    worker = RecordingWorker()
+    worker.gate.set()
+    loads = LayerLoads(worker, ["a"], overlap=True)  # type: ignore[arg-type]
+    loads.wait(0)
+    assert loads.finish() is None
+    assert not loads.all_waited()  # the worker then fails these loads: vLLM computes them
+
+
+@pytest.mark.parametrize("fail_at", [-1, 3])
+def test_without_overlap_everything_is_written_before_the_forward(fail_at: int) -> None:
+    worker = RecordingWorker(fail_at)
+    worker.gate.set()
+    loads = LayerLoads(worker, ["a"], overlap=False)  # type: ignore[arg-type]
+    assert loads.all_waited()
+    assert len(worker.written) == (LAYERS if fail_at < 0 else fail_at)
+    assert (loads.finish() is None) == (fail_at < 0)
