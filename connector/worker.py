@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-from chunkstore.client import ChunkStoreClient
 from chunkstore.entry import tensors_of
 from chunkstore.errors import ChunkStoreError
 from chunkstore.rope import RotaryConfig, remap_keys
@@ -29,6 +28,7 @@ from chunkstore.rope import RotaryConfig, remap_keys
 from .client_holder import DaemonLink
 from .common import ChunkStoreMetadata, LoadItem, LoadsDone, RequestPlan, SaveItem
 from .config import ConnectorConfig
+from .heads import RankHeads
 from .keys import ModelKeys
 from .metrics import ConnectorStats
 
@@ -121,6 +121,7 @@ class WorkerSide:
         self._failed_blocks: set[int] = set()
         self._layer_loads: LayerLoads | None = None
         self._layer_index: dict[str, int] = {}
+        self.heads = RankHeads(0, 1, self.keys.layout.num_kv_heads, self.keys.layout.num_kv_heads)
         self._done = LoadsDone()
         self.stats = ConnectorStats()
 
@@ -154,12 +155,34 @@ class WorkerSide:
             )
             self.layers = []
             return
+        try:
+            self.heads = self._rank_heads()
+        except ValueError as err:
+            log.warning("chunkstore: %s; loading and saving are off", err)
+            self.layers = []
+            return
         self.can_read_cache = self._probe_layout()
         if not self.can_read_cache:
             log.warning(
                 "chunkstore: the attention kernel's cache layout is not plain; "
                 "saving is off (loads still go through vLLM's own write op)"
             )
+
+    def _rank_heads(self) -> RankHeads:
+        local = self.layers[0][1].shape[1]
+        if local == self.keys.layout.num_kv_heads:
+            return RankHeads(0, 1, local, local)
+        from vllm.distributed import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        return RankHeads(
+            get_tensor_model_parallel_rank(),
+            get_tensor_model_parallel_world_size(),
+            self.keys.layout.num_kv_heads,
+            local,
+        )
 
     def _isa(self, name: str) -> str:
         layer = self.vllm_config.compilation_config.static_forward_context.get(name)
@@ -275,7 +298,7 @@ class WorkerSide:
         keys, values = tensors_of(buffer, layout)
         assert values is not None
         rows = slice(item.entry_offset, item.entry_offset + item.num_tokens)
-        heads = self._local_heads(layout.num_kv_heads)
+        heads = self.heads.local_slice()
         fetched = Fetched(
             plan,
             item,
@@ -323,16 +346,6 @@ class WorkerSide:
         for entry in loads.fetched:
             self._failed(entry.plan, entry.item)
 
-    def _local_heads(self, total: int) -> slice:
-        """The KV heads this tensor-parallel rank holds."""
-        local = self.layers[0][1].shape[1]
-        if local == total:
-            return slice(None)
-        from vllm.distributed import get_tensor_model_parallel_rank
-
-        rank = get_tensor_model_parallel_rank()
-        return slice(rank * local, (rank + 1) * local)
-
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._finish_loads()
         failed, self._failed_blocks = self._failed_blocks, set()
@@ -346,20 +359,24 @@ class WorkerSide:
     # Saves ----------------------------------------------------------------------------------
 
     def wait_for_save(self, metadata: ChunkStoreMetadata) -> None:
+        """Store the segments the scheduler marked. Under tensor parallelism every rank reads
+        its heads and they are gathered (a collective, so every rank takes every step here);
+        rank 0 stores the entry, which holds all heads."""
         self._finish_loads()
         if not self.can_read_cache:
             return
-        if self.layers[0][1].shape[1] != self.keys.layout.num_kv_heads:
-            return  # a tensor-parallel rank holds only some heads: entries need them all
         began = time.perf_counter()
         saved = False
         for plan in metadata.requests:
             for item in plan.saves:
+                keys, values = self._read_segment(plan, item)
+                if self.heads.rank != 0:
+                    continue
                 client = self.link.get()
                 if client is None:
-                    return
+                    continue
                 try:
-                    self._save(client, plan, item)
+                    client.put(item.key, keys, values, virtual_start=item.start)
                     self.stats.add("saved_segments")
                     self.stats.add("saved_tokens", item.num_tokens)
                     saved = True
@@ -369,12 +386,18 @@ class WorkerSide:
         if saved:
             self.stats.add("save_seconds", time.perf_counter() - began)
 
-    def _save(self, client: ChunkStoreClient, plan: RequestPlan, item: SaveItem) -> None:
+    def _read_segment(self, plan: RequestPlan, item: SaveItem) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of a segment, [layers, tokens, every head, head_dim], from vLLM's cache."""
         slots = self._slots(plan, item.start, item.num_tokens)
         pairs = [self._read(cache, slots) for _, cache in self.layers]
         keys = torch.stack([k for k, _ in pairs])
         values = torch.stack([v for _, v in pairs])
-        client.put(item.key, keys, values, virtual_start=item.start)
+        if self.heads.size == 1:
+            return keys, values
+        from vllm.distributed import get_tp_group
+
+        group = get_tp_group()
+        return self.heads.gather(keys, 2, group), self.heads.gather(values, 2, group)
 
     def shutdown(self) -> None:
         self.link.close()

@@ -139,6 +139,38 @@ def test_chunked_prefill_saves_segments_computed_over_several_steps(
     assert_logprobs_match(served, reference.logits[-1])
 
 
+def test_tensor_parallel_ranks_save_and_load_their_heads(
+    tiny_model_dir, daemon, tmp_path, monkeypatch
+) -> None:
+    """Two tensor-parallel ranks (one of the tiny model's 2 KV heads each): a save gathers
+    both ranks' heads into one entry (rank 0 stores it), a load gives each rank its head;
+    the RAG prompt is served exactly. Entries hold every head, so they are the same ones a
+    single rank stores and loads."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
+    s = Scenario(tiny_model_dir)
+    ingest = [s.prompt(SYS, [doc], None) for doc in DOCS]
+    rag = s.prompt(SYS, DOCS[::-1], QUESTIONS[0])
+    *_, served = run_vllm(
+        tiny_model_dir,
+        [*(list(p.token_ids) for p in ingest), list(rag.token_ids)],
+        tmp_path / "tp2",
+        {"address": daemon.unix},
+        extra=("--tensor-parallel-size", "2"),
+    )
+    with ChunkStoreClient(daemon.unix) as client:
+        assert client.stats().entries == 1 + len(DOCS)
+    assert served["cached_tokens"] == rag.segments[-1].start
+    reference = HFReference.load(tiny_model_dir).assembled_cache(rag.segments, Isolation.SYS)
+    assert_logprobs_match(served, reference.logits[-1])
+    # A single rank loads what two ranks stored.
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    [single] = run_vllm(
+        tiny_model_dir, [list(rag.token_ids)], tmp_path / "tp1", {"address": daemon.unix}
+    )
+    assert single["cached_tokens"] == rag.segments[-1].start
+    assert_logprobs_match(single, reference.logits[-1])
+
+
 @pytest.mark.parametrize("model_name", ["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
 def test_isolation_none_matches_the_dense_mask_reference(
     model_name, daemon, tmp_path, request

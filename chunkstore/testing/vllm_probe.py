@@ -35,6 +35,12 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--prefix-caching", action="store_true")
     parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks; on CPU set VLLM_CPU_OMP_THREADS_BIND (e.g. '0|1') as well",
+    )
+    parser.add_argument(
         "--max-num-batched-tokens",
         type=int,
         default=0,
@@ -69,6 +75,7 @@ def main() -> None:
         max_model_len=args.max_model_len,
         max_num_batched_tokens=batched,
         max_num_seqs=min(256, batched),
+        tensor_parallel_size=args.tensor_parallel_size,
         enable_prefix_caching=args.prefix_caching,
         seed=0,
         **kwargs,
