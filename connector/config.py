@@ -43,3 +43,16 @@ class ConnectorConfig:
     @property
     def isolation_mode(self) -> Isolation:
         return Isolation(self.isolation)
+
+
+def unsupported_parallelism(vllm_config: Any) -> str | None:
+    """Why the connector must stay off for this deployment, or None. Context parallelism
+    spreads a request's tokens over ranks and pipeline parallelism its layers; the connector
+    writes whole entries into one rank's cache, which would put KV in the wrong places."""
+    parallel = vllm_config.parallel_config
+    for name in ("prefill_context_parallel_size", "decode_context_parallel_size"):
+        if getattr(parallel, name, 1) > 1:
+            return f"{name}={getattr(parallel, name)} is not supported"
+    if getattr(parallel, "pipeline_parallel_size", 1) > 1:
+        return f"pipeline_parallel_size={parallel.pipeline_parallel_size} is not supported"
+    return None

@@ -18,7 +18,7 @@ from chunkstore.segments import SegmentKind
 
 from .client_holder import DaemonLink
 from .common import ChunkStoreMetadata, LoadItem, LoadsDone, RequestPlan, SaveItem
-from .config import ConnectorConfig
+from .config import ConnectorConfig, unsupported_parallelism
 from .keys import ModelKeys, SegmentPlan
 from .metrics import ConnectorStats
 
@@ -54,12 +54,19 @@ class SchedulerSide:
         self._loads: dict[str, list[LoadItem]] = {}
         self._held: dict[str, Held] = {}
         self.stats = ConnectorStats()
+        self.off = unsupported_parallelism(vllm_config)
+        if self.off:
+            log.warning(
+                "chunkstore: %s; the connector stays off (every request computed)", self.off
+            )
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
         """Lease every stored segment (one batch call); keep the leases of the hit run past
         vLLM's own prefix hits, which the workers will load."""
         req_id = request.request_id
         self._release(req_id)  # asked again: the request was not scheduled last time
+        if self.off:
+            return 0
         tokens = list(request.prompt_token_ids or [])
         segments = [
             s for s in self.keys.plan(tokens) if len(s.segment) >= self.config.min_chunk_tokens

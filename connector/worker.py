@@ -27,7 +27,7 @@ from chunkstore.rope import RotaryConfig, remap_keys
 
 from .client_holder import DaemonLink
 from .common import ChunkStoreMetadata, LoadItem, LoadsDone, RequestPlan, SaveItem
-from .config import ConnectorConfig
+from .config import ConnectorConfig, unsupported_parallelism
 from .heads import RankHeads
 from .keys import ModelKeys
 from .metrics import ConnectorStats
@@ -128,6 +128,10 @@ class WorkerSide:
     # Set-up --------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        off = unsupported_parallelism(self.vllm_config)
+        if off:
+            log.warning("chunkstore: %s; loading and saving are off", off)
+            return
         self.layers = sorted(kv_caches.items(), key=lambda item: _layer_index(item[0]))
         self._layer_index = {name: i for i, (name, _) in enumerate(self.layers)}
         layout = self.keys.layout
