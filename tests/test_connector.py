@@ -171,6 +171,38 @@ def test_tensor_parallel_ranks_save_and_load_their_heads(
     assert_logprobs_match(single, reference.logits[-1])
 
 
+def test_preempted_requests_load_their_chunks_again(tiny_model_dir, daemon, tmp_path) -> None:
+    """Four RAG requests at once, each growing past a block while it decodes, in a KV cache
+    of five blocks: vLLM preempts some and later resumes them, recomputing from scratch.
+    A resumed request is looked up again and its chunks loaded on the step that resumes it;
+    every request generates what it does with room for all four."""
+    s = Scenario(tiny_model_dir)
+    ingest = [s.prompt(SYS, [doc], None) for doc in DOCS]
+    orders = [DOCS, DOCS[::-1], DOCS[1:] + DOCS[:1], DOCS[2:] + DOCS[:2]]
+    rags = [list(s.prompt(SYS, o, QUESTIONS[i % 2]).token_ids) for i, o in enumerate(orders)]
+    block = 128  # vLLM's CPU block size
+    assert all(block < len(r) < 2 * block - 8 for r in rags)  # a 3rd block while decoding
+    connector = {"address": daemon.unix}
+    run_vllm(tiny_model_dir, [list(p.token_ids) for p in ingest], tmp_path / "warm", connector)
+    decode = ("--batch", "--max-tokens", str(2 * block), "--max-model-len", "512")
+    roomy = run_vllm(tiny_model_dir, rags, tmp_path / "roomy", connector, extra=decode)
+    with ChunkStoreClient(daemon.unix) as client:
+        before = client.stats().lookups
+        tight = run_vllm(
+            tiny_model_dir,
+            rags,
+            tmp_path / "tight",
+            connector,
+            extra=(*decode, "--num-gpu-blocks-override", "6"),  # the null block + 5
+        )
+        lookups = client.stats().lookups - before
+    per_request = 1 + len(DOCS)  # sys and each chunk are looked up (acquired) per lookup
+    assert lookups > len(rags) * per_request, "no request was preempted and looked up again"
+    for a, b in zip(roomy, tight, strict=True):
+        assert a["cached_tokens"] == b["cached_tokens"] > 0
+        assert a["generated"] == b["generated"]
+
+
 @pytest.mark.parametrize("model_name", ["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
 def test_isolation_none_matches_the_dense_mask_reference(
     model_name, daemon, tmp_path, request

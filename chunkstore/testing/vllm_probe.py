@@ -34,6 +34,16 @@ def main() -> None:
     parser.add_argument("--logprobs", type=int, default=20)
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--prefix-caching", action="store_true")
+    parser.add_argument("--max-tokens", type=int, default=1, help="tokens generated per prompt")
+    parser.add_argument(
+        "--batch", action="store_true", help="submit every prompt at once (one result each)"
+    )
+    parser.add_argument(
+        "--num-gpu-blocks-override",
+        type=int,
+        default=0,
+        help="KV cache blocks (a small number forces preemption)",
+    )
     parser.add_argument(
         "--tensor-parallel-size",
         type=int,
@@ -78,10 +88,19 @@ def main() -> None:
         tensor_parallel_size=args.tensor_parallel_size,
         enable_prefix_caching=args.prefix_caching,
         seed=0,
+        num_gpu_blocks_override=args.num_gpu_blocks_override or None,
         **kwargs,
     )
-    params = SamplingParams(max_tokens=1, logprobs=args.logprobs, temperature=0.0)
-    for index, ids in enumerate(json.loads(Path(args.prompts).read_text())):
+    params = SamplingParams(max_tokens=args.max_tokens, logprobs=args.logprobs, temperature=0.0)
+    prompts = json.loads(Path(args.prompts).read_text())
+    if args.batch:
+        began = time.perf_counter()
+        batch: Any = [{"prompt_token_ids": p} for p in prompts]
+        outputs = llm.generate(batch, params, use_tqdm=False)
+        for output in outputs:
+            print(MARKER + json.dumps(_result(output, time.perf_counter() - began)), flush=True)
+        return
+    for index, ids in enumerate(prompts):
         if args.kill_pid and index == args.kill_before:
             os.kill(args.kill_pid, signal.SIGKILL)
         if args.touch and index == args.touch_before:
@@ -89,16 +108,19 @@ def main() -> None:
         began = time.perf_counter()
         prompt: Any = {"prompt_token_ids": ids}
         output = llm.generate([prompt], params, use_tqdm=False)[0]
-        elapsed = time.perf_counter() - began
-        first = output.outputs[0]
-        top = {str(k): v.logprob for k, v in first.logprobs[0].items()}  # type: ignore[index]
-        result = {
-            "token": first.token_ids[0],
-            "logprobs": top,
-            "seconds": elapsed,
-            "cached_tokens": output.num_cached_tokens,
-        }
-        print(MARKER + json.dumps(result), flush=True)
+        print(MARKER + json.dumps(_result(output, time.perf_counter() - began)), flush=True)
+
+
+def _result(output: Any, seconds: float) -> dict[str, Any]:
+    first = output.outputs[0]
+    top = {str(k): v.logprob for k, v in first.logprobs[0].items()}
+    return {
+        "token": first.token_ids[0],
+        "generated": list(first.token_ids),
+        "logprobs": top,
+        "seconds": seconds,
+        "cached_tokens": output.num_cached_tokens,
+    }
 
 
 if __name__ == "__main__":
