@@ -47,6 +47,9 @@ class ServeConfig:
     verify_commits: bool = True
     drain_timeout_s: float = 10.0
     node: str = dataclasses.field(default_factory=gethostname)
+    redis: str = ""  # cluster directory, redis://host:port/db ("" = standalone)
+    advertise: str = ""  # host:port peers dial for this daemon ("" = the tcp address)
+    directory_ttl_s: float = 60.0
     log_level: str = "INFO"
 
     def validate(self) -> None:
@@ -63,6 +66,10 @@ class ServeConfig:
             raise InvalidRequest("mutual TLS (--tls-client-ca) needs --tls-cert and --tls-key")
         if self.block_size <= 0 or self.pool_bytes < 0:
             raise InvalidRequest("block size must be positive and pool bytes >= 0")
+        if self.redis and not (self.advertise or self.tcp):
+            raise InvalidRequest("a cluster directory (--redis) needs --tcp for peers to dial")
+        if self.redis and self.directory_ttl_s <= 0:
+            raise InvalidRequest("--directory-ttl-s must be positive")
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
             raise InvalidRequest("watermarks need 0 < low <= high <= 1")
 
@@ -163,6 +170,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "verify_commits": "hash an entry's pool bytes at commit and refuse a mismatch (true)",
         "drain_timeout_s": "on SIGTERM, how long to wait for leases to end (10)",
         "node": "node name reported to clients (default: hostname)",
+        "redis": "Redis URL of the cluster directory, e.g. redis://10.0.0.5:6379/0 "
+        "(default: none, standalone): misses are pulled from peers that hold the chunk",
+        "advertise": "host:port other nodes dial for this daemon (default: the --tcp address)",
+        "directory_ttl_s": "seconds a directory claim lives unless renewed (every ttl/3; 60)",
         "log_level": "DEBUG, INFO, WARNING or ERROR",
     }
     for f in fields(ServeConfig):

@@ -112,6 +112,23 @@ class Metrics:
             ["node", "code"],
             registry=self.registry,
         )
+        remote_fetches = Counter(
+            f"{PREFIX}_remote_fetches",
+            "Local misses pulled from a peer found in the cluster directory, by result",
+            ["node", "result"],
+            registry=self.registry,
+        )
+        directory_errors = Counter(
+            f"{PREFIX}_directory_errors",
+            "Cluster directory (Redis) or peer failures; the daemon serves on alone",
+            ["node"],
+            registry=self.registry,
+        )
+        for result in ("ok", "absent", "failed", "present"):
+            remote_fetches.labels(node, result)  # every series from the start, at 0
+        directory_errors.labels(node)
+        self.remote_fetches = _Bound(remote_fetches, node)
+        self.directory_errors = _Bound(directory_errors, node)
         self.bytes = _Bound(bytes_moved, node)
         self.rpc_seconds = _Bound(rpc_seconds, node)
         self.errors = _Bound(errors, node)

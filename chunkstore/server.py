@@ -10,7 +10,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from chunkstore import __version__
 from chunkstore.config import ServeConfig
+from chunkstore.directory import Directory
 from chunkstore.errors import InvalidRequest, StoreError
 from chunkstore.index import Entry, Index
 from chunkstore.metrics import Metrics
@@ -94,6 +95,7 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
         self.pool = pool
         self.metrics = metrics
         self.on_drain = on_drain
+        self.on_miss: Callable[[list[bytes]], None] | None = None  # the cluster directory's
 
     @_rpc
     def Hello(self, request: pb.HelloRequest, context: grpc.ServicerContext) -> pb.HelloReply:
@@ -132,11 +134,18 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
         finally:
             end()
 
+    def _missed(self, keys: list[bytes], found: Sequence[object | None]) -> None:
+        if self.on_miss is not None:
+            missing = [k for k, got in zip(keys, found, strict=True) if got is None]
+            if missing:
+                self.on_miss(missing)
+
     @_rpc
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupReply:
         keys = list(request.keys)
         tokens = _token_counts(request)
         found = self.index.lookup(keys)
+        self._missed(keys, found)
         if tokens:
             hit = sum(t for t, e in zip(tokens, found, strict=True) if e is not None)
             self.index.count_tokens(sum(tokens), hit)
@@ -175,6 +184,7 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
     def Acquire(self, request: pb.AcquireRequest, context: grpc.ServicerContext) -> pb.AcquireReply:
         tokens = _token_counts(request)
         acquired = self.index.acquire(request.session_id, list(request.keys))
+        self._missed(list(request.keys), acquired)
         if tokens:
             self.index.count_lookup(len(acquired), sum(got is not None for got in acquired))
             hit = sum(t for t, got in zip(tokens, acquired, strict=True) if got is not None)
@@ -373,6 +383,8 @@ class Daemon:
         service = ChunkStoreService(
             config, self.index, self.pool, self.metrics, on_drain=lambda: self._set_health(False)
         )
+        self.service = service
+        self.directory: Directory | None = None
         pb_grpc.add_ChunkStoreServicer_to_server(service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.addresses: dict[str, str] = {}
@@ -400,6 +412,19 @@ class Daemon:
             host = config.metrics.rsplit(":", 1)[0]
             self.addresses["metrics"] = f"{host}:{self.metrics.serve(config.metrics)}"
         self.server.start()
+        if config.redis:
+            local = f"unix:{self.addresses['socket']}" if "socket" in self.addresses else ""
+            self.directory = Directory(
+                config.redis,
+                config.advertise or self.addresses["tcp"],
+                local or self.addresses["tcp"],
+                config.token,
+                config.directory_ttl_s,
+                self.index,
+                self.metrics,
+            )
+            self.service.on_miss = self.directory.want
+            self.directory.start()
         self._set_health(True)
         threading.Thread(target=self._reap, name="chunkstore-reaper", daemon=True).start()
         self.addresses["shm_path"] = self.pool.shm_path
@@ -438,6 +463,8 @@ class Daemon:
             self.index, self.config.drain_timeout_s if drain_timeout is None else drain_timeout
         )
         self._stop.set()
+        if self.directory is not None:
+            self.directory.stop()
         self.server.stop(grace=1.0).wait()
         self.metrics.close()
         self.pool.close()

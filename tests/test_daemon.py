@@ -7,7 +7,6 @@ import stat
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -272,23 +271,9 @@ def test_sigterm_drains_and_exits_zero(tmp_path: Path) -> None:
     assert not Path(running.ready["socket"]).exists()
 
 
-def scrape(daemon: RunningDaemon) -> dict[str, float]:
-    text = urllib.request.urlopen(daemon.metrics_url, timeout=5).read().decode()
-    values = {}
-    node = f'node="{daemon.ready["node"]}"'
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            assert node in name, f"{name} lacks its node label"
-            base, _, labels = name.partition("{")
-            rest = [x for x in labels.rstrip("}").split(",") if x and x != node]
-            values[base + ("{" + ",".join(rest) + "}" if rest else "")] = float(value)
-    return values
-
-
 def test_metrics_move_exactly_as_the_operations(daemon: RunningDaemon) -> None:
     with ChunkStoreClient(daemon.unix) as client:
-        before = scrape(daemon)
+        before = daemon.scrape()
         k, v = kv(10)
         client.put(key(1), k, v, 0)
         client.put(key(2), *kv(20), 0)
@@ -308,7 +293,7 @@ def test_metrics_move_exactly_as_the_operations(daemon: RunningDaemon) -> None:
         client.evict([key(2)])
         with pytest.raises(InvalidRequest):
             client.lookup([b"bad"])
-        after = scrape(daemon)
+        after = daemon.scrape()
     delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
     nbytes = 2 * k.numel() * 4
     assert delta["chunkstore_lookup_chunks_total"] == 4 + 2

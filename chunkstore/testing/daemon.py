@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,21 @@ class RunningDaemon:
                 self.process.kill()
                 self.process.wait()
         return int(self.process.returncode)
+
+    def scrape(self) -> dict[str, float]:
+        """The daemon's /metrics as {'name{labels}': value}, the node label left out (and
+        checked to be on every series)."""
+        text = urllib.request.urlopen(self.metrics_url, timeout=5).read().decode()
+        values = {}
+        node = f'node="{self.ready["node"]}"'
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                assert node in name, f"{name} lacks its node label"
+                base, _, labels = name.partition("{")
+                rest = [x for x in labels.rstrip("}").split(",") if x and x != node]
+                values[base + ("{" + ",".join(rest) + "}" if rest else "")] = float(value)
+        return values
 
     def log(self) -> str:
         path = self.workdir / "daemon.log"
