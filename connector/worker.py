@@ -252,6 +252,7 @@ class WorkerSide:
     def start_load_kv(self, metadata: ChunkStoreMetadata) -> None:
         """Read and check every entry now; write them into the cache layer by layer on a
         background thread (``LayerLoads``) while the model computes, or all at once."""
+        self._finish_loads()  # a previous step's, should vLLM not have asked for its results
         began = time.perf_counter()
         fetched: list[Fetched] = []
         for plan in metadata.requests:
@@ -270,7 +271,7 @@ class WorkerSide:
             self._done.shm_bytes[plan.req_id] = shm_bytes
         if fetched:
             self._layer_loads = LayerLoads(self, fetched, self.config.overlap_layers)
-        if metadata.requests:
+        if any(plan.loads for plan in metadata.requests):
             self.stats.add("load_seconds", time.perf_counter() - began)
 
     def _failed(self, plan: RequestPlan, item: LoadItem) -> None:
