@@ -36,7 +36,7 @@ class DaemonLink:
                 token=self.config.token or None,
                 transport=self.config.transport,
                 name=self.name,
-                timeout=5.0,
+                timeout=self.config.timeout_s,
             )
         except ChunkStoreError as err:
             self.failed(f"cannot reach chunkstore at {self.config.daemon_address}: {err}")

@@ -19,6 +19,7 @@ class ConnectorConfig:
     save: bool = True  # store what vLLM computed under its isolation context
     min_chunk_tokens: int = 1  # shorter segments are neither looked up nor saved
     reconnect_s: float = 10.0  # how often to retry an unreachable daemon
+    timeout_s: float = 1.0  # per call: a hung daemon stalls scheduling no longer than this
     overlap_layers: bool = True  # write layer i + 1 while vLLM computes layer i
 
     @classmethod

@@ -74,6 +74,8 @@ class SchedulerSide:
         if not segments:
             return 0
         held = self._acquire(segments)
+        if not held.session:
+            return 0  # no daemon: compute, and plan no saves it could not take either
         hit_end = 0
         for index, plan in enumerate(segments):
             if index not in held.leases or plan.segment.start != hit_end:

@@ -245,16 +245,25 @@ def test_requests_complete_as_without_the_connector_when_the_daemon_fails(
     )
     assert len(warm) == len(ingest)
     corrupt_sys_entry(daemon, tiny_model_dir, list(rag.segments[0].token_ids))
-    prompts = [list(rag.token_ids)] * 2
-    corrupted, killed = run_vllm(
+    # Then the daemon frozen (SIGSTOP: calls time out after timeout_s), then killed.
+    prompts = [list(rag.token_ids)] * 3
+    corrupted, frozen, killed = run_vllm(
         tiny_model_dir,
         prompts,
         tmp_path / "failing",
         {"address": daemon.unix},
-        extra=("--kill-pid", str(daemon.process.pid), "--kill-before", "1"),
+        extra=(
+            "--signal-pid",
+            str(daemon.process.pid),
+            "--signal-before",
+            "1:STOP",
+            "--signal-before",
+            "2:KILL",
+        ),
     )
-    for served in (corrupted, killed):
+    for served in (corrupted, frozen, killed):
         assert_same_output(served, plain)
+    assert frozen["cached_tokens"] == 0
 
 
 @pytest.mark.parametrize(("dies_on", "transport"), [("Read", "stream"), ("Release", "shm")])

@@ -56,13 +56,14 @@ def main() -> None:
         default=0,
         help="tokens per step (default: max-model-len); fewer splits a prompt's prefill",
     )
+    parser.add_argument("--signal-pid", type=int, default=0, help="a daemon to signal")
     parser.add_argument(
-        "--kill-pid",
-        type=int,
-        default=0,
-        help="SIGKILL this process (a daemon) before prompt --kill-before",
+        "--signal-before",
+        action="append",
+        default=[],
+        metavar="INDEX:SIGNAL",
+        help="send SIGNAL (KILL, STOP, CONT) to --signal-pid before prompt INDEX; repeatable",
     )
-    parser.add_argument("--kill-before", type=int, default=-1)
     parser.add_argument("--touch", default="", help="create this file before prompt --touch-before")
     parser.add_argument("--touch-before", type=int, default=-1)
     args = parser.parse_args()
@@ -101,8 +102,10 @@ def main() -> None:
             print(MARKER + json.dumps(_result(output, time.perf_counter() - began)), flush=True)
         return
     for index, ids in enumerate(prompts):
-        if args.kill_pid and index == args.kill_before:
-            os.kill(args.kill_pid, signal.SIGKILL)
+        for when in args.signal_before:
+            before, name = when.split(":")
+            if int(before) == index:
+                os.kill(args.signal_pid, getattr(signal, f"SIG{name}"))
         if args.touch and index == args.touch_before:
             Path(args.touch).touch()
         began = time.perf_counter()
