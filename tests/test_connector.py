@@ -9,6 +9,7 @@ logprobs must match the assembled-cache reference (HF transformers, fp32) within
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from chunkstore.client import ChunkStoreClient
 from chunkstore.keys import Isolation
 from chunkstore.segments import ChunkedPrompt, build_chunked_prompt
 from chunkstore.testing.daemon import RunningDaemon, start_daemon
+from chunkstore.testing.redis import RedisServer
 from chunkstore.testing.reference import HFReference
 from chunkstore.testing.vllm_probe import run_probe
 
@@ -201,6 +203,43 @@ def test_preempted_requests_load_their_chunks_again(tiny_model_dir, daemon, tmp_
     for a, b in zip(roomy, tight, strict=True):
         assert a["cached_tokens"] == b["cached_tokens"] > 0
         assert a["generated"] == b["generated"]
+
+
+def test_a_node_serves_chunks_another_node_computed(tiny_model_dir, tmp_path) -> None:
+    """Two nodes, each a daemon with its vLLM, and a Redis directory. Chunks ingested on node
+    A: node B's first RAG request misses and computes (its daemon pulls the chunks from A in
+    the background); its next request loads every chunk, exactly."""
+    s = Scenario(tiny_model_dir)
+    ingest = [s.prompt(SYS, [doc], None) for doc in DOCS]
+    rag = s.prompt(SYS, DOCS[::-1], QUESTIONS[0])
+    with RedisServer(tmp_path / "redis") as directory:
+        cluster = ("--redis", directory.url, "--directory-ttl-s", "3")
+        a = start_daemon(tmp_path / "a", *cluster, "--node", "a", pool_bytes=256 << 20)
+        b = start_daemon(tmp_path / "b", *cluster, "--node", "b", pool_bytes=256 << 20)
+        try:
+            ids = [list(p.token_ids) for p in ingest]
+            run_vllm(tiny_model_dir, ids, tmp_path / "on-a", {"address": a.unix})
+            time.sleep(2)  # a publishes what it holds every ttl / 3
+            first, second = run_vllm(
+                tiny_model_dir,
+                [list(rag.token_ids)] * 2,
+                tmp_path / "on-b",
+                {"address": b.unix},
+                extra=("--pause-before", "1:3"),
+            )
+            fetches = b.scrape()
+        finally:
+            a.stop()
+            b.stop()
+    pulled = fetches['chunkstore_remote_fetches_total{result="ok"}']
+    # b computes sys and its first chunk itself too and may store them before the pull:
+    # those two count as pulled or as present; the other chunks can only come from a.
+    present = fetches['chunkstore_remote_fetches_total{result="present"}']
+    assert pulled + present == 1 + len(DOCS) and pulled >= len(DOCS) - 1
+    assert first["cached_tokens"] == 0
+    assert second["cached_tokens"] == rag.segments[-1].start
+    reference = HFReference.load(tiny_model_dir).assembled_cache(rag.segments, Isolation.SYS)
+    assert_logprobs_match(second, reference.logits[-1])
 
 
 @pytest.mark.parametrize("model_name", ["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])

@@ -64,6 +64,13 @@ def main() -> None:
         metavar="INDEX:SIGNAL",
         help="send SIGNAL (KILL, STOP, CONT) to --signal-pid before prompt INDEX; repeatable",
     )
+    parser.add_argument(
+        "--pause-before",
+        action="append",
+        default=[],
+        metavar="INDEX:SECONDS",
+        help="sleep SECONDS before prompt INDEX (let background work land); repeatable",
+    )
     parser.add_argument("--touch", default="", help="create this file before prompt --touch-before")
     parser.add_argument("--touch-before", type=int, default=-1)
     args = parser.parse_args()
@@ -102,6 +109,10 @@ def main() -> None:
             print(MARKER + json.dumps(_result(output, time.perf_counter() - began)), flush=True)
         return
     for index, ids in enumerate(prompts):
+        for when in args.pause_before:
+            before, seconds = when.split(":")
+            if int(before) == index:
+                time.sleep(float(seconds))
         for when in args.signal_before:
             before, name = when.split(":")
             if int(before) == index:
