@@ -68,6 +68,12 @@ class ServeConfig:
             raise InvalidRequest("block size must be positive and pool bytes >= 0")
         if self.redis and not (self.advertise or self.tcp):
             raise InvalidRequest("a cluster directory (--redis) needs --tcp for peers to dial")
+        wildcard = self.tcp.rsplit(":", 1)[0].strip("[]") in ("0.0.0.0", "::", "")
+        if self.redis and not self.advertise and wildcard:
+            raise InvalidRequest(
+                f"peers cannot dial {self.tcp}: with --redis, set --advertise to this node's "
+                "reachable host:port (in Kubernetes: $(POD_IP):50551)"
+            )
         if self.redis and self.directory_ttl_s <= 0:
             raise InvalidRequest("--directory-ttl-s must be positive")
         if not 0 < self.low_watermark <= self.high_watermark <= 1:

@@ -43,6 +43,14 @@ def test_bad_settings_are_refused_with_the_reason(tmp_path: Path) -> None:
     assert load(environ={}, flags={"tcp": "10.1.2.3:50551", "token": "t"}).token == "t"
     with pytest.raises(InvalidRequest, match="TLS"):
         load(environ={}, flags={"tls_cert": "c.pem"})
+    # A cluster directory needs an address peers can dial.
+    cluster = {"redis": "redis://10.0.0.5:6379/0", "token": "t"}
+    with pytest.raises(InvalidRequest, match="set --advertise"):
+        load(environ={}, flags={**cluster, "tcp": "0.0.0.0:50551"})
+    with pytest.raises(InvalidRequest, match="needs --tcp"):
+        load(environ={}, flags={**cluster, "tcp": ""})
+    advertised = {**cluster, "tcp": "0.0.0.0:50551", "advertise": "10.0.0.7:50551"}
+    assert load(environ={}, flags=advertised).advertise == "10.0.0.7:50551"
 
 
 def test_the_token_is_not_printed() -> None:
