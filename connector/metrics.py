@@ -27,7 +27,8 @@ FIELDS = {
     "loaded_tokens": "Tokens copied from the store into vLLM's KV cache.",
     "load_failures": "Loads that failed and were computed instead (daemon, lease, checksum).",
     "load_seconds": "Time spent loading, remap and cache writes included.",
-    "saved_segments": "Segments stored after vLLM computed them under their isolation context.",
+    "saved_segments": "Segments stored after vLLM computed them under their isolation context "
+    "(not those another request stored first).",
     "saved_tokens": "Tokens stored.",
     "save_failures": "Saves that failed (the request is unaffected).",
     "save_seconds": "Time spent saving.",

@@ -381,10 +381,11 @@ class WorkerSide:
                 if client is None:
                     continue
                 try:
-                    client.put(item.key, keys, values, virtual_start=item.start)
-                    self.stats.add("saved_segments")
-                    self.stats.add("saved_tokens", item.num_tokens)
-                    saved = True
+                    # False: another request stored (or is storing) it first.
+                    if client.put(item.key, keys, values, virtual_start=item.start):
+                        self.stats.add("saved_segments")
+                        self.stats.add("saved_tokens", item.num_tokens)
+                        saved = True
                 except ChunkStoreError as err:
                     self.stats.add("save_failures")
                     self.link.trouble(f"save of {item.key.hex()[:12]}", err)

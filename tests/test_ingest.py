@@ -88,11 +88,12 @@ def test_ingest_through_vllm_serve_then_a_rag_request_hits(tiny_model_dir, tmp_p
             return list(tok.encode(text, add_special_tokens=False))
 
         rag = build_chunked_prompt(encode, SYS, DOCS[::-1], "Which river?", encode("##"))
-        # The connector's own counters, on vLLM's /metrics: sys and the three chunks saved
-        # by the first ingest, sys loaded by its 2nd and 3rd request, nothing failed.
+        # The connector's own counters, on vLLM's /metrics: sys and the three chunks stored
+        # by the first ingest (once each, however the server batched its requests: those
+        # after the first to store sys load it, or race it and find it stored), no failure.
         ingested = wait_for_counters(server.url, {"saved_segments": 4})
         assert ingested["load_failures"] == ingested["save_failures"] == 0
-        assert ingested["loaded_tokens"] == ingested["hit_tokens"] > 0
+        assert ingested["loaded_tokens"] == ingested["hit_tokens"]
         with ChunkStoreClient(daemon.unix) as client:
             before = client.stats().hit_tokens
             reply = server.complete(list(rag.token_ids))
