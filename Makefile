@@ -63,7 +63,7 @@ serve: install
 
 # Regenerate the gRPC stubs after editing proto/chunkstore.proto (a test catches stale ones).
 proto: install
-	$(BIN)/python -m chunkstore.rpc.generate
+	$(BIN)/python -m chunkstore.protocol.generate
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

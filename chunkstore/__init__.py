@@ -1,7 +1,15 @@
 """chunkstore: a position-independent KV-cache service for RAG serving.
 
-The chunk math (segmentation, keys, RoPE remap, isolation masks, paging) lives in pure
-modules here and is shared by the daemon, the vLLM connector, the tests and the benches.
+Where things live (imports run down this list, never up):
+- ``chunkstore.errors``: the typed errors every part raises.
+- ``chunkstore.kv``: the chunk math (segments, keys, fingerprints, RoPE remap, isolation
+  masks and attention, paging, cache writers, an entry's byte layout).
+- ``chunkstore.protocol``: what the daemon and its clients share (the gRPC stubs and their
+  conversions, the shared-memory block layout, the default address).
+- ``chunkstore.daemon``: what ``chunkstore serve`` runs.
+- ``chunkstore.client``: the daemon's Python client.
+- the faces: ``cli`` (the ``chunkstore`` command), ``ingest``, ``bench``, ``testing``.
+The vLLM connector is the sibling package ``chunkstore_vllm`` (folder ``connector/``).
 """
 
 __version__ = "0.1.0"

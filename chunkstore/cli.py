@@ -78,9 +78,9 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from chunkstore import config as config_module
+    from chunkstore.daemon import config as config_module
+    from chunkstore.daemon.server import serve
     from chunkstore.errors import ChunkStoreError
-    from chunkstore.server import serve
 
     names = {f.name for f in dataclasses.fields(config_module.ServeConfig)}
     flags = {k: v for k, v in vars(args).items() if k in names}
@@ -144,9 +144,9 @@ def _ingest(args: argparse.Namespace) -> int:
 
     from chunkstore.client import ChunkStoreClient
     from chunkstore.errors import ChunkStoreError
-    from chunkstore.fingerprint import fingerprint_of_folder
     from chunkstore.ingest import ServerBackend, ingest, print_progress, read_corpus
-    from chunkstore.keys import Isolation
+    from chunkstore.kv.fingerprint import fingerprint_of_folder
+    from chunkstore.kv.keys import Isolation
 
     sys_text = Path(args.sys_file).read_text() if args.sys_file else args.sys
     if sys_text is None:
@@ -200,11 +200,11 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _add_daemon_address(parser: argparse.ArgumentParser, token: bool = True) -> None:
-    from chunkstore.config import default_socket
+    from chunkstore.client import default_address
 
     parser.add_argument(
         "--address",
-        default=f"unix:{default_socket()}",
+        default=default_address(),
         help="the daemon: unix:/path or host:port (default: the default socket)",
     )
     if token:
@@ -242,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--cache-dir", type=Path, default=None)
     models.set_defaults(func=_models)
 
-    from chunkstore.config import add_flags
+    from chunkstore.daemon.config import add_flags
 
     serve = commands.add_parser(
         "serve",

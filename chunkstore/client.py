@@ -23,43 +23,28 @@ import numpy as np
 import torch
 import xxhash
 
-from chunkstore.entry import EntryLayout, layout_of, tensors_of
 from chunkstore.errors import (
     AlreadyExists,
     ChecksumMismatch,
     InvalidRequest,
-    NotFound,
-    PoolFull,
     StoreError,
-    Unauthenticated,
     Unavailable,
-    WrongState,
 )
-from chunkstore.pool import gather, map_shared_pool, scatter
-from chunkstore.rpc import chunkstore_pb2 as pb
-from chunkstore.rpc import chunkstore_pb2_grpc as pb_grpc
-from chunkstore.wire import MAX_MESSAGE, layout_from_proto, layout_to_proto
+from chunkstore.kv.entry import EntryLayout, layout_of, tensors_of
+from chunkstore.protocol import chunkstore_pb2 as pb
+from chunkstore.protocol import chunkstore_pb2_grpc as pb_grpc
+from chunkstore.protocol.endpoints import default_socket
+from chunkstore.protocol.shm import gather, map_shared_pool, scatter
+from chunkstore.protocol.wire import MAX_MESSAGE, layout_from_proto, layout_to_proto, typed_error
 
 log = logging.getLogger("chunkstore.client")
 
-_ERRORS: dict[grpc.StatusCode, type[StoreError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
-    grpc.StatusCode.NOT_FOUND: NotFound,
-    grpc.StatusCode.ALREADY_EXISTS: AlreadyExists,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: PoolFull,
-    grpc.StatusCode.FAILED_PRECONDITION: WrongState,
-    grpc.StatusCode.DATA_LOSS: ChecksumMismatch,
-    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
-    grpc.StatusCode.UNAVAILABLE: Unavailable,
-    grpc.StatusCode.DEADLINE_EXCEEDED: Unavailable,
-}
 WRITE_PIECE = 1 << 20
 
 
-def typed_error(err: grpc.RpcError) -> StoreError:
-    code = err.code()
-    kind = _ERRORS.get(code, StoreError)
-    return kind(f"{code.name}: {err.details()}")
+def default_address() -> str:
+    """The node's daemon when no address is configured: its default unix socket."""
+    return f"unix:{default_socket()}"
 
 
 def as_bytes(t: torch.Tensor) -> np.ndarray:

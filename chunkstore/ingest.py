@@ -18,9 +18,9 @@ from typing import Any, Protocol
 
 from chunkstore.client import ChunkStoreClient
 from chunkstore.errors import SegmentationError
-from chunkstore.fingerprint import ModelFingerprint
-from chunkstore.keys import Isolation, segment_keys
-from chunkstore.segments import build_chunked_prompt
+from chunkstore.kv.fingerprint import ModelFingerprint
+from chunkstore.kv.keys import Isolation, segment_keys
+from chunkstore.kv.segments import build_chunked_prompt
 
 
 class Backend(Protocol):

@@ -53,15 +53,16 @@ class ChunkStoreMetadata(KVConnectorMetadata):
 
 
 @dataclass
-class LoadsDone(KVConnectorWorkerMetadata):
-    """Worker -> scheduler after a step: the requests whose loads ran (so their leases can
-    go), with the bytes each copied out of the shared-memory pool (for the daemon's metrics)."""
+class LoadsEnded(KVConnectorWorkerMetadata):
+    """Worker -> scheduler after a step: the requests whose loads ended this step, loaded or
+    failed (either way their leases can go), with the bytes each copied out of the
+    shared-memory pool (for the daemon's metrics)."""
 
     shm_bytes: dict[str, int] = field(default_factory=dict)
 
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> LoadsDone:
-        assert isinstance(other, LoadsDone)
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> LoadsEnded:
+        assert isinstance(other, LoadsEnded)
         merged = dict(self.shm_bytes)
         for req_id, nbytes in other.shm_bytes.items():
             merged[req_id] = merged.get(req_id, 0) + nbytes
-        return LoadsDone(merged)
+        return LoadsEnded(merged)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from chunkstore.config import default_socket
-from chunkstore.keys import Isolation
+from chunkstore.client import default_address
+from chunkstore.kv.keys import Isolation
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class ConnectorConfig:
 
     @property
     def daemon_address(self) -> str:
-        return self.address or f"unix:{default_socket()}"
+        return self.address or default_address()
 
     @property
     def isolation_mode(self) -> Isolation:

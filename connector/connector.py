@@ -83,7 +83,7 @@ class ChunkStoreConnector(KVConnectorBase_V1):
         return self.worker.get_block_ids_with_load_errors() if self.worker else set()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        return self.worker.loads_done() if self.worker else None
+        return self.worker.loads_ended() if self.worker else None
 
     # Both sides ------------------------------------------------------------------------------
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from chunkstore.fingerprint import ModelFingerprint, fingerprint
-from chunkstore.keys import KVLayout, segment_keys
-from chunkstore.rope import RotaryConfig
-from chunkstore.segments import Segment, SegmentKind, split_prompt
+from chunkstore.kv.fingerprint import ModelFingerprint, fingerprint
+from chunkstore.kv.keys import KVLayout, segment_keys
+from chunkstore.kv.rope import RotaryConfig
+from chunkstore.kv.segments import Segment, SegmentKind, split_prompt
 
 from .config import ConnectorConfig
 

@@ -13,11 +13,11 @@ from typing import Any
 
 from chunkstore.client import LeasedEntry
 from chunkstore.errors import ChunkStoreError
-from chunkstore.keys import Isolation
-from chunkstore.segments import SegmentKind
+from chunkstore.kv.keys import Isolation
+from chunkstore.kv.segments import SegmentKind
 
 from .client_holder import DaemonLink
-from .common import ChunkStoreMetadata, LoadItem, LoadsDone, RequestPlan, SaveItem
+from .common import ChunkStoreMetadata, LoadItem, LoadsEnded, RequestPlan, SaveItem
 from .config import ConnectorConfig, unsupported_parallelism
 from .keys import ModelKeys, SegmentPlan
 from .metrics import ConnectorStats
@@ -198,10 +198,10 @@ class SchedulerSide:
             meta.requests.append(RequestPlan(req_id, list(lookup.block_ids), loads, saves))
 
     def update_connector_output(self, output: Any) -> None:
-        """The workers ran these requests' loads: their leases can go."""
-        done = output.kv_connector_worker_meta
-        if isinstance(done, LoadsDone):
-            for req_id, shm_bytes in done.shm_bytes.items():
+        """These requests' loads ended on the workers: their leases can go."""
+        ended = output.kv_connector_worker_meta
+        if isinstance(ended, LoadsEnded):
+            for req_id, shm_bytes in ended.shm_bytes.items():
                 self._release(req_id, shm_bytes)
 
     def _saves(self, lookup: Lookup, computed_end: int) -> list[SaveItem]:

@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from chunkstore.entry import tensors_of
 from chunkstore.errors import ChunkStoreError
-from chunkstore.rope import RotaryConfig, remap_keys
+from chunkstore.kv.entry import tensors_of
+from chunkstore.kv.rope import RotaryConfig, remap_keys
 
 from .client_holder import DaemonLink
-from .common import ChunkStoreMetadata, LoadItem, LoadsDone, RequestPlan, SaveItem
+from .common import ChunkStoreMetadata, LoadItem, LoadsEnded, RequestPlan, SaveItem
 from .config import ConnectorConfig, unsupported_parallelism
 from .heads import RankHeads
 from .keys import ModelKeys
@@ -122,7 +122,7 @@ class WorkerSide:
         self._layer_loads: LayerLoads | None = None
         self._layer_index: dict[str, int] = {}
         self.heads = RankHeads(0, 1, self.keys.layout.num_kv_heads, self.keys.layout.num_kv_heads)
-        self._done = LoadsDone()
+        self._ended = LoadsEnded()
         self.stats = ConnectorStats()
 
     # Set-up --------------------------------------------------------------------------------
@@ -268,7 +268,7 @@ class WorkerSide:
                     if not isinstance(err, DaemonDown):
                         self.link.trouble(f"load of {item.key.hex()[:12]}", err)
                     self._failed(plan, item)
-            self._done.shm_bytes[plan.req_id] = shm_bytes
+            self._ended.shm_bytes[plan.req_id] = shm_bytes
         if fetched:
             self._layer_loads = LayerLoads(self, fetched, self.config.overlap_layers)
         if any(plan.loads for plan in metadata.requests):
@@ -356,10 +356,10 @@ class WorkerSide:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
-    def loads_done(self) -> LoadsDone | None:
-        """The requests whose loads ran this step, for the scheduler to release their leases."""
-        done, self._done = self._done, LoadsDone()
-        return done if done.shm_bytes else None
+    def loads_ended(self) -> LoadsEnded | None:
+        """The requests whose loads ended this step, for the scheduler to release their leases."""
+        ended, self._ended = self._ended, LoadsEnded()
+        return ended if ended.shm_bytes else None
 
     # Saves ----------------------------------------------------------------------------------
 

@@ -72,39 +72,35 @@ def test_models_command_builds_nothing_that_is_present(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "unknown model llama70b" in bad.stderr
 
 
-def test_admin_verbs_against_a_running_daemon(tmp_path: Path) -> None:
+def test_admin_verbs_against_a_running_daemon(serve) -> None:
     import torch
 
     from chunkstore.client import ChunkStoreClient
-    from chunkstore.testing.daemon import start_daemon
 
-    daemon = start_daemon(tmp_path / "d")
-    try:
-        with ChunkStoreClient(daemon.unix) as client:
-            k = torch.zeros(1, 2, 1, 8)
-            client.put(b"a" * 16, k, k, 0)
-            client.put(b"b" * 16, k, k, 0)
-        address = ("--address", daemon.unix, "--json")
+    daemon = serve()
+    with ChunkStoreClient(daemon.unix) as client:
+        k = torch.zeros(1, 2, 1, 8)
+        client.put(b"a" * 16, k, k, 0)
+        client.put(b"b" * 16, k, k, 0)
+    address = ("--address", daemon.unix, "--json")
 
-        def verb(*args: str) -> dict:
-            run = chunkstore(*args, *address)
-            assert run.returncode == 0, run.stderr
-            return json.loads(run.stdout)
+    def verb(*args: str) -> dict:
+        run = chunkstore(*args, *address)
+        assert run.returncode == 0, run.stderr
+        return json.loads(run.stdout)
 
-        assert verb("stats")["entries"] == "2"  # uint64 fields print as strings in JSON
-        assert verb("pin", (b"a" * 16).hex()) == {"changed": 1}
-        assert verb("clear") == {"evicted": 1, "busy": 1}
-        assert verb("unpin", (b"a" * 16).hex()) == {"changed": 1}
-        assert verb("evict", (b"a" * 16).hex()) == {"evicted": 1, "busy": 0}
-        healthy = chunkstore("health", "--address", daemon.unix)
-        assert healthy.returncode == 0 and healthy.stdout.strip() == "SERVING"
-        assert verb("drain", "--timeout", "1") == {"leases_left": 0}
-        assert verb("stats")["draining"] is True
-        assert chunkstore("health", "--address", daemon.unix).stdout.strip() == "NOT_SERVING"
-        missing = chunkstore("pin", "00" * 16, *address)
-        assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
-    finally:
-        assert daemon.stop() == 0
+    assert verb("stats")["entries"] == "2"  # uint64 fields print as strings in JSON
+    assert verb("pin", (b"a" * 16).hex()) == {"changed": 1}
+    assert verb("clear") == {"evicted": 1, "busy": 1}
+    assert verb("unpin", (b"a" * 16).hex()) == {"changed": 1}
+    assert verb("evict", (b"a" * 16).hex()) == {"evicted": 1, "busy": 0}
+    healthy = chunkstore("health", "--address", daemon.unix)
+    assert healthy.returncode == 0 and healthy.stdout.strip() == "SERVING"
+    assert verb("drain", "--timeout", "1") == {"leases_left": 0}
+    assert verb("stats")["draining"] is True
+    assert chunkstore("health", "--address", daemon.unix).stdout.strip() == "NOT_SERVING"
+    missing = chunkstore("pin", "00" * 16, *address)
+    assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
 
 
 def test_stats_without_a_daemon_says_so(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from chunkstore.segments import find_separators
+from chunkstore.kv.segments import find_separators
 from chunkstore.testing.daemon import start_daemon
 from chunkstore.testing.models import _WORDS, model_dir
 from chunkstore.testing.vllm_probe import run_probe

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from chunkstore.paging import slot_mapping
-from chunkstore.rope import RotaryConfig, remap_keys
-from chunkstore.writer import write_chunk, write_torch, writer_for
+from chunkstore.kv.paging import slot_mapping
+from chunkstore.kv.rope import RotaryConfig, remap_keys
+from chunkstore.kv.writer import write_chunk, write_torch, writer_for
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -90,7 +90,7 @@ def _measure(
         "delta": args.delta,
         "bytes": nbytes,
         "repeats": args.repeats,
-        "writer": writer_for("cpu").__module__.rsplit(".", 1)[-1],
+        "writer": "writer" if writer_for("cpu") is write_torch else "writer_cpu",
         "threads": torch.get_num_threads(),
         "copy_ms_p50": round(statistics.median(copies) * 1e3, 3),
         "remap_ms_p50": round(statistics.median(remaps) * 1e3, 3),

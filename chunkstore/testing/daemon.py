@@ -32,6 +32,12 @@ class RunningDaemon:
     def metrics_url(self) -> str:
         return f"http://{self.ready['metrics']}/metrics"
 
+    def __enter__(self) -> RunningDaemon:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM, then wait; returns the exit code (kills it if it will not stop)."""
         if self.process.poll() is None:
@@ -63,18 +69,18 @@ class RunningDaemon:
         return path.read_text() if path.exists() else ""
 
 
-def start_daemon(
+def serve_command(
     workdir: Path,
     *args: str,
     pool_bytes: int = 64 << 20,
     block_size: int = 1 << 16,
-    timeout: float = 60.0,
     launcher: tuple[str, ...] = ("chunkstore.cli",),
-) -> RunningDaemon:
-    """``launcher``: the module (and its own flags) that runs ``serve``, e.g.
-    ``("chunkstore.testing.dying_daemon", "--die-on", "Read", "--armed-by", path)``."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    command = [
+) -> list[str]:
+    """``chunkstore serve`` on free loopback ports with its socket and pool in ``workdir``;
+    ``args`` come last, so they override any of these. ``launcher``: the module (and its own
+    flags) that runs ``serve``, e.g. ``("chunkstore.testing.dying_daemon", "--die-on",
+    "Read", "--armed-by", path)``."""
+    return [
         sys.executable,
         "-m",
         *launcher,
@@ -93,9 +99,31 @@ def start_daemon(
         str(block_size),
         *args,
     ]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKSTORE_")}
+
+
+def serve_env() -> dict[str, str]:
+    """The caller's environment without CHUNKSTORE_* settings, which would override flags."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("CHUNKSTORE_")}
+
+
+def start_daemon(
+    workdir: Path,
+    *args: str,
+    pool_bytes: int = 64 << 20,
+    block_size: int = 1 << 16,
+    timeout: float = 60.0,
+    launcher: tuple[str, ...] = ("chunkstore.cli",),
+) -> RunningDaemon:
+    """Start ``serve_command`` and wait for its ready line (its log: ``workdir/daemon.log``).
+    Tests use the ``serve`` fixture (tests/conftest.py), which stops what it started."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    command = serve_command(
+        workdir, *args, pool_bytes=pool_bytes, block_size=block_size, launcher=launcher
+    )
     log = (workdir / "daemon.log").open("w")
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=log, text=True, env=serve_env()
+    )
     deadline = time.monotonic() + timeout
     assert process.stdout is not None
     while time.monotonic() < deadline:

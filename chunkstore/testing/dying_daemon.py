@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from chunkstore import cli
-from chunkstore.server import ChunkStoreService
+from chunkstore.daemon.server import ChunkStoreService
 
 
 def main() -> int:

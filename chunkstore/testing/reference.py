@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from chunkstore.keys import Isolation
-from chunkstore.masks import MaskForm, SegmentLayout, isolation_mask
-from chunkstore.rope import RotaryConfig, remap_keys
-from chunkstore.segments import Segment, SegmentKind
+from chunkstore.kv.keys import Isolation
+from chunkstore.kv.masks import MaskForm, SegmentLayout, isolation_mask
+from chunkstore.kv.rope import RotaryConfig, remap_keys
+from chunkstore.kv.segments import Segment, SegmentKind
 
 
 @dataclass

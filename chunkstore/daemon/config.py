@@ -1,0 +1,187 @@
+"""The daemon's configuration: one typed object, built once from
+defaults < config file (TOML) < ``CHUNKSTORE_*`` environment < command-line flags,
+printed on start-up and passed down. No other module reads the environment."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from socket import gethostname
+from typing import Any
+
+from chunkstore.errors import InvalidRequest
+from chunkstore.protocol.endpoints import default_socket
+
+ENV_PREFIX = "CHUNKSTORE_"
+
+
+@dataclass
+class ServeConfig:
+    device: str = "cpu"
+    pool_bytes: int = 0  # 0: pool_fraction of the memory available at start
+    pool_fraction: float = 0.25
+    block_size: int = 1 << 20
+    shm_dir: str = "/dev/shm"
+    socket: str = dataclasses.field(default_factory=default_socket)  # "" disables
+    tcp: str = "127.0.0.1:50551"  # "" disables
+    metrics: str = "127.0.0.1:9477"  # "" disables
+    group_access: bool = False  # socket and pool readable by the daemon's group too
+    token: str = ""  # bearer token every client must send
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""  # set: clients must present a certificate it signed (mutual TLS)
+    allow_insecure_remote: bool = False  # bind TCP beyond loopback without a token
+    lease_ttl_s: float = 30.0
+    high_watermark: float = 0.95
+    low_watermark: float = 0.85
+    verify_commits: bool = True
+    drain_timeout_s: float = 10.0
+    node: str = dataclasses.field(default_factory=gethostname)
+    redis: str = ""  # cluster directory, redis://host:port/db ("" = standalone)
+    advertise: str = ""  # host:port peers dial for this daemon ("" = the tcp address)
+    directory_ttl_s: float = 60.0
+    log_level: str = "INFO"
+
+    def validate(self) -> None:
+        remote = self.tcp and not _is_loopback(self.tcp)
+        if remote and not self.token and not self.allow_insecure_remote:
+            raise InvalidRequest(
+                f"refusing to listen on {self.tcp} without a token: anyone who reaches "
+                "it could read and write KV. Set --token (and TLS), or pass "
+                "--allow-insecure-remote if the network is yours alone."
+            )
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise InvalidRequest("TLS needs both --tls-cert and --tls-key")
+        if self.tls_client_ca and not self.tls_cert:
+            raise InvalidRequest("mutual TLS (--tls-client-ca) needs --tls-cert and --tls-key")
+        if self.block_size <= 0 or self.pool_bytes < 0:
+            raise InvalidRequest("block size must be positive and pool bytes >= 0")
+        if self.redis and not (self.advertise or self.tcp):
+            raise InvalidRequest("a cluster directory (--redis) needs --tcp for peers to dial")
+        wildcard = self.tcp.rsplit(":", 1)[0].strip("[]") in ("0.0.0.0", "::", "")
+        if self.redis and not self.advertise and wildcard:
+            raise InvalidRequest(
+                f"peers cannot dial {self.tcp}: with --redis, set --advertise to this node's "
+                "reachable host:port (in Kubernetes: $(POD_IP):50551)"
+            )
+        if self.redis and self.directory_ttl_s <= 0:
+            raise InvalidRequest("--directory-ttl-s must be positive")
+        if not 0 < self.low_watermark <= self.high_watermark <= 1:
+            raise InvalidRequest("watermarks need 0 < low <= high <= 1")
+
+    def resolved_pool_bytes(self) -> int:
+        if self.pool_bytes:
+            return self.pool_bytes
+        return int(available_memory() * self.pool_fraction)
+
+    def describe(self) -> str:
+        shown = dataclasses.asdict(self)
+        if shown["token"]:
+            shown["token"] = "***"
+        return " ".join(f"{k}={v}" for k, v in shown.items())
+
+
+def available_memory() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+def _is_loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0].strip("[]")
+    return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
+
+
+def _coerce(value: Any, kind: Any) -> Any:
+    if kind in (bool, "bool"):
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off", ""):
+            return False
+        raise InvalidRequest(f"not a boolean: {value!r}")
+    caster = {"int": int, "float": float, "str": str}.get(kind, kind)
+    try:
+        return caster(value)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequest(f"not a {kind}: {value!r}") from exc
+
+
+def load(
+    config_file: str | None = None,
+    environ: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> ServeConfig:
+    """Defaults < file < environment < flags (flags left at None do not count)."""
+    environ = os.environ if environ is None else environ
+    config = ServeConfig()
+    types = {f.name: f.type for f in fields(ServeConfig)}
+    layers: list[tuple[str, Mapping[str, Any]]] = []
+    path = config_file or environ.get(ENV_PREFIX + "CONFIG")
+    if path:
+        with open(path, "rb") as f:
+            layers.append((f"config file {path}", tomllib.load(f)))
+    env = {
+        name: environ[ENV_PREFIX + name.upper()]
+        for name in types
+        if ENV_PREFIX + name.upper() in environ
+    }
+    layers.append(("environment", env))
+    layers.append(("flags", {k: v for k, v in (flags or {}).items() if v is not None}))
+    for source, values in layers:
+        for name, value in values.items():
+            if name not in types:
+                raise InvalidRequest(f"unknown setting {name!r} in {source}")
+            setattr(config, name, _coerce(value, types[name]))
+    config.validate()
+    return config
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting, each defaulting to None so that it overrides only when given."""
+    helps = {
+        "device": "pool device: cpu (cuda / npu pools are not built yet)",
+        "pool_bytes": "pool size in bytes (default: pool_fraction of available memory)",
+        "pool_fraction": "share of available memory for the pool when pool_bytes is 0 (0.25)",
+        "block_size": "pool block size in bytes (default 1 MiB)",
+        "shm_dir": "where the shared-memory pool file lives (default /dev/shm)",
+        "socket": "unix socket path ('' disables; default $XDG_RUNTIME_DIR/chunkstore.sock)",
+        "tcp": "TCP address ('' disables; default 127.0.0.1:50551; port 0 picks one)",
+        "metrics": "Prometheus /metrics address ('' disables; default 127.0.0.1:9477)",
+        "group_access": "let the daemon's group use the socket and the pool (default: user only)",
+        "token": "bearer token clients must send (required beyond loopback)",
+        "tls_cert": "TLS certificate (PEM) for the TCP port",
+        "tls_key": "TLS private key (PEM)",
+        "tls_client_ca": "CA (PEM) that client certificates must chain to: mutual TLS",
+        "allow_insecure_remote": "allow a non-loopback TCP address without a token",
+        "lease_ttl_s": "seconds a silent client keeps its leases and reservations (30)",
+        "high_watermark": "evict LRU entries once the pool is this full (0.95)",
+        "low_watermark": "... down to this fill (0.85)",
+        "verify_commits": "hash an entry's pool bytes at commit and refuse a mismatch (true)",
+        "drain_timeout_s": "on SIGTERM, how long to wait for leases to end (10)",
+        "node": "node name reported to clients (default: hostname)",
+        "redis": "Redis URL of the cluster directory, e.g. redis://10.0.0.5:6379/0 "
+        "(default: none, standalone): misses are pulled from peers that hold the chunk",
+        "advertise": "host:port other nodes dial for this daemon (default: the --tcp address)",
+        "directory_ttl_s": "seconds a directory claim lives unless renewed (every ttl/3; 60)",
+        "log_level": "DEBUG, INFO, WARNING or ERROR",
+    }
+    for f in fields(ServeConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in (bool, "bool"):
+            parser.add_argument(
+                flag, nargs="?", const="true", default=None, metavar="BOOL", help=helps[f.name]
+            )
+        else:
+            parser.add_argument(flag, default=None, help=helps[f.name])

@@ -1,0 +1,183 @@
+"""The cluster directory (DESIGN.md, "Cluster"): which daemons hold which chunks, in Redis, so
+a node pulls a chunk another node computed instead of having vLLM compute it again.
+
+Each stored key has a sorted set ``chunkstore:dir:<key hex>`` whose members are the gRPC
+addresses of the daemons holding it, each scored by when its claim expires. Every daemon
+republishes what it holds every ttl / 3 and withdraws what it no longer holds; a daemon that
+dies stops renewing and its claims lapse. A lookup or acquire that misses locally queues the
+missing keys; a background fetcher finds a peer in the directory, pulls the entry from it
+(``peers.PeerSource``: the peer's gRPC stream, checksum-verified) and stores it here through
+the index, so the next request hits. Redis is optional, and when it cannot be reached the
+daemon serves on alone (counted in ``chunkstore_directory_errors_total``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+
+from chunkstore.daemon.index import Index
+from chunkstore.daemon.peers import PeerSource
+from chunkstore.errors import ChunkStoreError
+
+log = logging.getLogger("chunkstore.daemon.directory")
+
+PREFIX = "chunkstore:dir:"
+QUEUE_LIMIT = 4096  # misses waiting for a fetch; more are dropped (and asked again later)
+
+
+def directory_key(key: bytes) -> str:
+    return PREFIX + key.hex()
+
+
+class Directory:
+    def __init__(
+        self,
+        url: str,
+        advertise: str,
+        peers: PeerSource,
+        ttl_s: float,
+        index: Index,
+        metrics: Any,
+    ) -> None:
+        self.redis = redis.Redis.from_url(
+            url, socket_timeout=1.0, socket_connect_timeout=1.0, decode_responses=True
+        )
+        self.advertise = advertise  # what peers dial to reach this daemon
+        self.peers = peers
+        self.ttl_s = ttl_s
+        self.index = index
+        self.metrics = metrics
+        self._published: set[bytes] = set()
+        self._wanted: queue.Queue[bytes] = queue.Queue(QUEUE_LIMIT)
+        self._queued: set[bytes] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._down = False
+        self._threads = [
+            threading.Thread(target=self._publish_loop, name="chunkstore-publish", daemon=True),
+            threading.Thread(target=self._fetch_loop, name="chunkstore-fetch", daemon=True),
+        ]
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=5)
+        with contextlib.suppress(redis.RedisError):
+            self._withdraw(self._published)  # a clean stop withdraws at once
+        self.redis.close()
+
+    # Publishing ------------------------------------------------------------------------
+
+    def _publish_loop(self) -> None:
+        interval = max(0.2, self.ttl_s / 3)
+        while not self._stop.is_set():
+            try:
+                self.publish()
+            except redis.RedisError as err:
+                self._trouble(f"publishing to Redis failed: {err}")
+            self._stop.wait(interval)
+
+    def publish(self) -> None:
+        """Claim every entry held here for another ttl; withdraw the ones gone since."""
+        held = {entry.key for entry in self.index.entries()}
+        expires = time.time() + self.ttl_s
+        pipe = self.redis.pipeline(transaction=False)
+        for key in held:
+            name = directory_key(key)
+            pipe.zadd(name, {self.advertise: expires})
+            pipe.zremrangebyscore(name, "-inf", time.time())  # lapsed claims of dead peers
+            pipe.expire(name, int(self.ttl_s) + 1)
+        pipe.execute()
+        self._withdraw(self._published - held)
+        self._published = held
+        self._recovered()
+
+    def _withdraw(self, keys: set[bytes]) -> None:
+        if keys:
+            pipe = self.redis.pipeline(transaction=False)
+            for key in keys:
+                pipe.zrem(directory_key(key), self.advertise)
+            pipe.execute()
+
+    def holders(self, key: bytes) -> list[str]:
+        """Live peers that claim ``key`` (this daemon left out)."""
+        members = self.redis.zrangebyscore(directory_key(key), time.time(), "+inf")
+        return [str(m) for m in members if str(m) != self.advertise]
+
+    # Fetching --------------------------------------------------------------------------
+
+    def want(self, keys: Sequence[bytes]) -> None:
+        """Local misses: pull them from a peer in the background if the directory knows one."""
+        with self._lock:
+            for key in keys:
+                if key in self._queued:
+                    continue
+                try:
+                    self._wanted.put_nowait(key)
+                except queue.Full:
+                    return
+                self._queued.add(key)
+
+    def _fetch_loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    key = self._wanted.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                try:
+                    self.metrics.remote_fetches.labels(self._fetch(key)).inc()
+                except (ChunkStoreError, redis.RedisError) as err:
+                    self._trouble(f"fetching {key.hex()[:12]} failed: {err}")
+                    self.metrics.remote_fetches.labels("failed").inc()
+                finally:
+                    with self._lock:
+                        self._queued.discard(key)
+        finally:
+            self.peers.close()
+
+    def _fetch(self, key: bytes) -> str:
+        """Pull one key from a peer that claims it: "ok", "present" (stored here meanwhile),
+        "absent" (no live peer has it) or "failed" (peers had it but could not serve it)."""
+        if self.index.lookup([key])[0] is not None:
+            return "present"
+        result = "absent"
+        for peer in self.holders(key):
+            try:
+                pulled = self.peers.pull(peer, key)  # checksum-verified
+            except ChunkStoreError as err:
+                log.warning("pulling %s from %s failed: %s", key.hex()[:12], peer, err)
+                result = "failed"
+                self.peers.forget(peer)
+                continue
+            if pulled is None:
+                continue  # evicted there since it last published
+            if self.index.store(key, pulled.layout, pulled.data, pulled.checksum):
+                self.metrics.bytes.labels("grpc", "write").inc(pulled.data.shape[0])
+            return "ok"
+        return result
+
+    # Trouble ---------------------------------------------------------------------------
+
+    def _trouble(self, reason: str) -> None:
+        self.metrics.directory_errors.labels().inc()
+        if not self._down:
+            log.warning("%s; serving on alone until Redis answers", reason)
+        self._down = True
+
+    def _recovered(self) -> None:
+        if self._down:
+            log.warning("Redis answers again: the directory is back")
+        self._down = False

@@ -1,0 +1,476 @@
+"""The content-hash index: key -> entry, and every state change an entry goes through.
+
+One path (DESIGN.md): reserve -> commit (or abort) -> lease -> release -> evict. An entry is
+unreadable until committed; a leased or pinned entry is never evicted; leases and
+reservations belong to a session and go when it ends or stops renewing them (TTL). Eviction is
+LRU by bytes: on demand when a reservation needs room, and down to the low watermark once
+usage passes the high one. The index owns entries; the pool owns bytes and free blocks; one
+lock serializes both.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from chunkstore.daemon.pool import Pool
+from chunkstore.errors import (
+    AlreadyExists,
+    ChecksumMismatch,
+    InvalidRequest,
+    NotFound,
+    PoolFull,
+    WrongState,
+)
+from chunkstore.kv.entry import EntryLayout
+from chunkstore.kv.keys import KEY_BYTES
+from chunkstore.protocol.shm import checksum, scatter
+
+MAX_BATCH = 4096  # keys in one lookup / acquire / admin call
+
+
+@dataclass
+class Entry:
+    key: bytes
+    layout: EntryLayout
+    nbytes: int
+    blocks: list[int]
+    checksum: int
+    pinned: bool = False
+    leases: int = 0
+
+
+@dataclass
+class Reservation:
+    id: int
+    key: bytes
+    session: str
+    layout: EntryLayout
+    nbytes: int
+    blocks: list[int]
+    expires_at: float
+    written: int = 0  # bytes streamed in so far (stream writes only)
+
+
+@dataclass
+class Lease:
+    id: int
+    key: bytes
+    session: str
+    expires_at: float
+
+
+@dataclass
+class Session:
+    id: str
+    name: str
+    last_seen: float
+    leases: set[int] = field(default_factory=set)
+    reservations: set[int] = field(default_factory=set)
+
+
+@dataclass
+class IndexStats:
+    entries: int
+    pinned_entries: int
+    bytes_used: int
+    bytes_capacity: int
+    blocks_free: int
+    blocks_total: int
+    active_leases: int
+    active_reservations: int
+    sessions: int
+    lookups: int
+    hits: int
+    lookup_tokens: int
+    hit_tokens: int
+    evictions: dict[str, int]
+    draining: bool
+
+
+class Index:
+    def __init__(
+        self,
+        pool: Pool,
+        lease_ttl: float = 30.0,
+        high_watermark: float = 0.95,
+        low_watermark: float = 0.85,
+        verify_commits: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+        on_evict: Callable[[str, int], None] | None = None,
+    ) -> None:
+        if not 0 < low_watermark <= high_watermark <= 1:
+            raise InvalidRequest("watermarks need 0 < low <= high <= 1")
+        self.pool = pool
+        self.lease_ttl = lease_ttl
+        self.high_watermark = high_watermark
+        self.low_watermark = low_watermark
+        self.verify_commits = verify_commits
+        self.clock = clock
+        self.on_evict = on_evict
+        self.lock = threading.RLock()
+        self.draining = False
+        self._entries: OrderedDict[bytes, Entry] = OrderedDict()  # LRU order: oldest first
+        self._reservations: dict[int, Reservation] = {}
+        self._reserved_keys: dict[bytes, int] = {}
+        self._finished: OrderedDict[int, str] = OrderedDict()  # recent reservation outcomes
+        self._leases: dict[int, Lease] = {}
+        self._sessions: dict[str, Session] = {}
+        self._ids = itertools.count(1)
+        self._counts: Counter[str] = Counter()
+        self.evictions: Counter[str] = Counter()
+
+    # Sessions -----------------------------------------------------------------------------
+
+    def open_session(self, name: str) -> str:
+        with self.lock:
+            session_id = secrets.token_hex(8)
+            self._sessions[session_id] = Session(session_id, name, self.clock())
+            return session_id
+
+    def renew(self, session_id: str) -> None:
+        """A sign of life: pushes back the expiry of everything the session holds."""
+        with self.lock:
+            session = self._session(session_id)
+            now = self.clock()
+            session.last_seen = now
+            for lease_id in session.leases:
+                self._leases[lease_id].expires_at = now + self.lease_ttl
+            for reservation_id in session.reservations:
+                self._reservations[reservation_id].expires_at = now + self.lease_ttl
+
+    def end_session(self, session_id: str) -> None:
+        """The client is gone: its reservations are aborted and its leases released."""
+        with self.lock:
+            session = self._sessions.pop(session_id, None)
+            if session is None:
+                return
+            for reservation_id in list(session.reservations):
+                self._drop_reservation(self._reservations[reservation_id])
+            for lease_id in list(session.leases):
+                self._drop_lease(self._leases[lease_id])
+
+    def expire(self) -> int:
+        """Reclaim leases and reservations whose holder stopped renewing them, and sessions
+        that hold nothing and were silent for a TTL. Returns how many things went."""
+        with self.lock:
+            now = self.clock()
+            gone = 0
+            for reservation in [r for r in self._reservations.values() if r.expires_at <= now]:
+                self._drop_reservation(reservation)
+                gone += 1
+            for lease in [x for x in self._leases.values() if x.expires_at <= now]:
+                self._drop_lease(lease)
+                gone += 1
+            for session in list(self._sessions.values()):
+                idle = now - session.last_seen > self.lease_ttl
+                if idle and not session.leases and not session.reservations:
+                    del self._sessions[session.id]
+            return gone
+
+    # Reads --------------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes]) -> list[Entry | None]:
+        self._check_keys(keys)
+        with self.lock:
+            return [self._entries.get(k) for k in keys]
+
+    def count_hits(self, found: Sequence[bool], num_tokens: Sequence[int] = ()) -> None:
+        """Count a client's lookup: chunks looked up and found, and, when the client sent
+        each key's token count, tokens looked up and found (hit rate by tokens)."""
+        with self.lock:
+            self._counts["lookups"] += len(found)
+            self._counts["hits"] += sum(found)
+            if num_tokens:
+                self._counts["lookup_tokens"] += sum(num_tokens)
+                self._counts["hit_tokens"] += sum(
+                    n for n, hit in zip(num_tokens, found, strict=True) if hit
+                )
+
+    def acquire(self, session_id: str, keys: Sequence[bytes]) -> list[tuple[Lease, Entry] | None]:
+        self._check_keys(keys)
+        with self.lock:
+            self._refuse_if_draining()
+            session = self._session(session_id)
+            now = self.clock()
+            out: list[tuple[Lease, Entry] | None] = []
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is None:
+                    out.append(None)
+                    continue
+                lease = Lease(next(self._ids), key, session_id, now + self.lease_ttl)
+                self._leases[lease.id] = lease
+                session.leases.add(lease.id)
+                entry.leases += 1
+                self._entries.move_to_end(key)
+                out.append((lease, entry))
+            return out
+
+    def release(self, session_id: str, lease_ids: Sequence[int]) -> None:
+        with self.lock:
+            for lease_id in lease_ids:
+                lease = self._leases.get(lease_id)
+                if lease is None or lease.session != session_id:
+                    raise NotFound(f"no lease {lease_id} in session {session_id}")
+                self._drop_lease(lease)
+
+    def lease(self, session_id: str, lease_id: int) -> Entry:
+        """The entry a held lease reads (for streaming its bytes)."""
+        with self.lock:
+            lease = self._leases.get(lease_id)
+            if lease is None or lease.session != session_id:
+                raise NotFound(f"no lease {lease_id} in session {session_id}")
+            return self._entries[lease.key]
+
+    # Writes -------------------------------------------------------------------------------
+
+    def reserve(self, session_id: str, key: bytes, layout: EntryLayout, nbytes: int) -> Reservation:
+        self._check_keys([key])
+        layout.validate()
+        if nbytes != layout.nbytes:
+            raise InvalidRequest(f"{nbytes} bytes do not match the layout's {layout.nbytes}")
+        if nbytes > self.pool.capacity:
+            raise InvalidRequest(
+                f"an entry of {nbytes} bytes can never fit a pool of {self.pool.capacity}"
+            )
+        with self.lock:
+            self._refuse_if_draining()
+            session = self._session(session_id)
+            if key in self._entries:
+                raise AlreadyExists(f"{key.hex()} is committed already")
+            if key in self._reserved_keys:
+                raise AlreadyExists(f"{key.hex()} is being written by another reservation")
+            blocks = self._allocate(self.pool.blocks_for(nbytes))
+            reservation = Reservation(
+                next(self._ids),
+                key,
+                session_id,
+                layout,
+                nbytes,
+                blocks,
+                self.clock() + self.lease_ttl,
+            )
+            self._reservations[reservation.id] = reservation
+            self._reserved_keys[key] = reservation.id
+            session.reservations.add(reservation.id)
+            return reservation
+
+    def reservation(self, session_id: str, reservation_id: int) -> Reservation:
+        with self.lock:
+            reservation = self._reservations.get(reservation_id)
+            if reservation is None and reservation_id in self._finished:
+                raise WrongState(
+                    f"reservation {reservation_id} was {self._finished[reservation_id]} already"
+                )
+            if reservation is None or reservation.session != session_id:
+                raise NotFound(f"no reservation {reservation_id} in session {session_id}")
+            return reservation
+
+    def commit(
+        self, session_id: str, reservation_id: int, claimed_checksum: int, streamed: bool = False
+    ) -> Entry:
+        """Make a reservation readable. With ``verify_commits`` the pool's bytes are hashed and
+        must match the writer's checksum; a mismatch aborts the reservation."""
+        with self.lock:
+            reservation = self.reservation(session_id, reservation_id)
+            if streamed and reservation.written != reservation.nbytes:
+                raise WrongState(
+                    f"reservation {reservation_id} got {reservation.written} of "
+                    f"{reservation.nbytes} bytes"
+                )
+            if self.verify_commits:
+                actual = checksum(
+                    self.pool.region(), reservation.blocks, self.pool.block_size, reservation.nbytes
+                )
+                if actual != claimed_checksum:
+                    self._drop_reservation(reservation)
+                    raise ChecksumMismatch(
+                        f"reservation {reservation_id}: pool bytes hash to {actual:#x}, the "
+                        f"writer said {claimed_checksum:#x}; aborted"
+                    )
+            self._forget_reservation(reservation, "committed")
+            entry = Entry(
+                reservation.key,
+                reservation.layout,
+                reservation.nbytes,
+                reservation.blocks,
+                claimed_checksum,
+            )
+            self._entries[entry.key] = entry
+            self._evict_to_watermark()
+            return entry
+
+    def store(self, key: bytes, layout: EntryLayout, data: np.ndarray, claimed: int) -> bool:
+        """Store a whole entry whose bytes are in hand (a peer's): reserve, copy into the
+        pool, commit, in a session of its own. False if the key is stored or being stored."""
+        session = self.open_session("store")
+        try:
+            try:
+                reservation = self.reserve(session, key, layout, data.shape[0])
+            except AlreadyExists:
+                return False
+            scatter(self.pool.region(), reservation.blocks, self.pool.block_size, data)
+            self.commit(session, reservation.id, claimed)
+            return True
+        finally:
+            self.end_session(session)
+
+    def abort(self, session_id: str, reservation_id: int) -> None:
+        with self.lock:
+            self._drop_reservation(self.reservation(session_id, reservation_id))
+
+    # Admin --------------------------------------------------------------------------------
+
+    def evict(self, keys: Sequence[bytes], reason: str = "admin") -> tuple[int, int]:
+        """Evict these entries; leased or pinned ones stay. Returns (evicted, busy)."""
+        self._check_keys(keys)
+        with self.lock:
+            evicted = busy = 0
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is None:
+                    continue
+                if entry.leases or entry.pinned:
+                    busy += 1
+                    continue
+                self._evict(entry, reason)
+                evicted += 1
+            return evicted, busy
+
+    def clear(self) -> tuple[int, int]:
+        with self.lock:
+            return self.evict(list(self._entries), reason="clear")
+
+    def set_pinned(self, keys: Sequence[bytes], pinned: bool) -> int:
+        self._check_keys(keys)
+        with self.lock:
+            changed = 0
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is None:
+                    raise NotFound(f"no entry {key.hex()}")
+                changed += entry.pinned != pinned
+                entry.pinned = pinned
+            return changed
+
+    def start_draining(self) -> None:
+        with self.lock:
+            self.draining = True
+
+    def stats(self) -> IndexStats:
+        with self.lock:
+            used_blocks = self.pool.num_blocks - self.pool.free_blocks
+            return IndexStats(
+                entries=len(self._entries),
+                pinned_entries=sum(e.pinned for e in self._entries.values()),
+                bytes_used=used_blocks * self.pool.block_size,
+                bytes_capacity=self.pool.capacity,
+                blocks_free=self.pool.free_blocks,
+                blocks_total=self.pool.num_blocks,
+                active_leases=len(self._leases),
+                active_reservations=len(self._reservations),
+                sessions=len(self._sessions),
+                lookups=self._counts["lookups"],
+                hits=self._counts["hits"],
+                lookup_tokens=self._counts["lookup_tokens"],
+                hit_tokens=self._counts["hit_tokens"],
+                evictions=dict(self.evictions),
+                draining=self.draining,
+            )
+
+    def entries(self) -> list[Entry]:
+        with self.lock:
+            return list(self._entries.values())
+
+    def sessions(self) -> list[Session]:
+        with self.lock:
+            return list(self._sessions.values())
+
+    def reservations(self) -> list[Reservation]:
+        with self.lock:
+            return list(self._reservations.values())
+
+    # Internals (called with the lock held) ------------------------------------------------
+
+    @staticmethod
+    def _check_keys(keys: Sequence[bytes]) -> None:
+        if len(keys) > MAX_BATCH:
+            raise InvalidRequest(f"{len(keys)} keys in one call; at most {MAX_BATCH}")
+        for key in keys:
+            if len(key) != KEY_BYTES:
+                raise InvalidRequest(f"a key is {KEY_BYTES} bytes, got {len(key)}")
+
+    def _session(self, session_id: str) -> Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise NotFound(f"no session {session_id!r}: call Hello first (or it expired)")
+        return session
+
+    def _refuse_if_draining(self) -> None:
+        if self.draining:
+            raise WrongState("the daemon is draining: no new reads or writes")
+
+    def _allocate(self, count: int) -> list[int]:
+        blocks = self.pool.allocate(count)
+        while blocks is None:
+            victim = self._lru_victim()
+            if victim is None:
+                raise PoolFull(
+                    f"need {count} blocks, {self.pool.free_blocks} free; every other block is "
+                    "leased, pinned or reserved"
+                )
+            self._evict(victim, "capacity")
+            blocks = self.pool.allocate(count)
+        return blocks
+
+    def _lru_victim(self) -> Entry | None:
+        for entry in self._entries.values():
+            if not entry.leases and not entry.pinned:
+                return entry
+        return None
+
+    def _evict_to_watermark(self) -> None:
+        total = self.pool.num_blocks
+        if total - self.pool.free_blocks <= self.high_watermark * total:
+            return
+        while total - self.pool.free_blocks > self.low_watermark * total:
+            victim = self._lru_victim()
+            if victim is None:
+                return
+            self._evict(victim, "watermark")
+
+    def _evict(self, entry: Entry, reason: str) -> None:
+        del self._entries[entry.key]
+        self.pool.free(entry.blocks)
+        self.evictions[reason] += 1
+        if self.on_evict:
+            self.on_evict(reason, entry.nbytes)
+
+    def _forget_reservation(self, reservation: Reservation, outcome: str) -> None:
+        self._finished[reservation.id] = outcome
+        if len(self._finished) > 10_000:
+            self._finished.popitem(last=False)
+        del self._reservations[reservation.id]
+        del self._reserved_keys[reservation.key]
+        session = self._sessions.get(reservation.session)
+        if session:
+            session.reservations.discard(reservation.id)
+
+    def _drop_reservation(self, reservation: Reservation) -> None:
+        self._forget_reservation(reservation, "aborted")
+        self.pool.free(reservation.blocks)
+
+    def _drop_lease(self, lease: Lease) -> None:
+        del self._leases[lease.id]
+        self._entries[lease.key].leases -= 1
+        session = self._sessions.get(lease.session)
+        if session:
+            session.leases.discard(lease.id)

@@ -1,0 +1,146 @@
+"""Prometheus metrics of the daemon (names listed in the README).
+
+Counts the index already keeps (lookups, hits, evictions, entries, leases) are read from it at
+scrape time, so the metrics move exactly as the operations did; what only the server sees
+(bytes moved, RPC latency, errors) it records here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from chunkstore.daemon.index import Index
+
+PREFIX = "chunkstore"
+
+
+class IndexCollector:
+    def __init__(self, index: Index, node: str) -> None:
+        self.index = index
+        self.node = node
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.index.stats()
+        node = [self.node]
+        counts = (
+            ("lookup_chunks", "Chunks looked up", s.lookups),
+            ("hit_chunks", "Chunks found committed", s.hits),
+            ("lookup_tokens", "Tokens looked up", s.lookup_tokens),
+            ("hit_tokens", "Tokens found committed", s.hit_tokens),
+        )
+        for name, doc, value in counts:
+            family = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["node"])
+            family.add_metric(node, value)
+            yield family
+        evictions = CounterMetricFamily(
+            f"{PREFIX}_evictions", "Entries evicted", labels=["node", "reason"]
+        )
+        for reason in ("capacity", "watermark", "admin", "clear"):
+            evictions.add_metric([self.node, reason], s.evictions.get(reason, 0))
+        yield evictions
+        gauges = {
+            "pool_bytes_used": ("Pool bytes held by entries and reservations", s.bytes_used),
+            "pool_bytes_capacity": ("Pool size in bytes", s.bytes_capacity),
+            "entries": ("Committed entries", s.entries),
+            "pinned_entries": ("Pinned entries", s.pinned_entries),
+            "active_leases": ("Leases held by readers", s.active_leases),
+            "active_reservations": ("Reservations being written", s.active_reservations),
+            "sessions": ("Client sessions", s.sessions),
+            "draining": ("1 while draining", int(s.draining)),
+        }
+        for name, (doc, value) in gauges.items():
+            gauge = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["node"])
+            gauge.add_metric(node, value)
+            yield gauge
+
+
+class _Bound:
+    """A labelled metric with the node label filled in."""
+
+    def __init__(self, metric: Any, node: str) -> None:
+        self.metric = metric
+        self.node = node
+
+    def labels(self, *values: str) -> Any:
+        return self.metric.labels(self.node, *values)
+
+
+class Metrics:
+    """Every series carries ``node`` (the daemon's --node), so dashboards and rules group by
+    node without relabelling, whatever discovers the targets."""
+
+    def __init__(self, index: Index, node: str) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(IndexCollector(index, node))
+        bytes_moved = Counter(
+            f"{PREFIX}_bytes",
+            "Entry bytes moved",
+            ["node", "transport", "direction"],
+            registry=self.registry,
+        )
+        rpc_seconds = Histogram(
+            f"{PREFIX}_rpc_seconds",
+            "RPC latency",
+            ["node", "method"],
+            registry=self.registry,
+            buckets=(
+                0.0001,
+                0.00025,
+                0.0005,
+                0.001,
+                0.0025,
+                0.005,
+                0.01,
+                0.025,
+                0.05,
+                0.1,
+                0.25,
+                0.5,
+                1,
+                2.5,
+                5,
+                10,
+            ),
+        )
+        errors = Counter(
+            f"{PREFIX}_errors",
+            "RPCs answered with an error",
+            ["node", "code"],
+            registry=self.registry,
+        )
+        remote_fetches = Counter(
+            f"{PREFIX}_remote_fetches",
+            "Local misses pulled from a peer found in the cluster directory, by result",
+            ["node", "result"],
+            registry=self.registry,
+        )
+        directory_errors = Counter(
+            f"{PREFIX}_directory_errors",
+            "Cluster directory (Redis) or peer failures; the daemon serves on alone",
+            ["node"],
+            registry=self.registry,
+        )
+        for result in ("ok", "absent", "failed", "present"):
+            remote_fetches.labels(node, result)  # every series from the start, at 0
+        directory_errors.labels(node)
+        self.remote_fetches = _Bound(remote_fetches, node)
+        self.directory_errors = _Bound(directory_errors, node)
+        self.bytes = _Bound(bytes_moved, node)
+        self.rpc_seconds = _Bound(rpc_seconds, node)
+        self.errors = _Bound(errors, node)
+        self._http: Any = None
+
+    def serve(self, address: str) -> int:
+        """Serve /metrics; returns the bound port (address port 0 picks one)."""
+        host, port = address.rsplit(":", 1)
+        server, _ = start_http_server(int(port), addr=host.strip("[]"), registry=self.registry)
+        self._http = server
+        return int(server.server_port)
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()

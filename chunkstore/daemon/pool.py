@@ -1,0 +1,137 @@
+"""The chunk pool: one preallocated region carved into fixed-size blocks. It owns bytes and
+which blocks are free; it knows nothing of entries (the index does).
+
+Back ends sit behind ``Pool`` and ``create_pool``. The CPU pool is a file in shared memory
+that clients on the same host map, so a read or write is one copy between a client's tensors
+and the pool, never through the daemon. Device pools (CUDA, NPU) hand out IPC handles; they
+are not built yet and ``create_pool`` says so.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from chunkstore.errors import InvalidRequest
+
+
+class Pool(ABC):
+    """Fixed-size blocks over one region. Not thread-safe: its owner (the index) serializes."""
+
+    def __init__(self, block_size: int, num_blocks: int) -> None:
+        if block_size <= 0 or num_blocks <= 0:
+            raise InvalidRequest("a pool needs a positive block size and block count")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low blocks first
+
+    @property
+    def capacity(self) -> int:
+        return self.block_size * self.num_blocks
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def blocks_for(self, nbytes: int) -> int:
+        return -(-nbytes // self.block_size)
+
+    def allocate(self, count: int) -> list[int] | None:
+        """``count`` free blocks, or None (nothing taken) if there are fewer."""
+        if count > len(self._free):
+            return None
+        taken = [self._free.pop() for _ in range(count)]
+        return taken
+
+    def free(self, blocks: Sequence[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+    @property
+    @abstractmethod
+    def device(self) -> str: ...
+
+    @property
+    @abstractmethod
+    def shm_path(self) -> str:
+        """The file same-host clients map ("" if the pool cannot be mapped)."""
+
+    @abstractmethod
+    def region(self) -> np.ndarray:
+        """The whole pool as uint8, for the daemon's own reads and writes (streams, checks)."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class SharedMemoryPool(Pool):
+    """A CPU pool in a shared-memory file, private to the daemon's user (0600) unless group
+    access is asked for (0660)."""
+
+    def __init__(
+        self,
+        block_size: int,
+        num_blocks: int,
+        directory: str | Path = "/dev/shm",
+        name: str | None = None,
+        group_access: bool = False,
+    ) -> None:
+        super().__init__(block_size, num_blocks)
+        name = name or f"chunkstore-{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}"
+        self.path = Path(directory) / name
+        mode = 0o660 if group_access else 0o600
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
+        try:
+            os.fchmod(fd, mode)  # not subject to the umask
+            free = os.statvfs(directory)
+            if free.f_bavail * free.f_frsize < self.capacity:
+                raise InvalidRequest(
+                    f"{directory} has {free.f_bavail * free.f_frsize} bytes free, the pool "
+                    f"needs {self.capacity}: lower --pool-bytes or use another --shm-dir"
+                )
+            # Take the pages now: a pool that runs out of shared memory later would crash
+            # whoever touches the missing page (SIGBUS), daemon or client.
+            os.posix_fallocate(fd, 0, self.capacity)
+            self._mmap = mmap.mmap(fd, self.capacity, mmap.MAP_SHARED)
+        except BaseException:
+            os.close(fd)
+            self.path.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        self._region = np.frombuffer(self._mmap, dtype=np.uint8)
+
+    @property
+    def device(self) -> str:
+        return "cpu"
+
+    @property
+    def shm_path(self) -> str:
+        return str(self.path)
+
+    def region(self) -> np.ndarray:
+        return self._region
+
+    def close(self) -> None:
+        self.path.unlink(missing_ok=True)
+        # The mapping goes when the last view of it does.
+
+
+def create_pool(
+    device: str,
+    block_size: int,
+    num_blocks: int,
+    shm_dir: str = "/dev/shm",
+    group_access: bool = False,
+) -> Pool:
+    """The pool back end for a device. Adding one is adding a branch here and a class."""
+    if device == "cpu":
+        return SharedMemoryPool(block_size, num_blocks, shm_dir, group_access=group_access)
+    raise InvalidRequest(
+        f"no {device!r} pool back end yet: device pools (CUDA IPC, NPU) are not built; "
+        "use --device cpu"
+    )

@@ -1,0 +1,508 @@
+"""``chunkstore serve``: the gRPC daemon. It owns nothing but the translation between the wire
+and the index and pool: requests become index calls, typed errors become status codes."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from chunkstore import __version__
+from chunkstore.daemon.config import ServeConfig
+from chunkstore.daemon.directory import Directory
+from chunkstore.daemon.index import Entry, Index
+from chunkstore.daemon.metrics import Metrics
+from chunkstore.daemon.peers import StreamPeers
+from chunkstore.daemon.pool import Pool, create_pool
+from chunkstore.errors import InvalidRequest, StoreError
+from chunkstore.protocol import chunkstore_pb2 as pb
+from chunkstore.protocol import chunkstore_pb2_grpc as pb_grpc
+from chunkstore.protocol.shm import block_runs, scatter
+from chunkstore.protocol.wire import MAX_MESSAGE, layout_from_proto, layout_to_proto
+
+log = logging.getLogger("chunkstore.serve")
+
+SERVICE = "chunkstore.v1.ChunkStore"
+READ_PIECE = 1 << 20
+
+
+def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Time the call, and answer a typed error with its status code."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def unary(self: ChunkStoreService, request: Any, context: grpc.ServicerContext) -> Any:
+        began = time.perf_counter()
+        try:
+            return method(self, request, context)
+        except StoreError as err:
+            self.metrics.errors.labels(err.code).inc()
+            context.abort(grpc.StatusCode[err.code], str(err))
+        finally:
+            self.metrics.rpc_seconds.labels(name).observe(time.perf_counter() - began)
+
+    return unary
+
+
+def _rpc_stream(method: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+    name = method.__name__
+
+    @functools.wraps(method)
+    def streaming(
+        self: ChunkStoreService, request: Any, context: grpc.ServicerContext
+    ) -> Iterator[Any]:
+        began = time.perf_counter()
+        try:
+            yield from method(self, request, context)
+        except StoreError as err:
+            self.metrics.errors.labels(err.code).inc()
+            context.abort(grpc.StatusCode[err.code], str(err))
+        finally:
+            self.metrics.rpc_seconds.labels(name).observe(time.perf_counter() - began)
+
+    return streaming
+
+
+def _token_counts(request: pb.LookupRequest | pb.AcquireRequest) -> list[int]:
+    """The optional per-key token counts of a lookup, checked against its keys."""
+    tokens = list(request.num_tokens)
+    if tokens and len(tokens) != len(request.keys):
+        raise InvalidRequest(f"{len(tokens)} token counts for {len(request.keys)} keys")
+    return tokens
+
+
+class ChunkStoreService(pb_grpc.ChunkStoreServicer):
+    def __init__(
+        self,
+        config: ServeConfig,
+        index: Index,
+        pool: Pool,
+        metrics: Metrics,
+        on_drain: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.config = config
+        self.index = index
+        self.pool = pool
+        self.metrics = metrics
+        self.on_drain = on_drain
+        self.on_miss: Callable[[list[bytes]], None] | None = None  # the cluster directory's
+
+    @_rpc
+    def Hello(self, request: pb.HelloRequest, context: grpc.ServicerContext) -> pb.HelloReply:
+        session = self.index.open_session(request.client_name or context.peer())
+        return pb.HelloReply(
+            session_id=session,
+            version=__version__,
+            shm_path=self.pool.shm_path,
+            block_size=self.pool.block_size,
+            num_blocks=self.pool.num_blocks,
+            device=self.pool.device,
+            hostname=self.config.node,
+            lease_ttl_ms=int(self.config.lease_ttl_s * 1000),
+        )
+
+    def Heartbeat(
+        self, request_iterator: Iterator[pb.Ping], context: grpc.ServicerContext
+    ) -> Iterator[pb.Pong]:
+        """The session lives as long as this stream: when it ends (the client closed or
+        died), its leases and reservations go at once."""
+        session: list[str] = []
+
+        def end() -> None:
+            for s in session:
+                self.index.end_session(s)
+
+        context.add_callback(end)
+        try:
+            for ping in request_iterator:
+                if not session:
+                    session.append(ping.session_id)
+                self.index.renew(ping.session_id)
+                yield pb.Pong(server_time_ms=int(time.time() * 1000))
+        except StoreError as err:
+            context.abort(grpc.StatusCode[err.code], str(err))
+        finally:
+            end()
+
+    def _missed(self, keys: list[bytes], found: Sequence[object | None]) -> None:
+        if self.on_miss is not None:
+            missing = [k for k, got in zip(keys, found, strict=True) if got is None]
+            if missing:
+                self.on_miss(missing)
+
+    @_rpc
+    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupReply:
+        keys = list(request.keys)
+        tokens = _token_counts(request)
+        found = self.index.lookup(keys)
+        self._missed(keys, found)
+        self.index.count_hits([e is not None for e in found], tokens)
+        return pb.LookupReply(
+            present=[e is not None for e in found],
+            num_tokens=[e.layout.num_tokens if e else 0 for e in found],
+        )
+
+    @_rpc
+    def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveReply:
+        layout = layout_from_proto(request.layout)
+        reservation = self.index.reserve(request.session_id, request.key, layout, request.nbytes)
+        return pb.ReserveReply(
+            reservation_id=reservation.id,
+            blocks=reservation.blocks,
+            block_size=self.pool.block_size,
+        )
+
+    @_rpc
+    def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitReply:
+        reservation = self.index.reservation(request.session_id, request.reservation_id)
+        streamed = reservation.written > 0
+        entry = self.index.commit(
+            request.session_id, request.reservation_id, request.checksum, streamed=streamed
+        )
+        if not streamed:
+            self.metrics.bytes.labels("shm", "write").inc(entry.nbytes)
+        return pb.CommitReply()
+
+    @_rpc
+    def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortReply:
+        self.index.abort(request.session_id, request.reservation_id)
+        return pb.AbortReply()
+
+    @_rpc
+    def Acquire(self, request: pb.AcquireRequest, context: grpc.ServicerContext) -> pb.AcquireReply:
+        tokens = _token_counts(request)
+        acquired = self.index.acquire(request.session_id, list(request.keys))
+        self._missed(list(request.keys), acquired)
+        if tokens:  # an Acquire with token counts is a lookup too (the connector's)
+            self.index.count_hits([got is not None for got in acquired], tokens)
+        leases = []
+        for got in acquired:
+            if got is None:
+                leases.append(pb.Lease())
+                continue
+            lease, entry = got
+            leases.append(
+                pb.Lease(
+                    lease_id=lease.id,
+                    key=entry.key,
+                    layout=layout_to_proto(entry.layout),
+                    nbytes=entry.nbytes,
+                    blocks=entry.blocks,
+                    checksum=entry.checksum,
+                )
+            )
+        return pb.AcquireReply(leases=leases, block_size=self.pool.block_size)
+
+    @_rpc
+    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseReply:
+        self.index.release(request.session_id, list(request.lease_ids))
+        if request.shm_bytes_read:
+            self.metrics.bytes.labels("shm", "read").inc(request.shm_bytes_read)
+        return pb.ReleaseReply()
+
+    @_rpc
+    def Write(
+        self, request_iterator: Iterator[pb.WritePiece], context: grpc.ServicerContext
+    ) -> pb.WriteReply:
+        session, reservation_id, total = "", 0, 0
+        for piece in request_iterator:
+            if not session:
+                session, reservation_id = piece.session_id, piece.reservation_id
+            data = np.frombuffer(piece.data, dtype=np.uint8)
+            with self.index.lock:  # the reservation cannot expire mid-copy
+                reservation = self.index.reservation(session, reservation_id)
+                if reservation.written + data.shape[0] > reservation.nbytes:
+                    raise InvalidRequest(
+                        f"reservation {reservation_id} holds {reservation.nbytes} bytes; "
+                        f"{reservation.written + data.shape[0]} were sent"
+                    )
+                scatter(
+                    self.pool.region(),
+                    reservation.blocks,
+                    self.pool.block_size,
+                    data,
+                    offset=reservation.written,
+                )
+                reservation.written += data.shape[0]
+            total += data.shape[0]
+            self.metrics.bytes.labels("grpc", "write").inc(data.shape[0])
+        return pb.WriteReply(nbytes=total)
+
+    @_rpc_stream
+    def Read(
+        self, request: pb.ReadRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.ReadPiece]:
+        entry: Entry = self.index.lease(request.session_id, request.lease_id)
+        piece = request.piece_bytes or READ_PIECE
+        if piece > MAX_MESSAGE // 2:
+            raise InvalidRequest(f"piece_bytes {piece} over {MAX_MESSAGE // 2}")
+        region, bs = self.pool.region(), self.pool.block_size
+        remaining = entry.nbytes
+        for first, count, _ in block_runs(entry.blocks):
+            start = first * bs
+            end = start + min(count * bs, remaining)
+            for lo in range(start, end, piece):
+                hi = min(lo + piece, end)
+                self.metrics.bytes.labels("grpc", "read").inc(hi - lo)
+                yield pb.ReadPiece(data=region[lo:hi].tobytes())
+            remaining -= end - start
+
+    @_rpc
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsReply:
+        s = self.index.stats()
+        return pb.StatsReply(
+            entries=s.entries,
+            pinned_entries=s.pinned_entries,
+            bytes_used=s.bytes_used,
+            bytes_capacity=s.bytes_capacity,
+            blocks_free=s.blocks_free,
+            blocks_total=s.blocks_total,
+            active_leases=s.active_leases,
+            active_reservations=s.active_reservations,
+            sessions=s.sessions,
+            lookups=s.lookups,
+            hits=s.hits,
+            lookup_tokens=s.lookup_tokens,
+            hit_tokens=s.hit_tokens,
+            evictions=s.evictions,
+            draining=s.draining,
+        )
+
+    @_rpc
+    def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictReply:
+        evicted, busy = self.index.evict(list(request.keys))
+        return pb.EvictReply(evicted=evicted, busy=busy)
+
+    @_rpc
+    def Clear(self, request: pb.ClearRequest, context: grpc.ServicerContext) -> pb.ClearReply:
+        evicted, busy = self.index.clear()
+        return pb.ClearReply(evicted=evicted, busy=busy)
+
+    @_rpc
+    def Pin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinReply:
+        return pb.PinReply(changed=self.index.set_pinned(list(request.keys), True))
+
+    @_rpc
+    def Unpin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinReply:
+        return pb.PinReply(changed=self.index.set_pinned(list(request.keys), False))
+
+    @_rpc
+    def Drain(self, request: pb.DrainRequest, context: grpc.ServicerContext) -> pb.DrainReply:
+        timeout = request.timeout_ms / 1000 if request.timeout_ms else self.config.drain_timeout_s
+        self.on_drain()  # readiness fails first, so no new traffic is sent here
+        return pb.DrainReply(leases_left=drain(self.index, timeout))
+
+
+def drain(index: Index, timeout: float) -> int:
+    """Refuse new reads and writes, then wait (bounded) for held leases to be released."""
+    index.start_draining()
+    deadline = time.monotonic() + timeout
+    while index.stats().active_leases and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return index.stats().active_leases
+
+
+class _TokenCheck(grpc.ServerInterceptor):
+    """Every call but health checks must carry ``authorization: Bearer <token>``."""
+
+    def __init__(self, token: str) -> None:
+        self.expected = f"Bearer {token}"
+
+        def refuse(request: Any, context: grpc.ServicerContext) -> Any:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+        self.refusal = grpc.unary_unary_rpc_method_handler(refuse)
+
+    def intercept_service(self, continuation: Any, details: Any) -> Any:
+        if details.method.startswith("/grpc.health.v1.Health/"):
+            return continuation(details)
+        metadata = dict(details.invocation_metadata or ())
+        if metadata.get("authorization") == self.expected:
+            return continuation(details)
+        handler = continuation(details)
+        if handler is None:
+            return None
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(
+                lambda it, ctx: self.refusal.unary_unary(None, ctx)
+            )
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(
+                lambda it, ctx: self.refusal.unary_unary(None, ctx)
+            )
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(
+                lambda req, ctx: self.refusal.unary_unary(None, ctx)
+            )
+        return self.refusal
+
+
+class Daemon:
+    """The running daemon: pool, index, gRPC server, metrics endpoint, reaper."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        pool_bytes = config.resolved_pool_bytes()
+        num_blocks = max(1, pool_bytes // config.block_size)
+        self.pool = create_pool(
+            config.device, config.block_size, num_blocks, config.shm_dir, config.group_access
+        )
+        self.index = Index(
+            self.pool,
+            config.lease_ttl_s,
+            config.high_watermark,
+            config.low_watermark,
+            config.verify_commits,
+        )
+        self.metrics = Metrics(self.index, config.node)
+        interceptors = [_TokenCheck(config.token)] if config.token else []
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=32),
+            interceptors=interceptors,
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE),
+                ("grpc.max_send_message_length", MAX_MESSAGE),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        self.health = health.HealthServicer()
+        service = ChunkStoreService(
+            config, self.index, self.pool, self.metrics, on_drain=lambda: self._set_health(False)
+        )
+        self.service = service
+        self.directory: Directory | None = None
+        pb_grpc.add_ChunkStoreServicer_to_server(service, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.addresses: dict[str, str] = {}
+        self._stop = threading.Event()
+
+    def start(self) -> dict[str, str]:
+        config = self.config
+        if config.socket:
+            self._bind_socket(config.socket)
+        if config.tcp:
+            host = config.tcp.rsplit(":", 1)[0]
+            if config.tls_cert:
+                credentials = grpc.ssl_server_credentials(
+                    [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())],
+                    root_certificates=(
+                        Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
+                    ),
+                    require_client_auth=bool(config.tls_client_ca),
+                )
+                port = self.server.add_secure_port(config.tcp, credentials)
+            else:
+                port = self.server.add_insecure_port(config.tcp)
+            self.addresses["tcp"] = f"{host}:{port}"
+        if config.metrics:
+            host = config.metrics.rsplit(":", 1)[0]
+            self.addresses["metrics"] = f"{host}:{self.metrics.serve(config.metrics)}"
+        self.server.start()
+        if config.redis:
+            self.directory = Directory(
+                config.redis,
+                config.advertise or self.addresses["tcp"],
+                StreamPeers(config.token or None),
+                config.directory_ttl_s,
+                self.index,
+                self.metrics,
+            )
+            self.service.on_miss = self.directory.want
+            self.directory.start()
+        self._set_health(True)
+        threading.Thread(target=self._reap, name="chunkstore-reaper", daemon=True).start()
+        self.addresses["shm_path"] = self.pool.shm_path
+        return self.addresses
+
+    def _set_health(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else (health_pb2.HealthCheckResponse.NOT_SERVING)
+        )
+        for service in ("", SERVICE):
+            self.health.set(service, status)
+
+    def _bind_socket(self, path: str) -> None:
+        socket_path = Path(path)
+        socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if socket_path.exists():
+            socket_path.unlink()  # a stale socket from a daemon that died
+        previous = os.umask(0o007 if self.config.group_access else 0o077)
+        try:
+            self.server.add_insecure_port(f"unix:{socket_path}")
+        finally:
+            os.umask(previous)
+        self.addresses["socket"] = str(socket_path)
+
+    def _reap(self) -> None:
+        interval = max(0.05, min(1.0, self.config.lease_ttl_s / 4))
+        while not self._stop.wait(interval):
+            self.index.expire()
+
+    def stop(self, drain_timeout: float | None = None) -> int:
+        """Drain (bounded), stop serving, free the pool. Returns the leases left behind."""
+        self._set_health(False)
+        left = drain(
+            self.index, self.config.drain_timeout_s if drain_timeout is None else drain_timeout
+        )
+        self._stop.set()
+        if self.directory is not None:
+            self.directory.stop()
+        self.server.stop(grace=1.0).wait()
+        self.metrics.close()
+        self.pool.close()
+        if "socket" in self.addresses:
+            Path(self.addresses["socket"]).unlink(missing_ok=True)
+        return left
+
+
+def serve(config: ServeConfig) -> int:
+    """Run until SIGTERM / SIGINT, then drain and exit 0."""
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    log.info("config: %s", config.describe())
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        log.info("got %s: draining", signal.Signals(signum).name)
+        stop.set()
+
+    # Before anything is created: a SIGTERM during start-up still drains and cleans up.
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    daemon = Daemon(config)
+    try:
+        addresses = daemon.start()
+    except BaseException:
+        daemon.stop(drain_timeout=0)  # removes the pool file and the socket
+        raise
+    ready = {
+        "event": "ready",
+        "pid": os.getpid(),
+        "pool_bytes": daemon.pool.capacity,
+        "node": config.node,
+        "block_size": config.block_size,
+        **addresses,
+    }
+    print(json.dumps(ready), flush=True)
+    log.info("serving %s", ", ".join(f"{k}={v}" for k, v in addresses.items()))
+    stop.wait()
+    left = daemon.stop()
+    if left:
+        log.warning("stopped with %d leases still held after the drain timeout", left)
+    log.info("stopped")
+    return 0

@@ -1,0 +1,116 @@
+"""Reference attention under the isolation mask, two ways.
+
+``dense_attention`` applies the dense boolean mask with torch SDPA. ``isolated_attention``
+uses only the compact form: each query segment attends to its visible key ranges one at a
+time, and the partial results are merged with their log-sum-exp (seed 003's online-softmax
+update, as context-parallel attention merges the shards of a sequence). The two must agree;
+the second is what a kernel without mask support does. Shapes are [tokens, heads, head_dim];
+key and value may have fewer heads than the query (GQA).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from chunkstore.kv.keys import Isolation
+from chunkstore.kv.masks import KeyRange, SegmentLayout, visible_ranges
+
+
+def _expand_kv_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    if x.shape[1] == num_heads:
+        return x
+    if num_heads % x.shape[1]:
+        raise ValueError(f"{num_heads} query heads cannot share {x.shape[1]} KV heads evenly")
+    return x.repeat_interleave(num_heads // x.shape[1], dim=1)
+
+
+def partial_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal_offset: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q over one key range: (output [Tq, H, Dv], log-sum-exp [Tq, H]).
+
+    With ``causal_offset`` set, query i sees key j only if j <= i + causal_offset. A query
+    that sees no key gets output 0 and lse -inf, so it drops out of a merge.
+    """
+    k = _expand_kv_heads(k, q.shape[1])
+    v = _expand_kv_heads(v, q.shape[1])
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if causal_offset is not None:
+        qi = torch.arange(q.shape[0], device=q.device)[:, None]
+        kj = torch.arange(k.shape[0], device=q.device)[None, :]
+        scores = scores.masked_fill(kj > qi + causal_offset, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [H, Tq]
+    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+    out = torch.einsum("hqk,khd->qhd", probs, v)
+    return out, lse.transpose(0, 1)
+
+
+def merge_partials(
+    outs: list[torch.Tensor], lses: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge partial attention outputs over disjoint key sets (seed 003, online softmax):
+    lse = log sum_i exp(lse_i), out = sum_i exp(lse_i - lse) * out_i."""
+    stacked = torch.stack(lses)  # [P, Tq, H]
+    lse = torch.logsumexp(stacked, dim=0)
+    weights = torch.exp(stacked - lse).nan_to_num(0.0)
+    out = sum(
+        (w[..., None] * o for w, o in zip(weights, outs, strict=True)), torch.zeros_like(outs[0])
+    )
+    return out, lse
+
+
+def _attend_ranges(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_start: int,
+    ranges: list[KeyRange],
+    scale: float,
+) -> torch.Tensor:
+    outs, lses = [], []
+    for r in ranges:
+        offset = q_start - r.start if r.causal else None
+        o, lse = partial_attention(q, k[r.start : r.end], v[r.start : r.end], scale, offset)
+        outs.append(o)
+        lses.append(lse)
+    return merge_partials(outs, lses)[0]
+
+
+def isolated_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: SegmentLayout,
+    isolation: Isolation,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of a whole chunked prompt from the compact form alone."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    outputs = []
+    for index, (start, end) in enumerate(layout.bounds()):
+        if end == start:
+            continue
+        ranges = visible_ranges(layout, isolation, index)
+        outputs.append(_attend_ranges(q[start:end], k, v, start, ranges, scale))
+    return torch.cat(outputs)
+
+
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention with a dense boolean mask [Tq, Tk] (True = attend), through torch SDPA."""
+    k = _expand_kv_heads(k, q.shape[1])
+    v = _expand_kv_heads(v, q.shape[1])
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed, scale=scale
+    )
+    return out.transpose(0, 1)

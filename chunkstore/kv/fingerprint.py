@@ -1,0 +1,61 @@
+"""The fingerprints of a served model, computed the same way in every process that needs
+them: the connector's scheduler and workers, ``chunkstore ingest``, tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from chunkstore.kv.keys import KVLayout, length_prefixed, model_fingerprint
+from chunkstore.kv.rope import RotaryConfig
+
+
+def weights_digest(model_dir: str | Path) -> str:
+    """Identity of a model's weights: xxh3-128 over its config and weight files, in name order."""
+    root = Path(model_dir)
+    names = ("config.json", "*.safetensors", "*.bin", "*.gguf")
+    files = sorted({p for pattern in names for p in root.glob(pattern)})
+    if not files:
+        raise FileNotFoundError(f"no config or weight files in {root}")
+    h = xxhash.xxh3_128()
+    for path in files:
+        h.update(length_prefixed(path.name.encode()))
+        with path.open("rb") as f:
+            while block := f.read(1 << 22):
+                h.update(block)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class ModelFingerprint:
+    model_fp: bytes
+    layout_fp: bytes
+    rotary: RotaryConfig
+    layout: KVLayout
+    kv_dtype: str
+
+
+def fingerprint(hf_config: Any, model: str | Path, kv_dtype: str) -> ModelFingerprint:
+    """``model`` is the folder vLLM loads (its weights are hashed) or, for a hub name, the
+    name itself; ``kv_dtype`` the dtype of the KV cache ("float32", "bfloat16", ...)."""
+    rotary = RotaryConfig.from_hf_config(hf_config)
+    path = Path(model)
+    weights = weights_digest(path) if path.is_dir() else str(model)
+    layout = KVLayout(
+        num_layers=hf_config.num_hidden_layers,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None)
+        or hf_config.num_attention_heads,
+        head_dim=rotary.head_dim,
+    )
+    return ModelFingerprint(
+        model_fingerprint(weights, kv_dtype, rotary), layout.fingerprint(), rotary, layout, kv_dtype
+    )
+
+
+def fingerprint_of_folder(model_dir: str | Path, kv_dtype: str) -> ModelFingerprint:
+    from transformers import AutoConfig
+
+    return fingerprint(AutoConfig.from_pretrained(model_dir), model_dir, kv_dtype)

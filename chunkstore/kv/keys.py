@@ -1,0 +1,100 @@
+"""Cache keys: xxh3-128 over (model fingerprint, KV layout fingerprint, context key, token IDs).
+
+Positions are not part of a key: a chunk's KV is stored at a virtual start and re-rotated to
+wherever it is reused (DESIGN.md, "Semantics"). Every field is length-prefixed and encoded
+little-endian, so a key is the same in every process and on every machine.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+
+import xxhash
+
+from chunkstore.kv.rope import RotaryConfig
+from chunkstore.kv.segments import Segment, SegmentKind
+
+KEY_BYTES = 16
+_KEY_VERSION = b"chunkstore.key.v1"
+
+
+class Isolation(StrEnum):
+    SYS = "sys"  # chunks see the sys segment and their own earlier tokens
+    NONE = "none"  # chunks see only their own earlier tokens
+
+
+def length_prefixed(data: bytes) -> bytes:
+    return struct.pack("<Q", len(data)) + data
+
+
+def _digest(tag: bytes, fields: Iterable[bytes]) -> bytes:
+    h = xxhash.xxh3_128()
+    h.update(length_prefixed(tag))
+    for f in fields:
+        h.update(length_prefixed(f))
+    return h.digest()
+
+
+def model_fingerprint(weights_id: str, kv_dtype: str, rotary: RotaryConfig) -> bytes:
+    """What makes two models' KV interchangeable: weights, KV dtype, rotary configuration."""
+    rotary_json = json.dumps(asdict(rotary), sort_keys=True, default=str)
+    return _digest(b"model", [weights_id.encode(), kv_dtype.encode(), rotary_json.encode()])
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The shape of an entry's KV, independent of how a serving engine shards it.
+
+    Entries hold every KV head of every layer, so any tensor- or context-parallel rank can read
+    its own slice. ``kind`` is "kv" (separate K and V per head) or "mla" (one latent vector
+    per token holding the compressed KV and the decoupled rotary key ``k_pe``).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    kind: str = "kv"
+
+    def fingerprint(self) -> bytes:
+        fields = [self.kind, self.num_layers, self.num_kv_heads, self.head_dim]
+        return _digest(b"layout", [str(f).encode() for f in fields])
+
+
+def segment_key(
+    model_fp: bytes, layout_fp: bytes, context_key: bytes, token_ids: Sequence[int]
+) -> bytes:
+    """The key of one segment's KV, given the key of the context it attended to."""
+    if any(t < 0 or t >= 1 << 32 for t in token_ids):
+        raise ValueError("token IDs must fit in 32 unsigned bits")
+    tokens = struct.pack(f"<{len(token_ids)}I", *token_ids)
+    return _digest(_KEY_VERSION, [model_fp, layout_fp, context_key, tokens])
+
+
+def segment_keys(
+    segments: Sequence[Segment], model_fp: bytes, layout_fp: bytes, isolation: Isolation
+) -> list[bytes | None]:
+    """Keys of a prompt's segments, in order; None for the question, which is never cached.
+
+    The sys segment attends to nothing before it. A chunk's context is the sys segment in
+    ``isolation: sys`` (a chunk computed under one system prompt is never served under
+    another) and nothing in ``isolation: none``.
+    """
+    sys_key = b""
+    keys: list[bytes | None] = []
+    for seg in segments:
+        if seg.kind is SegmentKind.QUESTION:
+            keys.append(None)
+            continue
+        if seg.kind is SegmentKind.SYS:
+            context = b""
+        else:
+            context = sys_key if isolation is Isolation.SYS else b""
+        key = segment_key(model_fp, layout_fp, context, seg.token_ids)
+        if seg.kind is SegmentKind.SYS:
+            sys_key = key
+        keys.append(key)
+    return keys

@@ -1,0 +1,46 @@
+"""Key rotation on Ascend NPUs through torch-npu's fused rotary kernel.
+
+Written against torch-npu's documented ``torch_npu.npu_rotary_mul(input, r1, r2,
+rotary_mode)``: it computes ``input * r1 + rotate(input) * r2`` on 4D tensors, where
+``rotate`` is the neox half-swap (``rotary_mode="half"``) or the GPT-J pair swap
+(``"interleave"``), and r1 / r2 hold cos / sin for every rotated dim. No NPU is reachable
+here, so tests drive this module through a fake ``torch_npu`` named as such.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:  # rope imports this module when a key is on an NPU, not the other way
+    from chunkstore.kv.rope import RotaryConfig
+
+
+def full_width(table: torch.Tensor, cfg: RotaryConfig) -> torch.Tensor:
+    """Expand a [..., rotary_dim / 2] cos or sin table to every rotated dim."""
+    if cfg.style == "neox":
+        return torch.cat((table, table), dim=-1)
+    return table.repeat_interleave(2, dim=-1)
+
+
+def rotate(
+    keys: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cfg: RotaryConfig,
+    out: torch.Tensor,
+) -> None:
+    import torch_npu
+
+    lo, hi = cfg.rotary_offset, cfg.rotary_offset + cfg.rotary_dim
+    x = keys[..., lo:hi]
+    # The kernel takes 4D operands: [1, tokens, heads, dims].
+    x4 = x.reshape(1, x.shape[0], -1, cfg.rotary_dim)
+    r1 = full_width(cos, cfg).reshape(1, x.shape[0], -1, cfg.rotary_dim).to(x.dtype)
+    r2 = full_width(sin, cfg).reshape(1, x.shape[0], -1, cfg.rotary_dim).to(x.dtype)
+    mode = "half" if cfg.style == "neox" else "interleave"
+    rotated = torch_npu.npu_rotary_mul(x4, r1, r2, rotary_mode=mode).reshape(x.shape)
+    if out.data_ptr() != keys.data_ptr():
+        out.copy_(keys)
+    out[..., lo:hi].copy_(rotated)

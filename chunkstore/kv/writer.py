@@ -1,0 +1,159 @@
+"""Writing a stored chunk into a paged KV cache, keys re-rotated on the way (seed 001's
+"copy + RoPE remap", seed 004's slot mapping).
+
+One interface, a back end per device: a fused single-pass kernel on the CPU
+(``writer_cpu``), and torch ops on any device (CUDA; NPU, where ``rope`` rotates with
+torch-npu's fused rotary kernel). Adding a back end is adding an entry to ``WRITERS``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from chunkstore.errors import LayoutError
+from chunkstore.kv.paging import PAD_SLOT
+from chunkstore.kv.rope import RotaryConfig, rotate_keys, rotation_table
+
+log = logging.getLogger(__name__)
+
+
+class Writer(Protocol):
+    """A write back end: one chunk's KV into a flat paged cache, keys rotated on the way.
+
+    keys / values: [layers, tokens, kv_heads, head_dim] as stored; flat_k / flat_v: [layers,
+    slots, kv_heads, head_dim]; slots: [tokens] (PAD_SLOT: skip); cos / sin: the rotation
+    table of each token, or None with ``rotary`` None to copy keys as they are.
+    """
+
+    def __call__(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        flat_k: torch.Tensor,
+        flat_v: torch.Tensor,
+        slots: torch.Tensor,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
+        rotary: RotaryConfig | None,
+    ) -> None: ...
+
+
+def write_torch(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    flat_k: torch.Tensor,
+    flat_v: torch.Tensor,
+    slots: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    rotary: RotaryConfig | None,
+    tile_tokens: int = 512,
+) -> None:
+    """Any device: rotate a tile into a buffer, scatter it; tiles keep the buffer in cache."""
+    keep = slots != PAD_SLOT
+    if not bool(keep.all()):
+        index = keep.nonzero().squeeze(1)
+        keys, values, slots = keys[:, index], values[:, index], slots[index]
+        if cos is not None and sin is not None:
+            cos, sin = cos[index], sin[index]
+    layers, tokens = keys.shape[:2]
+    buffer = torch.empty(
+        (min(tile_tokens, tokens), *keys.shape[2:]), dtype=keys.dtype, device=keys.device
+    )
+    for start in range(0, tokens, tile_tokens):
+        end = min(start + tile_tokens, tokens)
+        tile_slots = slots[start:end]
+        for layer in range(layers):
+            src = keys[layer, start:end]
+            if rotary is not None and cos is not None and sin is not None:
+                out = buffer[: end - start]
+                rotate_keys(src, cos[start:end], sin[start:end], rotary, out=out)
+                src = out
+            flat_k[layer].index_copy_(0, tile_slots, src)
+            flat_v[layer].index_copy_(0, tile_slots, values[layer, start:end])
+
+
+def _cpu_writer() -> Writer:
+    try:
+        from chunkstore.kv.writer_cpu import fused_kernel_fits, write_cpu
+    except ImportError as exc:  # numba missing: correct but slower
+        log.warning("fused CPU remap kernel unavailable (%s); using torch ops", exc)
+        return write_torch
+
+    def write(
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        flat_k: torch.Tensor,
+        flat_v: torch.Tensor,
+        slots: torch.Tensor,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
+        rotary: RotaryConfig | None,
+    ) -> None:
+        fused = write_cpu if fused_kernel_fits(keys, flat_k, flat_v) else write_torch
+        fused(keys, values, flat_k, flat_v, slots, cos, sin, rotary)
+
+    return write
+
+
+_WRITER_FACTORIES: dict[str, Callable[[], Writer]] = {"cpu": _cpu_writer}
+_writers: dict[str, Writer] = {}
+
+
+def writer_for(device_type: str) -> Writer:
+    """The write back end for a device type (torch ops unless a fused one is registered)."""
+    if device_type not in _writers:
+        factory = _WRITER_FACTORIES.get(device_type)
+        _writers[device_type] = factory() if factory else write_torch
+    return _writers[device_type]
+
+
+def write_chunk(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,
+    delta: int | torch.Tensor,
+    rotary: RotaryConfig | None,
+    writer: Writer | None = None,
+) -> None:
+    """Write one chunk's KV for every layer into a paged cache, rotating keys by ``delta``.
+
+    keys / values: [layers, tokens, kv_heads, head_dim] as stored; caches: [layers,
+    num_blocks, block_size, kv_heads, head_dim]; slots: [tokens], PAD_SLOT where another
+    context-parallel rank owns the token. ``rotary=None`` or a zero delta copies keys as
+    they are. Values are never touched but copied.
+    """
+    layers, tokens = keys.shape[:2]
+    row_shape = keys.shape[2:]
+    if values.shape[:2] != (layers, tokens) or slots.shape != (tokens,):
+        raise LayoutError(
+            f"keys {tuple(keys.shape)}, values {tuple(values.shape)} and "
+            f"{tokens} slots do not describe one chunk"
+        )
+    for name, cache, rows in (
+        ("key", key_cache, row_shape),
+        ("value", value_cache, values.shape[2:]),
+    ):
+        if cache.shape[0] != layers or cache.shape[3:] != rows or cache.dtype != keys.dtype:
+            raise LayoutError(
+                f"{name} cache {tuple(cache.shape)} {cache.dtype} does not fit "
+                f"the chunk's {tuple(keys.shape)} {keys.dtype}"
+            )
+    capacity = key_cache.shape[1] * key_cache.shape[2]
+    slots = slots.to(keys.device).long()
+    if tokens and int(slots.max()) >= capacity:
+        raise LayoutError(f"slot {int(slots.max())} beyond the cache's {capacity} slots")
+    flat_k = key_cache.view(layers, capacity, *row_shape)
+    flat_v = value_cache.view(layers, capacity, *value_cache.shape[3:])
+    cos = sin = None
+    if rotary is not None and not (isinstance(delta, int) and delta == 0):
+        cos, sin = rotation_table(rotary, delta, tokens, keys.device)
+    else:
+        rotary = None
+    (writer or writer_for(keys.device.type))(keys, values, flat_k, flat_v, slots, cos, sin, rotary)

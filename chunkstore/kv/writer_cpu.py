@@ -1,0 +1,107 @@
+"""The fused CPU remap-and-write kernel: one pass reads a stored chunk and writes its rotated
+keys and its values into the paged cache at their slots.
+
+Plain torch needs several passes over the keys (multiply, add, scatter), three times the
+cost of the copy on these CPUs; this loop costs about what the copy does (README, "remap").
+Numba compiles it once per process (cached on disk). bfloat16 is handled as raw 16-bit words:
+widened to float32 by a shift, rotated, narrowed with round-to-nearest-even as torch does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import njit, prange
+
+from chunkstore.kv.rope import RotaryConfig, pair_indices
+
+
+@njit(parallel=True, cache=True, boundscheck=False)
+def _write_f32(src_k, src_v, dst_k, dst_v, slots, cos, sin, first, second):
+    layers, tokens, heads, dims = src_k.shape
+    pairs = first.shape[0]
+    for layer in prange(layers):
+        for t in range(tokens):
+            s = slots[t]
+            if s < 0:
+                continue
+            for h in range(heads):
+                for d in range(dims):
+                    dst_k[layer, s, h, d] = src_k[layer, t, h, d]
+                for d in range(dst_v.shape[3]):
+                    dst_v[layer, s, h, d] = src_v[layer, t, h, d]
+                for j in range(pairs):
+                    a = src_k[layer, t, h, first[j]]
+                    b = src_k[layer, t, h, second[j]]
+                    dst_k[layer, s, h, first[j]] = a * cos[t, j] - b * sin[t, j]
+                    dst_k[layer, s, h, second[j]] = b * cos[t, j] + a * sin[t, j]
+
+
+@njit(parallel=True, cache=True, boundscheck=False)
+def _write_bf16(src_k, src_v, dst_k, dst_v, slots, cos, sin, first, second):
+    layers, tokens, heads, dims = src_k.shape
+    pairs = first.shape[0]
+    for layer in prange(layers):
+        row = np.empty(dims, np.uint32)
+        wide = row.view(np.float32)
+        for t in range(tokens):
+            s = slots[t]
+            if s < 0:
+                continue
+            for h in range(heads):
+                for d in range(dims):
+                    row[d] = np.uint32(src_k[layer, t, h, d]) << 16
+                for d in range(dst_v.shape[3]):
+                    dst_v[layer, s, h, d] = src_v[layer, t, h, d]
+                for j in range(pairs):
+                    a = wide[first[j]]
+                    b = wide[second[j]]
+                    wide[first[j]] = a * cos[t, j] - b * sin[t, j]
+                    wide[second[j]] = b * cos[t, j] + a * sin[t, j]
+                for d in range(dims):
+                    bits = row[d]
+                    bits = bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))
+                    dst_k[layer, s, h, d] = np.uint16(bits >> 16)
+
+
+def _as_array(x: torch.Tensor) -> np.ndarray:
+    return x.view(torch.uint16).numpy() if x.dtype == torch.bfloat16 else x.numpy()
+
+
+_KERNELS = {torch.float32: _write_f32, torch.bfloat16: _write_bf16}
+
+
+def fused_kernel_fits(keys: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor) -> bool:
+    """The kernels take float32 or bfloat16 into contiguous caches; other writes go through
+    torch ops (``writer.write_torch``)."""
+    return keys.dtype in _KERNELS and flat_k.is_contiguous() and flat_v.is_contiguous()
+
+
+def write_cpu(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    flat_k: torch.Tensor,
+    flat_v: torch.Tensor,
+    slots: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    rotary: RotaryConfig | None,
+) -> None:
+    kernel = _KERNELS[keys.dtype]
+    if rotary is None or cos is None or sin is None:
+        first = second = np.empty(0, np.int64)
+        cos_a = sin_a = np.empty((keys.shape[1], 0), np.float32)
+    else:
+        first, second = (i.numpy() for i in pair_indices(rotary))
+        cos_a, sin_a = cos.contiguous().numpy(), sin.contiguous().numpy()
+    kernel(
+        _as_array(keys.contiguous()),
+        _as_array(values.contiguous()),
+        _as_array(flat_k),
+        _as_array(flat_v),
+        slots.contiguous().numpy(),
+        cos_a,
+        sin_a,
+        first,
+        second,
+    )

@@ -1,0 +1,65 @@
+"""Conversions between the gRPC messages and chunkstore's own types, shared by the server
+and its clients (the client library, and daemons pulling from their peers)."""
+
+from __future__ import annotations
+
+import grpc
+
+from chunkstore.errors import (
+    AlreadyExists,
+    ChecksumMismatch,
+    InvalidRequest,
+    NotFound,
+    PoolFull,
+    StoreError,
+    Unauthenticated,
+    Unavailable,
+    WrongState,
+)
+from chunkstore.kv.entry import EntryLayout
+from chunkstore.protocol import chunkstore_pb2 as pb
+
+MAX_MESSAGE = 64 << 20  # bytes in one gRPC message, both ways
+
+
+def layout_from_proto(msg: pb.EntryLayout) -> EntryLayout:
+    return EntryLayout(
+        msg.num_layers,
+        msg.num_kv_heads,
+        msg.head_dim,
+        msg.dtype,
+        msg.kind,
+        msg.num_tokens,
+        msg.virtual_start,
+    )
+
+
+def layout_to_proto(layout: EntryLayout) -> pb.EntryLayout:
+    return pb.EntryLayout(
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        dtype=layout.dtype,
+        kind=layout.kind,
+        num_tokens=layout.num_tokens,
+        virtual_start=layout.virtual_start,
+    )
+
+
+_ERRORS: dict[grpc.StatusCode, type[StoreError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.ALREADY_EXISTS: AlreadyExists,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: PoolFull,
+    grpc.StatusCode.FAILED_PRECONDITION: WrongState,
+    grpc.StatusCode.DATA_LOSS: ChecksumMismatch,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: Unavailable,
+}
+
+
+def typed_error(err: grpc.RpcError) -> StoreError:
+    code = err.code()
+    kind = _ERRORS.get(code, StoreError)
+    return kind(f"{code.name}: {err.details()}")

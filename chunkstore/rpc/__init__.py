@@ -1,1 +1,0 @@
-"""Generated gRPC stubs of proto/chunkstore.proto (``make proto``); do not edit by hand."""

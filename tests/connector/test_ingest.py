@@ -1,0 +1,215 @@
+"""``chunkstore ingest`` and the quickstart path: a real ``vllm serve`` with the connector."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+from transformers import AutoTokenizer
+
+from chunkstore.client import ChunkStoreClient
+from chunkstore.kv.fingerprint import fingerprint_of_folder
+from chunkstore.kv.keys import Isolation, segment_keys
+from chunkstore.kv.segments import build_chunked_prompt
+from chunkstore.testing.prometheus import (
+    PrometheusServer,
+    about_the_connector,
+    concrete,
+    dashboard_queries,
+    rule_problem,
+)
+from chunkstore.testing.vllm_server import VllmServer
+from chunkstore_vllm.metrics import FIELDS
+
+SYS = "Answer from the documents."
+DOCS = [
+    "Paris is the capital of France.",
+    "Berlin is the capital of Germany.",
+    "The Danube flows through ten countries.",
+]
+
+
+def test_ingest_through_vllm_serve_then_a_rag_request_hits(tiny_model_dir, serve, tmp_path) -> None:
+    daemon = serve(pool_bytes=128 << 20, block_size=1 << 18)
+    server = VllmServer(tiny_model_dir, tmp_path / "vllm", {"address": daemon.unix})
+    try:
+        corpus = tmp_path / "corpus.jsonl"
+        corpus.write_text("\n".join(json.dumps({"text": d}) for d in DOCS) + "\n")
+
+        def ingest() -> dict:
+            run = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "chunkstore.cli",
+                    "ingest",
+                    str(corpus),
+                    "--model",
+                    str(tiny_model_dir),
+                    "--server",
+                    server.url,
+                    "--sys",
+                    SYS,
+                    "--address",
+                    daemon.unix,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            assert run.returncode == 0, run.stderr
+            return {**json.loads(run.stdout), "progress": "ingest [" in run.stderr}
+
+        first = ingest()
+        assert first == {
+            "chunks": 3,
+            "tokens": first["tokens"],
+            "stored": 3,
+            "already_present": 0,
+            "failed": 0,
+            "progress": True,  # the progress bar was drawn
+        }
+        assert first["tokens"] > 0
+        again = ingest()
+        assert (again["stored"], again["already_present"], again["failed"]) == (0, 3, 0)
+
+        tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+        def encode(text: str) -> list[int]:
+            return list(tok.encode(text, add_special_tokens=False))
+
+        rag = build_chunked_prompt(encode, SYS, DOCS[::-1], "Which river?", encode("##"))
+        # The connector's own counters, on vLLM's /metrics: sys and the three chunks stored
+        # by the first ingest (once each, however the server batched its requests: those
+        # after the first to store sys load it, or race it and find it stored), no failure.
+        ingested = wait_for_counters(server.url, {"saved_segments": 4})
+        assert ingested["load_failures"] == ingested["save_failures"] == 0
+        assert ingested["loaded_tokens"] == ingested["hit_tokens"]
+        with ChunkStoreClient(daemon.unix) as client:
+            before = client.stats().hit_tokens
+            reply = server.complete(list(rag.token_ids))
+            assert reply["choices"][0]["text"] is not None
+            # Every segment but the question was found and loaded.
+            loaded = rag.segments[-1].start
+            assert client.stats().hit_tokens - before == loaded
+        expected = ingested["loaded_tokens"] + loaded
+        after = wait_for_counters(server.url, {"loaded_tokens": expected, "hit_tokens": expected})
+        assert after["lookups"] == ingested["lookups"] + 1
+        assert after["load_seconds"] > ingested["load_seconds"]
+        check_connector_dashboard_and_rules(tmp_path, server, daemon, encode, rag)
+    finally:
+        server.stop()
+
+
+LLM_INGEST = """
+import dataclasses, json, sys
+from vllm import LLM
+from chunkstore_vllm.ingest import ingest_with_llm
+
+if __name__ == "__main__":
+    model, address, sys_text, docs = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+    llm = LLM(
+        model=model, dtype="float32", enforce_eager=True, max_model_len=2048,
+        kv_transfer_config={
+            "kv_connector": "ChunkStoreConnector",
+            "kv_connector_module_path": "chunkstore_vllm.connector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"address": address},
+        },
+    )
+    summaries = [dataclasses.asdict(ingest_with_llm(llm, docs, sys_text)) for _ in range(2)]
+    print("SUMMARIES " + json.dumps(summaries), flush=True)
+"""
+
+
+def test_ingest_with_an_llm_object(tiny_model_dir, serve, tmp_path) -> None:
+    """The Python API: ``ingest_with_llm`` takes address, separator and model from the LLM's
+    own connector config; what it stores is found under the keys the CLI computes."""
+    daemon = serve(pool_bytes=128 << 20, block_size=1 << 18)
+    script = tmp_path / "ingest_llm.py"
+    script.write_text(LLM_INGEST)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+    run = subprocess.run(
+        [sys.executable, str(script), str(tiny_model_dir), daemon.unix, SYS, json.dumps(DOCS)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
+    [line] = [x for x in run.stdout.splitlines() if x.startswith("SUMMARIES ")]
+    first, again = json.loads(line.removeprefix("SUMMARIES "))
+    assert (first["stored"], first["already_present"], first["failed"]) == (3, 0, 0)
+    assert (again["stored"], again["already_present"], again["failed"]) == (0, 3, 0)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    def encode(text: str) -> list[int]:
+        return list(tok.encode(text, add_special_tokens=False))
+
+    fp = fingerprint_of_folder(tiny_model_dir, "float32")
+    prompts = [build_chunked_prompt(encode, SYS, [d], None, encode("##")) for d in DOCS]
+    keys = [segment_keys(p.segments, fp.model_fp, fp.layout_fp, Isolation.SYS) for p in prompts]
+    with ChunkStoreClient(daemon.unix) as client:
+        found = client.lookup([k for ks in keys for k in ks if k is not None])
+    assert all(entry is not None for entry in found)
+
+
+def chunkstore_counters(url: str) -> dict[str, float]:
+    """vllm:chunkstore_*_total from vLLM's /metrics, summed over label sets."""
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    found = dict.fromkeys(FIELDS, 0.0)
+    for line in text.splitlines():
+        name = line.partition("{")[0]
+        if name.startswith("vllm:chunkstore_") and name.endswith("_total"):
+            short = name.removeprefix("vllm:chunkstore_").removesuffix("_total")
+            found[short] += float(line.rsplit(" ", 1)[-1])
+    return found
+
+
+def wait_for_counters(url: str, want: dict[str, float], timeout: float = 30.0) -> dict[str, float]:
+    """vLLM's front end records engine stats as they arrive: wait until ``want`` shows."""
+    deadline = time.monotonic() + timeout
+    while True:
+        counters = chunkstore_counters(url)
+        if all(counters[k] == v for k, v in want.items()) or time.monotonic() > deadline:
+            assert {k: counters[k] for k in want} == want, counters
+            return counters
+        time.sleep(0.5)
+
+
+def check_connector_dashboard_and_rules(tmp_path, server, daemon, encode, rag) -> None:
+    """A real Prometheus scrapes this vLLM server and the daemon with the project's config:
+    the dashboard's connector panels and the connector rules return series."""
+    prometheus = PrometheusServer(
+        tmp_path / "prometheus",
+        [daemon.ready["metrics"]],
+        vllm_targets=[server.url.removeprefix("http://")],
+    )
+    try:
+        deadline = time.monotonic() + 60
+        connector_panels = [(t, e) for t, e in dashboard_queries() if about_the_connector(e)]
+        assert len(connector_panels) >= 5
+        while True:
+            server.complete(list(rag.token_ids))  # traffic, so rates are not empty
+            empty = [t for t, e in connector_panels if not prometheus.query(concrete(e))]
+            rules = [
+                r
+                for g in prometheus.api("rules")["groups"]
+                for r in g["rules"]
+                if about_the_connector(r["query"])
+            ]
+            problems = [p for p in (rule_problem(prometheus, r) for r in rules) if p]
+            if not (empty or problems) or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert not empty, f"connector panels with no series: {empty}"
+        assert len(rules) >= 3 and not problems, problems
+        models = prometheus.api(
+            "label/model_name/values", **{"match[]": "vllm:chunkstore_lookups_total"}
+        )
+        assert models == [str(server.model)]
+    finally:
+        prometheus.stop()

@@ -1,0 +1,61 @@
+"""Configuration: defaults < file < environment < flags; the stubs match the proto."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from chunkstore.daemon.config import ServeConfig, load
+from chunkstore.errors import InvalidRequest
+from chunkstore.protocol.generate import stale_outputs
+
+
+def test_each_layer_overrides_the_one_before(tmp_path: Path) -> None:
+    file = tmp_path / "chunkstore.toml"
+    file.write_text('block_size = 4096\nlease_ttl_s = 5.0\ntcp = "127.0.0.1:7000"\n')
+    env = {
+        "CHUNKSTORE_LEASE_TTL_S": "7",
+        "CHUNKSTORE_VERIFY_COMMITS": "false",
+        "CHUNKSTORE_TCP": "127.0.0.1:7001",
+    }
+    config = load(str(file), environ=env, flags={"tcp": "127.0.0.1:7002", "token": None})
+    assert config.block_size == 4096  # file
+    assert config.lease_ttl_s == 7.0  # environment over file
+    assert config.verify_commits is False
+    assert config.tcp == "127.0.0.1:7002"  # flag over environment
+    assert config.high_watermark == ServeConfig().high_watermark  # default
+
+
+def test_the_config_file_can_come_from_the_environment(tmp_path: Path) -> None:
+    file = tmp_path / "c.toml"
+    file.write_text("pool_bytes = 1234\n")
+    assert load(environ={"CHUNKSTORE_CONFIG": str(file)}).pool_bytes == 1234
+
+
+def test_bad_settings_are_refused_with_the_reason(tmp_path: Path) -> None:
+    with pytest.raises(InvalidRequest, match="unknown setting 'pool_size'"):
+        load(environ={}, flags={"pool_size": 1})
+    with pytest.raises(InvalidRequest, match="not a int"):
+        load(environ={"CHUNKSTORE_BLOCK_SIZE": "big"})
+    with pytest.raises(InvalidRequest, match="without a token"):
+        load(environ={}, flags={"tcp": "10.1.2.3:50551"})
+    assert load(environ={}, flags={"tcp": "10.1.2.3:50551", "token": "t"}).token == "t"
+    with pytest.raises(InvalidRequest, match="TLS"):
+        load(environ={}, flags={"tls_cert": "c.pem"})
+    # A cluster directory needs an address peers can dial.
+    cluster = {"redis": "redis://10.0.0.5:6379/0", "token": "t"}
+    with pytest.raises(InvalidRequest, match="set --advertise"):
+        load(environ={}, flags={**cluster, "tcp": "0.0.0.0:50551"})
+    with pytest.raises(InvalidRequest, match="needs --tcp"):
+        load(environ={}, flags={**cluster, "tcp": ""})
+    advertised = {**cluster, "tcp": "0.0.0.0:50551", "advertise": "10.0.0.7:50551"}
+    assert load(environ={}, flags=advertised).advertise == "10.0.0.7:50551"
+
+
+def test_the_token_is_not_printed() -> None:
+    assert "s3cret" not in load(environ={}, flags={"token": "s3cret"}).describe()
+
+
+def test_generated_stubs_match_the_proto() -> None:
+    assert stale_outputs() == []

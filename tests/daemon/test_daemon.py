@@ -1,0 +1,309 @@
+"""The daemon as a running process, talked to over its real unix socket and TCP port."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from chunkstore.client import ChunkStoreClient
+from chunkstore.errors import (
+    AlreadyExists,
+    ChecksumMismatch,
+    InvalidRequest,
+    NotFound,
+    PoolFull,
+    Unauthenticated,
+    WrongState,
+)
+from chunkstore.kv.entry import layout_of, tensors_of
+from chunkstore.protocol import chunkstore_pb2 as pb
+from chunkstore.protocol.wire import layout_to_proto
+from chunkstore.testing.daemon import RunningDaemon, serve_command, serve_env
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def kv(tokens: int, seed: int = 0, dtype: torch.dtype = torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    shape = (2, tokens, 3, 64)
+    return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
+
+
+@pytest.fixture
+def daemon(serve) -> RunningDaemon:
+    return serve("--lease-ttl-s", "2")
+
+
+def wait_for(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("transport", ["shm", "stream"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_put_then_get_returns_the_same_bytes(daemon: RunningDaemon, transport, dtype) -> None:
+    address = daemon.unix if transport == "shm" else daemon.tcp
+    with ChunkStoreClient(address, transport=transport) as client:
+        assert client.transport == transport
+        k, v = kv(100, dtype=dtype)
+        assert client.put(key(1), k, v, virtual_start=12)
+        assert not client.put(key(1), k, v, virtual_start=12)  # present already
+        got = client.get(key(1))
+        assert got is not None and got.layout.virtual_start == 12
+        assert torch.equal(got.keys, k) and torch.equal(got.values, v)
+        assert client.get(key(2)) is None
+        assert client.lookup([key(1), key(2)]) == [100, None]
+
+
+def test_other_processes_read_what_one_wrote(daemon: RunningDaemon) -> None:
+    with ChunkStoreClient(daemon.unix) as client:
+        k, v = kv(64, seed=5)
+        client.put(key(7), k, v, 0)
+    reader = (
+        "import torch, sys\n"
+        "from chunkstore.client import ChunkStoreClient\n"
+        f"c = ChunkStoreClient({daemon.unix!r})\n"
+        "got = c.get((7).to_bytes(16, 'little'))\n"
+        "g = torch.Generator().manual_seed(5)\n"
+        "k = torch.randn((2, 64, 3, 64), generator=g)\n"
+        "sys.exit(0 if c.transport == 'shm' and torch.equal(got.keys, k) else 1)\n"
+    )
+    assert subprocess.run([sys.executable, "-c", reader], timeout=60).returncode == 0
+
+
+def test_health_service_answers_serving(daemon: RunningDaemon) -> None:
+    with grpc.insecure_channel(daemon.tcp) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "chunkstore.v1.ChunkStore"):
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_socket_and_pool_are_private_to_the_user(daemon: RunningDaemon) -> None:
+    for path in (daemon.ready["socket"], daemon.ready["shm_path"]):
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+        assert mode & 0o077 == 0, f"{path} is {oct(mode)}"
+
+
+def test_bad_input_gets_typed_errors_and_the_daemon_stays_healthy(daemon: RunningDaemon) -> None:
+    with ChunkStoreClient(daemon.tcp, transport="stream") as client:
+        stub, s = client.stub, client.session
+        layout = layout_of(*kv(4), 0)
+        with pytest.raises(InvalidRequest, match="16 bytes"):  # malformed key
+            client.lookup([b"short"])
+        with pytest.raises(InvalidRequest, match="never fit"):  # oversized entry
+            big = layout_of(*kv(8), 0)
+            big = type(big)(**{**big.__dict__, "num_tokens": 10**6})
+            client._call(
+                stub.Reserve,
+                pb.ReserveRequest(
+                    session_id=s, key=key(1), layout=layout_to_proto(big), nbytes=big.nbytes
+                ),
+            )
+        with pytest.raises(InvalidRequest, match="do not match"):  # layout vs bytes
+            client._call(
+                stub.Reserve,
+                pb.ReserveRequest(
+                    session_id=s,
+                    key=key(1),
+                    layout=layout_to_proto(layout),
+                    nbytes=layout.nbytes + 4,
+                ),
+            )
+        with pytest.raises(InvalidRequest, match="keys"):
+            client.lookup([key(1)] * 5000)
+        with pytest.raises(NotFound):  # unknown lease
+            client.release([424242])
+        with pytest.raises(NotFound):  # unknown session
+            client._call(stub.Acquire, pb.AcquireRequest(session_id="nope", keys=[key(1)]))
+        res = client._call(
+            stub.Reserve,
+            pb.ReserveRequest(
+                session_id=s, key=key(1), layout=layout_to_proto(layout), nbytes=layout.nbytes
+            ),
+        )
+        with pytest.raises(AlreadyExists):
+            client._call(
+                stub.Reserve,
+                pb.ReserveRequest(
+                    session_id=s, key=key(1), layout=layout_to_proto(layout), nbytes=layout.nbytes
+                ),
+            )
+        with pytest.raises(ChecksumMismatch):  # nothing was written: the bytes do not match
+            client._call(
+                stub.Commit,
+                pb.CommitRequest(session_id=s, reservation_id=res.reservation_id, checksum=12345),
+            )
+        with pytest.raises(WrongState, match="aborted"):  # commit after (implied) abort
+            client._call(
+                stub.Commit, pb.CommitRequest(session_id=s, reservation_id=res.reservation_id)
+            )
+        k, v = kv(4)
+        assert client.put(key(2), k, v, 0)
+        # A message over the daemon's size limit is refused by gRPC itself.
+        with pytest.raises(PoolFull):
+            client._call(stub.Lookup, pb.LookupRequest(keys=[b"x" * (65 << 20)]))
+        assert client.get(key(2)) is not None  # everything else intact
+    with grpc.insecure_channel(daemon.tcp) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_full_pool_answers_resource_exhausted_and_stays_healthy(serve) -> None:
+    running = serve(pool_bytes=1 << 20, block_size=1 << 16)
+    with ChunkStoreClient(running.unix) as client:
+        k, v = kv(300)  # 2 * 2 * 300 * 3 * 64 * 4 = 921600 bytes: 15 of 16 blocks
+        assert client.put(key(1), k, v, 0)
+        [lease] = client.acquire([key(1)])  # leased: cannot be evicted
+        assert lease is not None
+        with pytest.raises(PoolFull):
+            client.put(key(2), *kv(300), 0)
+        client.release([lease.lease_id])
+        assert client.put(key(2), *kv(300), 0)  # now the old one is evicted for it
+        stats = client.stats()
+        assert stats.entries == 1 and stats.evictions["capacity"] == 1
+
+
+def test_a_wrong_token_is_refused(serve) -> None:
+    running = serve("--token", "s3cret")
+    with pytest.raises(Unauthenticated):
+        ChunkStoreClient(running.tcp, token="wrong")
+    with pytest.raises(Unauthenticated):
+        ChunkStoreClient(running.tcp)
+    with ChunkStoreClient(running.tcp, token="s3cret", transport="stream") as client:
+        assert client.put(key(1), *kv(4), 0)
+
+
+def serve_tcp_only(tcp: str, shm_dir: Path) -> subprocess.CompletedProcess[str]:
+    """``chunkstore serve`` on a TCP address alone, for start-ups that must fail."""
+    command = serve_command(
+        shm_dir, "--tcp", tcp, "--socket", "", "--metrics", "", pool_bytes=1 << 20
+    )
+    return subprocess.run(command, capture_output=True, text=True, timeout=60, env=serve_env())
+
+
+def test_non_loopback_tcp_without_a_token_is_refused(tmp_path: Path) -> None:
+    run = serve_tcp_only("0.0.0.0:0", tmp_path)
+    assert run.returncode == 2 and "refusing to listen on 0.0.0.0:0" in run.stderr
+    assert not list(tmp_path.iterdir())  # nothing was created
+
+
+KILLED_WRITER = """
+import os, torch
+from chunkstore.client import ChunkStoreClient
+from chunkstore.kv.entry import layout_of
+from chunkstore.protocol import chunkstore_pb2 as pb
+from chunkstore.protocol.wire import layout_to_proto
+c = ChunkStoreClient({address!r}, transport="stream")
+k = torch.zeros(2, 64, 3, 64)
+layout = layout_of(k, k, 0)
+res = c._call(c.stub.Reserve, pb.ReserveRequest(session_id=c.session, key=b"w" * 16,
+              layout=layout_to_proto(layout), nbytes=layout.nbytes))
+def pieces():
+    yield pb.WritePiece(session_id=c.session, reservation_id=res.reservation_id,
+                        data=b"\\0" * 1000)
+    os._exit(9)  # dies halfway through the write
+c._call(c.stub.Write, pieces())
+"""
+
+KILLED_READER = """
+import os
+from chunkstore.client import ChunkStoreClient
+c = ChunkStoreClient({address!r})
+[lease] = c.acquire([(1).to_bytes(16, "little")])
+assert lease is not None
+print("leased", flush=True)
+os._exit(9)  # dies while holding the lease
+"""
+
+
+def test_a_client_killed_mid_write_or_mid_read_leaves_nothing_held(daemon: RunningDaemon) -> None:
+    with ChunkStoreClient(daemon.unix) as client:
+        client.put(key(1), *kv(16), 0)
+        for script in (KILLED_WRITER, KILLED_READER):
+            run = subprocess.run(
+                [sys.executable, "-c", script.format(address=daemon.unix)],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert run.returncode == 9, run.stderr
+        wait_for(
+            lambda: client.stats().active_reservations == 0 and client.stats().active_leases == 0
+        )
+        stats = client.stats()
+        assert stats.entries == 1 and stats.sessions == 1  # only ours is left
+        assert client.lookup([b"w" * 16]) == [None]  # the half write never became readable
+
+
+def test_sigterm_drains_and_exits_zero(serve) -> None:
+    running = serve("--drain-timeout-s", "1")
+    client = ChunkStoreClient(running.unix)
+    client.put(key(1), *kv(4), 0)
+    [lease] = client.acquire([key(1)])
+    assert lease is not None
+    began = time.monotonic()
+    assert running.stop() == 0
+    assert 0.9 <= time.monotonic() - began < 20  # waited for the lease, within the bound
+    assert "draining" in running.log()
+    assert not Path(running.ready["shm_path"]).exists()
+    assert not Path(running.ready["socket"]).exists()
+
+
+def test_metrics_move_exactly_as_the_operations(daemon: RunningDaemon) -> None:
+    with ChunkStoreClient(daemon.unix) as client:
+        before = daemon.scrape()
+        k, v = kv(10)
+        client.put(key(1), k, v, 0)
+        client.put(key(2), *kv(20), 0)
+        client.lookup([key(1), key(2), key(3)], num_tokens=[10, 20, 30])
+        client.lookup([key(3)], num_tokens=[30])
+        client.get(key(1))
+        # An Acquire that looks up (the connector's scheduler); other clients read under its
+        # lease, through shared memory and through the stream, and it reports their bytes.
+        lease, missing = client.acquire([key(1), key(3)], num_tokens=[10, 30])
+        assert lease is not None and missing is None
+        for transport in ("shm", "stream"):
+            with ChunkStoreClient(daemon.unix, transport=transport) as reader:
+                buffer = torch.empty(lease.nbytes, dtype=torch.uint8)
+                reader.read_into(lease, buffer, session=client.session)
+                assert torch.equal(tensors_of(buffer, lease.layout)[0], k)
+        client.release([lease.lease_id], shm_bytes_read=lease.nbytes)
+        client.evict([key(2)])
+        with pytest.raises(InvalidRequest):
+            client.lookup([b"bad"])
+        after = daemon.scrape()
+    delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
+    nbytes = 2 * k.numel() * 4
+    assert delta["chunkstore_lookup_chunks_total"] == 4 + 2
+    assert delta["chunkstore_hit_chunks_total"] == 2 + 1
+    assert delta["chunkstore_lookup_tokens_total"] == 90 + 40
+    assert delta["chunkstore_hit_tokens_total"] == 30 + 10
+    assert delta['chunkstore_bytes_total{direction="read",transport="grpc"}'] == nbytes
+    assert delta['chunkstore_evictions_total{reason="admin"}'] == 1
+    assert delta['chunkstore_bytes_total{direction="write",transport="shm"}'] == nbytes * 3
+    assert delta['chunkstore_bytes_total{direction="read",transport="shm"}'] == 2 * nbytes
+    assert after["chunkstore_entries"] == 1
+    assert after["chunkstore_pool_bytes_used"] == 65536  # one 64 KiB block holds key(1)
+    assert after["chunkstore_pool_bytes_capacity"] == 64 << 20
+    assert delta['chunkstore_errors_total{code="INVALID_ARGUMENT"}'] == 1
+    assert delta['chunkstore_rpc_seconds_count{method="Lookup"}'] == 3
+
+
+def test_a_port_in_use_fails_start_up_cleanly(daemon: RunningDaemon, tmp_path: Path) -> None:
+    run = serve_tcp_only(daemon.tcp, tmp_path)
+    assert run.returncode == 2 and daemon.tcp in run.stderr
+    assert not list(tmp_path.glob("chunkstore-*"))  # the pool file was removed

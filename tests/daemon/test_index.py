@@ -1,0 +1,284 @@
+"""The index and pool as a state machine: every path, checked against a plain model."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+
+from chunkstore.daemon.index import Index
+from chunkstore.daemon.pool import SharedMemoryPool
+from chunkstore.errors import (
+    AlreadyExists,
+    ChecksumMismatch,
+    InvalidRequest,
+    NotFound,
+    PoolFull,
+    WrongState,
+)
+from chunkstore.kv.entry import EntryLayout
+from chunkstore.protocol.shm import checksum, gather, scatter
+
+KEYS = [bytes([i]) * 16 for i in range(6)]
+BLOCK, BLOCKS = 64, 24
+
+
+def layout(tokens: int) -> EntryLayout:
+    return EntryLayout(1, 1, 4, "float32", "mla", tokens, 0)  # 16 bytes a token
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class IndexMachine(RuleBasedStateMachine):
+    reservations = Bundle("reservations")
+    leases = Bundle("leases")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = Clock()
+        self.pool = SharedMemoryPool(BLOCK, BLOCKS, directory=self._dir())
+        self.index = Index(
+            self.pool, lease_ttl=10.0, high_watermark=0.9, low_watermark=0.6, clock=self.clock
+        )
+        self.session = self.index.open_session("machine")
+        self.written: dict[bytes, bytes] = {}  # committed key -> the bytes written
+        self.pending: dict[int, bytes] = {}  # reservation id -> bytes written into it
+
+    @staticmethod
+    def _dir() -> str:
+        import tempfile
+
+        return tempfile.mkdtemp(prefix="chunkstore-index-")
+
+    def teardown(self) -> None:
+        self.pool.close()
+
+    @rule(
+        target=reservations,
+        key=st.sampled_from(KEYS),
+        tokens=st.integers(1, 60),
+        seed=st.integers(0, 2**32 - 1),
+    )
+    def reserve(self, key, tokens, seed):
+        lay = layout(tokens)
+        try:
+            res = self.index.reserve(self.session, key, lay, lay.nbytes)
+        except AlreadyExists:
+            assert key in self.written or any(r.key == key for r in self.index.reservations())
+            return None
+        except PoolFull:
+            return None
+        data = np.random.default_rng(seed).integers(0, 256, lay.nbytes, dtype=np.uint8)
+        scatter(self.pool.region(), res.blocks, BLOCK, data)
+        self.pending[res.id] = data.tobytes()
+        return res.id
+
+    @rule(res=consumes(reservations), honest=st.booleans())
+    def commit(self, res, honest):
+        if res is None or res not in self.pending:
+            return
+        data = self.pending.pop(res)
+        claimed = checksum(np.frombuffer(data, np.uint8), [0], len(data), len(data))
+        if not honest:
+            claimed ^= 1
+        try:
+            entry = self.index.commit(self.session, res, claimed)
+        except ChecksumMismatch:
+            assert not honest
+            return
+        except WrongState:  # expired meanwhile, so aborted
+            return
+        assert honest
+        self.written[entry.key] = data
+
+    @rule(res=consumes(reservations))
+    def abort(self, res):
+        if res is None or res not in self.pending:
+            return
+        self.pending.pop(res)
+        with contextlib.suppress(WrongState):  # expired meanwhile, so aborted
+            self.index.abort(self.session, res)
+        with pytest.raises(WrongState):  # commit after abort
+            self.index.commit(self.session, res, 0)
+
+    @rule(target=leases, key=st.sampled_from(KEYS))
+    def acquire(self, key):
+        [got] = self.index.acquire(self.session, [key])
+        if got is None:
+            return None
+        lease, entry = got
+        out = np.empty(entry.nbytes, np.uint8)
+        gather(self.pool.region(), entry.blocks, BLOCK, out)
+        assert out.tobytes() == self.written[key]  # every byte read is what was written
+        return lease.id
+
+    @rule(lease=consumes(leases))
+    def release(self, lease):
+        if lease is None:
+            return
+        with contextlib.suppress(NotFound):  # expired meanwhile
+            self.index.release(self.session, [lease])
+
+    @rule(key=st.sampled_from(KEYS))
+    def evict(self, key):
+        self.index.evict([key])
+
+    @rule()
+    def clear(self):
+        self.index.clear()
+
+    @rule(key=st.sampled_from(KEYS), pinned=st.booleans())
+    def pin(self, key, pinned):
+        try:
+            self.index.set_pinned([key], pinned)
+        except NotFound:
+            assert key not in {e.key for e in self.index.entries()}
+
+    @rule(seconds=st.sampled_from([1.0, 11.0]))
+    def time_passes(self, seconds):
+        self.clock.now += seconds
+        self.index.expire()
+        if self.session not in {s.id for s in self.index.sessions()}:
+            self.session = self.index.open_session("machine")  # a client reconnecting
+
+    @rule()
+    def renew(self):
+        self.index.renew(self.session)
+
+    @invariant()
+    def no_block_is_owned_twice_and_bytes_add_up(self):
+        owned = [b for e in self.index.entries() for b in e.blocks]
+        owned += [b for r in self.index.reservations() for b in r.blocks]
+        free = self.pool._free
+        assert len(owned) == len(set(owned))
+        assert not set(owned) & set(free) and len(free) == len(set(free))
+        assert sorted(owned + free) == list(range(BLOCKS))
+        stats = self.index.stats()
+        assert stats.bytes_used == len(owned) * BLOCK
+        assert stats.blocks_free + len(owned) == BLOCKS
+
+    @invariant()
+    def leased_and_pinned_entries_survive(self):
+        present = {e.key for e in self.index.entries()}
+        for key in list(self.written):
+            if key not in present:
+                del self.written[key]  # evicted: it may be written again
+        for entry in self.index.entries():
+            assert entry.key in self.written
+            assert entry.leases >= 0
+
+    @invariant()
+    def uncommitted_entries_are_unreadable(self):
+        committed = {e.key for e in self.index.entries()}
+        for res in self.index.reservations():
+            assert res.key not in committed
+            assert self.index.lookup([res.key]) == [None]
+
+
+IndexMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestIndexStateMachine = IndexMachine.TestCase
+
+
+@pytest.fixture
+def index(tmp_path):
+    pool = SharedMemoryPool(BLOCK, BLOCKS, directory=tmp_path)
+    yield Index(pool, lease_ttl=10.0, high_watermark=1.0, low_watermark=1.0)
+    pool.close()
+
+
+def test_leased_and_pinned_entries_are_never_evicted(index: Index) -> None:
+    s = index.open_session("t")
+    big = layout(BLOCKS * BLOCK // 16 // 3)  # a third of the pool
+    for key in KEYS[:3]:
+        res = index.reserve(s, key, big, big.nbytes)
+        index.commit(s, res.id, checksum(index.pool.region(), res.blocks, BLOCK, big.nbytes))
+    [(lease, _)] = index.acquire(s, [KEYS[0]])  # type: ignore[misc]
+    index.set_pinned([KEYS[1]], True)
+    res = index.reserve(s, KEYS[3], big, big.nbytes)  # evicts the only free victim: KEYS[2]
+    assert {e.key for e in index.entries()} == {KEYS[0], KEYS[1]}
+    assert index.stats().evictions == {"capacity": 1}
+    with pytest.raises(PoolFull):
+        index.reserve(s, KEYS[4], big, big.nbytes)
+    assert index.evict([KEYS[0], KEYS[1]]) == (0, 2)
+    index.release(s, [lease.id])
+    index.abort(s, res.id)
+    assert index.evict([KEYS[0], KEYS[1]]) == (1, 1)
+
+
+def test_bad_requests_are_typed(index: Index) -> None:
+    s = index.open_session("t")
+    lay = layout(4)
+    with pytest.raises(InvalidRequest):
+        index.reserve(s, b"short", lay, lay.nbytes)
+    with pytest.raises(InvalidRequest, match="do not match"):
+        index.reserve(s, KEYS[0], lay, lay.nbytes + 1)
+    with pytest.raises(InvalidRequest, match="never fit"):
+        huge = layout(BLOCKS * BLOCK)
+        index.reserve(s, KEYS[0], huge, huge.nbytes)
+    with pytest.raises(NotFound):
+        index.reserve("nope", KEYS[0], lay, lay.nbytes)
+    res = index.reserve(s, KEYS[0], lay, lay.nbytes)
+    with pytest.raises(AlreadyExists):
+        index.reserve(s, KEYS[0], lay, lay.nbytes)
+    good = checksum(index.pool.region(), res.blocks, BLOCK, lay.nbytes)
+    with pytest.raises(WrongState):  # streamed commit of a short write
+        index.commit(s, res.id, good, streamed=True)
+    index.commit(s, res.id, good)
+    with pytest.raises(WrongState, match="committed already"):  # double commit
+        index.commit(s, res.id, good)
+    with pytest.raises(NotFound):
+        index.release(s, [12345])
+    with pytest.raises(InvalidRequest):
+        index.lookup([KEYS[0]] * 5000)
+
+
+def test_a_vanished_session_loses_its_leases_and_reservations(index: Index) -> None:
+    s = index.open_session("t")
+    lay = layout(8)
+    res = index.reserve(s, KEYS[0], lay, lay.nbytes)
+    index.commit(s, res.id, checksum(index.pool.region(), res.blocks, BLOCK, lay.nbytes))
+    index.acquire(s, [KEYS[0]])
+    index.reserve(s, KEYS[1], lay, lay.nbytes)
+    index.end_session(s)
+    stats = index.stats()
+    assert (stats.active_leases, stats.active_reservations, stats.entries) == (0, 0, 1)
+    assert stats.blocks_free == BLOCKS - 2  # the committed entry's two blocks
+
+
+def test_draining_refuses_new_work_but_lets_releases_finish(index: Index) -> None:
+    s = index.open_session("t")
+    lay = layout(8)
+    res = index.reserve(s, KEYS[0], lay, lay.nbytes)
+    index.commit(s, res.id, checksum(index.pool.region(), res.blocks, BLOCK, lay.nbytes))
+    [(lease, _)] = index.acquire(s, [KEYS[0]])  # type: ignore[misc]
+    index.start_draining()
+    with pytest.raises(WrongState):
+        index.acquire(s, [KEYS[0]])
+    with pytest.raises(WrongState):
+        index.reserve(s, KEYS[1], lay, lay.nbytes)
+    index.release(s, [lease.id])
+    assert index.stats().active_leases == 0
+
+
+def test_passing_the_high_watermark_evicts_down_to_the_low_one(tmp_path) -> None:
+    pool = SharedMemoryPool(BLOCK, 10, directory=tmp_path)
+    index = Index(pool, high_watermark=0.8, low_watermark=0.5)
+    s = index.open_session("t")
+    lay = layout(8)  # two blocks each
+    for key in KEYS[:5]:
+        res = index.reserve(s, key, lay, lay.nbytes)
+        index.commit(s, res.id, checksum(pool.region(), res.blocks, BLOCK, lay.nbytes))
+    # The fifth commit took usage to 10/10 > 8: LRU entries go until usage <= 5 blocks.
+    assert [e.key for e in index.entries()] == KEYS[3:5]
+    assert index.stats().evictions == {"watermark": 3}
+    pool.close()
