@@ -32,11 +32,31 @@ class LoadItem:
 @dataclass(frozen=True)
 class SaveItem:
     """Store positions [start, start + num_tokens) of the request as entry ``key``; vLLM
-    computed them under exactly the entry's isolation context, at ``start``."""
+    computed them under exactly the entry's isolation context, at ``start``. ``isolated``:
+    that context holds only if the worker's isolation hook served the segment (a chunk that
+    causal attention would let see other chunks); the worker saves it only then."""
 
     key: bytes
     start: int
     num_tokens: int
+    isolated: bool = False
+
+
+@dataclass(frozen=True)
+class IsolatedStep:
+    """This step computes prompt positions [start, end) of a chunked request, some of them
+    chunk tokens: the worker's isolation hook serves those rows under the isolation mask.
+    ``chunks``: (start, end) of each chunk the step computes a part of; sys is [0, sys_end).
+    Positions that are neither are sys or question tokens, which attend causally."""
+
+    start: int
+    end: int
+    sys_end: int
+    chunks: tuple[tuple[int, int], ...]
+
+    @property
+    def count(self) -> int:
+        return self.end - self.start
 
 
 @dataclass
@@ -45,6 +65,7 @@ class RequestPlan:
     block_ids: list[int]
     loads: list[LoadItem] = field(default_factory=list)
     saves: list[SaveItem] = field(default_factory=list)
+    isolation: IsolatedStep | None = None
 
 
 @dataclass

@@ -21,6 +21,7 @@ class ConnectorConfig:
     reconnect_s: float = 10.0  # how often to retry an unreachable daemon
     timeout_s: float = 1.0  # per call: a hung daemon stalls scheduling no longer than this
     overlap_layers: bool = True  # write layer i + 1 while vLLM computes layer i
+    inband_isolation: bool = True  # the isolation mask inside vLLM's attention (worker hook)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:

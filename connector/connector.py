@@ -58,6 +58,11 @@ class ChunkStoreConnector(KVConnectorBase_V1):
         assert self.worker is not None
         self.worker.register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None and isinstance(connector_metadata, ChunkStoreMetadata):
+            self.worker.bind(connector_metadata)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self.worker is not None
         metadata = self._get_connector_metadata()
@@ -111,6 +116,10 @@ class ChunkStoreConnector(KVConnectorBase_V1):
                 side.shutdown()
 
     # Scheduler side ---------------------------------------------------------------------------
+
+    def on_new_request(self, request: Any) -> None:
+        assert self.scheduler is not None
+        self.scheduler.on_new_request(request)
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int

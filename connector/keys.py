@@ -49,9 +49,11 @@ class ModelKeys:
             separator = [int(t) for t in config.separator]
         return cls(fp.model_fp, fp.layout_fp, fp.rotary, fp.layout, kv_dtype, separator, config, fp)
 
-    def plan(self, token_ids: list[int]) -> list[SegmentPlan]:
+    def segments(self, token_ids: list[int]) -> list[Segment]:
+        return split_prompt(token_ids, self.separator)
+
+    def plan(self, segments: list[Segment]) -> list[SegmentPlan]:
         """The cacheable segments of a prompt (sys and chunks), with their keys, in order."""
-        segments = split_prompt(token_ids, self.separator)
         keys = segment_keys(segments, self.model_fp, self.layout_fp, self.config.isolation_mode)
         return [
             SegmentPlan(seg, key)

@@ -32,6 +32,9 @@ FIELDS = {
     "saved_tokens": "Tokens stored.",
     "save_failures": "Saves that failed (the request is unaffected).",
     "save_seconds": "Time spent saving.",
+    "isolated_tokens": "Chunk tokens vLLM computed under the isolation mask (in-band).",
+    "isolation_misses": "Chunked requests the isolation hook could not find in a batch "
+    "(computed causally, their chunks not stored).",
 }
 
 

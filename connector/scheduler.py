@@ -1,8 +1,9 @@
 """Scheduler side: segment, key, one batch lookup per request (an Acquire: the lookup takes
 the leases that keep hit entries from eviction until the workers have loaded them); say how
 many tokens beyond vLLM's own prefix hits the store supplies; plan the loads and saves the
-workers carry out; release the leases when the workers report the loads done or the request
-ends."""
+workers carry out, and, with in-band isolation, the chunk tokens each step computes (the
+workers' attention hook serves them under the isolation mask); release the leases when the
+workers report the loads ended or the request ends."""
 
 from __future__ import annotations
 
@@ -14,27 +15,53 @@ from typing import Any
 from chunkstore.client import LeasedEntry
 from chunkstore.errors import ChunkStoreError
 from chunkstore.kv.keys import Isolation
-from chunkstore.kv.segments import SegmentKind
+from chunkstore.kv.segments import Segment, SegmentKind
 
 from .client_holder import DaemonLink
-from .common import ChunkStoreMetadata, LoadItem, LoadsEnded, RequestPlan, SaveItem
+from .common import (
+    ChunkStoreMetadata,
+    IsolatedStep,
+    LoadItem,
+    LoadsEnded,
+    RequestPlan,
+    SaveItem,
+)
 from .config import ConnectorConfig, unsupported_parallelism
 from .keys import ModelKeys, SegmentPlan
 from .metrics import ConnectorStats
+from .prefix_cache import keep_roles_apart
 
 log = logging.getLogger("chunkstore.connector")
 
 
 @dataclass
-class Lookup:
-    """One request's lookup, and what the scheduler learns of it step by step."""
+class Tracked:
+    """A chunked request (its prompt has a separator), from its arrival to its end."""
 
-    segments: list[SegmentPlan]
-    present: list[bool]
-    local_computed: int  # tokens vLLM's own prefix cache had
-    hit_end: int  # end of the run of stored segments from the start
+    segments: list[Segment]  # every segment, the question's included
+    cacheable: list[SegmentPlan]  # sys and chunks of at least min_chunk_tokens, keyed
+    present: list[bool] | None = None  # stored when last looked up (None: not looked up)
+    local_computed: int = 0  # tokens vLLM's own prefix cache had
     block_ids: list[int] = field(default_factory=list)  # its block table, once scheduled
-    saving: set[int] = field(default_factory=set)  # segments whose save is planned
+    saving: set[int] = field(default_factory=set)  # cacheable segments whose save is planned
+
+    @property
+    def sys_end(self) -> int:
+        return self.segments[0].end
+
+    @property
+    def question_start(self) -> int:
+        """Where the tokens that attend causally to everything begin: after the last
+        separator (the question, then what is generated)."""
+        last = self.segments[-1]
+        return last.start if last.kind is SegmentKind.QUESTION else last.end
+
+    def chunks_in(self, start: int, end: int) -> tuple[tuple[int, int], ...]:
+        return tuple(
+            (s.start, s.end)
+            for s in self.segments
+            if s.kind is SegmentKind.CHUNK and s.start < end and s.end > start
+        )
 
 
 @dataclass
@@ -50,15 +77,47 @@ class SchedulerSide:
         self.config = config
         self.keys = ModelKeys.from_vllm(vllm_config, config)
         self.link = DaemonLink(config, "chunkstore-scheduler")
-        self._lookups: dict[str, Lookup] = {}
+        self.block_size = vllm_config.cache_config.block_size
+        self._tracked: dict[str, Tracked | None] = {}  # None: a plain prompt
         self._loads: dict[str, list[LoadItem]] = {}
         self._held: dict[str, Held] = {}
         self.stats = ConnectorStats()
+        self._warned_prefix_cache = False
         self.off = unsupported_parallelism(vllm_config)
         if self.off:
             log.warning(
                 "chunkstore: %s; the connector stays off (every request computed)", self.off
             )
+
+    def _track(self, request: Any) -> Tracked | None:
+        """The request's segments, split once; None for a plain prompt (no separator)."""
+        req_id = request.request_id
+        if req_id not in self._tracked:
+            segments = self.keys.segments(list(request.prompt_token_ids or []))
+            chunked = bool(segments) and segments[0].kind is SegmentKind.SYS
+            cacheable = [
+                plan
+                for plan in self.keys.plan(segments)
+                if len(plan.segment) >= self.config.min_chunk_tokens
+            ]
+            self._tracked[req_id] = Tracked(segments, cacheable) if chunked else None
+        return self._tracked[req_id]
+
+    def on_new_request(self, request: Any) -> None:
+        """With in-band isolation, keep vLLM's prefix cache from sharing blocks between
+        tokens of different roles (``prefix_cache``), before vLLM looks the request up."""
+        if self.off or not self.config.inband_isolation:
+            return
+        tracked = self._track(request)
+        if tracked is None or keep_roles_apart(request, tracked.question_start, self.block_size):
+            return
+        if not self._warned_prefix_cache:
+            log.warning(
+                "chunkstore: cannot give question tokens their own prefix-cache hashes in "
+                "this vLLM; chunked prompts do not read vLLM's prefix cache"
+            )
+            self._warned_prefix_cache = True
+        request.skip_reading_prefix_cache = True
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
         """Lease every stored segment (one batch call); keep the leases of the hit run past
@@ -67,10 +126,12 @@ class SchedulerSide:
         self._release(req_id)  # asked again: the request was not scheduled last time
         if self.off:
             return 0
-        tokens = list(request.prompt_token_ids or [])
-        segments = [
-            s for s in self.keys.plan(tokens) if len(s.segment) >= self.config.min_chunk_tokens
-        ]
+        tracked = self._track(request)
+        if tracked is None:
+            return 0
+        tracked.local_computed = num_computed_tokens
+        tracked.present = None
+        segments = tracked.cacheable
         if not segments:
             return 0
         held = self._acquire(segments)
@@ -81,9 +142,9 @@ class SchedulerSide:
             if index not in held.leases or plan.segment.start != hit_end:
                 break
             hit_end = plan.segment.end
-        hit_end = min(hit_end, len(tokens) - 1)  # vLLM must compute at least the last token
-        present = [index in held.leases for index in range(len(segments))]
-        self._lookups[req_id] = Lookup(segments, present, num_computed_tokens, hit_end)
+        # vLLM must compute at least the last token.
+        hit_end = min(hit_end, len(request.prompt_token_ids) - 1)
+        tracked.present = [index in held.leases for index in range(len(segments))]
         self._held[req_id] = held
         self._keep(
             req_id,
@@ -140,14 +201,14 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
         req_id = request.request_id
-        lookup = self._lookups.get(req_id)
+        tracked = self._tracked.get(req_id)
         held = self._held.get(req_id)
-        if lookup is None or held is None or num_external_tokens <= 0:
+        if tracked is None or held is None or num_external_tokens <= 0:
             self._release(req_id)
             return
-        start, end = lookup.local_computed, lookup.local_computed + num_external_tokens
+        start, end = tracked.local_computed, tracked.local_computed + num_external_tokens
         loads = []
-        for index, plan in enumerate(lookup.segments):
+        for index, plan in enumerate(tracked.cacheable):
             lo, hi = max(plan.segment.start, start), min(plan.segment.end, end)
             lease = held.leases.get(index)
             if hi > lo and lease is not None:
@@ -155,7 +216,7 @@ class SchedulerSide:
                     LoadItem(plan.key, lo - plan.segment.start, lo, hi - lo, lease, held.session)
                 )
         loaded = {item.key for item in loads}
-        self._keep(req_id, lambda i: lookup.segments[i].key in loaded)
+        self._keep(req_id, lambda i: tracked.cacheable[i].key in loaded)
         self._loads[req_id] = loads
         self.stats.add("hit_tokens", num_external_tokens)
 
@@ -167,14 +228,14 @@ class SchedulerSide:
         meta = ChunkStoreMetadata()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            computed_end = new.num_computed_tokens + scheduled.get(new.req_id, 0)
-            self._plan(meta, new.req_id, list(new.block_ids[0]), True, computed_end)
+            computed, count = new.num_computed_tokens, scheduled.get(new.req_id, 0)
+            self._plan(meta, new.req_id, list(new.block_ids[0]), True, computed, count)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            blocks = cached.new_block_ids[i]
-            computed_end = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
+            blocks = list(cached.new_block_ids[i][0]) if cached.new_block_ids[i] else []
             resumed = req_id in cached.resumed_req_ids
-            self._plan(meta, req_id, list(blocks[0]) if blocks else [], resumed, computed_end)
+            computed, count = cached.num_computed_tokens[i], scheduled.get(req_id, 0)
+            self._plan(meta, req_id, blocks, resumed, computed, count)
         return meta
 
     def _plan(
@@ -183,19 +244,27 @@ class SchedulerSide:
         req_id: str,
         blocks: list[int],
         replace: bool,
-        computed_end: int,
+        computed: int,
+        scheduled: int,
     ) -> None:
-        lookup = self._lookups.get(req_id)
-        if lookup is None:
+        tracked = self._tracked.get(req_id)
+        if tracked is None:
             return
         if replace:
-            lookup.block_ids = blocks
+            tracked.block_ids = blocks
         else:
-            lookup.block_ids.extend(blocks)
+            tracked.block_ids.extend(blocks)
+        end = computed + scheduled
         loads = self._loads.pop(req_id, [])
-        saves = self._saves(lookup, computed_end) if self.config.save else []
-        if loads or saves:
-            meta.requests.append(RequestPlan(req_id, list(lookup.block_ids), loads, saves))
+        saves = self._saves(tracked, end) if self.config.save else []
+        isolation = None
+        chunks = tracked.chunks_in(computed, end)
+        if self.config.inband_isolation and scheduled and chunks:
+            isolation = IsolatedStep(computed, end, tracked.sys_end, chunks)
+        if loads or saves or isolation:
+            meta.requests.append(
+                RequestPlan(req_id, list(tracked.block_ids), loads, saves, isolation)
+            )
 
     def update_connector_output(self, output: Any) -> None:
         """These requests' loads ended on the workers: their leases can go."""
@@ -204,28 +273,32 @@ class SchedulerSide:
             for req_id, shm_bytes in ended.shm_bytes.items():
                 self._release(req_id, shm_bytes)
 
-    def _saves(self, lookup: Lookup, computed_end: int) -> list[SaveItem]:
-        """Segments vLLM computed under exactly their isolation context, not stored yet: sys
-        (it sees nothing before it), and in ``isolation: sys`` the chunk right after sys.
-        A chunk that saw other chunks is never stored as position-independent."""
+    def _saves(self, tracked: Tracked, computed_end: int) -> list[SaveItem]:
+        """Segments not stored yet that vLLM has computed by the end of this step under
+        exactly their isolation context. With in-band isolation that is every sys and chunk
+        segment (the workers save a chunk only if their hook served it: ``isolated``).
+        Without it, causal attention gives that context only to sys and, in ``isolation:
+        sys``, the chunk right after sys; a chunk that saw other chunks is never stored."""
+        if tracked.present is None:
+            return []  # not looked up (the daemon was unreachable): nothing to store it in
         saves = []
-        for index, (plan, found) in enumerate(zip(lookup.segments, lookup.present, strict=True)):
+        for index, (plan, found) in enumerate(zip(tracked.cacheable, tracked.present, strict=True)):
             seg = plan.segment
-            own_context = seg.kind is SegmentKind.SYS or (
-                index == 1
-                and seg.kind is SegmentKind.CHUNK
-                and lookup.segments[0].segment.kind is SegmentKind.SYS
-                and lookup.segments[0].segment.end == seg.start
+            if found or index in tracked.saving or seg.end > computed_end:
+                continue
+            causal_is_isolated = seg.kind is SegmentKind.SYS or (
+                seg.kind is SegmentKind.CHUNK
+                and seg.start == tracked.sys_end
                 and self.config.isolation_mode is Isolation.SYS
             )
-            if own_context and not found and index not in lookup.saving and seg.end <= computed_end:
-                lookup.saving.add(index)
-                saves.append(SaveItem(plan.key, seg.start, len(seg)))
+            if causal_is_isolated or self.config.inband_isolation:
+                tracked.saving.add(index)
+                saves.append(SaveItem(plan.key, seg.start, len(seg), not causal_is_isolated))
         return saves
 
     def request_finished(self, request: Any) -> None:
         self._release(request.request_id)
-        self._lookups.pop(request.request_id, None)
+        self._tracked.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
 
     def shutdown(self) -> None:

