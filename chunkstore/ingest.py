@@ -20,7 +20,7 @@ from chunkstore.client import ChunkStoreClient
 from chunkstore.errors import SegmentationError
 from chunkstore.kv.fingerprint import ModelFingerprint
 from chunkstore.kv.keys import Isolation, segment_keys
-from chunkstore.kv.segments import build_chunked_prompt
+from chunkstore.kv.segments import Segment, build_chunked_prompt
 
 
 class Backend(Protocol):
@@ -80,10 +80,17 @@ def ingest(
     isolation: Isolation = Isolation.SYS,
     batch_size: int = 8,
     progress: Callable[[int, int], None] | None = None,
+    virtual_gap: int = 0,
 ) -> IngestSummary:
+    """``isolation`` and ``virtual_gap`` as the connector is configured: they are part of
+    the keys the chunks are stored under."""
     sep = list(separator)
+
+    def keys(segments: Sequence[Segment]) -> list[bytes | None]:
+        return segment_keys(segments, model.model_fp, model.layout_fp, isolation, virtual_gap)
+
     sys_prompt = build_chunked_prompt(encode, sys_text, [], None, sep)
-    [sys_key] = segment_keys(sys_prompt.segments, model.model_fp, model.layout_fp, isolation)
+    [sys_key] = keys(sys_prompt.segments)
     work: list[tuple[bytes, list[int]]] = []  # chunk key, ingest prompt
     summary = IngestSummary(chunks=len(chunks))
     for text in chunks:
@@ -95,7 +102,7 @@ def ingest(
         except SegmentationError:
             summary.failed += 1  # would split in the wrong place: never ingested
             continue
-        key = segment_keys(prompt.segments, model.model_fp, model.layout_fp, isolation)[-1]
+        key = keys(prompt.segments)[-1]
         assert key is not None
         work.append((key, list(prompt.token_ids)))
         summary.tokens += len(prompt.segments[-1])

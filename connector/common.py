@@ -44,10 +44,11 @@ class SaveItem:
 
 @dataclass(frozen=True)
 class IsolatedStep:
-    """This step computes prompt positions [start, end) of a chunked request, some of them
-    chunk tokens: the worker's isolation hook serves those rows under the isolation mask.
-    ``chunks``: (start, end) of each chunk the step computes a part of; sys is [0, sys_end).
-    Positions that are neither are sys or question tokens, which attend causally."""
+    """This step computes positions [start, end) of a chunked request whose tokens the
+    workers' isolation hook serves: the rows of its isolated ``chunks`` ((start, end) of
+    each, the prompt's whole list, in order and contiguous from ``sys_end``) under the
+    isolation mask, and, with question re-weighting, the rows after them. Sys is
+    [0, sys_end); every other row attends causally (vLLM's kernel)."""
 
     start: int
     end: int

@@ -22,6 +22,11 @@ class ConnectorConfig:
     timeout_s: float = 1.0  # per call: a hung daemon stalls scheduling no longer than this
     overlap_layers: bool = True  # write layer i + 1 while vLLM computes layer i
     inband_isolation: bool = True  # the isolation mask inside vLLM's attention (worker hook)
+    # Answer quality under isolation (each needs in-band isolation; README, "Quality"):
+    virtual_gap: int = 0  # chunks computed as if standing this many tokens after sys
+    recompute_chunks: int = 0  # a question's last N chunks computed seeing all before them
+    question_temperature: float = 1.0  # APE: question's scores against chunk keys / this
+    question_scale: float = 1.0  # APE: the chunks' share of its attention times this
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -36,6 +41,15 @@ class ConnectorConfig:
         Isolation(config.isolation)  # raises on a bad mode
         if config.transport not in ("auto", "shm", "stream"):
             raise ValueError(f"transport must be auto, shm or stream, not {config.transport!r}")
+        if config.virtual_gap < 0 or config.recompute_chunks < 0:
+            raise ValueError("virtual_gap and recompute_chunks are token / chunk counts >= 0")
+        if config.question_temperature <= 0 or config.question_scale <= 0:
+            raise ValueError("question_temperature and question_scale must be > 0")
+        if config.quality_recovery and not config.inband_isolation:
+            raise ValueError(
+                "virtual_gap, recompute_chunks, question_temperature and question_scale act "
+                "in the in-band isolation hook: they need inband_isolation"
+            )
         return config
 
     @property
@@ -45,6 +59,14 @@ class ConnectorConfig:
     @property
     def isolation_mode(self) -> Isolation:
         return Isolation(self.isolation)
+
+    @property
+    def reweights_questions(self) -> bool:
+        return self.question_temperature != 1.0 or self.question_scale != 1.0
+
+    @property
+    def quality_recovery(self) -> bool:
+        return bool(self.virtual_gap or self.recompute_chunks or self.reweights_questions)
 
 
 def unsupported_parallelism(vllm_config: Any) -> str | None:

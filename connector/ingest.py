@@ -48,4 +48,5 @@ def ingest_with_llm(
             config.isolation_mode,
             batch_size,
             progress,
+            virtual_gap=config.virtual_gap,
         )

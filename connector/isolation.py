@@ -22,32 +22,40 @@ requests whose scheduled tokens include chunk tokens (``IsolatedStep``). Per lay
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from chunkstore.kv.attention import chunk_attention
+from chunkstore.kv.attention import KeyBlock, attention_after_context
+from chunkstore.kv.keys import Isolation
 from chunkstore.kv.rope import RotaryConfig, rotate_keys, rotation_table
 
 from .common import IsolatedStep, RequestPlan
+from .config import ConnectorConfig
 from .cpu_layout import CpuKVLayout
 
 log = logging.getLogger("chunkstore.connector")
 
 
 @dataclass(frozen=True)
-class ChunkRows:
-    """Rows [row, row + count) of the batch: the last ``count`` tokens of positions
-    [own_start, end) of one chunk, in the request with block table ``block_ids``."""
+class HookRows:
+    """Rows [row, row + count) of the batch that the hook computes: the last ``count`` tokens
+    of a run of positions [own_start, end) that see each other causally, in the request with
+    block table ``block_ids``, and the keys they see whole before the run: sys [0, sys_end)
+    (none when 0), rotated by ``sys_shift`` positions; for the tokens after isolated chunks,
+    with question re-weighting, the chunks [sys_end, chunks_end) too."""
 
     row: int
     count: int
     block_ids: torch.Tensor
     own_start: int
     end: int
-    sys_end: int  # sys tokens to attend to (0 in isolation none)
+    sys_end: int
+    sys_shift: int = 0
+    chunks_end: int = 0
 
 
 @dataclass
@@ -64,7 +72,7 @@ class KernelBatch:
 
 @dataclass
 class StepSplit:
-    chunks: list[ChunkRows]
+    rows: list[HookRows]
     kernel: KernelBatch | None
     rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
@@ -96,12 +104,16 @@ class IsolationHook:
         self,
         layout: CpuKVLayout,
         rotary: RotaryConfig,
-        isolate_from_sys: bool,
+        config: ConnectorConfig,
         on_miss: Callable[[str], None],
     ) -> None:
         self.layout = layout
         self.rotary = rotary
-        self.isolate_from_sys = isolate_from_sys
+        self.isolate_from_sys = config.isolation_mode is Isolation.SYS
+        self.virtual_gap = config.virtual_gap  # chunks see sys from this far past its end
+        self.reweight = config.reweights_questions
+        self.temperature = config.question_temperature
+        self.log_scale = math.log(config.question_scale)
         self.on_miss = on_miss  # a planned request not found in the batch (computed causally)
         self._plans: list[RequestPlan] = []
         self._splits: dict[int, tuple[Any, StepSplit | None]] = {}
@@ -175,7 +187,7 @@ class IsolationHook:
         if not planned:
             return None
         starts, seq_lens = metadata.query_start_loc.tolist(), metadata.seq_lens.tolist()
-        chunk_rows: list[ChunkRows] = []
+        hook_rows: list[HookRows] = []
         runs: list[tuple[int, int, int, int]] = []  # (request, first row, rows, seq_len)
         for r, seq_len in enumerate(seq_lens):
             first, count = starts[r], starts[r + 1] - starts[r]
@@ -184,20 +196,45 @@ class IsolationHook:
                 if count:
                     runs.append((r, first, count, seq_len))
                 continue
-            block_ids = metadata.block_table[r].long()
-            sys_end = step.sys_end if self.isolate_from_sys else 0
-            position = step.start  # the position of row ``first``
-            for chunk_start, chunk_end in step.chunks:
-                lo, hi = max(chunk_start, step.start), min(chunk_end, step.end)
-                if lo > position:  # sys or question tokens before this chunk's rows
-                    runs.append((r, first + position - step.start, lo - position, lo))
-                row = first + lo - step.start
-                chunk_rows.append(ChunkRows(row, hi - lo, block_ids, chunk_start, hi, sys_end))
-                self.isolated_tokens += hi - lo
-                position = hi
-            if step.end > position:
-                runs.append((r, first + position - step.start, step.end - position, step.end))
-        return StepSplit(chunk_rows, self._kernel_batch(runs, metadata, impl, layer))
+            rows, kernel_runs = self._partition(step, first, metadata.block_table[r].long())
+            hook_rows += rows
+            runs += [(r, *run) for run in kernel_runs]
+        self.isolated_tokens += sum(rows.count for rows in hook_rows if rows.chunks_end == 0)
+        return StepSplit(hook_rows, self._kernel_batch(runs, metadata, impl, layer))
+
+    def _partition(
+        self, step: IsolatedStep, first: int, block_ids: torch.Tensor
+    ) -> tuple[list[HookRows], list[tuple[int, int, int]]]:
+        """A planned request's rows (``first`` is the row of position ``step.start``): the
+        hook's (chunk tokens; with question re-weighting, the tokens after the chunks) and
+        the kernel's runs (first row, rows, seq_len): sys tokens, the tokens after."""
+
+        def row(position: int) -> int:
+            return first + position - step.start
+
+        hook: list[HookRows] = []
+        kernel: list[tuple[int, int, int]] = []
+        sys_rows_end = min(step.end, step.sys_end)
+        if sys_rows_end > step.start:
+            kernel.append((row(step.start), sys_rows_end - step.start, sys_rows_end))
+        sys_end = step.sys_end if self.isolate_from_sys else 0
+        for chunk_start, chunk_end in step.chunks:
+            lo, hi = max(chunk_start, step.start), min(chunk_end, step.end)
+            if hi > lo:
+                shift = chunk_start - (step.sys_end + self.virtual_gap)
+                hook.append(HookRows(row(lo), hi - lo, block_ids, chunk_start, hi, sys_end, shift))
+        after = step.chunks[-1][1]  # the causal tokens after the isolated chunks
+        lo = max(step.start, after)
+        if step.end > lo:
+            if self.reweight:
+                hook.append(
+                    HookRows(
+                        row(lo), step.end - lo, block_ids, after, step.end, step.sys_end, 0, after
+                    )
+                )
+            else:
+                kernel.append((row(lo), step.end - lo, step.end))
+        return hook, kernel
 
     def _locate(self, metadata: Any) -> dict[int, IsolatedStep]:
         """Each planned request's row in the batch: the one whose last token this step goes
@@ -264,31 +301,34 @@ class IsolationHook:
     ) -> None:
         if split.kernel is not None:
             self._kernel(split.kernel, impl, layer, query, kv_cache, output)
-        for chunk in split.chunks:
-            own = self.layout.slots(chunk.block_ids, chunk.own_start, chunk.end - chunk.own_start)
+        for rows in split.rows:
+            own = self.layout.slots(rows.block_ids, rows.own_start, rows.end - rows.own_start)
             own_k, own_v = self.layout.read(kv_cache, own)
-            context_k = context_v = None
-            if chunk.sys_end:
-                sys_slots = self.layout.slots(chunk.block_ids, 0, chunk.sys_end)
-                context_k, context_v = self.layout.read(kv_cache, sys_slots)
-                context_k = self._to_virtual_distance(split, context_k, chunk)
-            rows = slice(chunk.row, chunk.row + chunk.count)
-            output[rows] = chunk_attention(
-                query[rows], own_k, own_v, context_k, context_v, impl.scale
+            context = []
+            if rows.sys_end:
+                sys_slots = self.layout.slots(rows.block_ids, 0, rows.sys_end)
+                sys_k, sys_v = self.layout.read(kv_cache, sys_slots)
+                context.append(KeyBlock(self._shifted(split, sys_k, rows.sys_shift), sys_v))
+            if rows.chunks_end > rows.sys_end:
+                chunk_slots = self.layout.slots(
+                    rows.block_ids, rows.sys_end, rows.chunks_end - rows.sys_end
+                )
+                chunk_k, chunk_v = self.layout.read(kv_cache, chunk_slots)
+                context.append(KeyBlock(chunk_k, chunk_v, self.temperature, self.log_scale))
+            span = slice(rows.row, rows.row + rows.count)
+            output[span] = attention_after_context(
+                query[span], own_k, own_v, context, impl.scale
             ).to(output.dtype)
 
-    def _to_virtual_distance(
-        self, split: StepSplit, sys_keys: torch.Tensor, chunk: ChunkRows
-    ) -> torch.Tensor:
-        """The sys keys as the chunk's queries must see them: rotated by ``p - v``, the
-        distance the chunk stands from where it would start right after sys."""
-        delta = chunk.own_start - chunk.sys_end
-        if delta == 0:
+    def _shifted(self, split: StepSplit, sys_keys: torch.Tensor, shift: int) -> torch.Tensor:
+        """The sys keys as a chunk's queries must see them: rotated by ``p - v``, the
+        distance the chunk stands from its virtual start (``virtual_gap`` past sys)."""
+        if shift == 0:
             return sys_keys
-        table = split.rotations.get(delta)
+        table = split.rotations.get(shift)
         if table is None:
-            table = split.rotations[delta] = rotation_table(
-                self.rotary, delta, sys_keys.shape[0], sys_keys.device
+            table = split.rotations[shift] = rotation_table(
+                self.rotary, shift, sys_keys.shape[0], sys_keys.device
             )
         return rotate_keys(sys_keys, *table, self.rotary, out=torch.empty_like(sys_keys))
 

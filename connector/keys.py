@@ -54,7 +54,13 @@ class ModelKeys:
 
     def plan(self, segments: list[Segment]) -> list[SegmentPlan]:
         """The cacheable segments of a prompt (sys and chunks), with their keys, in order."""
-        keys = segment_keys(segments, self.model_fp, self.layout_fp, self.config.isolation_mode)
+        keys = segment_keys(
+            segments,
+            self.model_fp,
+            self.layout_fp,
+            self.config.isolation_mode,
+            self.config.virtual_gap,
+        )
         return [
             SegmentPlan(seg, key)
             for seg, key in zip(segments, keys, strict=True)

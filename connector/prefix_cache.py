@@ -2,21 +2,22 @@
 
 vLLM reuses a cached block when the tokens up to its end are the same, which assumes a
 token's KV depends only on the tokens before it. Under the isolation mask it also depends on
-the token's role, and the role of a prompt's last segment is decided by what follows it: in
-``sys##c1##X`` X is the question (it sees c1), in ``sys##c1##X##Y`` X is a chunk (it must
-not). Every other role is decided by the past: tokens before the first separator are sys,
-tokens followed by a separator in the same prompt are chunk tokens.
+the token's role, and the role of a prompt's last segments is decided by what follows them:
+in ``sys##c1##X`` X is the question (it sees c1), in ``sys##c1##X##Y`` X is a chunk (it
+must not); with ``recompute_chunks`` the last chunks before a question see everything too.
+A chunked prompt's tokens are sys tokens (before the first separator), chunk tokens under
+the mask, and, from its causal start on, tokens that attend causally to everything (the
+recomputed chunks, the question, what is generated).
 
-The rule: a block holding any token after the prompt's last separator (a question token, or
-a generated one) is cached under its own hash: vLLM's, salted with the question role (the
-chain under it stays vLLM's, so a block's hash depends only on the tokens up to its end and
-on whether it holds question tokens).
-So such a block is shared only with prompts that have the same tokens in the same role (the
-same question, or a later turn of a chat that appends to it), and a block of chunk tokens
-only with prompts that have them as chunk tokens too. Blocks before the last separator keep
-vLLM's hashes, so sys and chunk blocks are shared across questions. vLLM computes a
-request's block hashes with a per-request hasher as the request grows; it is wrapped once,
-when the request arrives, before any lookup.
+The rule: a block that ends after the prompt's causal start is cached under its own hash:
+vLLM's, salted with that causal start (the chain under it stays vLLM's, so the hash depends
+only on the tokens up to the block's end and on where, among them, causal tokens begin).
+Two prompts share such a block only when their tokens up to its end have the same roles:
+the same question again, or a later turn of a chat that appends to it. Blocks that end
+before it keep vLLM's hashes (their tokens' roles follow from the tokens), so sys and chunk
+blocks are shared across questions. vLLM computes a request's block hashes with a
+per-request hasher as the request grows; it is wrapped once, when the request arrives,
+before any lookup.
 """
 
 from __future__ import annotations
@@ -28,15 +29,15 @@ from typing import Any
 
 log = logging.getLogger("chunkstore.connector")
 
-QUESTION_ROLE = b"chunkstore.role.question\0"
+CAUSAL_ROLE = b"chunkstore.role.causal-from\0"
 
 
-def question_role_hash(block_hash: bytes) -> bytes:
-    return hashlib.sha256(QUESTION_ROLE + bytes(block_hash)).digest()
+def causal_role_hash(block_hash: bytes, causal_start: int) -> bytes:
+    return hashlib.sha256(CAUSAL_ROLE + causal_start.to_bytes(8, "little") + block_hash).digest()
 
 
-def keep_roles_apart(request: Any, question_start: int, block_size: int) -> bool:
-    """Salt the hashes of ``request``'s blocks that hold positions from ``question_start``
+def keep_roles_apart(request: Any, causal_start: int, block_size: int) -> bool:
+    """Salt the hashes of ``request``'s blocks that hold positions from ``causal_start``
     on, now and as it grows. False (nothing changed) if vLLM's request has no hasher to
     wrap, or hashes blocks of another size than ``block_size``."""
     hasher: Callable[[Any], list[bytes]] | None = getattr(request, "_block_hasher", None)
@@ -58,7 +59,7 @@ def keep_roles_apart(request: Any, question_start: int, block_size: int) -> bool
         first = len(plain)
         plain.extend(new)
         return [
-            question_role_hash(h) if (first + i + 1) * block_size > question_start else h
+            causal_role_hash(h, causal_start) if (first + i + 1) * block_size > causal_start else h
             for i, h in enumerate(new)
         ]
 

@@ -36,10 +36,16 @@ log = logging.getLogger("chunkstore.connector")
 
 @dataclass
 class Tracked:
-    """A chunked request (its prompt has a separator), from its arrival to its end."""
+    """A chunked request (its prompt has a separator), from its arrival to its end.
+
+    Its tokens' roles: sys (before the first separator), chunk tokens under the isolation
+    mask, and from ``causal_start`` on tokens that attend causally to everything before
+    them: the chunks recomputed for answer quality (``recompute_chunks``: the last ones
+    before a question), the question, what is generated."""
 
     segments: list[Segment]  # every segment, the question's included
-    cacheable: list[SegmentPlan]  # sys and chunks of at least min_chunk_tokens, keyed
+    cacheable: list[SegmentPlan]  # sys and isolated chunks of at least min_chunk_tokens, keyed
+    causal_start: int
     present: list[bool] | None = None  # stored when last looked up (None: not looked up)
     local_computed: int = 0  # tokens vLLM's own prefix cache had
     block_ids: list[int] = field(default_factory=list)  # its block table, once scheduled
@@ -50,18 +56,24 @@ class Tracked:
         return self.segments[0].end
 
     @property
-    def question_start(self) -> int:
-        """Where the tokens that attend causally to everything begin: after the last
-        separator (the question, then what is generated)."""
-        last = self.segments[-1]
-        return last.start if last.kind is SegmentKind.QUESTION else last.end
-
-    def chunks_in(self, start: int, end: int) -> tuple[tuple[int, int], ...]:
+    def isolated_chunks(self) -> tuple[tuple[int, int], ...]:
         return tuple(
             (s.start, s.end)
             for s in self.segments
-            if s.kind is SegmentKind.CHUNK and s.start < end and s.end > start
+            if s.kind is SegmentKind.CHUNK and s.end <= self.causal_start
         )
+
+
+def causal_start(segments: list[Segment], recompute_chunks: int) -> int:
+    """Where a chunked prompt's causal tokens begin: after its last separator, or at its
+    ``recompute_chunks``-th last chunk when it has a question (a prompt without one, as
+    ingest sends, has nothing to answer and keeps every chunk isolated)."""
+    last = segments[-1]
+    if last.kind is not SegmentKind.QUESTION:
+        return last.end
+    chunks = [s for s in segments if s.kind is SegmentKind.CHUNK]
+    recomputed = chunks[len(chunks) - min(recompute_chunks, len(chunks)) :]
+    return recomputed[0].start if recomputed else last.start
 
 
 @dataclass
@@ -94,13 +106,17 @@ class SchedulerSide:
         req_id = request.request_id
         if req_id not in self._tracked:
             segments = self.keys.segments(list(request.prompt_token_ids or []))
-            chunked = bool(segments) and segments[0].kind is SegmentKind.SYS
-            cacheable = [
-                plan
-                for plan in self.keys.plan(segments)
-                if len(plan.segment) >= self.config.min_chunk_tokens
-            ]
-            self._tracked[req_id] = Tracked(segments, cacheable) if chunked else None
+            tracked = None
+            if segments and segments[0].kind is SegmentKind.SYS:  # a separator: chunked
+                causal = causal_start(segments, self.config.recompute_chunks)
+                cacheable = [
+                    plan
+                    for plan in self.keys.plan(segments)
+                    if len(plan.segment) >= self.config.min_chunk_tokens
+                    and plan.segment.end <= causal
+                ]
+                tracked = Tracked(segments, cacheable, causal)
+            self._tracked[req_id] = tracked
         return self._tracked[req_id]
 
     def on_new_request(self, request: Any) -> None:
@@ -109,7 +125,7 @@ class SchedulerSide:
         if self.off or not self.config.inband_isolation:
             return
         tracked = self._track(request)
-        if tracked is None or keep_roles_apart(request, tracked.question_start, self.block_size):
+        if tracked is None or keep_roles_apart(request, tracked.causal_start, self.block_size):
             return
         if not self._warned_prefix_cache:
             log.warning(
@@ -257,14 +273,24 @@ class SchedulerSide:
         end = computed + scheduled
         loads = self._loads.pop(req_id, [])
         saves = self._saves(tracked, end) if self.config.save else []
-        isolation = None
-        chunks = tracked.chunks_in(computed, end)
-        if self.config.inband_isolation and scheduled and chunks:
-            isolation = IsolatedStep(computed, end, tracked.sys_end, chunks)
+        isolation = self._isolated_step(tracked, computed, end)
         if loads or saves or isolation:
             meta.requests.append(
                 RequestPlan(req_id, list(tracked.block_ids), loads, saves, isolation)
             )
+
+    def _isolated_step(self, tracked: Tracked, start: int, end: int) -> IsolatedStep | None:
+        """What the workers' hook needs for this step: the request's isolated chunks, when
+        the step computes some of their tokens, or (question re-weighting) causal tokens
+        that attend to them."""
+        chunks = tracked.isolated_chunks
+        if not self.config.inband_isolation or start >= end or not chunks:
+            return None
+        computes_chunks = any(lo < end and hi > start for lo, hi in chunks)
+        reweights = self.config.reweights_questions and end > tracked.causal_start
+        if computes_chunks or reweights:
+            return IsolatedStep(start, end, tracked.sys_end, chunks)
+        return None
 
     def update_connector_output(self, output: Any) -> None:
         """These requests' loads ended on the workers: their leases can go."""
@@ -290,6 +316,7 @@ class SchedulerSide:
                 seg.kind is SegmentKind.CHUNK
                 and seg.start == tracked.sys_end
                 and self.config.isolation_mode is Isolation.SYS
+                and self.config.virtual_gap == 0
             )
             if causal_is_isolated or self.config.inband_isolation:
                 tracked.saving.add(index)

@@ -24,7 +24,6 @@ import torch
 
 from chunkstore.errors import ChunkStoreError
 from chunkstore.kv.entry import tensors_of
-from chunkstore.kv.keys import Isolation
 from chunkstore.kv.rope import RotaryConfig, remap_keys
 
 from .client_holder import DaemonLink
@@ -189,12 +188,7 @@ class WorkerSide:
         isolates are saved)."""
         why = "the cache layout probe failed" if not self.can_read_cache else None
         if why is None:
-            hook = IsolationHook(
-                self.cache,
-                self.rotary,
-                self.config.isolation_mode is Isolation.SYS,
-                self._isolation_missed,
-            )
+            hook = IsolationHook(self.cache, self.rotary, self.config, self._isolation_missed)
             why = hook.install(self.vllm_config, [name for name, _ in self.layers])
             if why is None:
                 self.hook = hook

@@ -10,6 +10,9 @@ key and value may have fewer heads than the query (GQA).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -141,20 +144,32 @@ def _partial(
     return partial_attention(q, k, v, scale, 0 if causal else None)
 
 
-def chunk_attention(
+@dataclass(frozen=True)
+class KeyBlock:
+    """Keys a query sees all of, as one part of its attention: their scores are divided by
+    ``temperature`` and their softmax weight multiplied by ``exp(log_weight)`` (APE's
+    temperature and scale on a parallel context; 1 and 0 leave attention as it is)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    temperature: float = 1.0
+    log_weight: float = 0.0
+
+
+def attention_after_context(
     q: torch.Tensor,
     own_k: torch.Tensor,
     own_v: torch.Tensor,
-    context_k: torch.Tensor | None,
-    context_v: torch.Tensor | None,
+    context: Sequence[KeyBlock],
     scale: float,
 ) -> torch.Tensor:
-    """Attention of a chunk's last ``len(q)`` tokens under the isolation mask: every key of
-    the context (sys, in ``isolation: sys``; None in ``none``) and the chunk's own keys up to
-    each token (``own_k`` holds the chunk from its first token to the last query's).
+    """Attention of the last ``len(q)`` tokens of a run of tokens that see each other
+    causally (``own_k`` holds the run from its first token to the last query's) and, before
+    it, blocks of keys they see whole: a chunk under the isolation mask (its context: sys),
+    or a question after isolated chunks (its context: sys, the chunks).
 
-    Three partial attentions merged by their log-sum-exp (seed 003), none of which needs a
-    mask: the context, the own keys before the first query (all visible), and the queries'
+    Partial attentions merged by their log-sum-exp (seed 003), none of which needs a mask:
+    each context block, the own keys before the first query (all visible), and the queries'
     own keys (causal from the top-left). A dense mask would pay for every masked score.
     Rotary positions are the caller's: keys and queries as the scores must see them.
     """
@@ -164,8 +179,10 @@ def chunk_attention(
     parts = [_partial(q, own_k[m - n :], own_v[m - n :], scale, causal=True)]
     if m > n:
         parts.append(_partial(q, own_k[: m - n], own_v[: m - n], scale, causal=False))
-    if context_k is not None and context_v is not None and context_k.shape[0]:
-        parts.append(_partial(q, context_k, context_v, scale, causal=False))
+    for block in context:
+        if block.keys.shape[0]:
+            out, lse = _partial(q, block.keys, block.values, scale / block.temperature, False)
+            parts.append((out, lse + block.log_weight))
     if len(parts) == 1:
         return parts[0][0]
     return merge_partials([o for o, _ in parts], [lse for _, lse in parts])[0]

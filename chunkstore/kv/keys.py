@@ -74,14 +74,26 @@ def segment_key(
     return _digest(_KEY_VERSION, [model_fp, layout_fp, context_key, tokens])
 
 
+def chunk_context_key(sys_key: bytes, virtual_gap: int) -> bytes:
+    """What a chunk in ``isolation: sys`` attended to: the sys segment, seen from
+    ``virtual_gap`` tokens past its end (0: right after it, the key of sys itself)."""
+    if virtual_gap == 0:
+        return sys_key
+    return _digest(b"gap", [sys_key, str(virtual_gap).encode()])
+
+
 def segment_keys(
-    segments: Sequence[Segment], model_fp: bytes, layout_fp: bytes, isolation: Isolation
+    segments: Sequence[Segment],
+    model_fp: bytes,
+    layout_fp: bytes,
+    isolation: Isolation,
+    virtual_gap: int = 0,
 ) -> list[bytes | None]:
     """Keys of a prompt's segments, in order; None for the question, which is never cached.
 
     The sys segment attends to nothing before it. A chunk's context is the sys segment in
-    ``isolation: sys`` (a chunk computed under one system prompt is never served under
-    another) and nothing in ``isolation: none``.
+    ``isolation: sys`` (a chunk computed under one system prompt, or at another distance from
+    it, is never served under another) and nothing in ``isolation: none``.
     """
     sys_key = b""
     keys: list[bytes | None] = []
@@ -91,8 +103,10 @@ def segment_keys(
             continue
         if seg.kind is SegmentKind.SYS:
             context = b""
+        elif isolation is Isolation.SYS:
+            context = chunk_context_key(sys_key, virtual_gap)
         else:
-            context = sys_key if isolation is Isolation.SYS else b""
+            context = b""
         key = segment_key(model_fp, layout_fp, context, seg.token_ids)
         if seg.kind is SegmentKind.SYS:
             sys_key = key

@@ -124,13 +124,18 @@ class HFReference:
         return self.forward(segment.token_ids, virtual_start, past=context).kv
 
     def assembled_cache(
-        self, segments: Sequence[Segment], isolation: Isolation, none_virtual_start: int = 0
+        self,
+        segments: Sequence[Segment],
+        isolation: Isolation,
+        none_virtual_start: int = 0,
+        virtual_gap: int = 0,
     ) -> Forward:
         """Reused segments put together as chunkstore serves them, the question on top.
 
         Returns the question's logits (empty without a question) and the KV of the whole
-        prompt. Chunks are computed at the virtual start their context gives them: right
-        after sys in ``isolation: sys``, ``none_virtual_start`` in ``isolation: none``.
+        prompt. Chunks are computed at the virtual start their context gives them:
+        ``virtual_gap`` tokens past sys in ``isolation: sys``, ``none_virtual_start`` in
+        ``isolation: none``.
         """
         parts: list[KV] = []
         sys_kv: KV | None = None
@@ -141,7 +146,7 @@ class HFReference:
                 parts.append(sys_kv)
             elif seg.kind is SegmentKind.CHUNK:
                 if isolation is Isolation.SYS and sys_kv is not None:
-                    context, virtual_start = sys_kv, sys_kv.num_tokens
+                    context, virtual_start = sys_kv, sys_kv.num_tokens + virtual_gap
                 else:
                     context, virtual_start = None, none_virtual_start
                 kv = self.segment_kv(seg, context, virtual_start)

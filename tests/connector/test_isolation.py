@@ -48,7 +48,12 @@ def reference_logits(model: Path, prompt: ChunkedPrompt, isolation: Isolation):
 
 
 def cold_half_warm(
-    model: Path, daemon: RunningDaemon, workdir: Path, isolation: Isolation, extra=()
+    model: Path,
+    daemon: RunningDaemon,
+    workdir: Path,
+    isolation: Isolation,
+    extra=(),
+    settings: dict | None = None,
 ) -> tuple[ChunkedPrompt, list[dict]]:
     """One vLLM process: the prompt cold (an empty store), warm, then with the store emptied
     and only sys and the first two chunks stored (ingested), half warm."""
@@ -57,16 +62,19 @@ def cold_half_warm(
     prompt = s.prompt(SYS, docs, QUESTIONS[0])
     half = s.prompt(SYS, docs[:2], None)  # sys ## d1 ## d2 ##
     ids = list(prompt.token_ids)
+    settings = settings or {}
     results = run_probe(
         model,
         [ids, ids, list(half.token_ids), ids],
         workdir,
-        {"address": daemon.unix, "isolation": str(isolation)},
+        {"address": daemon.unix, "isolation": str(isolation), **settings},
         extra=("--max-tokens", "32", "--clear-before", "2", *extra),
     )
     cold, warm, _, half_warm = results
+    # Loaded when warm: all but the question, and the chunks recomputed for quality.
+    recomputed = settings.get("recompute_chunks", 0)
     assert cold["cached_tokens"] == 0
-    assert warm["cached_tokens"] == prompt.segments[-1].start  # all but the question
+    assert warm["cached_tokens"] == prompt.segments[-1 - recomputed].start
     assert half_warm["cached_tokens"] == prompt.segments[2].end  # sys and two chunks
     return prompt, [cold, warm, half_warm]
 
@@ -106,6 +114,46 @@ def test_cold_equals_warm_under_chunked_prefill_and_tensor_parallelism(
     assert_same_answer(warm, cold)
     assert_same_answer(half, cold)
     logits = reference_logits(tiny_model_dir, prompt, Isolation.SYS)
+    for served in (cold, warm, half):
+        assert_logprobs_match(served, logits)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"virtual_gap": 100},
+        {"recompute_chunks": 1},
+        {"question_temperature": 0.8, "question_scale": 0.7},
+    ],
+    ids=["virtual-gap", "recompute", "question-reweighting"],
+)
+def test_quality_recovery_acts_the_same_on_loaded_and_computed_chunks(
+    settings, tiny_model_dir, daemon, tmp_path
+) -> None:
+    """Each way of winning back answer quality gives the same answer cold, half warm and
+    warm (32 greedy tokens, decode included), and the answer its semantics define: chunks
+    computed ``virtual_gap`` past sys (the assembled cache at that virtual start); the last
+    chunk computed seeing everything before it (the assembled cache of sys and the other
+    chunks, the last chunk and the question on top, causally). Re-weighting has no HF
+    reference (its math: tests/kv/test_attention.py); it must change the answer."""
+    prompt, (cold, warm, half) = cold_half_warm(
+        tiny_model_dir, daemon, tmp_path, Isolation.SYS, settings=settings
+    )
+    assert_same_answer(warm, cold)
+    assert_same_answer(half, cold)
+    ref = HFReference.load(tiny_model_dir)
+    segments = prompt.segments
+    if "virtual_gap" in settings:
+        logits = ref.assembled_cache(segments, Isolation.SYS, virtual_gap=100).logits[-1]
+    elif "recompute_chunks" in settings:
+        isolated = ref.assembled_cache(segments[:-2], Isolation.SYS).kv
+        tail = [*segments[-2].token_ids, *segments[-1].token_ids]
+        logits = ref.forward(tail, segments[-2].start, past=isolated).logits[-1]
+    else:
+        plain = ref.assembled_cache(segments, Isolation.SYS).logits[-1]
+        with pytest.raises(AssertionError):
+            assert_logprobs_match(cold, plain)  # re-weighting did change the answer
+        return
     for served in (cold, warm, half):
         assert_logprobs_match(served, logits)
 

@@ -9,7 +9,8 @@ import torch
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 
 from chunkstore.kv.attention import (
-    chunk_attention,
+    KeyBlock,
+    attention_after_context,
     dense_attention,
     isolated_attention,
     merge_partials,
@@ -121,7 +122,7 @@ def test_hf_masked_forward_equals_model_on_isolated_attention(
 @pytest.mark.parametrize(
     ("queries", "own", "context"), [(7, 7, 5), (3, 10, 5), (1, 1, 4), (6, 6, 0), (4, 9, 0)]
 )
-def test_chunk_attention_equals_the_dense_isolation_mask(queries, own, context) -> None:
+def test_attention_after_context_equals_the_dense_isolation_mask(queries, own, context) -> None:
     """A chunk's last tokens (a whole chunk, or the tail computed in a later prefill step),
     with and without a sys context, GQA: the same as SDPA under the dense mask."""
     torch.manual_seed(queries * 100 + own * 10 + context)
@@ -132,5 +133,25 @@ def test_chunk_attention_equals_the_dense_isolation_mask(queries, own, context) 
     rows = torch.arange(queries)[:, None] + own - queries
     allowed[:, context:] = torch.arange(own)[None, :] <= rows
     expected = dense_attention(q, torch.cat([ctx_k, own_k]), torch.cat([ctx_v, own_v]), allowed)
-    got = chunk_attention(q, own_k, own_v, ctx_k if context else None, ctx_v, 16**-0.5)
+    got = attention_after_context(q, own_k, own_v, [KeyBlock(ctx_k, ctx_v)], 16**-0.5)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_context_block_with_temperature_and_weight_is_reweighted_as_ape_defines() -> None:
+    """Scores against a block divided by its temperature, its softmax weight multiplied by
+    exp(log_weight): the same as a softmax over explicitly adjusted scores."""
+    torch.manual_seed(7)
+    q, scale = torch.randn(3, 4, 8), 8**-0.5
+    sys_k, sys_v = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+    chunk_k, chunk_v = torch.randn(9, 2, 8), torch.randn(9, 2, 8)
+    own_k, own_v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    temperature, log_weight = 0.8, -0.7
+    blocks = [KeyBlock(sys_k, sys_v), KeyBlock(chunk_k, chunk_v, temperature, log_weight)]
+    got = attention_after_context(q, own_k, own_v, blocks, scale)
+    keys = torch.cat([sys_k, chunk_k, own_k]).repeat_interleave(2, dim=1)
+    values = torch.cat([sys_v, chunk_v, own_v]).repeat_interleave(2, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
+    scores[:, :, 5:14] = scores[:, :, 5:14] / temperature + log_weight
+    scores[:, :, 14:] = scores[:, :, 14:].masked_fill(~torch.ones(3, 3).bool().tril(), -1e30)
+    expected = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), values)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
