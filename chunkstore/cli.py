@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from chunkstore.bench import e2e as e2e_bench
+from chunkstore.bench import quality as quality_bench
 from chunkstore.bench import remap as remap_bench
 from chunkstore.bench import store as store_bench
 from chunkstore.testing.models import MODELS
@@ -32,6 +33,11 @@ BENCHES: dict[
         e2e_bench.add_arguments,
         e2e_bench.run,
         "time to first token in vLLM: no connector, prefix caching, chunkstore (ttft_speedup)",
+    ),
+    "quality": (
+        quality_bench.add_arguments,
+        quality_bench.run,
+        "answer accuracy on generated multi-document QA, per recovery method, with TTFT",
     ),
     "store": (
         store_bench.add_arguments,

@@ -53,6 +53,32 @@ def _documents(
     return docs
 
 
+def _prompt(
+    sys_prompt: list[int], chunks: list[list[int]], question: list[int], sep: list[int]
+) -> list[int]:
+    out = sys_prompt + sep
+    for chunk in chunks:
+        out += chunk + sep
+    return out + question
+
+
+def shape_prompts(
+    encode: Any, chunks: int, chunk_tokens: int, repeats: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """The bench's prompt shape: the ingest prompts (``sys ## doc ##``, one per document) and
+    ``repeats`` prompts of every document, each reordered, under a question."""
+    sep = encode("##")
+    sys_ids = encode(SYS)
+    docs = _documents(encode, chunks, chunk_tokens, sep, seed=1)
+    rng = random.Random(0)
+    measured = []
+    for i in range(repeats):
+        order = docs[:]
+        rng.shuffle(order)
+        measured.append(_prompt(sys_ids, order, encode(QUESTIONS[i % len(QUESTIONS)]), sep))
+    return [sys_ids + sep + doc + sep for doc in docs], measured
+
+
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     from transformers import AutoTokenizer
 
@@ -66,23 +92,13 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     sys_ids = encode(SYS)
     docs = _documents(encode, args.chunks, args.chunk_tokens, sep, seed=1)
     questions = [encode(q) for q in QUESTIONS]
+    ingest, measured = shape_prompts(encode, args.chunks, args.chunk_tokens, args.repeats)
 
     def prompt(
         chunks: list[list[int]], question: list[int], sys_prompt: list[int] = sys_ids
     ) -> list[int]:
-        out = sys_prompt + sep
-        for chunk in chunks:
-            out += chunk + sep
-        return out + question
+        return _prompt(sys_prompt, chunks, question, sep)
 
-    rng = random.Random(0)
-
-    def shuffled() -> list[list[int]]:
-        order = docs[:]
-        rng.shuffle(order)
-        return order
-
-    measured = [prompt(shuffled(), questions[i % len(questions)]) for i in range(args.repeats)]
     # Cold: documents and a sys prompt never seen before, so nothing of the prompt is stored.
     cold = [
         prompt(
@@ -110,7 +126,6 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             extra=("--prefix-caching",),
         )[2:]
         with start_daemon(work / "daemon", pool_bytes=2 << 30, block_size=1 << 20) as daemon:
-            ingest = [sys_ids + sep + doc + sep for doc in docs]
             rows = run_probe(
                 model,
                 [warmup, *cold, *plain, *ingest, *measured],

