@@ -179,6 +179,7 @@ def _ingest(args: argparse.Namespace) -> int:
                 Isolation(args.isolation),
                 args.batch_size,
                 None if args.quiet else print_progress,
+                virtual_gap=args.virtual_gap,
             )
     except (ChunkStoreError, OSError, ValueError) as err:
         print(f"chunkstore ingest: {err}", file=sys.stderr)
@@ -314,6 +315,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_daemon_address(ingest)
     ingest.add_argument("--separator", default="##", help="as the connector's (default ##)")
     ingest.add_argument("--isolation", choices=["sys", "none"], default="sys")
+    ingest.add_argument(
+        "--virtual-gap",
+        type=int,
+        default=0,
+        help="as the connector's virtual_gap (default 0): it is part of the chunks' keys",
+    )
     ingest.add_argument(
         "--dtype", default="float32", help="the KV cache dtype vLLM runs with (default float32)"
     )

@@ -203,7 +203,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cases", type=int, default=210, help="QA cases, a third of each kind (210)"
     )
-    parser.add_argument("--docs", type=int, default=5, help="documents per case (5)")
+    parser.add_argument(
+        "--docs", type=int, default=8, help="documents per case (8, as the TTFT prompt)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="the cases' seed (0)")
     parser.add_argument("--max-tokens", type=int, default=24, help="answer tokens (24)")
     parser.add_argument(

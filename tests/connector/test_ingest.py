@@ -118,7 +118,7 @@ if __name__ == "__main__":
             "kv_connector": "ChunkStoreConnector",
             "kv_connector_module_path": "chunkstore_vllm.connector",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"address": address},
+            "kv_connector_extra_config": {"address": address, "virtual_gap": 100},
         },
     )
     summaries = [dataclasses.asdict(ingest_with_llm(llm, docs, sys_text)) for _ in range(2)]
@@ -127,8 +127,9 @@ if __name__ == "__main__":
 
 
 def test_ingest_with_an_llm_object(tiny_model_dir, serve, tmp_path) -> None:
-    """The Python API: ``ingest_with_llm`` takes address, separator and model from the LLM's
-    own connector config; what it stores is found under the keys the CLI computes."""
+    """The Python API: ``ingest_with_llm`` takes address, separator, model and virtual gap
+    from the LLM's own connector config; what it stores is found under the keys the CLI
+    computes with that gap, and under no other."""
     daemon = serve(pool_bytes=128 << 20, block_size=1 << 18)
     script = tmp_path / "ingest_llm.py"
     script.write_text(LLM_INGEST)
@@ -151,10 +152,20 @@ def test_ingest_with_an_llm_object(tiny_model_dir, serve, tmp_path) -> None:
 
     fp = fingerprint_of_folder(tiny_model_dir, "float32")
     prompts = [build_chunked_prompt(encode, SYS, [d], None, encode("##")) for d in DOCS]
-    keys = [segment_keys(p.segments, fp.model_fp, fp.layout_fp, Isolation.SYS) for p in prompts]
+
+    def keys(gap: int) -> list[bytes]:  # sys, chunk for each prompt
+        return [
+            k
+            for p in prompts
+            for k in segment_keys(p.segments, fp.model_fp, fp.layout_fp, Isolation.SYS, gap)
+            if k is not None
+        ]
+
     with ChunkStoreClient(daemon.unix) as client:
-        found = client.lookup([k for ks in keys for k in ks if k is not None])
-    assert all(entry is not None for entry in found)
+        assert all(entry is not None for entry in client.lookup(keys(100)))
+        # sys has one key whatever the gap; no chunk is stored under its gap-0 key.
+        found = [entry is not None for entry in client.lookup(keys(0))]
+        assert found == [True, False] * len(DOCS)
 
 
 def chunkstore_counters(url: str) -> dict[str, float]:
