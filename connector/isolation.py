@@ -6,14 +6,17 @@ The hook wraps ``forward`` of each attention layer's implementation (vLLM's CPU 
 any other is refused, loudly, and attention stays vLLM's). Each step the scheduler names the
 requests whose scheduled tokens include chunk tokens (``IsolatedStep``). Per layer:
 
-- rows of chunk tokens are computed here (``chunkstore.kv.attention.chunk_attention``): each
-  sees its own chunk causally and, in ``isolation: sys``, the sys keys, read from vLLM's paged
-  cache through the block table (seed 004). A stored chunk was computed at virtual start
-  ``v`` (right after sys) and is loaded with its keys rotated by ``p - v``; a chunk computed
+- rows of chunk tokens are computed here (``chunkstore.kv.attention.attention_after_context``):
+  each sees its own chunk causally and, in ``isolation: sys``, the sys keys, read from vLLM's
+  paged cache through the block table (seed 004). A stored chunk was computed at virtual
+  start ``v`` (right after sys, or ``virtual_gap`` past it) and is loaded with its keys
+  rotated by ``p - v``; a chunk computed
   at ``p`` must see sys at the same distances, so the sys keys are rotated by ``+(p - v)`` for
   its scores, which is the same as rotating its queries by ``-(p - v)`` (RoPE scores depend
   on the difference). Scores inside the chunk are relative already; the keys vLLM wrote into
   its cache stay at actual positions, as a load writes them.
+- with question re-weighting, the rows after the isolated chunks (question, decode) are
+  computed here too: sys, then the chunks with their temperature and scale, then their own.
 - every other row (plain requests, sys and question tokens, decode) goes to vLLM's own kernel,
   on a batch without the chunk rows, so no row pays for attention twice; a step with no chunk
   rows calls vLLM's forward untouched.
@@ -302,23 +305,26 @@ class IsolationHook:
         if split.kernel is not None:
             self._kernel(split.kernel, impl, layer, query, kv_cache, output)
         for rows in split.rows:
-            own = self.layout.slots(rows.block_ids, rows.own_start, rows.end - rows.own_start)
-            own_k, own_v = self.layout.read(kv_cache, own)
+            own_k, own_v = self._read(kv_cache, rows.block_ids, rows.own_start, rows.end)
             context = []
             if rows.sys_end:
-                sys_slots = self.layout.slots(rows.block_ids, 0, rows.sys_end)
-                sys_k, sys_v = self.layout.read(kv_cache, sys_slots)
+                sys_k, sys_v = self._read(kv_cache, rows.block_ids, 0, rows.sys_end)
                 context.append(KeyBlock(self._shifted(split, sys_k, rows.sys_shift), sys_v))
             if rows.chunks_end > rows.sys_end:
-                chunk_slots = self.layout.slots(
-                    rows.block_ids, rows.sys_end, rows.chunks_end - rows.sys_end
+                chunk_k, chunk_v = self._read(
+                    kv_cache, rows.block_ids, rows.sys_end, rows.chunks_end
                 )
-                chunk_k, chunk_v = self.layout.read(kv_cache, chunk_slots)
                 context.append(KeyBlock(chunk_k, chunk_v, self.temperature, self.log_scale))
             span = slice(rows.row, rows.row + rows.count)
             output[span] = attention_after_context(
                 query[span], own_k, own_v, context, impl.scale
             ).to(output.dtype)
+
+    def _read(
+        self, kv_cache: torch.Tensor, block_ids: torch.Tensor, start: int, end: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions [start, end) from vLLM's paged cache."""
+        return self.layout.read(kv_cache, self.layout.slots(block_ids, start, end - start))
 
     def _shifted(self, split: StepSplit, sys_keys: torch.Tensor, shift: int) -> torch.Tensor:
         """The sys keys as a chunk's queries must see them: rotated by ``p - v``, the
