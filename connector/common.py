@@ -48,12 +48,18 @@ class IsolatedStep:
     workers' isolation hook serves: the rows of its isolated ``chunks`` ((start, end) of
     each, the prompt's whole list, in order and contiguous from ``sys_end``) under the
     isolation mask, and, with question re-weighting, the rows after them. Sys is
-    [0, sys_end); every other row attends causally (vLLM's kernel)."""
+    [0, sys_end); every other row attends causally (vLLM's kernel).
+
+    ``recompute`` ((position, token id) of each token, ``recompute_tokens``): chunk tokens
+    whose KV the hook recomputes this step, seeing everything before them, once the
+    chunks' isolated KV is in the cache and before the causal rows after the chunks read
+    it; set in the step that computes the first of those rows."""
 
     start: int
     end: int
     sys_end: int
     chunks: tuple[tuple[int, int], ...]
+    recompute: tuple[tuple[int, int], ...] = ()
 
     @property
     def count(self) -> int:

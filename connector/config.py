@@ -25,6 +25,7 @@ class ConnectorConfig:
     # Answer quality under isolation (each needs in-band isolation; README, "Quality"):
     virtual_gap: int = 0  # chunks computed as if standing this many tokens after sys
     recompute_chunks: int = 0  # a question's last N chunks computed seeing all before them
+    recompute_tokens: int = 0  # each chunk's first N tokens recomputed seeing all before them
     question_temperature: float = 1.0  # APE: question's scores against chunk keys / this
     question_scale: float = 1.0  # APE: the chunks' share of its attention times this
 
@@ -41,14 +42,14 @@ class ConnectorConfig:
         Isolation(config.isolation)  # raises on a bad mode
         if config.transport not in ("auto", "shm", "stream"):
             raise ValueError(f"transport must be auto, shm or stream, not {config.transport!r}")
-        if config.virtual_gap < 0 or config.recompute_chunks < 0:
-            raise ValueError("virtual_gap and recompute_chunks are token / chunk counts >= 0")
+        if min(config.virtual_gap, config.recompute_chunks, config.recompute_tokens) < 0:
+            raise ValueError("virtual_gap, recompute_chunks and recompute_tokens are counts >= 0")
         if config.question_temperature <= 0 or config.question_scale <= 0:
             raise ValueError("question_temperature and question_scale must be > 0")
         if config.quality_recovery and not config.inband_isolation:
             raise ValueError(
-                "virtual_gap, recompute_chunks, question_temperature and question_scale act "
-                "in the in-band isolation hook: they need inband_isolation"
+                "virtual_gap, recompute_chunks, recompute_tokens, question_temperature and "
+                "question_scale act in the in-band isolation hook: they need inband_isolation"
             )
         return config
 
@@ -66,7 +67,12 @@ class ConnectorConfig:
 
     @property
     def quality_recovery(self) -> bool:
-        return bool(self.virtual_gap or self.recompute_chunks or self.reweights_questions)
+        return bool(
+            self.virtual_gap
+            or self.recompute_chunks
+            or self.recompute_tokens
+            or self.reweights_questions
+        )
 
 
 def unsupported_parallelism(vllm_config: Any) -> str | None:

@@ -17,6 +17,9 @@ requests whose scheduled tokens include chunk tokens (``IsolatedStep``). Per lay
   its cache stay at actual positions, as a load writes them.
 - with question re-weighting, the rows after the isolated chunks (question, decode) are
   computed here too: sys, then the chunks with their temperature and scale, then their own.
+- with ``recompute_tokens``, the step that computes the first causal row after the chunks
+  first recomputes the chunks' selected tokens (``recompute``), after the chunk rows and
+  before the causal ones, so those read the blend.
 - every other row (plain requests, sys and question tokens, decode) goes to vLLM's own kernel,
   on a batch without the chunk rows, so no row pays for attention twice; a step with no chunk
   rows calls vLLM's forward untouched.
@@ -39,6 +42,7 @@ from chunkstore.kv.rope import RotaryConfig, rotate_keys, rotation_table
 from .common import IsolatedStep, RequestPlan
 from .config import ConnectorConfig
 from .cpu_layout import CpuKVLayout
+from .recompute import Blend, IsolatedCopy, Recomputer
 
 log = logging.getLogger("chunkstore.connector")
 
@@ -77,6 +81,7 @@ class KernelBatch:
 class StepSplit:
     rows: list[HookRows]
     kernel: KernelBatch | None
+    blends: list[Blend] = field(default_factory=list)
     rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
@@ -118,6 +123,8 @@ class IsolationHook:
         self.temperature = config.question_temperature
         self.log_scale = math.log(config.question_scale)
         self.on_miss = on_miss  # a planned request not found in the batch (computed causally)
+        self.recompute_tokens = config.recompute_tokens
+        self.recomputer: Recomputer | None = None
         self._plans: list[RequestPlan] = []
         self._splits: dict[int, tuple[Any, StepSplit | None]] = {}
         self.isolated_tokens = 0  # chunk tokens served, since take_isolated_tokens
@@ -133,11 +140,19 @@ class IsolationHook:
             why = unsupported(layer.impl, layer)
             if why:
                 return f"{name}: {why}"
-        for layer in layers:
-            layer.impl.forward = self._wrap(layer.impl.forward, layer.impl)
+        if self.recompute_tokens:
+            found = Recomputer.find(vllm_config, self.layout, layer_names)
+            if isinstance(found, str):
+                log.error("chunkstore: recompute_tokens is off: %s", found)
+            else:
+                self.recomputer = found
+        for index, layer in enumerate(layers):
+            layer.impl.forward = self._wrap(layer.impl.forward, layer.impl, index)
         return None
 
-    def _wrap(self, original: Callable[..., torch.Tensor], impl: Any) -> Callable[..., Any]:
+    def _wrap(
+        self, original: Callable[..., torch.Tensor], impl: Any, index: int
+    ) -> Callable[..., Any]:
         def forward(
             layer: Any,
             query: torch.Tensor,
@@ -154,7 +169,7 @@ class IsolationHook:
                 return original(
                     layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs
                 )
-            self._attend(split, impl, layer, query, kv_cache, output)
+            self._attend(split, impl, layer, index, query, kv_cache, output)
             return output
 
         return forward
@@ -165,9 +180,19 @@ class IsolationHook:
         self._plans = [plan for plan in plans if plan.isolation is not None]
         self._splits.clear()
 
-    def end_step(self) -> None:
+    def end_step(self) -> dict[str, IsolatedCopy]:
+        """End the step; return, per request whose selected tokens were recomputed in it,
+        the isolated KV they replaced (what saves of this step must store)."""
+        copies: dict[str, IsolatedCopy] = {}
+        if self.recomputer is not None:
+            for _, split in self._splits.values():
+                for blend in split.blends if split else ():
+                    copy = self.recomputer.isolated_copy(blend)
+                    if copy is not None:
+                        copies[blend.req_id] = copy
         self._plans = []
         self._splits.clear()
+        return copies
 
     def take_isolated_tokens(self) -> int:
         taken, self.isolated_tokens = self.isolated_tokens, 0
@@ -191,19 +216,25 @@ class IsolationHook:
             return None
         starts, seq_lens = metadata.query_start_loc.tolist(), metadata.seq_lens.tolist()
         hook_rows: list[HookRows] = []
+        blends: list[Blend] = []
         runs: list[tuple[int, int, int, int]] = []  # (request, first row, rows, seq_len)
         for r, seq_len in enumerate(seq_lens):
             first, count = starts[r], starts[r + 1] - starts[r]
-            step = planned.get(r)
-            if step is None:
+            plan = planned.get(r)
+            if plan is None:
                 if count:
                     runs.append((r, first, count, seq_len))
                 continue
-            rows, kernel_runs = self._partition(step, first, metadata.block_table[r].long())
+            step = plan.isolation
+            assert step is not None
+            block_ids = metadata.block_table[r].long()
+            rows, kernel_runs = self._partition(step, first, block_ids)
             hook_rows += rows
             runs += [(r, *run) for run in kernel_runs]
+            if step.recompute and self.recomputer is not None:
+                blends.append(self.recomputer.start(plan.req_id, block_ids, step.recompute))
         self.isolated_tokens += sum(rows.count for rows in hook_rows if rows.chunks_end == 0)
-        return StepSplit(hook_rows, self._kernel_batch(runs, metadata, impl, layer))
+        return StepSplit(hook_rows, self._kernel_batch(runs, metadata, impl, layer), blends)
 
     def _partition(
         self, step: IsolatedStep, first: int, block_ids: torch.Tensor
@@ -239,7 +270,7 @@ class IsolationHook:
                 kernel.append((row(lo), step.end - lo, step.end))
         return hook, kernel
 
-    def _locate(self, metadata: Any) -> dict[int, IsolatedStep]:
+    def _locate(self, metadata: Any) -> dict[int, RequestPlan]:
         """Each planned request's row in the batch: the one whose last token this step goes
         to the slot the request's block table gives its last position (a slot is written by
         one token of one request). A planned request not found is reported (``on_miss``)."""
@@ -249,7 +280,7 @@ class IsolationHook:
             for r in range(len(seq_lens))
             if starts[r + 1] > starts[r]
         }
-        planned: dict[int, IsolatedStep] = {}
+        planned: dict[int, RequestPlan] = {}
         for plan in self._plans:
             step = plan.isolation
             assert step is not None
@@ -258,7 +289,7 @@ class IsolationHook:
             if r is None or seq_lens[r] != step.end or starts[r + 1] - starts[r] != step.count:
                 self.on_miss(plan.req_id)
                 continue
-            planned[r] = step
+            planned[r] = plan
         return planned
 
     def _kernel_batch(
@@ -298,13 +329,33 @@ class IsolationHook:
         split: StepSplit,
         impl: Any,
         layer: Any,
+        index: int,
         query: torch.Tensor,
         kv_cache: torch.Tensor,
         output: torch.Tensor,
     ) -> None:
+        """The chunk rows first (they read their chunks' isolated KV), then the recomputed
+        tokens (they overwrite it), then the causal rows (they read the blend)."""
+        chunk_rows = [rows for rows in split.rows if rows.chunks_end == 0]
+        self._attend_rows(split, chunk_rows, impl, query, kv_cache, output)
+        for blend in split.blends:
+            assert self.recomputer is not None
+            self.recomputer.layer(blend, index, kv_cache, impl.scale)
         if split.kernel is not None:
             self._kernel(split.kernel, impl, layer, query, kv_cache, output)
-        for rows in split.rows:
+        after_rows = [rows for rows in split.rows if rows.chunks_end != 0]
+        self._attend_rows(split, after_rows, impl, query, kv_cache, output)
+
+    def _attend_rows(
+        self,
+        split: StepSplit,
+        hook_rows: list[HookRows],
+        impl: Any,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        output: torch.Tensor,
+    ) -> None:
+        for rows in hook_rows:
             own_k, own_v = self._read(kv_cache, rows.block_ids, rows.own_start, rows.end)
             context = []
             if rows.sys_end:

@@ -33,6 +33,8 @@ FIELDS = {
     "save_failures": "Saves that failed (the request is unaffected).",
     "save_seconds": "Time spent saving.",
     "isolated_tokens": "Chunk tokens vLLM computed under the isolation mask (in-band).",
+    "recomputed_tokens": "Chunk tokens whose KV was recomputed seeing everything before them "
+    "(recompute_tokens).",
     "isolation_misses": "Chunked requests the isolation hook could not find in a batch "
     "(computed causally, their chunks not stored).",
 }

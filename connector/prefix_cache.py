@@ -18,28 +18,39 @@ before it keep vLLM's hashes (their tokens' roles follow from the tokens), so sy
 blocks are shared across questions. vLLM computes a request's block hashes with a
 per-request hasher as the request grows; it is wrapped once, when the request arrives,
 before any lookup.
+
+With ``recompute_tokens`` the cache's chunk blocks hold a mix: after the question's first
+step, the selected tokens' recomputed KV, the rest isolated. A request that computes the
+rest of a chunk needs its first tokens' isolated KV, and the store must never get the mix,
+so blocks holding chunk tokens are private to their request (salted with a nonce): chunks
+come back from the store instead, and sys blocks are still shared.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger("chunkstore.connector")
 
 CAUSAL_ROLE = b"chunkstore.role.causal-from\0"
+PRIVATE = b"chunkstore.role.private\0"
 
 
 def causal_role_hash(block_hash: bytes, causal_start: int) -> bytes:
     return hashlib.sha256(CAUSAL_ROLE + causal_start.to_bytes(8, "little") + block_hash).digest()
 
 
-def keep_roles_apart(request: Any, causal_start: int, block_size: int) -> bool:
+def keep_roles_apart(
+    request: Any, causal_start: int, block_size: int, private_from: int | None = None
+) -> bool:
     """Salt the hashes of ``request``'s blocks that hold positions from ``causal_start``
-    on, now and as it grows. False (nothing changed) if vLLM's request has no hasher to
-    wrap, or hashes blocks of another size than ``block_size``."""
+    on, now and as it grows; with ``private_from``, those that hold positions from there
+    on with a nonce of this request's. False (nothing changed) if vLLM's request has no
+    hasher to wrap, or hashes blocks of another size than ``block_size``."""
     hasher: Callable[[Any], list[bytes]] | None = getattr(request, "_block_hasher", None)
     hashes = getattr(request, "block_hashes", None)
     if hasher is None or hashes is None:
@@ -58,10 +69,16 @@ def keep_roles_apart(request: Any, causal_start: int, block_size: int) -> bool:
             req.block_hashes = served
         first = len(plain)
         plain.extend(new)
-        return [
-            causal_role_hash(h, causal_start) if (first + i + 1) * block_size > causal_start else h
-            for i, h in enumerate(new)
-        ]
+        return [salted(h, (first + i + 1) * block_size) for i, h in enumerate(new)]
+
+    nonce = os.urandom(16)
+
+    def salted(block_hash: bytes, block_end: int) -> bytes:
+        if private_from is not None and block_end > private_from:
+            return hashlib.sha256(PRIVATE + nonce + block_hash).digest()
+        if block_end > causal_start:
+            return causal_role_hash(block_hash, causal_start)
+        return block_hash
 
     request._block_hasher = role_aware
     del hashes[:]  # the prompt's hashes were computed on arrival: again, role-aware

@@ -63,6 +63,15 @@ class Tracked:
             if s.kind is SegmentKind.CHUNK and s.end <= self.causal_start
         )
 
+    def blended_tokens(self, per_chunk: int) -> tuple[tuple[int, int], ...]:
+        """(position, token id) of the first ``per_chunk`` tokens of each isolated chunk."""
+        return tuple(
+            (seg.start + i, token)
+            for seg in self.segments
+            if seg.kind is SegmentKind.CHUNK and seg.end <= self.causal_start
+            for i, token in enumerate(seg.token_ids[:per_chunk])
+        )
+
 
 def causal_start(segments: list[Segment], recompute_chunks: int) -> int:
     """Where a chunked prompt's causal tokens begin: after its last separator, or at its
@@ -125,7 +134,10 @@ class SchedulerSide:
         if self.off or not self.config.inband_isolation:
             return
         tracked = self._track(request)
-        if tracked is None or keep_roles_apart(request, tracked.causal_start, self.block_size):
+        private = tracked.sys_end if tracked and self.config.recompute_tokens else None
+        if tracked is None or keep_roles_apart(
+            request, tracked.causal_start, self.block_size, private
+        ):
             return
         if not self._warned_prefix_cache:
             log.warning(
@@ -288,9 +300,11 @@ class SchedulerSide:
             return None
         computes_chunks = any(lo < end and hi > start for lo, hi in chunks)
         reweights = self.config.reweights_questions and end > tracked.causal_start
-        if computes_chunks or reweights:
-            return IsolatedStep(start, end, tracked.sys_end, chunks)
-        return None
+        blends = self.config.recompute_tokens and start <= tracked.causal_start < end
+        if not (computes_chunks or reweights or blends):
+            return None
+        recompute = tracked.blended_tokens(self.config.recompute_tokens) if blends else ()
+        return IsolatedStep(start, end, tracked.sys_end, chunks, recompute)
 
     def update_connector_output(self, output: Any) -> None:
         """These requests' loads ended on the workers: their leases can go."""

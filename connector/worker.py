@@ -34,6 +34,7 @@ from .heads import RankHeads
 from .isolation import IsolationHook
 from .keys import ModelKeys
 from .metrics import ConnectorStats
+from .recompute import IsolatedCopy
 
 log = logging.getLogger("chunkstore.connector")
 
@@ -341,9 +342,11 @@ class WorkerSide:
         its heads and they are gathered (a collective, so every rank takes every step here);
         rank 0 stores the entry, which holds all heads."""
         self._finish_loads()
+        blended: dict[str, IsolatedCopy] = {}
         if self.hook is not None:
-            self.hook.end_step()
+            blended = self.hook.end_step()
             self.stats.add("isolated_tokens", self.hook.take_isolated_tokens())
+            self.stats.add("recomputed_tokens", sum(len(c.positions) for c in blended.values()))
         if not self.can_read_cache:
             return
         began = time.perf_counter()
@@ -353,6 +356,13 @@ class WorkerSide:
                 if item.isolated and not self._isolated(plan.req_id):
                     continue  # computed seeing other chunks: never stored
                 keys, values = self._read_segment(plan, item)
+                if plan.req_id in blended:  # the cache holds the blend: put isolation back
+                    try:
+                        blended[plan.req_id].restore(item.start, keys, values)
+                    except ValueError as err:
+                        log.error("chunkstore: not saving %s: %s", item.key.hex()[:12], err)
+                        self.stats.add("save_failures")
+                        continue
                 if self.heads.rank != 0:
                     continue
                 client = self.link.get()

@@ -48,6 +48,11 @@ DEFAULT_METHODS = (
     "recompute_chunks=2",
     "virtual_gap=200+recompute_chunks=1",
     "virtual_gap=200+recompute_chunks=2",
+    "recompute_tokens=4",
+    "recompute_tokens=8",
+    "recompute_tokens=16",
+    "virtual_gap=200+recompute_tokens=8",
+    "virtual_gap=200+recompute_tokens=16",
 )
 # A chat prompt: the documents are the user's message, the question closes it.
 SYS_TEXT = "<|im_start|>system\n" + qa_cases.SYS + "<|im_end|>\n<|im_start|>user\nDocuments:\n"
@@ -55,6 +60,7 @@ QUESTION_TEXT = "\nQuestion: {}<|im_end|>\n<|im_start|>assistant\n"
 KNOBS: dict[str, type] = {
     "virtual_gap": int,
     "recompute_chunks": int,
+    "recompute_tokens": int,
     "question_temperature": float,
     "question_scale": float,
 }

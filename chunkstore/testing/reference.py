@@ -79,8 +79,9 @@ class HFReference:
         start: int,
         past: KV | None = None,
         allowed: torch.Tensor | None = None,
+        positions: Sequence[int] | None = None,
     ) -> Forward:
-        """Run ``token_ids`` at positions start.. on top of ``past``.
+        """Run ``token_ids`` at positions start.. (or at ``positions``) on top of ``past``.
 
         ``allowed`` is a boolean [new tokens, past + new tokens] mask; by default every new
         token sees all of ``past`` and the earlier new tokens (causal).
@@ -103,7 +104,11 @@ class HFReference:
                 )
         out = self.model(
             input_ids=torch.tensor([list(token_ids)]),
-            position_ids=torch.arange(start, start + n)[None],
+            position_ids=(
+                torch.tensor([list(positions)])
+                if positions is not None
+                else torch.arange(start, start + n)[None]
+            ),
             attention_mask=additive[None, None],
             past_key_values=cache,
             use_cache=True,
@@ -158,6 +163,50 @@ class HFReference:
             return Forward(torch.empty(0, self.config.vocab_size), cache)
         top = self.forward(question.token_ids, question.start, past=cache)
         return Forward(top.logits, KV.cat([cache, top.kv]))
+
+    def blended_cache(
+        self,
+        segments: Sequence[Segment],
+        isolation: Isolation,
+        recompute_tokens: int,
+        virtual_gap: int = 0,
+    ) -> Forward:
+        """The assembled cache with the first ``recompute_tokens`` tokens of each chunk
+        recomputed seeing everything before them (EPIC's selection, CacheBlend's blend), the
+        question on top: the connector's ``recompute_tokens``.
+
+        One forward pass over the selected tokens, again at their positions, and the
+        question, on top of the assembled (isolated) cache: a selected token sees the
+        cache's other tokens before it and the recomputed selected tokens up to itself, never
+        its own isolated copy; the question sees the cache with every selected token's
+        recomputed KV in place of its isolated one. Layer by layer that is what the
+        connector computes. Returns the question's logits and the blended KV of the prompt.
+        """
+        *stored, question = segments
+        if question.kind is not SegmentKind.QUESTION:
+            raise ValueError("blending recomputes for a question: the prompt needs one")
+        cache = self.assembled_cache(stored, isolation, virtual_gap=virtual_gap).kv
+        selected = [
+            p
+            for seg in stored
+            if seg.kind is SegmentKind.CHUNK
+            for p in range(seg.start, seg.start + min(recompute_tokens, len(seg)))
+        ]
+        positions = [*selected, *range(question.start, question.end)]
+        ids = [t for seg in stored for t in seg.token_ids]
+        new_ids = [ids[p] for p in selected] + list(question.token_ids)
+        past_len, s, n = cache.num_tokens, len(selected), len(positions)
+        pos = torch.tensor(positions)
+        allowed = torch.zeros(n, past_len + n, dtype=torch.bool)
+        original = torch.ones(past_len, dtype=torch.bool)
+        original[selected] = False  # recomputed: nobody sees the isolated copy
+        allowed[:, :past_len] = original[None] & (torch.arange(past_len)[None] < pos[:, None])
+        allowed[:, past_len : past_len + s] = pos[None, :s] <= pos[:, None]
+        allowed[s:, past_len + s :] = torch.ones(n - s, n - s, dtype=torch.bool).tril()
+        top = self.forward(new_ids, 0, past=cache, allowed=allowed, positions=positions)
+        keys, values = cache.keys.clone(), cache.values.clone()
+        keys[:, selected], values[:, selected] = top.kv.keys[:, :s], top.kv.values[:, :s]
+        return Forward(top.logits[s:], KV.cat([KV(keys, values), top.kv.slice(s, n)]))
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -20,6 +20,21 @@ def test_settings_come_from_the_extra_config_and_typos_are_refused() -> None:
         ConnectorConfig.from_extra({"transport": "rdma"})
 
 
+@pytest.mark.parametrize(
+    "extra, error",
+    [
+        ({"recompute_tokens": -1}, "counts >= 0"),
+        ({"virtual_gap": -5}, "counts >= 0"),
+        ({"question_temperature": 0}, "must be > 0"),
+        ({"recompute_tokens": 16, "inband_isolation": False}, "need inband_isolation"),
+    ],
+)
+def test_quality_settings_are_checked(extra: dict, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        ConnectorConfig.from_extra(extra)
+    assert ConnectorConfig.from_extra({"recompute_tokens": 16}).quality_recovery
+
+
 def parallel(**sizes: int) -> SimpleNamespace:
     defaults = {
         "tensor_parallel_size": 1,

@@ -123,9 +123,11 @@ def test_cold_equals_warm_under_chunked_prefill_and_tensor_parallelism(
     [
         {"virtual_gap": 100},
         {"recompute_chunks": 1},
+        {"recompute_tokens": 3},
+        {"recompute_tokens": 1000, "virtual_gap": 100},
         {"question_temperature": 0.8, "question_scale": 0.7},
     ],
-    ids=["virtual-gap", "recompute", "question-reweighting"],
+    ids=["virtual-gap", "recompute", "blend", "blend-all", "question-reweighting"],
 )
 def test_quality_recovery_acts_the_same_on_loaded_and_computed_chunks(
     settings, tiny_model_dir, daemon, tmp_path
@@ -134,7 +136,10 @@ def test_quality_recovery_acts_the_same_on_loaded_and_computed_chunks(
     warm (32 greedy tokens, decode included), and the answer its semantics define: chunks
     computed ``virtual_gap`` past sys (the assembled cache at that virtual start); the last
     chunk computed seeing everything before it (the assembled cache of sys and the other
-    chunks, the last chunk and the question on top, causally). Re-weighting has no HF
+    chunks, the last chunk and the question on top, causally); each chunk's first tokens
+    recomputed seeing everything before them (the blend; with every token recomputed it
+    is the causal prompt, whatever the gap, as a vLLM without the connector answers) and the
+    isolated chunks still stored as computed in isolation. Re-weighting has no HF
     reference (its math: tests/kv/test_attention.py); it must change the answer."""
     prompt, (cold, warm, half) = cold_half_warm(
         tiny_model_dir, daemon, tmp_path, Isolation.SYS, settings=settings
@@ -143,7 +148,23 @@ def test_quality_recovery_acts_the_same_on_loaded_and_computed_chunks(
     assert_same_answer(half, cold)
     ref = HFReference.load(tiny_model_dir)
     segments = prompt.segments
-    if "virtual_gap" in settings:
+    if "recompute_tokens" in settings:
+        gap = settings.get("virtual_gap", 0)
+        blended = ref.blended_cache(segments, Isolation.SYS, settings["recompute_tokens"], gap)
+        logits = blended.logits[-1]
+        # The half-warm request computed chunk 3 and blended its first tokens in the same
+        # step: the store holds it as computed in isolation all the same.
+        with ChunkStoreClient(daemon.unix) as client:
+            stored = client.get(chunk_key(tiny_model_dir, prompt, 3, gap))
+        assert stored is not None
+        sys_kv = ref.segment_kv(segments[0], None, 0)
+        virtual = sys_kv.num_tokens + gap
+        expected = ref.segment_kv(segments[3], sys_kv, virtual).remapped(
+            stored.layout.virtual_start - virtual, ref.rotary
+        )
+        assert relative_error(stored.keys, expected.keys) < 1e-4
+        assert relative_error(stored.values, expected.values) < 1e-4
+    elif "virtual_gap" in settings:
         logits = ref.assembled_cache(segments, Isolation.SYS, virtual_gap=100).logits[-1]
     elif "recompute_chunks" in settings:
         isolated = ref.assembled_cache(segments[:-2], Isolation.SYS).kv
@@ -291,9 +312,9 @@ def test_vllm_prefix_cache_never_serves_kv_of_another_role(
     assert relative_error(stored.values, expected.values) < 1e-4
 
 
-def chunk_key(model: Path, prompt: ChunkedPrompt, index: int) -> bytes:
+def chunk_key(model: Path, prompt: ChunkedPrompt, index: int, gap: int = 0) -> bytes:
     fp = fingerprint_of_folder(model, "float32")
-    key = segment_keys(prompt.segments, fp.model_fp, fp.layout_fp, Isolation.SYS)[index]
+    key = segment_keys(prompt.segments, fp.model_fp, fp.layout_fp, Isolation.SYS, gap)[index]
     assert key is not None
     return key
 

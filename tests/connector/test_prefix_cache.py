@@ -80,3 +80,24 @@ def test_generated_tokens_of_a_prompt_without_question_are_question_tokens() -> 
 def test_a_request_without_a_hasher_is_left_alone() -> None:
     req = Request("r", SYS + C1 + X, SamplingParams(max_tokens=1), None)
     assert not keep_roles_apart(req, len(SYS + C1), BLOCK)
+
+
+def test_with_recompute_tokens_blocks_holding_chunk_tokens_are_private() -> None:
+    """``recompute_tokens`` leaves the blend in chunk blocks: two requests with the same
+    prompt share only the blocks that hold sys tokens alone, also as they grow."""
+    tokens = SYS + C1 + X + SEP + Y
+    private_from = len(SYS)  # 7: block 1 (positions 4..7) holds sys's end and c1's start
+    first, second = request(tokens, "a"), request(tokens, "b")
+    assert keep_roles_apart(first, len(tokens), BLOCK, private_from)
+    assert keep_roles_apart(second, len(tokens), BLOCK, private_from)
+    plain = request(tokens)
+    assert first.block_hashes[:1] == second.block_hashes[:1] == plain.block_hashes[:1]
+    for i in range(1, len(first.block_hashes)):
+        assert first.block_hashes[i] != second.block_hashes[i]
+        assert first.block_hashes[i] not in plain.block_hashes
+    before = len(first.block_hashes)
+    for token in [41, 42, 43, 44]:
+        first.append_output_token_ids(token)
+        second.append_output_token_ids(token)
+    assert len(first.block_hashes) == before + 1
+    assert first.block_hashes[-1] != second.block_hashes[-1]

@@ -196,3 +196,49 @@ def test_none_exact_on_random_tiny_models(variant: str) -> None:
         assert relative_error(served.keys, masked.kv.keys[:, seg.start : seg.end]) <= TOLERANCE
     assembled = ref.assembled_cache(segments, Isolation.NONE)
     assert logits_error(assembled.logits, masked.logits[segments[-1].start :]) <= TOLERANCE
+
+
+def test_blended_cache_spans_isolated_to_causal_on_a_random_tiny_model() -> None:
+    """The blend reference (``recompute_tokens``) at its two ends: recomputing no token is
+    the assembled cache, recomputing every chunk token is the causal prompt (every token
+    then sees all before it); in between it is neither, and the tokens it did not select
+    keep their isolated KV."""
+    from chunkstore.kv.segments import split_prompt
+
+    config = LlamaConfig(
+        vocab_size=200,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+    )
+    torch.manual_seed(5)
+    model = LlamaForCausalLM(config)
+    model.set_attn_implementation("eager")
+    ref = HFReference(model)
+    gen = torch.Generator().manual_seed(7)
+    parts = [torch.randint(1, 200, (n,), generator=gen).tolist() for n in (9, 20, 13, 17, 6)]
+    tokens = [t for p in parts[:-1] for t in (*p, 0)] + parts[-1]
+    segments = split_prompt(tokens, [0])
+    isolated = ref.assembled_cache(segments, Isolation.SYS)
+    causal = ref.forward(tokens, 0)
+    question = segments[-1].start
+
+    none = ref.blended_cache(segments, Isolation.SYS, 0)
+    assert logits_error(none.logits, isolated.logits) <= TOLERANCE
+    every = ref.blended_cache(segments, Isolation.SYS, 100)
+    assert logits_error(every.logits, causal.logits[question:]) <= TOLERANCE
+    assert relative_error(every.kv.keys, causal.kv.keys) <= TOLERANCE
+
+    some = ref.blended_cache(segments, Isolation.SYS, 4)
+    assert logits_error(some.logits, isolated.logits) > 1e-3
+    assert logits_error(some.logits, causal.logits[question:]) > 1e-3
+    first_chunk = segments[1]
+    kept = slice(first_chunk.start + 4, first_chunk.end)  # not selected: isolated KV
+    assert torch.equal(some.kv.keys[:, kept], isolated.kv.keys[:, kept])
+    chosen = slice(first_chunk.start, first_chunk.start + 4)  # right after sys: exact
+    assert relative_error(some.kv.keys[:, chosen], causal.kv.keys[:, chosen]) <= TOLERANCE

@@ -1,0 +1,177 @@
+"""Recomputing selected chunk tokens in the isolation hook (worker process): the connector's
+``recompute_tokens``, EPIC's choice of tokens (each chunk's first ones, where isolation
+leaves attention sinks the question over-weights) with CacheBlend's way of blending them
+(their KV recomputed layer by layer, seeing everything before them; every other chunk
+token keeps its isolated KV).
+
+vLLM computes only a suffix of a request, and the chunks are the prefix the store loads,
+so the selected tokens cannot be scheduled. The hook runs them itself, beside vLLM's batch:
+in the step that computes the first causal row after the chunks, at each layer, after the
+chunk rows and before the causal rows, it takes the selected tokens' hidden states through
+the layer with vLLM's own modules (norms, projections, rotary, MLP), attention against the
+request's cache (sys, the chunks, the recomputed tokens in place of their isolated copies,
+causally), and writes their new KV over the isolated one. The causal rows, this step's and
+every later one (decode), then read the blend from vLLM's cache with vLLM's kernel, and the
+same happens whether the chunks were loaded or computed in the request.
+
+The isolated KV it overwrites is kept for the step's saves (the store holds chunks as
+computed in isolation). Only Llama-architecture models are served; anything else is
+refused at load, with the reason.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from chunkstore.kv.attention import dense_attention
+
+from .cpu_layout import CpuKVLayout
+
+
+@dataclass
+class Blend:
+    """One request's selected tokens in one step: their hidden states between layers and,
+    per layer, the isolated KV their recomputed KV replaced in the cache."""
+
+    req_id: str
+    block_ids: torch.Tensor
+    positions: torch.Tensor  # int64, ascending
+    token_ids: torch.Tensor
+    hidden: torch.Tensor | None = None  # input of the next layer
+    next_layer: int = 0
+    isolated: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class IsolatedCopy:
+    """The isolated KV of a request's recomputed tokens, [layers, tokens, heads, head_dim],
+    for saving the chunks they belong to as the store holds them."""
+
+    positions: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    def restore(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Put the isolated KV back into a segment's KV read from the cache (positions
+        [start, start + tokens), [layers, tokens, ...]), in place."""
+        if self.keys.shape[0] != keys.shape[0]:
+            raise ValueError(f"the blend ran {self.keys.shape[0]} of {keys.shape[0]} layers")
+        inside = (self.positions >= start) & (self.positions < start + keys.shape[1])
+        if bool(inside.any()):
+            rows = self.positions[inside] - start
+            keys[:, rows] = self.keys[:, inside].to(keys.dtype)
+            values[:, rows] = self.values[:, inside].to(values.dtype)
+
+
+def _llama_classes() -> tuple[type, type] | None:
+    try:
+        from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer
+    except ImportError:
+        return None
+    return LlamaDecoderLayer, LlamaAttention
+
+
+def _find_decoder(first_attention: Any) -> Any | None:
+    """The model whose first decoder layer's attention is ``first_attention``: vLLM gives a
+    connector its attention layers, not the model, so it is found among live objects once,
+    at load, by identity."""
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.nn.Module) and hasattr(obj, "embed_tokens"):
+            layers = getattr(obj, "layers", None)
+            if isinstance(layers, torch.nn.ModuleList) and len(layers):
+                attn = getattr(getattr(layers[0], "self_attn", None), "attn", None)
+                if attn is first_attention:
+                    return obj
+    return None
+
+
+class Recomputer:
+    """vLLM's decoder modules, driven over a request's selected tokens one layer at a time."""
+
+    def __init__(self, decoder: Any, layout: CpuKVLayout, layer_names: list[str]) -> None:
+        self.decoder = decoder
+        self.layout = layout
+        self.layer_names = layer_names
+
+    @classmethod
+    def find(
+        cls, vllm_config: Any, layout: CpuKVLayout, layer_names: list[str]
+    ) -> Recomputer | str:
+        """The recomputer of this worker's model, or why there is none."""
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        if get_tensor_model_parallel_world_size() > 1:
+            return "tensor parallelism is not supported"
+        classes = _llama_classes()
+        if classes is None:
+            return "vLLM's Llama modules are not importable"
+        context = vllm_config.compilation_config.static_forward_context
+        decoder = _find_decoder(context[layer_names[0]])
+        if decoder is None:
+            return "the model's decoder (embed_tokens, layers) was not found"
+        layers: list[Any] = list(decoder.layers)
+        decoder_layer, attention = classes
+        if len(layers) != len(layer_names):
+            return f"{len(layers)} decoder layers for {len(layer_names)} attention layers"
+        for index, (layer, name) in enumerate(zip(layers, layer_names, strict=True)):
+            attn: Any = getattr(layer, "self_attn", None)
+            if type(layer) is not decoder_layer or type(attn) is not attention:
+                return f"{type(layer).__name__} is not a Llama decoder layer"
+            if getattr(attn, "attn", None) is not context[name]:
+                return f"{name} is not the attention of decoder layer {index}"
+        return cls(decoder, layout, layer_names)
+
+    def start(
+        self, req_id: str, block_ids: torch.Tensor, tokens: tuple[tuple[int, int], ...]
+    ) -> Blend:
+        positions = torch.tensor([p for p, _ in tokens], dtype=torch.int64)
+        ids = torch.tensor([t for _, t in tokens], dtype=torch.int64)
+        return Blend(req_id, block_ids, positions, ids)
+
+    @torch.inference_mode()
+    def layer(self, blend: Blend, index: int, kv_cache: torch.Tensor, scale: float) -> None:
+        """Take the selected tokens through decoder layer ``index`` and write their KV."""
+        if blend.next_layer != index:
+            raise RuntimeError(f"recompute: layer {index} ran before {blend.next_layer}")
+        layer = self.decoder.layers[index]
+        attn = layer.self_attn
+        hidden = blend.hidden
+        if hidden is None:
+            hidden = self.decoder.embed_tokens(blend.token_ids)
+        count = blend.positions.shape[0]
+        qkv, _ = attn.qkv_proj(layer.input_layernorm(hidden))
+        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        q, k = attn.rotary_emb(blend.positions, q, k)
+        q = q.reshape(count, attn.num_heads, attn.head_dim)
+        k = k.reshape(count, attn.num_kv_heads, attn.head_dim)
+        v = v.reshape(count, attn.num_kv_heads, attn.head_dim)
+
+        end = int(blend.positions[-1]) + 1
+        slots = self.layout.slots(blend.block_ids, 0, end)
+        keys, values = self.layout.read(kv_cache, slots)
+        blend.isolated.append((keys[blend.positions].clone(), values[blend.positions].clone()))
+        keys[blend.positions], values[blend.positions] = k.to(keys.dtype), v.to(values.dtype)
+        allowed = torch.arange(end)[None, :] <= blend.positions[:, None]
+        out = dense_attention(q.to(keys.dtype), keys, values, allowed, scale)
+        self.layout.write(
+            self.layer_names[index], kv_cache, k, v, slots[blend.positions].contiguous()
+        )
+        blend.next_layer = index + 1
+        if blend.next_layer == len(self.layer_names):
+            blend.hidden = None  # the last layer's MLP feeds no KV
+            return
+        out, _ = attn.o_proj(out.reshape(count, -1).to(hidden.dtype))
+        normed, residual = layer.post_attention_layernorm(out, hidden)
+        blend.hidden = layer.mlp(normed) + residual
+
+    def isolated_copy(self, blend: Blend) -> IsolatedCopy | None:
+        """What the blend overwrote, once it ran at least one layer."""
+        if not blend.isolated:
+            return None
+        keys = torch.stack([k for k, _ in blend.isolated])
+        values = torch.stack([v for _, v in blend.isolated])
+        return IsolatedCopy(blend.positions, keys, values)
