@@ -27,6 +27,7 @@ requests whose scheduled tokens include chunk tokens (``IsolatedStep``). Per lay
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -227,12 +228,12 @@ class IsolationHook:
                 continue
             step = plan.isolation
             assert step is not None
-            block_ids = metadata.block_table[r].long()
-            rows, kernel_runs = self._partition(step, first, block_ids)
+            rows, kernel_runs = self._partition(step, first, metadata.block_table[r].long())
             hook_rows += rows
             runs += [(r, *run) for run in kernel_runs]
             if step.recompute and self.recomputer is not None:
-                blends.append(self.recomputer.start(plan.req_id, block_ids, step.recompute))
+                table = metadata.block_table[r]
+                blends.append(self.recomputer.start(plan.req_id, table, step.recompute))
         self.isolated_tokens += sum(rows.count for rows in hook_rows if rows.chunks_end == 0)
         return StepSplit(hook_rows, self._kernel_batch(runs, metadata, impl, layer), blends)
 
@@ -297,17 +298,28 @@ class IsolationHook:
     ) -> KernelBatch | None:
         if not runs:
             return None
-        from vllm import _custom_ops as ops
-        from vllm import envs
-
         rows = torch.cat([torch.arange(first, first + count) for _, first, count, _ in runs])
         lengths = torch.tensor([count for _, _, count, _ in runs], dtype=torch.int32)
         query_start_loc = torch.zeros(len(runs) + 1, dtype=torch.int32)
         torch.cumsum(lengths, 0, out=query_start_loc[1:])
         seq_lens = torch.tensor([seq_len for *_, seq_len in runs], dtype=torch.int32)
         block_table = metadata.block_table[torch.tensor([r for r, *_ in runs])]
-        scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=len(runs),
+        return KernelBatch(
+            rows,
+            query_start_loc,
+            seq_lens,
+            block_table,
+            self._scheduler_metadata(query_start_loc, seq_lens, impl, layer),
+        )
+
+    def _scheduler_metadata(
+        self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, impl: Any, layer: Any
+    ) -> torch.Tensor:
+        from vllm import _custom_ops as ops
+        from vllm import envs
+
+        return ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=len(seq_lens),
             num_heads=impl.num_heads,
             num_kv_heads=impl.num_kv_heads,
             head_dim=impl.head_size,
@@ -320,7 +332,6 @@ class IsolationHook:
             enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
             kv_cache_dtype=impl.kv_cache_dtype,
         )
-        return KernelBatch(rows, query_start_loc, seq_lens, block_table, scheduler_metadata)
 
     # Attention ------------------------------------------------------------------------------
 
@@ -340,7 +351,8 @@ class IsolationHook:
         self._attend_rows(split, chunk_rows, impl, query, kv_cache, output)
         for blend in split.blends:
             assert self.recomputer is not None
-            self.recomputer.layer(blend, index, kv_cache, impl.scale)
+            attend = functools.partial(self._blend_attention, blend, impl, layer, kv_cache)
+            self.recomputer.layer(blend, index, kv_cache, attend)
         if split.kernel is not None:
             self._kernel(split.kernel, impl, layer, query, kv_cache, output)
         after_rows = [rows for rows in split.rows if rows.chunks_end != 0]
@@ -398,14 +410,19 @@ class IsolationHook:
         kv_cache: torch.Tensor,
         output: torch.Tensor,
     ) -> None:
+        sub_output = self._paged(batch, impl, layer, query.index_select(0, batch.rows), kv_cache)
+        output.index_copy_(0, batch.rows, sub_output)
+
+    def _paged(
+        self, batch: KernelBatch, impl: Any, layer: Any, sub_query: torch.Tensor, kv_cache: Any
+    ) -> torch.Tensor:
+        """vLLM's kernel over ``batch``: each run of queries attends causally to its
+        request's cache up to its ``seq_len``."""
         from vllm import _custom_ops as ops
 
         blocks, heads, block_size, _ = kv_cache.shape
         key_cache, value_cache = kv_cache.view(blocks, heads, 2 * block_size, -1).chunk(2, dim=2)
-        sub_query = query.index_select(0, batch.rows)
-        sub_output = torch.empty(
-            (batch.rows.shape[0], *output.shape[1:]), dtype=output.dtype, device=output.device
-        )
+        sub_output = torch.empty_like(sub_query)
         ops.cpu_attention_with_kv_cache(
             query=sub_query,
             key_cache=key_cache,
@@ -425,4 +442,17 @@ class IsolationHook:
             v_scale=layer._v_scale_float,
             kv_cache_dtype=impl.kv_cache_dtype,
         )
-        output.index_copy_(0, batch.rows, sub_output)
+        return sub_output
+
+    def _blend_attention(
+        self, blend: Blend, impl: Any, layer: Any, kv_cache: torch.Tensor, q: torch.Tensor
+    ) -> torch.Tensor:
+        """The recomputed tokens' attention, each one a query of its own over the request's
+        cache up to its position (where the recomputed KV already stands)."""
+        count = q.shape[0]
+        query_start_loc = torch.arange(count + 1, dtype=torch.int32)
+        seq_lens = (blend.positions + 1).to(torch.int32)
+        table = blend.block_table[None].expand(count, -1).contiguous()
+        metadata = self._scheduler_metadata(query_start_loc, seq_lens, impl, layer)
+        batch = KernelBatch(torch.arange(count), query_start_loc, seq_lens, table, metadata)
+        return self._paged(batch, impl, layer, q, kv_cache)

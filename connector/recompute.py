@@ -22,12 +22,11 @@ refused at load, with the reason.
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from chunkstore.kv.attention import dense_attention
 
 from .cpu_layout import CpuKVLayout
 
@@ -38,7 +37,7 @@ class Blend:
     per layer, the isolated KV their recomputed KV replaced in the cache."""
 
     req_id: str
-    block_ids: torch.Tensor
+    block_table: torch.Tensor  # the request's row of vLLM's block table
     positions: torch.Tensor  # int64, ascending
     token_ids: torch.Tensor
     hidden: torch.Tensor | None = None  # input of the next layer
@@ -126,15 +125,22 @@ class Recomputer:
         return cls(decoder, layout, layer_names)
 
     def start(
-        self, req_id: str, block_ids: torch.Tensor, tokens: tuple[tuple[int, int], ...]
+        self, req_id: str, block_table: torch.Tensor, tokens: tuple[tuple[int, int], ...]
     ) -> Blend:
         positions = torch.tensor([p for p, _ in tokens], dtype=torch.int64)
         ids = torch.tensor([t for _, t in tokens], dtype=torch.int64)
-        return Blend(req_id, block_ids, positions, ids)
+        return Blend(req_id, block_table, positions, ids)
 
     @torch.inference_mode()
-    def layer(self, blend: Blend, index: int, kv_cache: torch.Tensor, scale: float) -> None:
-        """Take the selected tokens through decoder layer ``index`` and write their KV."""
+    def layer(
+        self,
+        blend: Blend,
+        index: int,
+        kv_cache: torch.Tensor,
+        attend: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        """Take the selected tokens through decoder layer ``index``: write their KV over
+        the isolated one, then ``attend`` (each query sees the cache up to its position)."""
         if blend.next_layer != index:
             raise RuntimeError(f"recompute: layer {index} ran before {blend.next_layer}")
         layer = self.decoder.layers[index]
@@ -150,16 +156,11 @@ class Recomputer:
         k = k.reshape(count, attn.num_kv_heads, attn.head_dim)
         v = v.reshape(count, attn.num_kv_heads, attn.head_dim)
 
-        end = int(blend.positions[-1]) + 1
-        slots = self.layout.slots(blend.block_ids, 0, end)
-        keys, values = self.layout.read(kv_cache, slots)
-        blend.isolated.append((keys[blend.positions].clone(), values[blend.positions].clone()))
-        keys[blend.positions], values[blend.positions] = k.to(keys.dtype), v.to(values.dtype)
-        allowed = torch.arange(end)[None, :] <= blend.positions[:, None]
-        out = dense_attention(q.to(keys.dtype), keys, values, allowed, scale)
-        self.layout.write(
-            self.layer_names[index], kv_cache, k, v, slots[blend.positions].contiguous()
-        )
+        slots = self.layout.slots(blend.block_table.long(), 0, int(blend.positions[-1]) + 1)
+        slots = slots[blend.positions].contiguous()
+        blend.isolated.append(self.layout.read(kv_cache, slots))
+        self.layout.write(self.layer_names[index], kv_cache, k, v, slots)
+        out = attend(q.contiguous())
         blend.next_layer = index + 1
         if blend.next_layer == len(self.layer_names):
             blend.hidden = None  # the last layer's MLP feeds no KV

@@ -56,6 +56,7 @@ def test_methods_parse_and_bad_ones_say_what_is_allowed() -> None:
         "virtual_gap": 200,
         "question_temperature": 0.8,
     }
+    assert parse_method("recompute_tokens=16") == {"recompute_tokens": 16}
     for bad in ("gap=3", "virtual_gap", "virtual_gap=", "save=false"):
         with pytest.raises(ValueError, match="KNOB=VALUE"):
             parse_method(bad)

@@ -6,7 +6,7 @@ across two, a fact with look-alikes in other documents), each a chat prompt
 - ``full``: vLLM without the connector (causal prefill: every document sees those before it);
 - ``isolated``: the connector with its default settings (chunks isolated, nothing recovered);
 - a recovery method: connector settings joined by ``+``, e.g. ``virtual_gap=200`` or
-  ``virtual_gap=200+recompute_chunks=2`` (README, "Quality").
+  ``virtual_gap=200+recompute_tokens=16`` (README, "Answer quality").
 Each method runs in its own vLLM process against its own empty daemon; cases share documents,
 so most chunks are loaded from the store and the rest computed in the request (the methods
 act the same on both). Accuracy comes with its 95% Wilson interval; ``gap_closed`` is the
