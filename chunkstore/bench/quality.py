@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from chunkstore.bench import e2e, qa_cases
-from chunkstore.kv.segments import build_chunked_prompt
+from chunkstore.kv.segments import SegmentKind, build_chunked_prompt, split_prompt
 from chunkstore.testing.daemon import start_daemon
 from chunkstore.testing.models import model_dir
 from chunkstore.testing.vllm_probe import run_probe
@@ -106,6 +106,18 @@ def wilson(correct: int, total: int, z: float = 1.96) -> tuple[float, float]:
     centre = (p + z * z / (2 * total)) / (1 + z * z / total)
     half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / (1 + z * z / total)
     return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def recomputed_share(prompts: list[list[int]], sep: list[int], per_chunk: int) -> float:
+    """The share of the prompts' chunk tokens that ``recompute_tokens: per_chunk`` recomputes
+    (a chunk's first ``per_chunk`` tokens, its separator included)."""
+    lengths = [
+        len(seg)
+        for prompt in prompts
+        for seg in split_prompt(prompt, sep)
+        if seg.kind is SegmentKind.CHUNK
+    ]
+    return sum(min(per_chunk, n) for n in lengths) / max(1, sum(lengths))
 
 
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
@@ -194,6 +206,12 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             "ttft_s": round(res["ttft_s"], 4),
             "loaded_tokens": res["loaded_tokens"],
         }
+        if settings and settings.get("recompute_tokens"):
+            k = settings["recompute_tokens"]
+            row["recomputed_share"] = {
+                "qa": round(recomputed_share([q["prompt_token_ids"] for q in qa], sep, k), 3),
+                "ttft": round(recomputed_share(measured, sep, k), 3),
+            }
         if full is not None:
             row["ttft_vs_full"] = round(full["ttft_s"] / res["ttft_s"], 2)
         if full is not None and isolated is not None and full["correct"] != isolated["correct"]:
