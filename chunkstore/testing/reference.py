@@ -209,6 +209,30 @@ class HFReference:
         return Forward(top.logits[s:], KV.cat([KV(keys, values), top.kv.slice(s, n)]))
 
 
+def random_llama(
+    seed: int, vocab_size: int = 200, max_positions: int = 1024, **config: Any
+) -> torch.nn.Module:
+    """A random-weight Llama small enough for a unit test (3 layers, GQA 4:2, head_dim 32),
+    eager attention, fp32; ``config`` adds or overrides LlamaConfig fields."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    settings: dict[str, Any] = {
+        "vocab_size": vocab_size,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": max_positions,
+        **config,
+    }
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**settings)).eval()
+    model.set_attn_implementation("eager")
+    return model
+
+
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """||actual - expected|| / ||expected||, in float64."""
     diff = (actual.double() - expected.double()).norm()

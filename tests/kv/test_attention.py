@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+from transformers import AttentionInterface
 
 from chunkstore.kv.attention import (
     KeyBlock,
@@ -19,6 +19,7 @@ from chunkstore.kv.attention import (
 from chunkstore.kv.keys import Isolation
 from chunkstore.kv.masks import MaskForm, SegmentLayout, isolation_mask
 from chunkstore.kv.segments import SegmentKind
+from chunkstore.testing.reference import random_llama
 
 
 def random_layout(rng: random.Random) -> SegmentLayout:
@@ -92,18 +93,7 @@ def test_hf_masked_forward_equals_model_on_isolated_attention(
     layout = random_layout(rng)
     while SegmentKind.CHUNK not in layout.kinds:
         layout = random_layout(rng)
-    config = LlamaConfig(
-        vocab_size=97,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=512,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
+    model = random_llama(0, vocab_size=97, max_positions=512)
     ids = torch.tensor([[rng.randrange(97) for _ in range(layout.num_tokens)]])
     additive = isolation_mask(layout, isolation, MaskForm.ADDITIVE)[None, None]
     with torch.no_grad():

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer
 
 from chunkstore.kv.keys import Isolation
 from chunkstore.kv.paging import slot_mapping
 from chunkstore.kv.segments import SegmentKind, build_chunked_prompt
 from chunkstore.kv.writer import write_chunk
-from chunkstore.testing.reference import KV, HFReference, relative_error
+from chunkstore.testing.reference import KV, HFReference, random_llama, relative_error
 
 TOLERANCE = 1e-5
 
@@ -169,21 +169,7 @@ TINY_ROPE = {
 def test_none_exact_on_random_tiny_models(variant: str) -> None:
     from chunkstore.kv.segments import split_prompt
 
-    config = LlamaConfig(
-        vocab_size=200,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=1024,
-        rope_parameters=dict(TINY_ROPE[variant]),
-        initializer_range=0.2,
-    )
-    torch.manual_seed(11)
-    model = LlamaForCausalLM(config)
-    model.set_attn_implementation("eager")
+    model = random_llama(11, rope_parameters=dict(TINY_ROPE[variant]), initializer_range=0.2)
     ref = HFReference(model)
     assert ref.rotary.rope_type == TINY_ROPE[variant]["rope_type"]
     gen = torch.Generator().manual_seed(3)
@@ -205,21 +191,7 @@ def test_blended_cache_spans_isolated_to_causal_on_a_random_tiny_model() -> None
     keep their isolated KV."""
     from chunkstore.kv.segments import split_prompt
 
-    config = LlamaConfig(
-        vocab_size=200,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=1024,
-        initializer_range=0.2,
-    )
-    torch.manual_seed(5)
-    model = LlamaForCausalLM(config)
-    model.set_attn_implementation("eager")
-    ref = HFReference(model)
+    ref = HFReference(random_llama(5, initializer_range=0.2))
     gen = torch.Generator().manual_seed(7)
     parts = [torch.randint(1, 200, (n,), generator=gen).tolist() for n in (9, 20, 13, 17, 6)]
     tokens = [t for p in parts[:-1] for t in (*p, 0)] + parts[-1]
