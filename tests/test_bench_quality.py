@@ -30,6 +30,17 @@ def test_cases_are_seeded_and_every_answer_is_in_the_documents() -> None:
     assert len(set(seen)) < len(seen)
 
 
+def test_filler_lengthens_documents_and_keeps_their_facts() -> None:
+    short, long = generate(30, seed=1), generate(30, seed=1, filler=48)
+    assert long == generate(30, seed=1, filler=48)
+    for case in long:
+        assert all(len(d.split(". ")) >= 48 for d in case.documents)
+        for answer in case.answers:
+            assert answer in " ".join(case.documents)
+    words = sum(len(d.split()) for c in long for d in c.documents)
+    assert words > 10 * sum(len(d.split()) for c in short for d in c.documents)
+
+
 def test_a_distracted_case_holds_a_look_alike_of_its_fact() -> None:
     for case in generate(30, seed=0):
         if case.kind != "distracted":

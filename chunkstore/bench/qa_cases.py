@@ -134,18 +134,23 @@ def _facts(rng: random.Random, count: int) -> list[Fact]:
     return facts
 
 
-def _document(rng: random.Random, facts: list[Fact]) -> str:
-    sentences = [f.sentence for f in facts] + rng.sample(FILLER, 2)
+def _document(rng: random.Random, facts: list[Fact], filler: int) -> str:
+    few = filler <= len(FILLER)  # distinct sentences while there are enough
+    padding = rng.sample(FILLER, filler) if few else rng.choices(FILLER, k=filler)
+    sentences = [f.sentence for f in facts] + padding
     rng.shuffle(sentences)
     return " ".join(sentences)
 
 
-def generate(cases: int, seed: int = 0, pool_docs: int = 40, docs_per_case: int = 5) -> list[Case]:
-    """``cases`` cases over a pool of ``pool_docs`` documents (two facts each)."""
+def generate(
+    cases: int, seed: int = 0, pool_docs: int = 40, docs_per_case: int = 5, filler: int = 2
+) -> list[Case]:
+    """``cases`` cases over a pool of ``pool_docs`` documents (two facts and ``filler``
+    sentences that answer nothing each)."""
     rng = random.Random(seed)
     facts = _facts(rng, 2 * pool_docs)
     by_doc = [facts[2 * i : 2 * i + 2] for i in range(pool_docs)]
-    texts = [_document(rng, doc_facts) for doc_facts in by_doc]
+    texts = [_document(rng, doc_facts, filler) for doc_facts in by_doc]
     out: list[Case] = []
     kinds = ("one", "two", "distracted")
     while len(out) < cases:

@@ -131,7 +131,9 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         return list(tok.encode(text, add_special_tokens=False))
 
     sep = encode("##")
-    cases = qa_cases.generate(args.cases, seed=args.seed, docs_per_case=args.docs)
+    cases = qa_cases.generate(
+        args.cases, seed=args.seed, docs_per_case=args.docs, filler=args.filler
+    )
     qa = [
         {
             "prompt_token_ids": list(
@@ -229,6 +231,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--docs", type=int, default=8, help="documents per case (8, as the TTFT prompt)"
+    )
+    parser.add_argument(
+        "--filler",
+        type=int,
+        default=2,
+        help="sentences that answer nothing per document, beside its two facts (2: documents "
+        "of ~38 tokens; 48: ~500, the TTFT prompt's chunk length)",
     )
     parser.add_argument("--seed", type=int, default=0, help="the cases' seed (0)")
     parser.add_argument("--max-tokens", type=int, default=24, help="answer tokens (24)")
