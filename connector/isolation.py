@@ -82,7 +82,7 @@ class KernelBatch:
 class StepSplit:
     rows: list[HookRows]
     kernel: KernelBatch | None
-    blends: list[Blend] = field(default_factory=list)
+    blends: list[tuple[Blend, KernelBatch]] = field(default_factory=list)
     rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
@@ -187,7 +187,7 @@ class IsolationHook:
         copies: dict[str, IsolatedCopy] = {}
         if self.recomputer is not None:
             for _, split in self._splits.values():
-                for blend in split.blends if split else ():
+                for blend, _ in split.blends if split else ():
                     copy = self.recomputer.isolated_copy(blend)
                     if copy is not None:
                         copies[blend.req_id] = copy
@@ -217,7 +217,7 @@ class IsolationHook:
             return None
         starts, seq_lens = metadata.query_start_loc.tolist(), metadata.seq_lens.tolist()
         hook_rows: list[HookRows] = []
-        blends: list[Blend] = []
+        blends: list[tuple[Blend, KernelBatch]] = []
         runs: list[tuple[int, int, int, int]] = []  # (request, first row, rows, seq_len)
         for r, seq_len in enumerate(seq_lens):
             first, count = starts[r], starts[r + 1] - starts[r]
@@ -232,8 +232,8 @@ class IsolationHook:
             hook_rows += rows
             runs += [(r, *run) for run in kernel_runs]
             if step.recompute and self.recomputer is not None:
-                table = metadata.block_table[r]
-                blends.append(self.recomputer.start(plan.req_id, table, step.recompute))
+                blend = self.recomputer.start(plan.req_id, metadata.block_table[r], step.recompute)
+                blends.append((blend, self._blend_batch(blend, impl, layer)))
         self.isolated_tokens += sum(rows.count for rows in hook_rows if rows.chunks_end == 0)
         return StepSplit(hook_rows, self._kernel_batch(runs, metadata, impl, layer), blends)
 
@@ -349,9 +349,9 @@ class IsolationHook:
         tokens (they overwrite it), then the causal rows (they read the blend)."""
         chunk_rows = [rows for rows in split.rows if rows.chunks_end == 0]
         self._attend_rows(split, chunk_rows, impl, query, kv_cache, output)
-        for blend in split.blends:
+        for blend, batch in split.blends:
             assert self.recomputer is not None
-            attend = functools.partial(self._blend_attention, blend, impl, layer, kv_cache)
+            attend = functools.partial(self._paged, batch, impl, layer, kv_cache=kv_cache)
             self.recomputer.layer(blend, index, kv_cache, attend)
         if split.kernel is not None:
             self._kernel(split.kernel, impl, layer, query, kv_cache, output)
@@ -444,15 +444,13 @@ class IsolationHook:
         )
         return sub_output
 
-    def _blend_attention(
-        self, blend: Blend, impl: Any, layer: Any, kv_cache: torch.Tensor, q: torch.Tensor
-    ) -> torch.Tensor:
-        """The recomputed tokens' attention, each one a query of its own over the request's
-        cache up to its position (where the recomputed KV already stands)."""
-        count = q.shape[0]
+    def _blend_batch(self, blend: Blend, impl: Any, layer: Any) -> KernelBatch:
+        """The recomputed tokens' attention as a batch for vLLM's kernel: each one a query of
+        its own over the request's cache up to its position (where its recomputed KV
+        already stands)."""
+        count = blend.positions.shape[0]
         query_start_loc = torch.arange(count + 1, dtype=torch.int32)
         seq_lens = (blend.positions + 1).to(torch.int32)
         table = blend.block_table[None].expand(count, -1).contiguous()
         metadata = self._scheduler_metadata(query_start_loc, seq_lens, impl, layer)
-        batch = KernelBatch(torch.arange(count), query_start_loc, seq_lens, table, metadata)
-        return self._paged(batch, impl, layer, q, kv_cache)
+        return KernelBatch(torch.arange(count), query_start_loc, seq_lens, table, metadata)

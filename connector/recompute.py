@@ -40,6 +40,7 @@ class Blend:
     block_table: torch.Tensor  # the request's row of vLLM's block table
     positions: torch.Tensor  # int64, ascending
     token_ids: torch.Tensor
+    slots: torch.Tensor  # the positions' cache slots
     hidden: torch.Tensor | None = None  # input of the next layer
     next_layer: int = 0
     isolated: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
@@ -129,7 +130,8 @@ class Recomputer:
     ) -> Blend:
         positions = torch.tensor([p for p, _ in tokens], dtype=torch.int64)
         ids = torch.tensor([t for _, t in tokens], dtype=torch.int64)
-        return Blend(req_id, block_table, positions, ids)
+        slots = self.layout.slots(block_table.long(), 0, int(positions[-1]) + 1)[positions]
+        return Blend(req_id, block_table, positions, ids, slots.contiguous())
 
     @torch.inference_mode()
     def layer(
@@ -156,10 +158,8 @@ class Recomputer:
         k = k.reshape(count, attn.num_kv_heads, attn.head_dim)
         v = v.reshape(count, attn.num_kv_heads, attn.head_dim)
 
-        slots = self.layout.slots(blend.block_table.long(), 0, int(blend.positions[-1]) + 1)
-        slots = slots[blend.positions].contiguous()
-        blend.isolated.append(self.layout.read(kv_cache, slots))
-        self.layout.write(self.layer_names[index], kv_cache, k, v, slots)
+        blend.isolated.append(self.layout.read(kv_cache, blend.slots))
+        self.layout.write(self.layer_names[index], kv_cache, k, v, blend.slots)
         out = attend(q.contiguous())
         blend.next_layer = index + 1
         if blend.next_layer == len(self.layer_names):

@@ -55,20 +55,20 @@ class Tracked:
     def sys_end(self) -> int:
         return self.segments[0].end
 
+    def _isolated_segments(self) -> list[Segment]:
+        return [
+            s for s in self.segments if s.kind is SegmentKind.CHUNK and s.end <= self.causal_start
+        ]
+
     @property
     def isolated_chunks(self) -> tuple[tuple[int, int], ...]:
-        return tuple(
-            (s.start, s.end)
-            for s in self.segments
-            if s.kind is SegmentKind.CHUNK and s.end <= self.causal_start
-        )
+        return tuple((s.start, s.end) for s in self._isolated_segments())
 
     def blended_tokens(self, per_chunk: int) -> tuple[tuple[int, int], ...]:
         """(position, token id) of the first ``per_chunk`` tokens of each isolated chunk."""
         return tuple(
             (seg.start + i, token)
-            for seg in self.segments
-            if seg.kind is SegmentKind.CHUNK and seg.end <= self.causal_start
+            for seg in self._isolated_segments()
             for i, token in enumerate(seg.token_ids[:per_chunk])
         )
 

@@ -157,13 +157,7 @@ def test_quality_recovery_acts_the_same_on_loaded_and_computed_chunks(
         with ChunkStoreClient(daemon.unix) as client:
             stored = client.get(chunk_key(tiny_model_dir, prompt, 3, gap))
         assert stored is not None
-        sys_kv = ref.segment_kv(segments[0], None, 0)
-        virtual = sys_kv.num_tokens + gap
-        expected = ref.segment_kv(segments[3], sys_kv, virtual).remapped(
-            stored.layout.virtual_start - virtual, ref.rotary
-        )
-        assert relative_error(stored.keys, expected.keys) < 1e-4
-        assert relative_error(stored.values, expected.values) < 1e-4
+        assert_stored_as_isolated(ref, stored, segments, 3, gap)
     elif "virtual_gap" in settings:
         logits = ref.assembled_cache(segments, Isolation.SYS, virtual_gap=100).logits[-1]
     elif "recompute_chunks" in settings:
@@ -303,9 +297,15 @@ def test_vllm_prefix_cache_never_serves_kv_of_another_role(
     # rotated to where it stood.
     assert stored is not None
     ref = HFReference.load(tiny_model_dir)
-    sys_kv = ref.segment_kv(chunk.segments[0], None, 0)
-    virtual = sys_kv.num_tokens
-    expected = ref.segment_kv(chunk.segments[2], sys_kv, virtual).remapped(
+    assert_stored_as_isolated(ref, stored, chunk.segments, 2)
+
+
+def assert_stored_as_isolated(ref, stored, segments, index: int, gap: int = 0) -> None:
+    """The store holds chunk ``index`` as computed after sys alone, ``gap`` tokens past it,
+    rotated to where it stood."""
+    sys_kv = ref.segment_kv(segments[0], None, 0)
+    virtual = sys_kv.num_tokens + gap
+    expected = ref.segment_kv(segments[index], sys_kv, virtual).remapped(
         stored.layout.virtual_start - virtual, ref.rotary
     )
     assert relative_error(stored.keys, expected.keys) < 1e-4
