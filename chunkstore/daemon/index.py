@@ -352,12 +352,12 @@ class Index:
     def set_pinned(self, keys: Sequence[bytes], pinned: bool) -> int:
         self._check_keys(keys)
         with self.lock:
-            changed = 0
-            for key in keys:
-                entry = self._entries.get(key)
-                if entry is None:
-                    raise NotFound(f"no entry {key.hex()}")
-                changed += entry.pinned != pinned
+            missing = [k.hex() for k in keys if k not in self._entries]
+            if missing:  # all or nothing
+                raise NotFound(f"no entry {', '.join(missing)}: nothing was changed")
+            entries = list({k: self._entries[k] for k in keys}.values())
+            changed = sum(e.pinned != pinned for e in entries)
+            for entry in entries:
                 entry.pinned = pinned
             return changed
 
@@ -420,22 +420,27 @@ class Index:
 
     def _allocate(self, count: int) -> list[int]:
         blocks = self.pool.allocate(count)
+        if blocks is not None:
+            return blocks
+        evictable = sum(len(e.blocks) for e in self._entries.values() if self._evictable(e))
+        if self.pool.free_blocks + evictable < count:  # evicting would not make room: keep all
+            raise PoolFull(
+                f"need {count} blocks, {self.pool.free_blocks} free and {evictable} evictable; "
+                "the rest are leased, pinned or reserved"
+            )
         while blocks is None:
             victim = self._lru_victim()
-            if victim is None:
-                raise PoolFull(
-                    f"need {count} blocks, {self.pool.free_blocks} free; every other block is "
-                    "leased, pinned or reserved"
-                )
+            assert victim is not None  # enough was evictable
             self._evict(victim, "capacity")
             blocks = self.pool.allocate(count)
         return blocks
 
+    @staticmethod
+    def _evictable(entry: Entry) -> bool:
+        return not entry.leases and not entry.pinned
+
     def _lru_victim(self) -> Entry | None:
-        for entry in self._entries.values():
-            if not entry.leases and not entry.pinned:
-                return entry
-        return None
+        return next((e for e in self._entries.values() if self._evictable(e)), None)
 
     def _evict_to_watermark(self) -> None:
         total = self.pool.num_blocks

@@ -12,6 +12,7 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+import stat
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
@@ -119,6 +120,38 @@ class SharedMemoryPool(Pool):
     def close(self) -> None:
         self.path.unlink(missing_ok=True)
         # The mapping goes when the last view of it does.
+
+
+def _owner_gone(pid: int) -> bool:
+    if pid == os.getpid():
+        return True  # this daemon has not made its pool yet: a dead one's, same pid reused
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # alive, another user's process
+    return False
+
+
+def reclaim_stale_pools(directory: str | Path) -> list[tuple[Path, int]]:
+    """Remove the pool files that daemons of this user left when they died (a SIGKILL skips
+    the clean-up), so crashed daemons do not keep their pools' memory. Only this user's
+    files, only when the process named in the file name is gone. Returns (path, bytes)."""
+    uid = os.getuid()
+    removed = []
+    for path in Path(directory).glob(f"chunkstore-{uid}-*-*"):
+        pid = path.name.split("-")[2]
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            continue
+        if not pid.isdigit() or st.st_uid != uid or not stat.S_ISREG(st.st_mode):
+            continue
+        if _owner_gone(int(pid)):
+            path.unlink(missing_ok=True)
+            removed.append((path, st.st_size))
+    return removed
 
 
 def create_pool(

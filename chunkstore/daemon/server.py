@@ -8,6 +8,8 @@ import json
 import logging
 import os
 import signal
+import socket
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -25,7 +27,7 @@ from chunkstore.daemon.directory import Directory
 from chunkstore.daemon.index import Entry, Index
 from chunkstore.daemon.metrics import Metrics
 from chunkstore.daemon.peers import StreamPeers
-from chunkstore.daemon.pool import Pool, create_pool
+from chunkstore.daemon.pool import Pool, create_pool, reclaim_stale_pools
 from chunkstore.errors import InvalidRequest, StoreError
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol import chunkstore_pb2_grpc as pb_grpc
@@ -314,6 +316,45 @@ def drain(index: Index, timeout: float) -> int:
     return index.stats().active_leases
 
 
+def check_socket_directory(directory: Path, group_access: bool) -> None:
+    """Refuse a socket directory another user could swap the socket in: it must be the
+    daemon user's and writable by nobody else (by its group only with group access)."""
+    st = directory.stat()
+    writable_by = stat.S_IWOTH | (0 if group_access else stat.S_IWGRP)
+    if st.st_uid != os.getuid() or st.st_mode & writable_by:
+        raise InvalidRequest(
+            f"socket directory {directory} is owned by uid {st.st_uid} with mode "
+            f"{stat.S_IMODE(st.st_mode):o}: it must be this user's (uid {os.getuid()}) and "
+            "writable by nobody else; remove it or choose another --socket"
+        )
+
+
+def remove_stale_socket(path: Path) -> None:
+    """Remove the socket a dead daemon left; refuse a live one (another daemon answers on it)
+    and anything that is not a socket."""
+    if not path.exists() and not path.is_symlink():
+        return
+    if path.is_symlink() or not stat.S_ISSOCK(path.lstat().st_mode):
+        raise InvalidRequest(f"{path} exists and is not a socket; refusing to replace it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(2.0)
+        probe.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        path.unlink(missing_ok=True)  # nobody listens: a daemon that died left it
+        log.info("removed the stale socket %s", path)
+        return
+    except OSError as exc:  # it will not say: never delete what may be a live daemon's
+        raise InvalidRequest(
+            f"cannot tell whether a daemon serves on {path} ({exc}); refusing to replace it"
+        ) from None
+    finally:
+        probe.close()
+    raise InvalidRequest(
+        f"another daemon is serving on {path}: stop it first, or choose another --socket"
+    )
+
+
 class _TokenCheck(grpc.ServerInterceptor):
     """Every call but health checks must carry ``authorization: Bearer <token>``."""
 
@@ -356,6 +397,9 @@ class Daemon:
         self.config = config
         pool_bytes = config.resolved_pool_bytes()
         num_blocks = max(1, pool_bytes // config.block_size)
+        if config.device == "cpu":
+            for path, size in reclaim_stale_pools(config.shm_dir):
+                log.warning("removed %s (%d bytes): its daemon died, leaving it", path, size)
         self.pool = create_pool(
             config.device, config.block_size, num_blocks, config.shm_dir, config.group_access
         )
@@ -438,8 +482,8 @@ class Daemon:
     def _bind_socket(self, path: str) -> None:
         socket_path = Path(path)
         socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        if socket_path.exists():
-            socket_path.unlink()  # a stale socket from a daemon that died
+        check_socket_directory(socket_path.parent, self.config.group_access)
+        remove_stale_socket(socket_path)
         previous = os.umask(0o007 if self.config.group_access else 0o077)
         try:
             self.server.add_insecure_port(f"unix:{socket_path}")

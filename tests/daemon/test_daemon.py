@@ -27,29 +27,19 @@ from chunkstore.errors import (
 from chunkstore.kv.entry import layout_of, tensors_of
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol.wire import layout_to_proto
-from chunkstore.testing.daemon import RunningDaemon, serve_command, serve_env
-
-
-def key(i: int) -> bytes:
-    return i.to_bytes(16, "little")
-
-
-def kv(tokens: int, seed: int = 0, dtype: torch.dtype = torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    shape = (2, tokens, 3, 64)
-    return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
+from chunkstore.testing.daemon import (
+    RunningDaemon,
+    entry_key,
+    random_kv,
+    serve_command,
+    serve_env,
+    wait_for,
+)
 
 
 @pytest.fixture
 def daemon(serve) -> RunningDaemon:
     return serve("--lease-ttl-s", "2")
-
-
-def wait_for(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("transport", ["shm", "stream"])
@@ -58,20 +48,20 @@ def test_put_then_get_returns_the_same_bytes(daemon: RunningDaemon, transport, d
     address = daemon.unix if transport == "shm" else daemon.tcp
     with ChunkStoreClient(address, transport=transport) as client:
         assert client.transport == transport
-        k, v = kv(100, dtype=dtype)
-        assert client.put(key(1), k, v, virtual_start=12)
-        assert not client.put(key(1), k, v, virtual_start=12)  # present already
-        got = client.get(key(1))
+        k, v = random_kv(100, dtype=dtype)
+        assert client.put(entry_key(1), k, v, virtual_start=12)
+        assert not client.put(entry_key(1), k, v, virtual_start=12)  # present already
+        got = client.get(entry_key(1))
         assert got is not None and got.layout.virtual_start == 12
         assert torch.equal(got.keys, k) and torch.equal(got.values, v)
-        assert client.get(key(2)) is None
-        assert client.lookup([key(1), key(2)]) == [100, None]
+        assert client.get(entry_key(2)) is None
+        assert client.lookup([entry_key(1), entry_key(2)]) == [100, None]
 
 
 def test_other_processes_read_what_one_wrote(daemon: RunningDaemon) -> None:
     with ChunkStoreClient(daemon.unix) as client:
-        k, v = kv(64, seed=5)
-        client.put(key(7), k, v, 0)
+        k, v = random_kv(64, seed=5)
+        client.put(entry_key(7), k, v, 0)
     reader = (
         "import torch, sys\n"
         "from chunkstore.client import ChunkStoreClient\n"
@@ -101,16 +91,16 @@ def test_socket_and_pool_are_private_to_the_user(daemon: RunningDaemon) -> None:
 def test_bad_input_gets_typed_errors_and_the_daemon_stays_healthy(daemon: RunningDaemon) -> None:
     with ChunkStoreClient(daemon.tcp, transport="stream") as client:
         stub, s = client.stub, client.session
-        layout = layout_of(*kv(4), 0)
+        layout = layout_of(*random_kv(4), 0)
         with pytest.raises(InvalidRequest, match="16 bytes"):  # malformed key
             client.lookup([b"short"])
         with pytest.raises(InvalidRequest, match="never fit"):  # oversized entry
-            big = layout_of(*kv(8), 0)
+            big = layout_of(*random_kv(8), 0)
             big = type(big)(**{**big.__dict__, "num_tokens": 10**6})
             client._call(
                 stub.Reserve,
                 pb.ReserveRequest(
-                    session_id=s, key=key(1), layout=layout_to_proto(big), nbytes=big.nbytes
+                    session_id=s, key=entry_key(1), layout=layout_to_proto(big), nbytes=big.nbytes
                 ),
             )
         with pytest.raises(InvalidRequest, match="do not match"):  # layout vs bytes
@@ -118,28 +108,31 @@ def test_bad_input_gets_typed_errors_and_the_daemon_stays_healthy(daemon: Runnin
                 stub.Reserve,
                 pb.ReserveRequest(
                     session_id=s,
-                    key=key(1),
+                    key=entry_key(1),
                     layout=layout_to_proto(layout),
                     nbytes=layout.nbytes + 4,
                 ),
             )
         with pytest.raises(InvalidRequest, match="keys"):
-            client.lookup([key(1)] * 5000)
+            client.lookup([entry_key(1)] * 5000)
         with pytest.raises(NotFound):  # unknown lease
             client.release([424242])
         with pytest.raises(NotFound):  # unknown session
-            client._call(stub.Acquire, pb.AcquireRequest(session_id="nope", keys=[key(1)]))
+            client._call(stub.Acquire, pb.AcquireRequest(session_id="nope", keys=[entry_key(1)]))
         res = client._call(
             stub.Reserve,
             pb.ReserveRequest(
-                session_id=s, key=key(1), layout=layout_to_proto(layout), nbytes=layout.nbytes
+                session_id=s, key=entry_key(1), layout=layout_to_proto(layout), nbytes=layout.nbytes
             ),
         )
         with pytest.raises(AlreadyExists):
             client._call(
                 stub.Reserve,
                 pb.ReserveRequest(
-                    session_id=s, key=key(1), layout=layout_to_proto(layout), nbytes=layout.nbytes
+                    session_id=s,
+                    key=entry_key(1),
+                    layout=layout_to_proto(layout),
+                    nbytes=layout.nbytes,
                 ),
             )
         with pytest.raises(ChecksumMismatch):  # nothing was written: the bytes do not match
@@ -151,12 +144,12 @@ def test_bad_input_gets_typed_errors_and_the_daemon_stays_healthy(daemon: Runnin
             client._call(
                 stub.Commit, pb.CommitRequest(session_id=s, reservation_id=res.reservation_id)
             )
-        k, v = kv(4)
-        assert client.put(key(2), k, v, 0)
+        k, v = random_kv(4)
+        assert client.put(entry_key(2), k, v, 0)
         # A message over the daemon's size limit is refused by gRPC itself.
         with pytest.raises(PoolFull):
             client._call(stub.Lookup, pb.LookupRequest(keys=[b"x" * (65 << 20)]))
-        assert client.get(key(2)) is not None  # everything else intact
+        assert client.get(entry_key(2)) is not None  # everything else intact
     with grpc.insecure_channel(daemon.tcp) as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -165,14 +158,14 @@ def test_bad_input_gets_typed_errors_and_the_daemon_stays_healthy(daemon: Runnin
 def test_a_full_pool_answers_resource_exhausted_and_stays_healthy(serve) -> None:
     running = serve(pool_bytes=1 << 20, block_size=1 << 16)
     with ChunkStoreClient(running.unix) as client:
-        k, v = kv(300)  # 2 * 2 * 300 * 3 * 64 * 4 = 921600 bytes: 15 of 16 blocks
-        assert client.put(key(1), k, v, 0)
-        [lease] = client.acquire([key(1)])  # leased: cannot be evicted
+        k, v = random_kv(300)  # 2 * 2 * 300 * 3 * 64 * 4 = 921600 bytes: 15 of 16 blocks
+        assert client.put(entry_key(1), k, v, 0)
+        [lease] = client.acquire([entry_key(1)])  # leased: cannot be evicted
         assert lease is not None
         with pytest.raises(PoolFull):
-            client.put(key(2), *kv(300), 0)
+            client.put(entry_key(2), *random_kv(300), 0)
         client.release([lease.lease_id])
-        assert client.put(key(2), *kv(300), 0)  # now the old one is evicted for it
+        assert client.put(entry_key(2), *random_kv(300), 0)  # now the old one is evicted for it
         stats = client.stats()
         assert stats.entries == 1 and stats.evictions["capacity"] == 1
 
@@ -184,7 +177,7 @@ def test_a_wrong_token_is_refused(serve) -> None:
     with pytest.raises(Unauthenticated):
         ChunkStoreClient(running.tcp)
     with ChunkStoreClient(running.tcp, token="s3cret", transport="stream") as client:
-        assert client.put(key(1), *kv(4), 0)
+        assert client.put(entry_key(1), *random_kv(4), 0)
 
 
 def serve_tcp_only(tcp: str, shm_dir: Path) -> subprocess.CompletedProcess[str]:
@@ -232,7 +225,7 @@ os._exit(9)  # dies while holding the lease
 
 def test_a_client_killed_mid_write_or_mid_read_leaves_nothing_held(daemon: RunningDaemon) -> None:
     with ChunkStoreClient(daemon.unix) as client:
-        client.put(key(1), *kv(16), 0)
+        client.put(entry_key(1), *random_kv(16), 0)
         for script in (KILLED_WRITER, KILLED_READER):
             run = subprocess.run(
                 [sys.executable, "-c", script.format(address=daemon.unix)],
@@ -252,8 +245,8 @@ def test_a_client_killed_mid_write_or_mid_read_leaves_nothing_held(daemon: Runni
 def test_sigterm_drains_and_exits_zero(serve) -> None:
     running = serve("--drain-timeout-s", "1")
     client = ChunkStoreClient(running.unix)
-    client.put(key(1), *kv(4), 0)
-    [lease] = client.acquire([key(1)])
+    client.put(entry_key(1), *random_kv(4), 0)
+    [lease] = client.acquire([entry_key(1)])
     assert lease is not None
     began = time.monotonic()
     assert running.stop() == 0
@@ -266,15 +259,15 @@ def test_sigterm_drains_and_exits_zero(serve) -> None:
 def test_metrics_move_exactly_as_the_operations(daemon: RunningDaemon) -> None:
     with ChunkStoreClient(daemon.unix) as client:
         before = daemon.scrape()
-        k, v = kv(10)
-        client.put(key(1), k, v, 0)
-        client.put(key(2), *kv(20), 0)
-        client.lookup([key(1), key(2), key(3)], num_tokens=[10, 20, 30])
-        client.lookup([key(3)], num_tokens=[30])
-        client.get(key(1))
+        k, v = random_kv(10)
+        client.put(entry_key(1), k, v, 0)
+        client.put(entry_key(2), *random_kv(20), 0)
+        client.lookup([entry_key(1), entry_key(2), entry_key(3)], num_tokens=[10, 20, 30])
+        client.lookup([entry_key(3)], num_tokens=[30])
+        client.get(entry_key(1))
         # An Acquire that looks up (the connector's scheduler); other clients read under its
         # lease, through shared memory and through the stream, and it reports their bytes.
-        lease, missing = client.acquire([key(1), key(3)], num_tokens=[10, 30])
+        lease, missing = client.acquire([entry_key(1), entry_key(3)], num_tokens=[10, 30])
         assert lease is not None and missing is None
         for transport in ("shm", "stream"):
             with ChunkStoreClient(daemon.unix, transport=transport) as reader:
@@ -282,7 +275,7 @@ def test_metrics_move_exactly_as_the_operations(daemon: RunningDaemon) -> None:
                 reader.read_into(lease, buffer, session=client.session)
                 assert torch.equal(tensors_of(buffer, lease.layout)[0], k)
         client.release([lease.lease_id], shm_bytes_read=lease.nbytes)
-        client.evict([key(2)])
+        client.evict([entry_key(2)])
         with pytest.raises(InvalidRequest):
             client.lookup([b"bad"])
         after = daemon.scrape()
@@ -297,7 +290,7 @@ def test_metrics_move_exactly_as_the_operations(daemon: RunningDaemon) -> None:
     assert delta['chunkstore_bytes_total{direction="write",transport="shm"}'] == nbytes * 3
     assert delta['chunkstore_bytes_total{direction="read",transport="shm"}'] == 2 * nbytes
     assert after["chunkstore_entries"] == 1
-    assert after["chunkstore_pool_bytes_used"] == 65536  # one 64 KiB block holds key(1)
+    assert after["chunkstore_pool_bytes_used"] == 65536  # one 64 KiB block holds entry_key(1)
     assert after["chunkstore_pool_bytes_capacity"] == 64 << 20
     assert delta['chunkstore_errors_total{code="INVALID_ARGUMENT"}'] == 1
     assert delta['chunkstore_rpc_seconds_count{method="Lookup"}'] == 3

@@ -16,17 +16,10 @@ import torch
 
 from chunkstore.client import ChunkStoreClient
 from chunkstore.daemon.directory import directory_key
+from chunkstore.testing.daemon import entry_key, random_kv
 from chunkstore.testing.redis import RedisServer, free_port
 
 TTL = "2"
-
-
-def key(i: int) -> bytes:
-    return i.to_bytes(16, "little")
-
-
-def kv(tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.randn(2, tokens, 2, 8), torch.randn(2, tokens, 2, 8)
 
 
 def eventually(check: Callable[[], bool], timeout: float = 15.0) -> None:
@@ -46,19 +39,19 @@ def cluster(serve, tmp_path: Path):
 def test_a_chunk_stored_on_one_node_is_pulled_by_the_other(cluster) -> None:
     server, (a, b) = cluster
     directory = redis.Redis.from_url(server.url, decode_responses=True)
-    k, v = kv(12)
+    k, v = random_kv(12)
     with ChunkStoreClient(a.unix) as on_a, ChunkStoreClient(b.unix) as on_b:
-        assert on_a.put(key(1), k, v, virtual_start=5)
-        eventually(lambda: directory.zscore(directory_key(key(1)), a.tcp) is not None)
-        assert on_b.lookup([key(1)]) == [None]  # a miss here; it queues the pull
-        eventually(lambda: on_b.lookup([key(1)])[0] is not None)
-        stored = on_b.get(key(1))
+        assert on_a.put(entry_key(1), k, v, virtual_start=5)
+        eventually(lambda: directory.zscore(directory_key(entry_key(1)), a.tcp) is not None)
+        assert on_b.lookup([entry_key(1)]) == [None]  # a miss here; it queues the pull
+        eventually(lambda: on_b.lookup([entry_key(1)])[0] is not None)
+        stored = on_b.get(entry_key(1))
         assert stored is not None and stored.layout.virtual_start == 5
         assert torch.equal(stored.keys, k) and torch.equal(stored.values, v)
         # Now b holds it too, and says so.
-        eventually(lambda: directory.zscore(directory_key(key(1)), b.tcp) is not None)
+        eventually(lambda: directory.zscore(directory_key(entry_key(1)), b.tcp) is not None)
         # A key nobody holds is looked for and not found.
-        assert on_b.lookup([key(2)]) == [None]
+        assert on_b.lookup([entry_key(2)]) == [None]
         eventually(lambda: b.scrape().get('chunkstore_remote_fetches_total{result="absent"}') == 1)
     assert b.scrape()['chunkstore_remote_fetches_total{result="ok"}'] == 1
 
@@ -67,11 +60,11 @@ def test_evicted_and_dead_nodes_leave_the_directory(cluster) -> None:
     server, (a, b) = cluster
     directory = redis.Redis.from_url(server.url, decode_responses=True)
     with ChunkStoreClient(a.unix) as on_a, ChunkStoreClient(b.unix) as on_b:
-        on_a.put(key(1), *kv(4), virtual_start=0)
-        on_b.put(key(1), *kv(4), virtual_start=0)
-        name = directory_key(key(1))
+        on_a.put(entry_key(1), *random_kv(4), virtual_start=0)
+        on_b.put(entry_key(1), *random_kv(4), virtual_start=0)
+        name = directory_key(entry_key(1))
         eventually(lambda: set(directory.zrange(name, 0, -1)) == {a.tcp, b.tcp})
-        on_a.evict([key(1)])
+        on_a.evict([entry_key(1)])
         eventually(lambda: set(directory.zrange(name, 0, -1)) == {b.tcp})
     b.process.send_signal(signal.SIGKILL)  # no clean withdrawal: the claim must lapse
     b.process.wait()
@@ -83,16 +76,18 @@ def test_a_peer_with_bad_bytes_is_not_copied(cluster, tmp_path: Path) -> None:
     from chunkstore.protocol.shm import map_shared_pool
 
     with ChunkStoreClient(a.unix) as on_a, ChunkStoreClient(b.unix) as on_b:
-        on_a.put(key(1), *kv(8), virtual_start=0)
-        [entry] = on_a.acquire([key(1)])
+        on_a.put(entry_key(1), *random_kv(8), virtual_start=0)
+        [entry] = on_a.acquire([entry_key(1)])
         assert entry is not None
         region = map_shared_pool(a.ready["shm_path"], on_a.stats().bytes_capacity)
         region[entry.blocks[0] * on_a.block_size + 3] ^= 0xFF  # a bit rots on node a
         on_a.release([entry.lease_id])
-        eventually(lambda: bool(redis.Redis.from_url(server.url).exists(directory_key(key(1)))))
-        on_b.lookup([key(1)])
+        eventually(
+            lambda: bool(redis.Redis.from_url(server.url).exists(directory_key(entry_key(1))))
+        )
+        on_b.lookup([entry_key(1)])
         eventually(lambda: b.scrape()['chunkstore_remote_fetches_total{result="failed"}'] == 1)
-        assert on_b.lookup([key(1)]) == [None]  # never stored on b
+        assert on_b.lookup([entry_key(1)]) == [None]  # never stored on b
         assert "hashes to" in b.log()  # the checksum caught it
     assert b.scrape()["chunkstore_directory_errors_total"] == 0  # a bad peer is not Redis down
 
@@ -101,10 +96,10 @@ def test_without_redis_the_daemon_serves_alone(serve) -> None:
     unreachable = f"redis://127.0.0.1:{free_port()}/0"
     daemon = serve("--redis", unreachable, "--directory-ttl-s", TTL)
     with ChunkStoreClient(daemon.unix) as client:
-        k, v = kv(4)
-        assert client.put(key(1), k, v, virtual_start=0)
-        assert client.lookup([key(2)]) == [None]
-        stored = client.get(key(1))
+        k, v = random_kv(4)
+        assert client.put(entry_key(1), k, v, virtual_start=0)
+        assert client.lookup([entry_key(2)]) == [None]
+        stored = client.get(entry_key(1))
         assert stored is not None and torch.equal(stored.keys, k)
     eventually(lambda: daemon.scrape()["chunkstore_directory_errors_total"] > 0)
     assert "serving on alone" in daemon.log()

@@ -1,0 +1,140 @@
+"""The daemon under faults (issue: healthy while useless): start-up over what a dead or live
+daemon left behind, and requests that must change all or nothing. Real ``chunkstore serve``
+processes, real signals."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from chunkstore.client import ChunkStoreClient
+from chunkstore.errors import NotFound, PoolFull
+from chunkstore.testing.daemon import (
+    RunningDaemon,
+    entry_key,
+    random_kv,
+    serve_command,
+    serve_env,
+    start_daemon,
+)
+
+
+def serve_once(workdir: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    """A ``chunkstore serve`` whose start-up must fail (it would block if it started)."""
+    command = serve_command(workdir, *flags, pool_bytes=1 << 20)
+    return subprocess.run(command, capture_output=True, text=True, timeout=60, env=serve_env())
+
+
+def test_a_second_daemon_on_a_live_socket_refuses_and_leaves_the_first_reachable(
+    serve, tmp_path: Path
+) -> None:
+    first = serve()
+    socket_path = first.ready["socket"]
+    # Same socket, and a TCP port that is taken: it used to delete the socket, then fail.
+    run = serve_once(tmp_path / "daemon", "--tcp", first.tcp)
+    assert run.returncode == 2, run.stderr
+    assert f"another daemon is serving on {socket_path}" in run.stderr
+    with ChunkStoreClient(first.unix) as client:
+        assert client.put(entry_key(1), *random_kv(4), 0)
+
+
+def test_a_stale_socket_is_replaced_and_a_non_socket_is_refused(serve, tmp_path: Path) -> None:
+    dead = start_daemon(tmp_path / "daemon")
+    dead.process.kill()  # SIGKILL: the socket and the pool file stay behind
+    dead.process.wait()
+    assert Path(dead.ready["socket"]).exists()
+    again = serve()  # the same directory: its socket is stale
+    with ChunkStoreClient(again.unix) as client:
+        assert client.stats().entries == 0
+    blocker = tmp_path / "other" / "chunkstore.sock"
+    blocker.parent.mkdir(mode=0o700)
+    blocker.write_text("not a socket")
+    run = serve_once(tmp_path / "other")
+    assert run.returncode == 2 and "is not a socket; refusing to replace it" in run.stderr
+    assert blocker.read_text() == "not a socket"
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o1777, 0o770], ids=oct)
+def test_a_socket_directory_others_can_write_is_refused(tmp_path: Path, mode: int) -> None:
+    workdir = tmp_path / "shared"
+    workdir.mkdir()
+    workdir.chmod(mode)
+    run = serve_once(workdir)
+    assert run.returncode == 2, run.stderr
+    assert f"socket directory {workdir} is owned by uid" in run.stderr
+    assert "writable by nobody else" in run.stderr
+    assert not list(workdir.glob("chunkstore-*"))  # no pool file left either
+
+
+def test_a_group_writable_socket_directory_is_fine_with_group_access(serve, tmp_path: Path) -> None:
+    workdir = tmp_path / "daemon"
+    workdir.mkdir()
+    workdir.chmod(0o770)
+    running = serve("--group-access")
+    with ChunkStoreClient(running.unix) as client:
+        assert client.put(entry_key(1), *random_kv(4), 0)
+
+
+def test_pool_files_of_dead_daemons_are_reclaimed_at_start_up(serve, tmp_path: Path) -> None:
+    workdir = tmp_path / "daemon"
+    dead = start_daemon(workdir, pool_bytes=1 << 20)
+    dead.process.send_signal(signal.SIGKILL)
+    dead.process.wait()
+    (workdir / "chunkstore.sock").unlink()
+    ended = subprocess.Popen(["true"])  # a pid whose process has ended
+    ended.wait()
+    older = workdir / f"chunkstore-{os.getuid()}-{ended.pid}-0000"
+    older.write_bytes(bytes(1 << 20))
+    left = [Path(dead.ready["shm_path"]), older]
+    assert all(p.exists() for p in left)
+    # Not ours to take: a live process's pool, and a file that only looks like a pool.
+    live = workdir / f"chunkstore-{os.getuid()}-{os.getppid()}-live"
+    live.write_bytes(b"x")
+    odd = workdir / f"chunkstore-{os.getuid()}-notapid-x"
+    odd.write_bytes(b"x")
+    running = serve(pool_bytes=1 << 20)
+    assert not any(p.exists() for p in left)
+    assert live.exists() and odd.exists()
+    assert Path(running.ready["shm_path"]).exists()
+    log = running.log()
+    assert all(f"removed {p} (1048576 bytes)" in log for p in left), log
+
+
+def test_a_reserve_that_cannot_fit_evicts_nothing(serve) -> None:
+    running = serve(pool_bytes=1 << 20, block_size=1 << 16)  # 16 blocks
+    with ChunkStoreClient(running.unix) as client:
+        small = [entry_key(i) for i in range(4)]
+        for i, k in enumerate(small):
+            assert client.put(k, *random_kv(40, seed=i), 0)  # 2 blocks each
+        [lease] = client.acquire([entry_key(0)])
+        pinned = entry_key(9)
+        assert client.put(pinned, *random_kv(100, seed=9), 0)  # 5 blocks
+        client.pin([pinned])
+        # 15 blocks of 16 are free or evictable only after the leased and pinned ones go.
+        with pytest.raises(PoolFull, match="evictable"):
+            client.put(entry_key(20), *random_kv(300), 0)
+        stats = client.stats()
+        assert stats.entries == 5 and not stats.evictions.get("capacity")
+        assert all(client.lookup(small + [pinned]))
+        client.release([lease.lease_id])
+
+
+def test_pin_with_an_unknown_key_pins_nothing(daemon: RunningDaemon) -> None:
+    with ChunkStoreClient(daemon.unix) as client:
+        assert client.put(entry_key(1), *random_kv(4), 0)
+        with pytest.raises(NotFound, match=entry_key(2).hex()):
+            client.pin([entry_key(1), entry_key(2)])
+        assert client.stats().pinned_entries == 0
+        assert client.pin([entry_key(1), entry_key(1)]) == 1
+        with pytest.raises(NotFound):
+            client.unpin([entry_key(1), entry_key(3)])
+        assert client.stats().pinned_entries == 1
+
+
+@pytest.fixture
+def daemon(serve) -> RunningDaemon:
+    return serve("--lease-ttl-s", "2")
