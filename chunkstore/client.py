@@ -337,10 +337,22 @@ class ChunkStoreClient:
             digest.update(target.data)
         actual = digest.intdigest()
         if actual != entry.checksum:
+            self._report_corrupt(entry.key)
             raise ChecksumMismatch(
                 f"entry {entry.key.hex()} hashes to {actual:#x}, committed as "
                 f"{entry.checksum:#x}: not used"
             )
+
+    def _report_corrupt(self, key: bytes) -> None:
+        """Have the daemon check the entry itself: if its pool bytes are bad it evicts it,
+        so the next put replaces it (best effort: the read fails either way)."""
+        try:
+            corrupt = self._call(self.stub.Verify, pb.VerifyRequest(keys=[key])).corrupt
+        except StoreError as err:
+            log.warning("could not report entry %s as corrupt: %s", key.hex(), err)
+            return
+        if corrupt:
+            log.error("entry %s was corrupt in the pool; the daemon evicted it", key.hex())
 
     def get(self, key: bytes) -> StoredKV | None:
         """One entry's KV, checked against its checksum, or None if absent."""

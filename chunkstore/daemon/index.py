@@ -45,6 +45,7 @@ class Entry:
     checksum: int
     pinned: bool = False
     leases: int = 0
+    evicted: bool = False  # out of the index; its blocks go when its last lease does
 
 
 @dataclass
@@ -62,7 +63,7 @@ class Reservation:
 @dataclass
 class Lease:
     id: int
-    key: bytes
+    entry: Entry
     session: str
     expires_at: float
 
@@ -74,6 +75,10 @@ class Session:
     last_seen: float
     leases: set[int] = field(default_factory=set)
     reservations: set[int] = field(default_factory=set)
+    streams: int = 0  # open heartbeat streams: while one is, the client process lives
+    # Blocks of this session's reservations that expired while its process lived: a paused
+    # writer may still copy into them, so nobody else gets them until it is done.
+    quarantined: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -93,6 +98,7 @@ class IndexStats:
     hit_tokens: int
     evictions: dict[str, int]
     draining: bool
+    blocks_quarantined: int
 
 
 class Index:
@@ -135,6 +141,12 @@ class Index:
             self._sessions[session_id] = Session(session_id, name, self.clock())
             return session_id
 
+    def attach_stream(self, session_id: str) -> None:
+        """A heartbeat stream opened: the session's process is alive until it closes (then
+        ``end_session``), however long it stays silent."""
+        with self.lock:
+            self._session(session_id).streams += 1
+
     def renew(self, session_id: str) -> None:
         """A sign of life: pushes back the expiry of everything the session holds."""
         with self.lock:
@@ -156,23 +168,28 @@ class Index:
                 self._drop_reservation(self._reservations[reservation_id])
             for lease_id in list(session.leases):
                 self._drop_lease(self._leases[lease_id])
+            for blocks in session.quarantined.values():  # its process is gone: nobody writes
+                self.pool.free(blocks)
 
     def expire(self) -> int:
         """Reclaim leases and reservations whose holder stopped renewing them, and sessions
-        that hold nothing and were silent for a TTL. Returns how many things went."""
+        that hold nothing, have no heartbeat stream open and were silent for a TTL. The blocks
+        of an expired reservation whose session still has a stream open are quarantined, not
+        freed: its writer is paused, not dead, and may copy into them when it resumes. Returns
+        how many things went."""
         with self.lock:
             now = self.clock()
             gone = 0
             for reservation in [r for r in self._reservations.values() if r.expires_at <= now]:
-                self._drop_reservation(reservation)
+                self._drop_reservation(reservation, outcome="expired")
                 gone += 1
             for lease in [x for x in self._leases.values() if x.expires_at <= now]:
                 self._drop_lease(lease)
                 gone += 1
             for session in list(self._sessions.values()):
                 idle = now - session.last_seen > self.lease_ttl
-                if idle and not session.leases and not session.reservations:
-                    del self._sessions[session.id]
+                if idle and not (session.leases or session.reservations or session.streams):
+                    self.end_session(session.id)
             return gone
 
     # Reads --------------------------------------------------------------------------------
@@ -206,7 +223,7 @@ class Index:
                 if entry is None:
                     out.append(None)
                     continue
-                lease = Lease(next(self._ids), key, session_id, now + self.lease_ttl)
+                lease = Lease(next(self._ids), entry, session_id, now + self.lease_ttl)
                 self._leases[lease.id] = lease
                 session.leases.add(lease.id)
                 entry.leases += 1
@@ -228,7 +245,7 @@ class Index:
             lease = self._leases.get(lease_id)
             if lease is None or lease.session != session_id:
                 raise NotFound(f"no lease {lease_id} in session {session_id}")
-            return self._entries[lease.key]
+            return lease.entry
 
     # Writes -------------------------------------------------------------------------------
 
@@ -267,6 +284,10 @@ class Index:
         with self.lock:
             reservation = self._reservations.get(reservation_id)
             if reservation is None and reservation_id in self._finished:
+                session = self._sessions.get(session_id)
+                if session is not None and reservation_id in session.quarantined:
+                    # Its writer is back and asks about it: done copying, the blocks can go.
+                    self.pool.free(session.quarantined.pop(reservation_id))
                 raise WrongState(
                     f"reservation {reservation_id} was {self._finished[reservation_id]} already"
                 )
@@ -361,6 +382,23 @@ class Index:
                 entry.pinned = pinned
             return changed
 
+    def verify(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Hash these committed entries' pool bytes against their commit checksums; evict the
+        ones that fail at once (reason "corrupt"; a leased one's blocks go with its last
+        lease), so the next put replaces them. Returns the keys found corrupt."""
+        self._check_keys(keys)
+        with self.lock:
+            corrupt = []
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is None:
+                    continue
+                region, bs = self.pool.region(), self.pool.block_size
+                if checksum(region, entry.blocks, bs, entry.nbytes) != entry.checksum:
+                    self._evict(entry, "corrupt")
+                    corrupt.append(key)
+            return corrupt
+
     def start_draining(self) -> None:
         with self.lock:
             self.draining = True
@@ -384,6 +422,9 @@ class Index:
                 hit_tokens=self._counts["hit_tokens"],
                 evictions=dict(self.evictions),
                 draining=self.draining,
+                blocks_quarantined=sum(
+                    len(b) for s in self._sessions.values() for b in s.quarantined.values()
+                ),
             )
 
     def entries(self) -> list[Entry]:
@@ -454,7 +495,9 @@ class Index:
 
     def _evict(self, entry: Entry, reason: str) -> None:
         del self._entries[entry.key]
-        self.pool.free(entry.blocks)
+        entry.evicted = True
+        if not entry.leases:
+            self.pool.free(entry.blocks)
         self.evictions[reason] += 1
         if self.on_evict:
             self.on_evict(reason, entry.nbytes)
@@ -469,13 +512,19 @@ class Index:
         if session:
             session.reservations.discard(reservation.id)
 
-    def _drop_reservation(self, reservation: Reservation) -> None:
-        self._forget_reservation(reservation, "aborted")
-        self.pool.free(reservation.blocks)
+    def _drop_reservation(self, reservation: Reservation, outcome: str = "aborted") -> None:
+        self._forget_reservation(reservation, outcome)
+        session = self._sessions.get(reservation.session)
+        if outcome == "expired" and session is not None and session.streams:
+            session.quarantined[reservation.id] = reservation.blocks
+        else:
+            self.pool.free(reservation.blocks)
 
     def _drop_lease(self, lease: Lease) -> None:
         del self._leases[lease.id]
-        self._entries[lease.key].leases -= 1
+        lease.entry.leases -= 1
+        if lease.entry.evicted and not lease.entry.leases:
+            self.pool.free(lease.entry.blocks)
         session = self._sessions.get(lease.session)
         if session:
             session.leases.discard(lease.id)

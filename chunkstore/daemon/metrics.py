@@ -39,7 +39,7 @@ class IndexCollector:
         evictions = CounterMetricFamily(
             f"{PREFIX}_evictions", "Entries evicted", labels=["node", "reason"]
         )
-        for reason in ("capacity", "watermark", "admin", "clear"):
+        for reason in ("capacity", "watermark", "admin", "clear", "corrupt"):
             evictions.add_metric([self.node, reason], s.evictions.get(reason, 0))
         yield evictions
         gauges = {
@@ -50,6 +50,10 @@ class IndexCollector:
             "active_leases": ("Leases held by readers", s.active_leases),
             "active_reservations": ("Reservations being written", s.active_reservations),
             "sessions": ("Client sessions", s.sessions),
+            "pool_blocks_quarantined": (
+                "Blocks of expired reservations kept from reuse while their writer lives",
+                s.blocks_quarantined,
+            ),
             "draining": ("1 while draining", int(s.draining)),
         }
         for name, (doc, value) in gauges.items():

@@ -130,6 +130,7 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
         try:
             for ping in request_iterator:
                 if not session:
+                    self.index.attach_stream(ping.session_id)
                     session.append(ping.session_id)
                 self.index.renew(ping.session_id)
                 yield pb.Pong(server_time_ms=int(time.time() * 1000))
@@ -280,7 +281,15 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
             hit_tokens=s.hit_tokens,
             evictions=s.evictions,
             draining=s.draining,
+            blocks_quarantined=s.blocks_quarantined,
         )
+
+    @_rpc
+    def Verify(self, request: pb.VerifyRequest, context: grpc.ServicerContext) -> pb.VerifyReply:
+        corrupt = self.index.verify(list(request.keys))
+        for key in corrupt:
+            log.error("entry %s failed its checksum in the pool: evicted", key.hex())
+        return pb.VerifyReply(corrupt=corrupt)
 
     @_rpc
     def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictReply:

@@ -213,7 +213,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("entries", "pinned_entries", "bytes_used", "bytes_capacity", "blocks_free", "blocks_total", "active_leases", "active_reservations", "sessions", "lookups", "hits", "lookup_tokens", "hit_tokens", "evictions", "draining")
+    __slots__ = ("entries", "pinned_entries", "bytes_used", "bytes_capacity", "blocks_free", "blocks_total", "active_leases", "active_reservations", "sessions", "lookups", "hits", "lookup_tokens", "hit_tokens", "evictions", "draining", "blocks_quarantined")
     class EvictionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -236,6 +236,7 @@ class StatsReply(_message.Message):
     HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     entries: int
     pinned_entries: int
     bytes_used: int
@@ -251,7 +252,20 @@ class StatsReply(_message.Message):
     hit_tokens: int
     evictions: _containers.ScalarMap[str, int]
     draining: bool
-    def __init__(self, entries: _Optional[int] = ..., pinned_entries: _Optional[int] = ..., bytes_used: _Optional[int] = ..., bytes_capacity: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_total: _Optional[int] = ..., active_leases: _Optional[int] = ..., active_reservations: _Optional[int] = ..., sessions: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., evictions: _Optional[_Mapping[str, int]] = ..., draining: _Optional[bool] = ...) -> None: ...
+    blocks_quarantined: int
+    def __init__(self, entries: _Optional[int] = ..., pinned_entries: _Optional[int] = ..., bytes_used: _Optional[int] = ..., bytes_capacity: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_total: _Optional[int] = ..., active_leases: _Optional[int] = ..., active_reservations: _Optional[int] = ..., sessions: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., evictions: _Optional[_Mapping[str, int]] = ..., draining: _Optional[bool] = ..., blocks_quarantined: _Optional[int] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class VerifyReply(_message.Message):
+    __slots__ = ("corrupt",)
+    CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    corrupt: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, corrupt: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
     __slots__ = ("keys",)

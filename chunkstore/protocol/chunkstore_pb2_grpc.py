@@ -89,6 +89,11 @@ class ChunkStoreStub:
                 request_serializer=chunkstore__pb2.StatsRequest.SerializeToString,
                 response_deserializer=chunkstore__pb2.StatsReply.FromString,
                 _registered_method=True)
+        self.Verify = channel.unary_unary(
+                '/chunkstore.v1.ChunkStore/Verify',
+                request_serializer=chunkstore__pb2.VerifyRequest.SerializeToString,
+                response_deserializer=chunkstore__pb2.VerifyReply.FromString,
+                _registered_method=True)
         self.Evict = channel.unary_unary(
                 '/chunkstore.v1.ChunkStore/Evict',
                 request_serializer=chunkstore__pb2.EvictRequest.SerializeToString,
@@ -128,6 +133,9 @@ class ChunkStoreServicer:
 
     def Heartbeat(self, request_iterator, context):
         """Keeps a session alive; when this stream ends, the session's leases and reservations go.
+        While it is open the session stays (its leases and reservations still expire by TTL), and
+        the blocks of its expired reservations are kept from other writers: a client that maps
+        the pool must hold one.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -186,6 +194,15 @@ class ChunkStoreServicer:
 
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Verify(self, request, context):
+        """Hash entries' pool bytes against their commit checksums; one that fails is evicted at
+        once (reason "corrupt"), so the next put replaces it. Clients call it when a read fails
+        its checksum.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -278,6 +295,11 @@ def add_ChunkStoreServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=chunkstore__pb2.StatsRequest.FromString,
                     response_serializer=chunkstore__pb2.StatsReply.SerializeToString,
+            ),
+            'Verify': grpc.unary_unary_rpc_method_handler(
+                    servicer.Verify,
+                    request_deserializer=chunkstore__pb2.VerifyRequest.FromString,
+                    response_serializer=chunkstore__pb2.VerifyReply.SerializeToString,
             ),
             'Evict': grpc.unary_unary_rpc_method_handler(
                     servicer.Evict,
@@ -602,6 +624,33 @@ class ChunkStore:
             '/chunkstore.v1.ChunkStore/Stats',
             chunkstore__pb2.StatsRequest.SerializeToString,
             chunkstore__pb2.StatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Verify(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chunkstore.v1.ChunkStore/Verify',
+            chunkstore__pb2.VerifyRequest.SerializeToString,
+            chunkstore__pb2.VerifyReply.FromString,
             options,
             channel_credentials,
             insecure,

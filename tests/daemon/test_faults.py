@@ -7,12 +7,14 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from chunkstore.client import ChunkStoreClient
-from chunkstore.errors import NotFound, PoolFull
+from chunkstore.errors import ChecksumMismatch, NotFound, PoolFull
 from chunkstore.testing.daemon import (
     RunningDaemon,
     entry_key,
@@ -20,6 +22,7 @@ from chunkstore.testing.daemon import (
     serve_command,
     serve_env,
     start_daemon,
+    wait_for,
 )
 
 
@@ -138,3 +141,110 @@ def test_pin_with_an_unknown_key_pins_nothing(daemon: RunningDaemon) -> None:
 @pytest.fixture
 def daemon(serve) -> RunningDaemon:
     return serve("--lease-ttl-s", "2")
+
+
+PAUSED_WRITER = """
+import sys
+import numpy as np, torch
+from chunkstore.client import ChunkStoreClient
+from chunkstore.errors import StoreError
+from chunkstore.kv.entry import layout_of
+from chunkstore.protocol import chunkstore_pb2 as pb
+from chunkstore.protocol.shm import scatter
+from chunkstore.protocol.wire import layout_to_proto
+c = ChunkStoreClient({address!r}, transport="shm")
+k = torch.zeros(2, 40, 3, 64)
+layout = layout_of(k, k, 0)
+res = c._call(c.stub.Reserve, pb.ReserveRequest(session_id=c.session, key=b"w" * 16,
+              layout=layout_to_proto(layout), nbytes=layout.nbytes))
+junk = np.full(layout.nbytes, 0xAB, dtype=np.uint8)
+scatter(c.region, res.blocks, c.block_size, junk[: layout.nbytes // 2])
+print("half written", flush=True)
+sys.stdin.readline()  # SIGSTOPped here; resumed long past the TTL
+scatter(c.region, res.blocks, c.block_size, junk)  # the late writer copies on, into its blocks
+try:
+    c._call(c.stub.Commit, pb.CommitRequest(session_id=c.session,
+            reservation_id=res.reservation_id, checksum=0))
+except StoreError as err:
+    print(f"commit refused: {{type(err).__name__}}: {{err}}", flush=True)
+c.close()
+"""
+
+
+def test_a_paused_writer_cannot_corrupt_another_keys_entry(serve) -> None:
+    running = serve("--lease-ttl-s", "1", pool_bytes=1 << 20, block_size=1 << 16)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", PAUSED_WRITER.format(address=running.unix)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert writer.stdout is not None and writer.stdin is not None
+    try:
+        assert writer.stdout.readline() == "half written\n"
+        writer.send_signal(signal.SIGSTOP)
+        with ChunkStoreClient(running.unix) as client:
+            wait_for(lambda: client.stats().active_reservations == 0)  # expired
+            assert client.stats().blocks_quarantined == 2  # the writer lives: kept from others
+            k, v = random_kv(40, seed=3)
+            assert client.put(entry_key(1), k, v, 0)  # the pool has room elsewhere
+            writer.send_signal(signal.SIGCONT)
+            writer.stdin.write("go\n")
+            writer.stdin.flush()
+            assert writer.stdout.readline().startswith("commit refused: WrongState")
+            assert writer.wait(timeout=30) == 0
+            stored = client.get(entry_key(1))  # untouched by the late writer
+            assert stored is not None
+            assert torch.equal(stored.keys, k) and torch.equal(stored.values, v)
+            wait_for(lambda: client.stats().sessions == 1)
+            stats = client.stats()
+            assert stats.blocks_quarantined == 0 and stats.active_reservations == 0
+            assert stats.blocks_free == 16 - 2  # only entry 1's blocks are held
+    finally:
+        writer.kill()
+
+
+def test_quarantined_blocks_return_when_the_paused_writer_dies(serve) -> None:
+    running = serve("--lease-ttl-s", "1", pool_bytes=1 << 20, block_size=1 << 16)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", PAUSED_WRITER.format(address=running.unix)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert writer.stdout is not None
+    assert writer.stdout.readline() == "half written\n"
+    writer.send_signal(signal.SIGSTOP)
+    with ChunkStoreClient(running.unix) as client:
+        wait_for(lambda: client.stats().blocks_quarantined == 2)
+        writer.kill()
+        writer.wait()
+        wait_for(lambda: client.stats().blocks_quarantined == 0)
+        stats = client.stats()
+        assert stats.blocks_free == 16 and stats.sessions == 1
+
+
+def test_an_entry_that_fails_its_checksum_is_evicted_at_once(daemon: RunningDaemon) -> None:
+    with (
+        ChunkStoreClient(daemon.unix) as client,
+        ChunkStoreClient(daemon.unix) as holder,
+    ):
+        k, v = random_kv(16)
+        assert client.put(entry_key(1), k, v, 0)
+        [held] = holder.acquire([entry_key(1)])  # another reader holds it meanwhile
+        assert held is not None and client.region is not None
+        client.region[held.blocks[0] * client.block_size + 5] ^= 0xFF  # a bit rots
+        free_before = client.stats().blocks_free
+        with pytest.raises(ChecksumMismatch):
+            client.get(entry_key(1))
+        assert client.lookup([entry_key(1)]) == [None]  # gone from the index at once
+        assert client.stats().evictions["corrupt"] == 1
+        assert client.stats().blocks_free == free_before  # the holder's lease keeps its blocks
+        assert client.put(entry_key(1), k, v, 0)  # a re-put replaces it
+        stored = client.get(entry_key(1))
+        assert stored is not None and torch.equal(stored.keys, k)
+        holder.release([held.lease_id])
+        assert client.stats().blocks_free == free_before  # the bad copy's blocks are back...
+        assert client.stats().entries == 1  # ...and the new one holds as many
+        assert daemon.scrape()['chunkstore_evictions_total{reason="corrupt"}'] == 1
+        assert f"entry {entry_key(1).hex()} failed its checksum" in daemon.log()
