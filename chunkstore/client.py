@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import socket
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ from chunkstore.errors import (
     AlreadyExists,
     ChecksumMismatch,
     InvalidRequest,
+    NotFound,
     StoreError,
     Unavailable,
 )
@@ -100,37 +102,57 @@ class ChunkStoreClient:
             self.channel = grpc.insecure_channel(address, options=options)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.stub = pb_grpc.ChunkStoreStub(self.channel)
+        self.name = name or f"pid-{os.getpid()}"
+        self.requested_transport = transport
+        self.sessions_reopened = 0  # sessions lost (daemon restart, pause past the TTL)
+        self._session_lock = threading.Lock()
+        self._open_session()
+        self._shm_reads: dict[int, int] = {}  # lease id -> bytes copied out of the pool
+        self._pings: queue.Queue[pb.Ping | None] = queue.Queue()
+        self._closed = threading.Event()
+        self._heartbeat = threading.Thread(
+            target=self._beat, name="chunkstore-heartbeat", daemon=True
+        )
+        self._heartbeat.start()
+
+    def _open_session(self) -> None:
+        """Hello: a new session, and the pool mapped again (a restarted daemon has a new one)."""
         hello = self._call(
             self.stub.Hello,
-            pb.HelloRequest(
-                client_name=name or f"pid-{__import__('os').getpid()}",
-                hostname=socket.gethostname(),
-            ),
+            pb.HelloRequest(client_name=self.name, hostname=socket.gethostname()),
         )
-        self.session = hello.session_id
-        self.block_size = hello.block_size
-        self.server_info = hello
-        self.region: np.ndarray | None = None
+        region: np.ndarray | None = None
+        transport = self.requested_transport
         if transport != "stream" and hello.shm_path and hello.hostname == socket.gethostname():
             try:
-                self.region = map_shared_pool(hello.shm_path, hello.block_size * hello.num_blocks)
+                region = map_shared_pool(hello.shm_path, hello.block_size * hello.num_blocks)
             except OSError as exc:
                 if transport == "shm":
                     raise Unavailable(f"cannot map the pool at {hello.shm_path}: {exc}") from exc
                 log.info("pool not mappable (%s); using the gRPC stream", exc)
         elif transport == "shm":
             raise Unavailable("the daemon's pool is not shared memory on this host")
-        self.transport = "shm" if self.region is not None else "stream"
-        self._shm_reads: dict[int, int] = {}  # lease id -> bytes copied out of the pool
-        self._pings: queue.Queue[pb.Ping | None] = queue.Queue()
-        self._closed = threading.Event()
-        self._heartbeat = threading.Thread(
-            target=self._beat,
-            args=(max(0.05, hello.lease_ttl_ms / 3000),),
-            name="chunkstore-heartbeat",
-            daemon=True,
+        self.block_size = hello.block_size
+        self.server_info = hello
+        self.region = region
+        self.transport = "shm" if region is not None else "stream"
+        self.session = hello.session_id
+
+    def _reopen(self, lost: str) -> None:
+        """The daemon no longer knows session ``lost``: open a new one (once, whichever
+        thread notices first). What the old one held is gone with it."""
+        with self._session_lock:
+            if self.session != lost or self._closed.is_set():
+                return
+            self._open_session()
+            self.sessions_reopened += 1
+        log.warning(
+            "chunkstore session %s at %s was lost (daemon restarted, or this process was "
+            "paused past the lease TTL); reopened as %s",
+            lost,
+            self.address,
+            self.session,
         )
-        self._heartbeat.start()
 
     # Plumbing -----------------------------------------------------------------------------
 
@@ -140,25 +162,55 @@ class ChunkStoreClient:
         except grpc.RpcError as err:
             raise typed_error(err) from None
 
-    def _beat(self, interval: float) -> None:
-        def pings() -> Iterator[pb.Ping]:
-            yield pb.Ping(session_id=self.session)
-            while True:
-                try:
-                    item = self._pings.get(timeout=interval)
-                except queue.Empty:
-                    item = pb.Ping(session_id=self.session)
-                if item is None:
-                    return
-                yield item
-
+    def _session_call(
+        self, method: Any, request: Callable[[str], Any], retry: bool, timeout: float = 0.0
+    ) -> Any:
+        """A call made under this client's session. If the daemon lost the session, a new
+        one is opened; ``retry``: the call is made again under it (calls that start
+        something; one that refers to what the lost session held fails)."""
+        session = self.session
         try:
-            for _ in self.stub.Heartbeat(pings(), metadata=self.metadata):
-                if self._closed.is_set():
+            return self._call(method, request(session), timeout or None)
+        except NotFound as err:
+            if "no session" not in str(err):
+                raise
+            self._reopen(session)
+            if not retry:
+                raise
+        return self._call(method, request(self.session), timeout or None)
+
+    def _beat(self) -> None:
+        """Keep the session alive; when the stream ends (the daemon restarted or dropped the
+        session, which ending the stream does anyway) open a new session, until closed."""
+        while not self._closed.is_set():
+            session = self.session
+            interval = max(0.05, self.server_info.lease_ttl_ms / 3000)
+            try:
+                for _ in self.stub.Heartbeat(
+                    self._pings_of(session, interval), metadata=self.metadata
+                ):
+                    if self._closed.is_set():
+                        return
+            except grpc.RpcError as err:
+                if not self._closed.is_set():
+                    log.warning("heartbeat to %s ended: %s", self.address, err)
+            while not self._closed.wait(interval):
+                try:
+                    self._reopen(session)
                     break
-        except grpc.RpcError as err:
-            if not self._closed.is_set():
-                log.warning("heartbeat to %s ended: %s", self.address, err)
+                except StoreError:
+                    continue  # the daemon is not back yet
+
+    def _pings_of(self, session: str, interval: float) -> Iterator[pb.Ping]:
+        yield pb.Ping(session_id=session)
+        while True:
+            try:
+                item = self._pings.get(timeout=interval)
+            except queue.Empty:
+                item = pb.Ping(session_id=session)
+            if item is None:
+                return
+            yield item
 
     def close(self) -> None:
         """End the session (the daemon releases whatever it still holds) and the channel."""
@@ -222,17 +274,19 @@ class ChunkStoreClient:
         for part in parts:
             digest.update(part.data)
         try:
-            reply = self._call(
+            reply = self._session_call(
                 self.stub.Reserve,
-                pb.ReserveRequest(
-                    session_id=self.session,
+                lambda session: pb.ReserveRequest(
+                    session_id=session,
                     key=key,
                     layout=layout_to_proto(layout),
                     nbytes=layout.nbytes,
                 ),
+                retry=True,
             )
         except AlreadyExists:
             return False
+        session = self.session  # the reservation's
         try:
             if self.region is not None:
                 offset = 0
@@ -240,25 +294,26 @@ class ChunkStoreClient:
                     scatter(self.region, reply.blocks, self.block_size, part, offset)
                     offset += part.shape[0]
             else:
-                self._stream_write(reply.reservation_id, parts)
-            self._call(
+                self._stream_write(session, reply.reservation_id, parts)
+            self._session_call(
                 self.stub.Commit,
-                pb.CommitRequest(
-                    session_id=self.session,
+                lambda _: pb.CommitRequest(
+                    session_id=session,
                     reservation_id=reply.reservation_id,
                     checksum=digest.intdigest(),
                 ),
+                retry=False,
             )
         except BaseException:
             with contextlib.suppress(StoreError):  # already gone: a failed commit aborts it
                 self._call(
                     self.stub.Abort,
-                    pb.AbortRequest(session_id=self.session, reservation_id=reply.reservation_id),
+                    pb.AbortRequest(session_id=session, reservation_id=reply.reservation_id),
                 )
             raise
         return True
 
-    def _stream_write(self, reservation_id: int, parts: list[np.ndarray]) -> None:
+    def _stream_write(self, session: str, reservation_id: int, parts: list[np.ndarray]) -> None:
         def pieces() -> Iterator[pb.WritePiece]:
             first = True
             for part in parts:
@@ -266,7 +321,7 @@ class ChunkStoreClient:
                     data = part[lo : lo + WRITE_PIECE].tobytes()
                     if first:
                         yield pb.WritePiece(
-                            session_id=self.session, reservation_id=reservation_id, data=data
+                            session_id=session, reservation_id=reservation_id, data=data
                         )
                         first = False
                     else:
@@ -281,10 +336,13 @@ class ChunkStoreClient:
     ) -> list[LeasedEntry | None]:
         """Leases on the keys' entries (None where absent). Release them when done.
         ``num_tokens`` (one per key) makes the daemon count this as a lookup too."""
-        request = pb.AcquireRequest(
-            session_id=self.session, keys=list(keys), num_tokens=list(num_tokens)
+        reply = self._session_call(
+            self.stub.Acquire,
+            lambda session: pb.AcquireRequest(
+                session_id=session, keys=list(keys), num_tokens=list(num_tokens)
+            ),
+            retry=True,
         )
-        reply = self._call(self.stub.Acquire, request)
         return [
             LeasedEntry(
                 x.lease_id, x.key, layout_from_proto(x.layout), x.nbytes, list(x.blocks), x.checksum
@@ -300,11 +358,12 @@ class ChunkStoreClient:
         if not lease_ids:
             return
         shm_bytes = shm_bytes_read + sum(self._shm_reads.pop(i, 0) for i in lease_ids)
-        self._call(
+        self._session_call(
             self.stub.Release,
-            pb.ReleaseRequest(
-                session_id=self.session, lease_ids=list(lease_ids), shm_bytes_read=shm_bytes
+            lambda session: pb.ReleaseRequest(
+                session_id=session, lease_ids=list(lease_ids), shm_bytes_read=shm_bytes
             ),
+            retry=False,
         )
 
     def read_into(self, entry: LeasedEntry, out: torch.Tensor, session: str | None = None) -> None:

@@ -1,5 +1,7 @@
 """One daemon client per process, reconnected after a failure no more often than configured.
-Every failure is logged once per incident and counted; callers fall back to computing."""
+Every failure is logged once per incident and counted; callers fall back to computing. A
+session the daemon lost (it restarted, or this process was paused past the lease TTL) the
+client reopens by itself; the link counts those in ``sessions_reopened``."""
 
 from __future__ import annotations
 
@@ -11,15 +13,18 @@ from chunkstore.client import ChunkStoreClient
 from chunkstore.errors import ChunkStoreError, StoreError, Unauthenticated, Unavailable
 
 from .config import ConnectorConfig
+from .metrics import ConnectorStats
 
 log = logging.getLogger("chunkstore.connector")
 
 
 class DaemonLink:
-    def __init__(self, config: ConnectorConfig, name: str) -> None:
+    def __init__(self, config: ConnectorConfig, name: str, stats: ConnectorStats) -> None:
         self.config = config
         self.name = name
+        self.stats = stats
         self._client: ChunkStoreClient | None = None
+        self._reopened = 0  # the current client's sessions_reopened, counted already
         self._retry_at = 0.0
         self._down = False
         self.failures = 0
@@ -27,6 +32,10 @@ class DaemonLink:
     def get(self) -> ChunkStoreClient | None:
         """The client, or None while the daemon is unreachable (then: compute)."""
         if self._client is not None:
+            reopened = self._client.sessions_reopened
+            if reopened > self._reopened:
+                self.stats.add("sessions_reopened", reopened - self._reopened)
+                self._reopened = reopened
             return self._client
         if time.monotonic() < self._retry_at:
             return None
@@ -41,6 +50,7 @@ class DaemonLink:
         except ChunkStoreError as err:
             self.failed(f"cannot reach chunkstore at {self.config.daemon_address}: {err}")
             return None
+        self._reopened = 0
         if self._down:
             log.warning(
                 "%s: chunkstore at %s is reachable again", self.name, self.config.daemon_address

@@ -23,6 +23,8 @@ FIELDS = {
     "lookup_tokens": "Prompt tokens in the segments looked up.",
     "hit_tokens": "Tokens the store supplies beyond vLLM's own prefix cache.",
     "daemon_unreachable": "Lookups skipped because the daemon could not be reached (computed).",
+    "sessions_reopened": "Daemon sessions lost (the daemon restarted, or this process was paused "
+    "past the lease TTL) and reopened by the client (scheduler and workers).",
     # Worker side.
     "loaded_tokens": "Tokens copied from the store into vLLM's KV cache.",
     "load_failures": "Loads that failed and were computed instead (daemon, lease, checksum).",

@@ -97,12 +97,12 @@ class SchedulerSide:
     def __init__(self, vllm_config: Any, config: ConnectorConfig) -> None:
         self.config = config
         self.keys = ModelKeys.from_vllm(vllm_config, config)
-        self.link = DaemonLink(config, "chunkstore-scheduler")
         self.block_size = vllm_config.cache_config.block_size
         self._tracked: dict[str, Tracked | None] = {}  # None: a plain prompt
         self._loads: dict[str, list[LoadItem]] = {}
         self._held: dict[str, Held] = {}
         self.stats = ConnectorStats()
+        self.link = DaemonLink(config, "chunkstore-scheduler", self.stats)
         self._warned_prefix_cache = False
         self.off = unsupported_parallelism(vllm_config)
         if self.off:

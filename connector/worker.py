@@ -119,7 +119,6 @@ class WorkerSide:
         self.keys = ModelKeys.from_vllm(vllm_config, config)
         self.rotary: RotaryConfig = self.keys.rotary
         self.block_size = vllm_config.cache_config.block_size
-        self.link = DaemonLink(config, "chunkstore-worker")
         self.layers: list[tuple[str, torch.Tensor]] = []
         self.cache = CpuKVLayout(vllm_config, self.block_size)
         self.can_read_cache = False
@@ -131,6 +130,7 @@ class WorkerSide:
         self.heads = RankHeads(0, 1, self.keys.layout.num_kv_heads, self.keys.layout.num_kv_heads)
         self._ended = LoadsEnded()
         self.stats = ConnectorStats()
+        self.link = DaemonLink(config, "chunkstore-worker", self.stats)
 
     # Set-up --------------------------------------------------------------------------------
 

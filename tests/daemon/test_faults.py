@@ -248,3 +248,68 @@ def test_an_entry_that_fails_its_checksum_is_evicted_at_once(daemon: RunningDaem
         assert client.stats().entries == 1  # ...and the new one holds as many
         assert daemon.scrape()['chunkstore_evictions_total{reason="corrupt"}'] == 1
         assert f"entry {entry_key(1).hex()} failed its checksum" in daemon.log()
+
+
+def test_a_client_reopens_its_session_after_the_daemon_restarts(serve, caplog) -> None:
+    first = serve("--lease-ttl-s", "1")
+    with ChunkStoreClient(first.unix, transport="shm") as client:
+        assert client.put(entry_key(1), *random_kv(4), 0)
+        old_session, old_pool = client.session, client.server_info.shm_path
+        assert first.stop() == 0
+        second = serve("--lease-ttl-s", "1")  # the same socket path, a new pool
+        wait_for(lambda: client.sessions_reopened == 1, timeout=60)
+        assert client.session != old_session
+        assert client.server_info.shm_path == second.ready["shm_path"] != old_pool
+        k, v = random_kv(8, seed=2)
+        assert client.put(entry_key(2), k, v, 0)  # through the new pool's mapping
+        stored = client.get(entry_key(2))
+        assert stored is not None and torch.equal(stored.keys, k)
+        assert client.lookup([entry_key(1)]) == [None]  # the old daemon's entries went with it
+        assert client.stats().sessions == 1
+        assert client.sessions_reopened == 1
+    assert f"chunkstore session {old_session} at {first.unix} was lost" in caplog.text
+
+
+PAUSED_READER = """
+import sys
+from chunkstore.client import ChunkStoreClient
+from chunkstore.errors import NotFound
+from chunkstore.testing.daemon import entry_key, random_kv
+c = ChunkStoreClient({address!r})
+[lease] = c.acquire([entry_key(1)])
+print("leased", flush=True)
+sys.stdin.readline()  # SIGSTOPped here, past the TTL
+try:
+    c.release([lease.lease_id])
+except NotFound as err:
+    print("lease expired:", err, flush=True)
+assert c.put(entry_key(2), *random_kv(4, seed=2), 0)
+assert c.get(entry_key(2)) is not None
+print("reopened", c.sessions_reopened, flush=True)
+c.close()
+"""
+
+
+def test_a_client_paused_past_the_ttl_keeps_its_session(daemon: RunningDaemon) -> None:
+    with ChunkStoreClient(daemon.unix) as client:
+        assert client.put(entry_key(1), *random_kv(4), 0)
+        reader = subprocess.Popen(
+            [sys.executable, "-c", PAUSED_READER.format(address=daemon.unix)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert reader.stdout is not None and reader.stdin is not None
+        try:
+            assert reader.stdout.readline() == "leased\n"
+            reader.send_signal(signal.SIGSTOP)
+            wait_for(lambda: client.stats().active_leases == 0)  # its lease expired...
+            assert client.stats().sessions == 2  # ...its session did not: its stream is open
+            reader.send_signal(signal.SIGCONT)
+            reader.stdin.write("go\n")
+            reader.stdin.flush()
+            assert reader.stdout.readline().startswith("lease expired: NOT_FOUND: no lease")
+            assert reader.stdout.readline() == "reopened 0\n"  # the same session served on
+            assert reader.wait(timeout=30) == 0
+        finally:
+            reader.kill()

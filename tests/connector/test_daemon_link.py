@@ -1,0 +1,28 @@
+"""The connector's link to its daemon (``DaemonLink``) against real daemon processes: a
+restarted daemon is used again without recomputing forever, and the lost session is counted."""
+
+from __future__ import annotations
+
+from chunkstore.testing.daemon import entry_key, random_kv, wait_for
+from chunkstore_vllm.client_holder import DaemonLink
+from chunkstore_vllm.config import ConnectorConfig
+from chunkstore_vllm.metrics import ConnectorStats
+
+
+def test_a_restarted_daemon_is_used_again_and_the_lost_session_counted(serve) -> None:
+    first = serve("--lease-ttl-s", "1")
+    stats = ConnectorStats()
+    link = DaemonLink(ConnectorConfig(address=first.unix), "test", stats)
+    try:
+        client = link.get()
+        assert client is not None and client.put(entry_key(1), *random_kv(4), 0)
+        assert first.stop() == 0
+        serve("--lease-ttl-s", "1")  # the same socket path
+        wait_for(lambda: client.sessions_reopened == 1, timeout=60)
+        assert link.get() is client  # kept: its session came back
+        assert stats.data["sessions_reopened"] == 1
+        assert client.put(entry_key(2), *random_kv(4), 0)
+        assert link.get() is client and stats.data["sessions_reopened"] == 1  # counted once
+        assert link.failures == 0
+    finally:
+        link.close()
