@@ -25,6 +25,7 @@ import redis
 
 from chunkstore.daemon.index import Index
 from chunkstore.daemon.peers import PeerSource
+from chunkstore.daemon.workers import Workers
 from chunkstore.errors import ChunkStoreError
 
 log = logging.getLogger("chunkstore.daemon.directory")
@@ -59,35 +60,26 @@ class Directory:
         self._wanted: queue.Queue[bytes] = queue.Queue(QUEUE_LIMIT)
         self._queued: set[bytes] = set()
         self._lock = threading.Lock()
-        self._stop = threading.Event()
         self._down = False
-        self._threads = [
-            threading.Thread(target=self._publish_loop, name="chunkstore-publish", daemon=True),
-            threading.Thread(target=self._fetch_loop, name="chunkstore-fetch", daemon=True),
-        ]
 
-    def start(self) -> None:
-        for thread in self._threads:
-            thread.start()
+    def start(self, workers: Workers) -> None:
+        workers.start("publish", self._publish_step, interval=max(0.2, self.ttl_s / 3))
+        workers.start("fetch", self._fetch_step)
 
     def stop(self) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout=5)
+        """After the workers stopped: withdraw every claim, close the connections."""
         with contextlib.suppress(redis.RedisError):
             self._withdraw(self._published)  # a clean stop withdraws at once
         self.redis.close()
+        self.peers.close()
 
     # Publishing ------------------------------------------------------------------------
 
-    def _publish_loop(self) -> None:
-        interval = max(0.2, self.ttl_s / 3)
-        while not self._stop.is_set():
-            try:
-                self.publish()
-            except redis.RedisError as err:
-                self._trouble(f"publishing to Redis failed: {err}")
-            self._stop.wait(interval)
+    def _publish_step(self) -> None:
+        try:
+            self.publish()
+        except redis.RedisError as err:
+            self._trouble(f"publishing to Redis failed: {err}")
 
     def publish(self) -> None:
         """Claim every entry held here for another ttl; withdraw the ones gone since."""
@@ -130,23 +122,20 @@ class Directory:
                     return
                 self._queued.add(key)
 
-    def _fetch_loop(self) -> None:
+    def _fetch_step(self) -> None:
         try:
-            while not self._stop.is_set():
-                try:
-                    key = self._wanted.get(timeout=0.2)
-                except queue.Empty:
-                    continue
-                try:
-                    self.metrics.remote_fetches.labels(self._fetch(key)).inc()
-                except (ChunkStoreError, redis.RedisError) as err:
-                    self._trouble(f"fetching {key.hex()[:12]} failed: {err}")
-                    self.metrics.remote_fetches.labels("failed").inc()
-                finally:
-                    with self._lock:
-                        self._queued.discard(key)
+            key = self._wanted.get(timeout=0.2)
+        except queue.Empty:
+            return
+        result = "failed"  # unless it ends otherwise: an unexpected error is a failed fetch
+        try:
+            result = self._fetch(key)
+        except (ChunkStoreError, redis.RedisError) as err:
+            self._trouble(f"fetching {key.hex()[:12]} failed: {err}")
         finally:
-            self.peers.close()
+            self.metrics.remote_fetches.labels(result).inc()
+            with self._lock:
+                self._queued.discard(key)
 
     def _fetch(self, key: bytes) -> str:
         """Pull one key from a peer that claims it: "ok", "present" (stored here meanwhile),

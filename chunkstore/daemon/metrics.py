@@ -128,11 +128,18 @@ class Metrics:
             ["node"],
             registry=self.registry,
         )
+        background_errors = Counter(
+            f"{PREFIX}_background_errors",
+            "Steps of a background thread (reap, publish, fetch) that raised; it goes on",
+            ["node", "thread"],
+            registry=self.registry,
+        )
         for result in ("ok", "absent", "failed", "present"):
             remote_fetches.labels(node, result)  # every series from the start, at 0
         directory_errors.labels(node)
         self.remote_fetches = _Bound(remote_fetches, node)
         self.directory_errors = _Bound(directory_errors, node)
+        self.background_errors = _Bound(background_errors, node)
         self.bytes = _Bound(bytes_moved, node)
         self.rpc_seconds = _Bound(rpc_seconds, node)
         self.errors = _Bound(errors, node)

@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 import xxhash
 
-from chunkstore.errors import ChecksumMismatch, NotFound
+from chunkstore.errors import ChecksumMismatch, InvalidRequest, NotFound
 from chunkstore.kv.entry import EntryLayout
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol import chunkstore_pb2_grpc as pb_grpc
@@ -83,17 +83,23 @@ class _Peer:
             reply = self._call(
                 self.stub.Acquire, pb.AcquireRequest(session_id=self.session, keys=[key])
             )
+        if len(reply.leases) != 1:  # type: ignore[attr-defined]
+            raise InvalidRequest(f"peer answered {len(reply.leases)} leases for one key")  # type: ignore[attr-defined]
         [lease] = reply.leases  # type: ignore[attr-defined]
         if not lease.lease_id:
             return None
         try:
+            layout = layout_from_proto(lease.layout)
+            layout.validate()  # a malformed answer is a failed pull, not a crash
+            if layout.nbytes != lease.nbytes:
+                raise InvalidRequest(f"peer leased {lease.nbytes} bytes for a layout of {layout}")
             data = self._read(lease)
         finally:
             self._call(
                 self.stub.Release,
                 pb.ReleaseRequest(session_id=self.session, lease_ids=[lease.lease_id]),
             )
-        return PulledEntry(layout_from_proto(lease.layout), data, lease.checksum)
+        return PulledEntry(layout, data, lease.checksum)
 
     def _read(self, lease: pb.Lease) -> np.ndarray:
         data = np.empty(lease.nbytes, dtype=np.uint8)

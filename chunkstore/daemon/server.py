@@ -28,6 +28,7 @@ from chunkstore.daemon.index import Entry, Index
 from chunkstore.daemon.metrics import Metrics
 from chunkstore.daemon.peers import StreamPeers
 from chunkstore.daemon.pool import Pool, create_pool, reclaim_stale_pools
+from chunkstore.daemon.workers import Workers
 from chunkstore.errors import InvalidRequest, StoreError
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol import chunkstore_pb2_grpc as pb_grpc
@@ -364,6 +365,33 @@ def remove_stale_socket(path: Path) -> None:
     )
 
 
+class LiveHealth(health.HealthServicer):
+    """The standard health service, its status computed when asked: SERVING only while
+    ``unready()`` finds nothing wrong (started, not draining, no background thread dead)."""
+
+    def __init__(self, unready: Callable[[], str]) -> None:
+        super().__init__()
+        self.unready = unready
+        self._said = ""
+
+    def refresh(self) -> None:
+        reason = self.unready()
+        if reason and reason != self._said:
+            log.warning("health: NOT_SERVING: %s", reason)
+        self._said = reason
+        status = (
+            health_pb2.HealthCheckResponse.NOT_SERVING
+            if reason
+            else health_pb2.HealthCheckResponse.SERVING
+        )
+        for service in ("", SERVICE):
+            self.set(service, status)
+
+    def Check(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self.refresh()
+        return super().Check(request, context)
+
+
 class _TokenCheck(grpc.ServerInterceptor):
     """Every call but health checks must carry ``authorization: Bearer <token>``."""
 
@@ -430,7 +458,8 @@ class Daemon:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        self.health = health.HealthServicer()
+        self.workers = Workers(self.metrics.background_errors)
+        self.health = LiveHealth(self._unready)
         service = ChunkStoreService(
             config, self.index, self.pool, self.metrics, on_drain=lambda: self._set_health(False)
         )
@@ -439,7 +468,7 @@ class Daemon:
         pb_grpc.add_ChunkStoreServicer_to_server(service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.addresses: dict[str, str] = {}
-        self._stop = threading.Event()
+        self._serving = False
 
     def start(self) -> dict[str, str]:
         config = self.config
@@ -473,20 +502,25 @@ class Daemon:
                 self.metrics,
             )
             self.service.on_miss = self.directory.want
-            self.directory.start()
+            self.directory.start(self.workers)
+        reap_every = max(0.05, min(1.0, self.config.lease_ttl_s / 4))
+        self.workers.start("reap", self.index.expire, interval=reap_every)
         self._set_health(True)
-        threading.Thread(target=self._reap, name="chunkstore-reaper", daemon=True).start()
         self.addresses["shm_path"] = self.pool.shm_path
         return self.addresses
 
     def _set_health(self, serving: bool) -> None:
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if serving
-            else (health_pb2.HealthCheckResponse.NOT_SERVING)
-        )
-        for service in ("", SERVICE):
-            self.health.set(service, status)
+        self._serving = serving
+        self.health.refresh()
+
+    def _unready(self) -> str:
+        """Why the daemon cannot serve now ("" when it can)."""
+        if not self._serving:
+            return "starting, draining or stopped"
+        dead = self.workers.dead()
+        if dead:
+            return f"background thread(s) {', '.join(dead)} died"
+        return ""
 
     def _bind_socket(self, path: str) -> None:
         socket_path = Path(path)
@@ -500,18 +534,13 @@ class Daemon:
             os.umask(previous)
         self.addresses["socket"] = str(socket_path)
 
-    def _reap(self) -> None:
-        interval = max(0.05, min(1.0, self.config.lease_ttl_s / 4))
-        while not self._stop.wait(interval):
-            self.index.expire()
-
     def stop(self, drain_timeout: float | None = None) -> int:
         """Drain (bounded), stop serving, free the pool. Returns the leases left behind."""
         self._set_health(False)
         left = drain(
             self.index, self.config.drain_timeout_s if drain_timeout is None else drain_timeout
         )
-        self._stop.set()
+        self.workers.join()
         if self.directory is not None:
             self.directory.stop()
         self.server.stop(grace=1.0).wait()

@@ -10,8 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from chunkstore.client import ChunkStoreClient
 from chunkstore.errors import ChecksumMismatch, NotFound, PoolFull
@@ -24,6 +26,7 @@ from chunkstore.testing.daemon import (
     start_daemon,
     wait_for,
 )
+from chunkstore.testing.redis import RedisServer
 
 
 def serve_once(workdir: Path, *flags: str) -> subprocess.CompletedProcess[str]:
@@ -313,3 +316,66 @@ def test_a_client_paused_past_the_ttl_keeps_its_session(daemon: RunningDaemon) -
             assert reader.wait(timeout=30) == 0
         finally:
             reader.kill()
+
+
+def faulty(armed: Path, *fault: str) -> tuple[str, ...]:
+    """The launcher of a daemon that fails on purpose (``fault``) once ``armed`` exists."""
+    return ("chunkstore.testing.dying_daemon", *fault, "--armed-by", str(armed))
+
+
+@pytest.mark.parametrize("malformed", ["dtype", "count"])
+def test_a_malformed_peer_answer_fails_one_fetch_and_the_fetcher_goes_on(
+    serve, tmp_path: Path, malformed: str
+) -> None:
+    armed = tmp_path / "armed"
+    with RedisServer(tmp_path / "redis") as redis_server:
+        cluster = ("--redis", redis_server.url, "--directory-ttl-s", "2")
+        bad = serve(*cluster, name="bad", launcher=faulty(armed, "--bad-acquire", malformed))
+        good = serve(*cluster, name="good")
+        here = serve(*cluster, name="here")
+        with (
+            ChunkStoreClient(bad.unix) as on_bad,
+            ChunkStoreClient(good.unix) as on_good,
+            ChunkStoreClient(here.unix) as on_here,
+        ):
+            assert on_bad.put(entry_key(1), *random_kv(4), 0)
+            k, v = random_kv(4, seed=2)
+            assert on_good.put(entry_key(2), k, v, 0)
+            armed.touch()
+            failed = 'chunkstore_remote_fetches_total{result="failed"}'
+            # The bad peer's claim reaches Redis, then a miss here pulls from it and fails.
+            wait_for(
+                lambda: on_here.lookup([entry_key(1)]) == [None] and here.scrape()[failed] > 0,
+                timeout=30,
+            )
+            # The fetcher lives on: the next miss is pulled from the good peer.
+            wait_for(lambda: on_here.lookup([entry_key(2)]) != [None], timeout=30)
+            stored = on_here.get(entry_key(2))
+            assert stored is not None and torch.equal(stored.keys, k)
+            assert health(here) == "SERVING"
+            assert on_here.lookup([entry_key(1)]) == [None]  # nothing of the bad answer stored
+            assert ("float12" if malformed == "dtype" else "2 leases for one key") in here.log()
+
+
+def health(daemon: RunningDaemon) -> str:
+    with grpc.insecure_channel(daemon.tcp) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=5
+        )
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+
+
+def test_a_background_thread_survives_errors_and_its_death_is_not_serving(
+    serve, tmp_path: Path
+) -> None:
+    armed = tmp_path / "armed"
+    failing = serve(name="failing", launcher=faulty(armed, "--reaper-raises", "RuntimeError"))
+    dying = serve(name="dying", launcher=faulty(armed, "--reaper-raises", "SystemExit"))
+    assert health(failing) == health(dying) == "SERVING"
+    armed.touch()
+    errors = 'chunkstore_background_errors_total{thread="reap"}'
+    wait_for(lambda: failing.scrape()[errors] >= 3)  # it failed, and failed again: alive
+    assert health(failing) == "SERVING"
+    assert "background thread reap: a step failed; it goes on" in failing.log()
+    wait_for(lambda: health(dying) == "NOT_SERVING", timeout=30)
+    assert "health: NOT_SERVING: background thread(s) reap died" in dying.log()
