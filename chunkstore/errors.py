@@ -49,10 +49,19 @@ class AlreadyExists(StoreError):
     code = "ALREADY_EXISTS"
 
 
-class PoolFull(StoreError):
-    """No room, even after evicting every entry that is neither leased nor pinned."""
+class Exhausted(StoreError):
+    """A limit is reached: the pool's room (``PoolFull``), or the sessions or transfer
+    streams the daemon serves at once (``Busy``). Over the wire both arrive as this class."""
 
     code = "RESOURCE_EXHAUSTED"
+
+
+class PoolFull(Exhausted):
+    """No room, even after evicting every entry that is neither leased nor pinned."""
+
+
+class Busy(Exhausted):
+    """As many sessions or transfer streams as the daemon allows are open; retry later."""
 
 
 class WrongState(StoreError):

@@ -41,6 +41,8 @@ class ServeConfig:
     low_watermark: float = 0.85
     verify_commits: bool = True
     drain_timeout_s: float = 10.0
+    max_sessions: int = 1024  # clients at once (each holds a heartbeat stream)
+    max_transfers: int = 64  # Read / Write streams at once (clients that cannot map the pool)
     node: str = dataclasses.field(default_factory=gethostname)
     redis: str = ""  # cluster directory, redis://host:port/db ("" = standalone)
     advertise: str = ""  # host:port peers dial for this daemon ("" = the tcp address)
@@ -55,6 +57,8 @@ class ServeConfig:
                 "it could read and write KV. Set --token (and TLS), or pass "
                 "--allow-insecure-remote if the network is yours alone."
             )
+        if self.max_sessions < 1 or self.max_transfers < 1:
+            raise InvalidRequest("--max-sessions and --max-transfers must be at least 1")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise InvalidRequest("TLS needs both --tls-cert and --tls-key")
         if self.tls_client_ca and not self.tls_cert:
@@ -170,6 +174,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "low_watermark": "... down to this fill (0.85)",
         "verify_commits": "hash an entry's pool bytes at commit and refuse a mismatch (true)",
         "drain_timeout_s": "on SIGTERM, how long to wait for leases to end (10)",
+        "max_sessions": "client sessions served at once; Hello beyond it is refused with "
+        "RESOURCE_EXHAUSTED (1024; each holds a heartbeat stream and one server thread)",
+        "max_transfers": "Read / Write streams at once, beyond them refused with "
+        "RESOURCE_EXHAUSTED (64; shared-memory clients do not use them)",
         "node": "node name reported to clients (default: hostname)",
         "redis": "Redis URL of the cluster directory, e.g. redis://10.0.0.5:6379/0 "
         "(default: none, standalone): misses are pulled from peers that hold the chunk",

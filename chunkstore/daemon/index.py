@@ -23,6 +23,7 @@ import numpy as np
 from chunkstore.daemon.pool import Pool
 from chunkstore.errors import (
     AlreadyExists,
+    Busy,
     ChecksumMismatch,
     InvalidRequest,
     NotFound,
@@ -109,6 +110,7 @@ class Index:
         high_watermark: float = 0.95,
         low_watermark: float = 0.85,
         verify_commits: bool = True,
+        max_sessions: int = 1 << 30,
         clock: Callable[[], float] = time.monotonic,
         on_evict: Callable[[str, int], None] | None = None,
     ) -> None:
@@ -119,6 +121,7 @@ class Index:
         self.high_watermark = high_watermark
         self.low_watermark = low_watermark
         self.verify_commits = verify_commits
+        self.max_sessions = max_sessions
         self.clock = clock
         self.on_evict = on_evict
         self.lock = threading.RLock()
@@ -137,15 +140,24 @@ class Index:
 
     def open_session(self, name: str) -> str:
         with self.lock:
+            if len(self._sessions) >= self.max_sessions:
+                raise Busy(
+                    f"{len(self._sessions)} sessions are open, the most --max-sessions allows; "
+                    "close idle clients or raise --max-sessions"
+                )
             session_id = secrets.token_hex(8)
             self._sessions[session_id] = Session(session_id, name, self.clock())
             return session_id
 
     def attach_stream(self, session_id: str) -> None:
         """A heartbeat stream opened: the session's process is alive until it closes (then
-        ``end_session``), however long it stays silent."""
+        ``end_session``), however long it stays silent. One per session: each holds a server
+        thread, and ``max_sessions`` bounds them only so."""
         with self.lock:
-            self._session(session_id).streams += 1
+            session = self._session(session_id)
+            if session.streams:
+                raise AlreadyExists(f"session {session_id} has its heartbeat stream already")
+            session.streams += 1
 
     def renew(self, session_id: str) -> None:
         """A sign of life: pushes back the expiry of everything the session holds."""

@@ -3,6 +3,7 @@ and the index and pool: requests become index calls, typed errors become status 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -29,7 +30,7 @@ from chunkstore.daemon.metrics import Metrics
 from chunkstore.daemon.peers import StreamPeers
 from chunkstore.daemon.pool import Pool, create_pool, reclaim_stale_pools
 from chunkstore.daemon.workers import Workers
-from chunkstore.errors import InvalidRequest, StoreError
+from chunkstore.errors import Busy, InvalidRequest, StoreError
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol import chunkstore_pb2_grpc as pb_grpc
 from chunkstore.protocol.shm import block_runs, scatter
@@ -101,6 +102,21 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
         self.metrics = metrics
         self.on_drain = on_drain
         self.on_miss: Callable[[list[bytes]], None] | None = None  # the cluster directory's
+        self._transfers = threading.BoundedSemaphore(config.max_transfers)
+
+    @contextlib.contextmanager
+    def _transfer_slot(self) -> Iterator[None]:
+        """One of ``max_transfers`` Read / Write streams, or Busy: each holds a server thread
+        for as long as it streams, and threads must be left for everything else."""
+        if not self._transfers.acquire(blocking=False):
+            raise Busy(
+                f"{self.config.max_transfers} Read / Write streams are in progress, the most "
+                "--max-transfers allows; retry, or map the pool (same host)"
+            )
+        try:
+            yield
+        finally:
+            self._transfers.release()
 
     @_rpc
     def Hello(self, request: pb.HelloRequest, context: grpc.ServicerContext) -> pb.HelloReply:
@@ -220,6 +236,10 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
     def Write(
         self, request_iterator: Iterator[pb.WritePiece], context: grpc.ServicerContext
     ) -> pb.WriteReply:
+        with self._transfer_slot():
+            return self._write(request_iterator)
+
+    def _write(self, request_iterator: Iterator[pb.WritePiece]) -> pb.WriteReply:
         session, reservation_id, total = "", 0, 0
         for piece in request_iterator:
             if not session:
@@ -248,6 +268,10 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
     def Read(
         self, request: pb.ReadRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.ReadPiece]:
+        with self._transfer_slot():
+            yield from self._read(request)
+
+    def _read(self, request: pb.ReadRequest) -> Iterator[pb.ReadPiece]:
         entry: Entry = self.index.lease(request.session_id, request.lease_id)
         piece = request.piece_bytes or READ_PIECE
         if piece > MAX_MESSAGE // 2:
@@ -446,11 +470,17 @@ class Daemon:
             config.high_watermark,
             config.low_watermark,
             config.verify_commits,
+            config.max_sessions,
         )
         self.metrics = Metrics(self.index, config.node)
         interceptors = [_TokenCheck(config.token)] if config.token else []
         self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=32),
+            # A thread per heartbeat stream and per transfer stream, both bounded, and 32 more
+            # that only short calls (and health checks) take.
+            futures.ThreadPoolExecutor(
+                max_workers=config.max_sessions + config.max_transfers + 32,
+                thread_name_prefix="chunkstore-rpc",
+            ),
             interceptors=interceptors,
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE),

@@ -10,7 +10,7 @@ from chunkstore.client import ChunkStoreClient
 WORKER = """
 import random, sys, torch
 from chunkstore.client import ChunkStoreClient
-from chunkstore.errors import PoolFull
+from chunkstore.errors import Exhausted
 
 def content(i):
     g = torch.Generator().manual_seed(i)
@@ -29,7 +29,7 @@ with ChunkStoreClient(address, transport=transport) as c:
         if op < 0.4:
             try:
                 c.put(key, *content(i), virtual_start=i)
-            except PoolFull:
+            except Exhausted:
                 pass  # every block leased or reserved for a moment: fine, try later
         elif op < 0.8:
             got = c.get(key)  # checksum-verified by the client

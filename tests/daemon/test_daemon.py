@@ -18,9 +18,9 @@ from chunkstore.client import ChunkStoreClient
 from chunkstore.errors import (
     AlreadyExists,
     ChecksumMismatch,
+    Exhausted,
     InvalidRequest,
     NotFound,
-    PoolFull,
     Unauthenticated,
     WrongState,
 )
@@ -147,7 +147,7 @@ def test_bad_input_gets_typed_errors_and_the_daemon_stays_healthy(daemon: Runnin
         k, v = random_kv(4)
         assert client.put(entry_key(2), k, v, 0)
         # A message over the daemon's size limit is refused by gRPC itself.
-        with pytest.raises(PoolFull):
+        with pytest.raises(Exhausted):
             client._call(stub.Lookup, pb.LookupRequest(keys=[b"x" * (65 << 20)]))
         assert client.get(entry_key(2)) is not None  # everything else intact
     with grpc.insecure_channel(daemon.tcp) as channel:
@@ -162,7 +162,7 @@ def test_a_full_pool_answers_resource_exhausted_and_stays_healthy(serve) -> None
         assert client.put(entry_key(1), k, v, 0)
         [lease] = client.acquire([entry_key(1)])  # leased: cannot be evicted
         assert lease is not None
-        with pytest.raises(PoolFull):
+        with pytest.raises(Exhausted):
             client.put(entry_key(2), *random_kv(300), 0)
         client.release([lease.lease_id])
         assert client.put(entry_key(2), *random_kv(300), 0)  # now the old one is evicted for it

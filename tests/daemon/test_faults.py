@@ -4,10 +4,12 @@ processes, real signals."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import grpc
@@ -16,7 +18,10 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from chunkstore.client import ChunkStoreClient
-from chunkstore.errors import ChecksumMismatch, NotFound, PoolFull
+from chunkstore.errors import ChecksumMismatch, Exhausted, NotFound
+from chunkstore.kv.entry import layout_of
+from chunkstore.protocol import chunkstore_pb2 as pb
+from chunkstore.protocol.wire import layout_to_proto
 from chunkstore.testing.daemon import (
     RunningDaemon,
     entry_key,
@@ -121,7 +126,7 @@ def test_a_reserve_that_cannot_fit_evicts_nothing(serve) -> None:
         assert client.put(pinned, *random_kv(100, seed=9), 0)  # 5 blocks
         client.pin([pinned])
         # 15 blocks of 16 are free or evictable only after the leased and pinned ones go.
-        with pytest.raises(PoolFull, match="evictable"):
+        with pytest.raises(Exhausted, match="evictable"):
             client.put(entry_key(20), *random_kv(300), 0)
         stats = client.stats()
         assert stats.entries == 5 and not stats.evictions.get("capacity")
@@ -379,3 +384,80 @@ def test_a_background_thread_survives_errors_and_its_death_is_not_serving(
     assert "background thread reap: a step failed; it goes on" in failing.log()
     wait_for(lambda: health(dying) == "NOT_SERVING", timeout=30)
     assert "health: NOT_SERVING: background thread(s) reap died" in dying.log()
+
+
+def test_512_clients_are_served_and_health_always_answers(serve) -> None:
+    running = serve()
+    clients: list[ChunkStoreClient] = []
+    try:
+        for _ in range(512):  # each holds a heartbeat stream (it froze the daemon at 32)
+            clients.append(ChunkStoreClient(running.unix, transport="stream", timeout=30))
+        assert health(running) == "SERVING"
+        assert clients[0].stats().sessions == 512
+        k, v = random_kv(4)
+        assert clients[-1].put(entry_key(1), k, v, 0)
+        stored = clients[0].get(entry_key(1))  # a Read stream, another client
+        assert stored is not None and torch.equal(stored.keys, k)
+    finally:
+        for client in clients:
+            client.close()
+
+
+def test_clients_beyond_max_sessions_are_refused_clearly(serve) -> None:
+    running = serve("--max-sessions", "8")
+    clients = [ChunkStoreClient(running.unix) for _ in range(8)]
+    try:
+        with pytest.raises(Exhausted, match="8 sessions are open, the most --max-sessions"):
+            ChunkStoreClient(running.unix)
+        assert health(running) == "SERVING"
+        clients.pop().close()
+        wait_for(lambda: clients[0].stats().sessions == 7)
+        clients.append(ChunkStoreClient(running.unix))  # room again
+        assert clients[-1].put(entry_key(1), *random_kv(4), 0)
+    finally:
+        for client in clients:
+            client.close()
+
+
+def test_transfer_streams_beyond_max_transfers_are_refused_clearly(serve) -> None:
+    running = serve("--max-transfers", "1")
+    with (
+        ChunkStoreClient(running.unix, transport="stream") as holder,
+        ChunkStoreClient(running.unix, transport="stream") as other,
+    ):
+        k, v = random_kv(4)
+        layout = layout_of(k, v, 0)
+        reply = holder.stub.Reserve(
+            pb.ReserveRequest(
+                session_id=holder.session,
+                key=entry_key(9),
+                layout=layout_to_proto(layout),
+                nbytes=layout.nbytes,
+            )
+        )
+        release = threading.Event()
+
+        def pieces():
+            yield pb.WritePiece(
+                session_id=holder.session, reservation_id=reply.reservation_id, data=b"\0"
+            )
+            release.wait(30)  # the stream stays open: it holds the one transfer slot
+
+        writing = holder.stub.Write.future(pieces())
+        try:
+            attempts = itertools.count(100)  # a new key each: one may land before the slot goes
+            wait_for(lambda: _refused(other, entry_key(next(attempts)), k, v))
+            assert health(running) == "SERVING"
+        finally:
+            release.set()
+            writing.result(timeout=30)
+        assert other.put(entry_key(1), k, v, 0)  # the slot is free again
+
+
+def _refused(client: ChunkStoreClient, key: bytes, k, v) -> bool:
+    try:
+        client.put(key, k, v, 0)
+    except Exhausted as err:
+        assert "1 Read / Write streams are in progress, the most --max-transfers" in str(err)
+        return True
+    return False
