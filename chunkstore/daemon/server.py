@@ -416,6 +416,48 @@ class LiveHealth(health.HealthServicer):
         return super().Check(request, context)
 
 
+class _DecodeInHandler(grpc.ServerInterceptor):
+    """Decode requests inside the handler, so that bytes that are not the method's message
+    answer INVALID_ARGUMENT. grpcio's own decoding answers INTERNAL, logs a traceback, and
+    keeps ~19 KB of the daemon's memory for good on each such request (grpcio 1.85; health
+    checks included, which need no token)."""
+
+    def intercept_service(self, continuation: Any, details: Any) -> Any:
+        handler = continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        method, decode = details.method, handler.request_deserializer
+
+        def decoded(raw: bytes, context: grpc.ServicerContext) -> Any:
+            try:
+                return decode(raw)
+            except Exception:
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a {method} message"
+                )
+
+        def each(raw: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[Any]:
+            return (decoded(r, context) for r in raw)
+
+        kind = (handler.request_streaming, handler.response_streaming)
+        options = {"response_serializer": handler.response_serializer}
+        if kind == (False, False):
+            return grpc.unary_unary_rpc_method_handler(
+                lambda r, c: handler.unary_unary(decoded(r, c), c), **options
+            )
+        if kind == (False, True):
+            return grpc.unary_stream_rpc_method_handler(
+                lambda r, c: handler.unary_stream(decoded(r, c), c), **options
+            )
+        if kind == (True, False):
+            return grpc.stream_unary_rpc_method_handler(
+                lambda r, c: handler.stream_unary(each(r, c), c), **options
+            )
+        return grpc.stream_stream_rpc_method_handler(
+            lambda r, c: handler.stream_stream(each(r, c), c), **options
+        )
+
+
 class _TokenCheck(grpc.ServerInterceptor):
     """Every call but health checks must carry ``authorization: Bearer <token>``."""
 
@@ -474,6 +516,7 @@ class Daemon:
         )
         self.metrics = Metrics(self.index, config.node)
         interceptors = [_TokenCheck(config.token)] if config.token else []
+        interceptors.append(_DecodeInHandler())
         self.server = grpc.server(
             # A thread per heartbeat stream and per transfer stream, both bounded, and 32 more
             # that only short calls (and health checks) take.

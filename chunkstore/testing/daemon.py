@@ -65,6 +65,11 @@ class RunningDaemon:
                 values[base + ("{" + ",".join(rest) + "}" if rest else "")] = float(value)
         return values
 
+    def rss_kib(self) -> int:
+        """The daemon process's resident memory, KiB."""
+        status = Path(f"/proc/{self.process.pid}/status").read_text()
+        return next(int(x.split()[1]) for x in status.splitlines() if x.startswith("VmRSS:"))
+
     def log(self) -> str:
         path = self.workdir / "daemon.log"
         return path.read_text() if path.exists() else ""
