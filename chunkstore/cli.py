@@ -132,6 +132,8 @@ def _admin(args: argparse.Namespace) -> int:
             elif args.command in ("pin", "unpin"):
                 changed = getattr(client, args.command)(_keys(args.keys))
                 reply = {"changed": changed}
+            elif args.command == "undrain":
+                reply = {"was_draining": client.undrain()}
             else:
                 reply = {"leases_left": client.drain(args.timeout)}
     except ChunkStoreError as err:
@@ -215,7 +217,12 @@ def _add_daemon_address(parser: argparse.ArgumentParser, token: bool = True) -> 
         help="the daemon: unix:/path or host:port (default: the default socket)",
     )
     if token:
-        parser.add_argument("--token", default=None, help="bearer token, if the daemon has one")
+        parser.add_argument(
+            "--token",
+            default=None,
+            help="bearer token, if the daemon has one (evict, clear, pin, unpin, drain and "
+            "undrain need its admin token)",
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -275,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
         "pin": "keep entries from eviction (e.g. a hot system prompt)",
         "unpin": "let pinned entries be evicted again",
         "drain": "stop new reads and writes, wait for leases to end",
+        "undrain": "serve reads and writes again after a drain",
     }
     for verb, text in admin_help.items():
         sub = commands.add_parser(verb, help=text, description=text)

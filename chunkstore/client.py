@@ -253,6 +253,10 @@ class ChunkStoreClient:
     def unpin(self, keys: Sequence[bytes]) -> int:
         return int(self._call(self.stub.Unpin, pb.PinRequest(keys=list(keys))).changed)
 
+    def undrain(self) -> bool:
+        """Serve reads and writes again after a drain; whether it was draining."""
+        return bool(self._call(self.stub.Undrain, pb.UndrainRequest()).was_draining)
+
     def drain(self, timeout: float = 0.0) -> int:
         reply = self._call(
             self.stub.Drain,

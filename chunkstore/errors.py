@@ -80,6 +80,12 @@ class Unauthenticated(StoreError):
     code = "UNAUTHENTICATED"
 
 
+class Forbidden(StoreError):
+    """An admin call without the admin token."""
+
+    code = "PERMISSION_DENIED"
+
+
 class Unavailable(StoreError):
     """The daemon cannot be reached (or is shutting down)."""
 

@@ -32,6 +32,7 @@ class ServeConfig:
     metrics: str = "127.0.0.1:9477"  # "" disables
     group_access: bool = False  # socket and pool readable by the daemon's group too
     token: str = ""  # bearer token every client must send
+    admin_token: str = ""  # bearer token admin calls need (Evict, Clear, Pin, Drain, ...)
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""  # set: clients must present a certificate it signed (mutual TLS)
@@ -165,6 +166,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "metrics": "Prometheus /metrics address ('' disables; default 127.0.0.1:9477)",
         "group_access": "let the daemon's group use the socket and the pool (default: user only)",
         "token": "bearer token clients must send (required beyond loopback)",
+        "admin_token": "bearer token the admin calls (evict, clear, pin, unpin, drain, undrain) "
+        "need; it is good for every other call too. With --token set and no admin token, admin "
+        "calls are refused",
         "tls_cert": "TLS certificate (PEM) for the TCP port",
         "tls_key": "TLS private key (PEM)",
         "tls_client_ca": "CA (PEM) that client certificates must chain to: mutual TLS",

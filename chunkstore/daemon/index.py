@@ -415,6 +415,12 @@ class Index:
         with self.lock:
             self.draining = True
 
+    def stop_draining(self) -> bool:
+        """Serve reads and writes again. Returns whether it was draining."""
+        with self.lock:
+            was, self.draining = self.draining, False
+            return was
+
     def stats(self) -> IndexStats:
         with self.lock:
             used_blocks = self.pool.num_blocks - self.pool.free_blocks

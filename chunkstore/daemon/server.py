@@ -94,7 +94,7 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
         index: Index,
         pool: Pool,
         metrics: Metrics,
-        on_drain: Callable[[], None] = lambda: None,
+        on_drain: Callable[[bool], None] = lambda draining: None,
     ) -> None:
         self.config = config
         self.index = index
@@ -337,8 +337,16 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
     @_rpc
     def Drain(self, request: pb.DrainRequest, context: grpc.ServicerContext) -> pb.DrainReply:
         timeout = request.timeout_ms / 1000 if request.timeout_ms else self.config.drain_timeout_s
-        self.on_drain()  # readiness fails first, so no new traffic is sent here
+        self.on_drain(True)  # readiness fails first, so no new traffic is sent here
         return pb.DrainReply(leases_left=drain(self.index, timeout))
+
+    @_rpc
+    def Undrain(self, request: pb.UndrainRequest, context: grpc.ServicerContext) -> pb.UndrainReply:
+        was = self.index.stop_draining()
+        self.on_drain(False)
+        if was:
+            log.warning("undrained: serving reads and writes again")
+        return pb.UndrainReply(was_draining=was)
 
 
 def drain(index: Index, timeout: float) -> int:
@@ -458,39 +466,52 @@ class _DecodeInHandler(grpc.ServerInterceptor):
         )
 
 
+ADMIN = frozenset(f"/{SERVICE}/{m}" for m in ("Evict", "Clear", "Pin", "Unpin", "Drain", "Undrain"))
+
+
 class _TokenCheck(grpc.ServerInterceptor):
-    """Every call but health checks must carry ``authorization: Bearer <token>``."""
+    """Every call but health checks must carry ``authorization: Bearer <token>`` (or the
+    admin token); admin calls need the admin token, and are refused when there is none."""
 
-    def __init__(self, token: str) -> None:
-        self.expected = f"Bearer {token}"
-
-        def refuse(request: Any, context: grpc.ServicerContext) -> Any:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-
-        self.refusal = grpc.unary_unary_rpc_method_handler(refuse)
+    def __init__(self, token: str, admin_token: str) -> None:
+        self.client = {f"Bearer {t}" for t in (token, admin_token) if t}
+        self.admin = f"Bearer {admin_token}" if admin_token else None
 
     def intercept_service(self, continuation: Any, details: Any) -> Any:
-        if details.method.startswith("/grpc.health.v1.Health/"):
+        method = details.method
+        if method.startswith("/grpc.health.v1.Health/"):
             return continuation(details)
-        metadata = dict(details.invocation_metadata or ())
-        if metadata.get("authorization") == self.expected:
+        bearer = dict(details.invocation_metadata or ()).get("authorization")
+        if method in ADMIN and bearer != self.admin:
+            why = (
+                f"{method} is an admin call: it needs the admin token"
+                if self.admin
+                else f"{method} is an admin call, refused: the daemon has no --admin-token"
+            )
+            return _refusal(continuation(details), grpc.StatusCode.PERMISSION_DENIED, why)
+        if bearer in self.client:
             return continuation(details)
-        handler = continuation(details)
-        if handler is None:
-            return None
-        if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(
-                lambda it, ctx: self.refusal.unary_unary(None, ctx)
-            )
-        if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(
-                lambda it, ctx: self.refusal.unary_unary(None, ctx)
-            )
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(
-                lambda req, ctx: self.refusal.unary_unary(None, ctx)
-            )
-        return self.refusal
+        return _refusal(
+            continuation(details), grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token"
+        )
+
+
+def _refusal(handler: Any, code: grpc.StatusCode, message: str) -> Any:
+    """A handler of ``handler``'s kind that answers ``code`` without reading the request."""
+    if handler is None:
+        return None
+
+    def refuse(request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(code, message)
+
+    kind = (handler.request_streaming, handler.response_streaming)
+    make = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }[kind]
+    return make(refuse)
 
 
 class Daemon:
@@ -515,7 +536,8 @@ class Daemon:
             config.max_sessions,
         )
         self.metrics = Metrics(self.index, config.node)
-        interceptors = [_TokenCheck(config.token)] if config.token else []
+        guarded = config.token or config.admin_token
+        interceptors = [_TokenCheck(config.token, config.admin_token)] if guarded else []
         interceptors.append(_DecodeInHandler())
         self.server = grpc.server(
             # A thread per heartbeat stream and per transfer stream, both bounded, and 32 more
@@ -534,7 +556,7 @@ class Daemon:
         self.workers = Workers(self.metrics.background_errors)
         self.health = LiveHealth(self._unready)
         service = ChunkStoreService(
-            config, self.index, self.pool, self.metrics, on_drain=lambda: self._set_health(False)
+            config, self.index, self.pool, self.metrics, on_drain=lambda d: self._set_health(not d)
         )
         self.service = service
         self.directory: Directory | None = None

@@ -316,3 +316,13 @@ class DrainReply(_message.Message):
     LEASES_LEFT_FIELD_NUMBER: _ClassVar[int]
     leases_left: int
     def __init__(self, leases_left: _Optional[int] = ...) -> None: ...
+
+class UndrainRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UndrainReply(_message.Message):
+    __slots__ = ("was_draining",)
+    WAS_DRAINING_FIELD_NUMBER: _ClassVar[int]
+    was_draining: bool
+    def __init__(self, was_draining: _Optional[bool] = ...) -> None: ...

@@ -119,6 +119,11 @@ class ChunkStoreStub:
                 request_serializer=chunkstore__pb2.DrainRequest.SerializeToString,
                 response_deserializer=chunkstore__pb2.DrainReply.FromString,
                 _registered_method=True)
+        self.Undrain = channel.unary_unary(
+                '/chunkstore.v1.ChunkStore/Undrain',
+                request_serializer=chunkstore__pb2.UndrainRequest.SerializeToString,
+                response_deserializer=chunkstore__pb2.UndrainReply.FromString,
+                _registered_method=True)
 
 
 class ChunkStoreServicer:
@@ -238,6 +243,13 @@ class ChunkStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Undrain(self, request, context):
+        """Serve reads and writes again after a Drain (health back to SERVING).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ChunkStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -325,6 +337,11 @@ def add_ChunkStoreServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=chunkstore__pb2.DrainRequest.FromString,
                     response_serializer=chunkstore__pb2.DrainReply.SerializeToString,
+            ),
+            'Undrain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Undrain,
+                    request_deserializer=chunkstore__pb2.UndrainRequest.FromString,
+                    response_serializer=chunkstore__pb2.UndrainReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -786,6 +803,33 @@ class ChunkStore:
             '/chunkstore.v1.ChunkStore/Drain',
             chunkstore__pb2.DrainRequest.SerializeToString,
             chunkstore__pb2.DrainReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Undrain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chunkstore.v1.ChunkStore/Undrain',
+            chunkstore__pb2.UndrainRequest.SerializeToString,
+            chunkstore__pb2.UndrainReply.FromString,
             options,
             channel_credentials,
             insecure,

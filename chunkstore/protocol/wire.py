@@ -9,6 +9,7 @@ from chunkstore.errors import (
     AlreadyExists,
     ChecksumMismatch,
     Exhausted,
+    Forbidden,
     InvalidRequest,
     NotFound,
     StoreError,
@@ -54,6 +55,7 @@ _ERRORS: dict[grpc.StatusCode, type[StoreError]] = {
     grpc.StatusCode.FAILED_PRECONDITION: WrongState,
     grpc.StatusCode.DATA_LOSS: ChecksumMismatch,
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: Forbidden,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: Unavailable,
 }

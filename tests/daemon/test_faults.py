@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -18,7 +19,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from chunkstore.client import ChunkStoreClient
-from chunkstore.errors import ChecksumMismatch, Exhausted, NotFound
+from chunkstore.errors import ChecksumMismatch, Exhausted, Forbidden, NotFound, WrongState
 from chunkstore.kv.entry import layout_of
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol.wire import layout_to_proto
@@ -499,3 +500,57 @@ def test_undecodable_requests_answer_invalid_argument_and_cost_no_memory(serve) 
     assert grown < 6 * 1024, f"the daemon grew {grown} KiB over 3000 undecodable requests"
     assert "Traceback" not in running.log()
     assert health(running) == "SERVING"
+
+
+def test_admin_calls_need_the_admin_token_and_a_drain_can_be_undone(serve) -> None:
+    running = serve("--token", "user", "--admin-token", "admin")
+    with (
+        ChunkStoreClient(running.tcp, token="user") as user,
+        ChunkStoreClient(running.tcp, token="admin") as admin,
+    ):
+        assert user.put(entry_key(1), *random_kv(4), 0)
+        for call in (
+            lambda: user.evict([entry_key(1)]),
+            user.clear,
+            lambda: user.pin([entry_key(1)]),
+            lambda: user.drain(0),
+            user.undrain,
+        ):
+            with pytest.raises(Forbidden, match="is an admin call: it needs the admin token"):
+                call()
+        assert user.lookup([entry_key(1)]) != [None]  # nothing happened
+        assert admin.pin([entry_key(1)]) == 1  # the admin token is good for admin calls...
+        assert admin.put(entry_key(2), *random_kv(4), 0)  # ...and for the others
+        assert admin.drain(0) == 0
+        assert health(running) == "NOT_SERVING"
+        with pytest.raises(WrongState, match="draining"):
+            user.put(entry_key(3), *random_kv(4), 0)
+        assert admin.undrain() is True
+        assert health(running) == "SERVING"
+        assert user.put(entry_key(3), *random_kv(4), 0)
+        assert admin.undrain() is False
+    cli = [sys.executable, "-m", "chunkstore.cli", "drain", "--address", running.tcp]
+    refused = subprocess.run([*cli, "--token", "user"], capture_output=True, text=True)
+    assert refused.returncode == 1 and "PERMISSION_DENIED" in refused.stderr
+
+
+def test_without_an_admin_token_admin_calls_are_refused(serve) -> None:
+    running = serve("--token", "user")
+    with ChunkStoreClient(running.tcp, token="user") as user:
+        with pytest.raises(Forbidden, match="the daemon has no --admin-token"):
+            user.drain(0)
+        assert health(running) == "SERVING"
+
+
+def test_another_client_cannot_end_a_session_with_a_heartbeat(daemon: RunningDaemon) -> None:
+    with ChunkStoreClient(daemon.unix) as victim, ChunkStoreClient(daemon.unix) as other:
+        assert victim.put(entry_key(1), *random_kv(4), 0)
+        [lease] = victim.acquire([entry_key(1)])
+        assert lease is not None
+        stream = other.stub.Heartbeat(iter([pb.Ping(session_id=victim.session)]))
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stream)
+        assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        time.sleep(0.5)  # the refused stream has ended: the victim's session must stand
+        assert victim.stats().sessions == 2 and victim.stats().active_leases == 1
+        victim.release([lease.lease_id])  # still its session, still its lease
