@@ -48,6 +48,9 @@ class ServeConfig:
     redis: str = ""  # cluster directory, redis://host:port/db ("" = standalone)
     advertise: str = ""  # host:port peers dial for this daemon ("" = the tcp address)
     directory_ttl_s: float = 60.0
+    peer_token: str = ""  # what this daemon sends to peers, and accepts from them (reads only)
+    peer_ca: str = ""  # peers' server certificates must chain to it: pulls dial over TLS
+    allow_insecure_peers: bool = False  # send peer_token to peers dialed without TLS
     log_level: str = "INFO"
 
     def validate(self) -> None:
@@ -60,6 +63,20 @@ class ServeConfig:
             )
         if self.max_sessions < 1 or self.max_transfers < 1:
             raise InvalidRequest("--max-sessions and --max-transfers must be at least 1")
+        if self.redis and self.token and not self.peer_token:
+            raise InvalidRequest(
+                "the cluster directory (--redis) with --token needs --peer-token: the "
+                "credential daemons pull from each other with (read calls only). The client "
+                "token is never sent to peers."
+            )
+        if self.peer_token and not self.peer_ca and not self.allow_insecure_peers:
+            raise InvalidRequest(
+                "--peer-token would go to whatever address Redis lists, unauthenticated: set "
+                "--peer-ca (and --tls-cert / --tls-key) so peers are dialed over TLS, or pass "
+                "--allow-insecure-peers if the network and the Redis are yours alone"
+            )
+        if self.peer_ca and not self.tls_cert:
+            raise InvalidRequest("--peer-ca needs --tls-cert / --tls-key (shown to peers)")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise InvalidRequest("TLS needs both --tls-cert and --tls-key")
         if self.tls_client_ca and not self.tls_cert:
@@ -187,6 +204,14 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "(default: none, standalone): misses are pulled from peers that hold the chunk",
         "advertise": "host:port other nodes dial for this daemon (default: the --tcp address)",
         "directory_ttl_s": "seconds a directory claim lives unless renewed (every ttl/3; 60)",
+        "peer_token": "bearer token this daemon pulls from peers with, and accepts from them "
+        "for read calls only (Hello, Heartbeat, Lookup, Acquire, Read, Release, Stats); needed "
+        "with --redis and --token. The client --token is never sent to a peer",
+        "peer_ca": "CA (PEM) peers' server certificates must chain to: pulls dial peers over "
+        "TLS and show --tls-cert / --tls-key, so a peer that is only listed in Redis gets "
+        "nothing and plants nothing",
+        "allow_insecure_peers": "send --peer-token to peers dialed without TLS (a network and "
+        "Redis that are yours alone)",
         "log_level": "DEBUG, INFO, WARNING or ERROR",
     }
     for f in fields(ServeConfig):

@@ -47,9 +47,15 @@ class _Peer:
     """One peer daemon: a channel and a session (no heartbeat: a pull holds its lease for
     one read, and a session the peer reaped for idleness is opened again)."""
 
-    def __init__(self, address: str, token: str | None, timeout: float) -> None:
+    def __init__(
+        self, address: str, token: str | None, timeout: float, tls: PeerTLS | None
+    ) -> None:
         options = [("grpc.max_receive_message_length", MAX_MESSAGE)]
-        self.channel = grpc.insecure_channel(address, options=options)
+        if tls is not None:
+            credentials = grpc.ssl_channel_credentials(tls.ca, tls.key, tls.cert)
+            self.channel = grpc.secure_channel(address, credentials, options=options)
+        else:
+            self.channel = grpc.insecure_channel(address, options=options)
         self.stub = pb_grpc.ChunkStoreStub(self.channel)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.timeout = timeout
@@ -131,18 +137,32 @@ class _Peer:
         self.channel.close()  # the peer releases what the session held when it expires
 
 
-class StreamPeers:
-    """Pulls over each peer's gRPC ``Read`` stream; the cluster shares the daemons' token."""
+@dataclass(frozen=True)
+class PeerTLS:
+    """Dial peers over TLS: their server certificates must chain to ``ca``; ``cert`` and
+    ``key`` (PEM) are this daemon's, shown to peers that require a client certificate."""
 
-    def __init__(self, token: str | None, timeout: float = 10.0) -> None:
+    ca: bytes
+    cert: bytes
+    key: bytes
+
+
+class StreamPeers:
+    """Pulls over each peer's gRPC ``Read`` stream, sending ``token`` (the cluster's peer
+    credential, never the client token), over TLS when ``tls`` is given."""
+
+    def __init__(
+        self, token: str | None, timeout: float = 10.0, tls: PeerTLS | None = None
+    ) -> None:
         self.token = token
         self.timeout = timeout
+        self.tls = tls
         self._peers: dict[str, _Peer] = {}
 
     def pull(self, peer: str, key: bytes) -> PulledEntry | None:
         connection = self._peers.get(peer)
         if connection is None:
-            connection = self._peers[peer] = _Peer(peer, self.token, self.timeout)
+            connection = self._peers[peer] = _Peer(peer, self.token, self.timeout, self.tls)
         return connection.pull(key)
 
     def forget(self, peer: str) -> None:

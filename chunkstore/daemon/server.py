@@ -27,7 +27,7 @@ from chunkstore.daemon.config import ServeConfig
 from chunkstore.daemon.directory import Directory
 from chunkstore.daemon.index import Entry, Index
 from chunkstore.daemon.metrics import Metrics
-from chunkstore.daemon.peers import StreamPeers
+from chunkstore.daemon.peers import PeerTLS, StreamPeers
 from chunkstore.daemon.pool import Pool, create_pool, reclaim_stale_pools
 from chunkstore.daemon.workers import Workers
 from chunkstore.errors import Busy, InvalidRequest, StoreError
@@ -466,16 +466,32 @@ class _DecodeInHandler(grpc.ServerInterceptor):
         )
 
 
+def _peer_tls(config: ServeConfig) -> PeerTLS | None:
+    if not config.peer_ca:
+        return None
+    return PeerTLS(
+        Path(config.peer_ca).read_bytes(),
+        Path(config.tls_cert).read_bytes(),
+        Path(config.tls_key).read_bytes(),
+    )
+
+
+PEER = frozenset(
+    f"/{SERVICE}/{m}"
+    for m in ("Hello", "Heartbeat", "Lookup", "Acquire", "Read", "Release", "Stats")
+)
 ADMIN = frozenset(f"/{SERVICE}/{m}" for m in ("Evict", "Clear", "Pin", "Unpin", "Drain", "Undrain"))
 
 
 class _TokenCheck(grpc.ServerInterceptor):
     """Every call but health checks must carry ``authorization: Bearer <token>`` (or the
-    admin token); admin calls need the admin token, and are refused when there is none."""
+    admin token); admin calls need the admin token, and are refused when there is none; the
+    peer token admits the read calls a pulling peer makes (``PEER``), nothing else."""
 
-    def __init__(self, token: str, admin_token: str) -> None:
+    def __init__(self, token: str, admin_token: str, peer_token: str = "") -> None:
         self.client = {f"Bearer {t}" for t in (token, admin_token) if t}
         self.admin = f"Bearer {admin_token}" if admin_token else None
+        self.peer = f"Bearer {peer_token}" if peer_token else None
 
     def intercept_service(self, continuation: Any, details: Any) -> Any:
         method = details.method
@@ -489,7 +505,7 @@ class _TokenCheck(grpc.ServerInterceptor):
                 else f"{method} is an admin call, refused: the daemon has no --admin-token"
             )
             return _refusal(continuation(details), grpc.StatusCode.PERMISSION_DENIED, why)
-        if bearer in self.client:
+        if bearer in self.client or (bearer == self.peer and method in PEER):
             return continuation(details)
         return _refusal(
             continuation(details), grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token"
@@ -537,7 +553,9 @@ class Daemon:
         )
         self.metrics = Metrics(self.index, config.node)
         guarded = config.token or config.admin_token
-        interceptors = [_TokenCheck(config.token, config.admin_token)] if guarded else []
+        interceptors = (
+            [_TokenCheck(config.token, config.admin_token, config.peer_token)] if guarded else []
+        )
         interceptors.append(_DecodeInHandler())
         self.server = grpc.server(
             # A thread per heartbeat stream and per transfer stream, both bounded, and 32 more
@@ -591,7 +609,7 @@ class Daemon:
             self.directory = Directory(
                 config.redis,
                 config.advertise or self.addresses["tcp"],
-                StreamPeers(config.token or None),
+                StreamPeers(config.peer_token or None, tls=_peer_tls(config)),
                 config.directory_ttl_s,
                 self.index,
                 self.metrics,

@@ -1,4 +1,5 @@
 """Test and bench helpers: the test models (``models``), the HF reference every served KV is
 measured against (``reference``), and real processes started on free ports (``daemon``,
-``dying_daemon``, ``redis``, ``prometheus``, ``vllm_probe``, ``vllm_server``). A face: it may
+``dying_daemon``, ``redis``, ``prometheus``, ``vllm_probe``, ``vllm_server``), and a
+throw-away PKI (``pki``). A face: it may
 import any part of chunkstore; nothing but the faces (cli, bench) and the tests import it."""
