@@ -180,26 +180,39 @@ c.close()
 """
 
 
-def test_a_paused_writer_cannot_corrupt_another_keys_entry(serve) -> None:
-    running = serve("--lease-ttl-s", "1", pool_bytes=1 << 20, block_size=1 << 16)
-    writer = subprocess.Popen(
-        [sys.executable, "-c", PAUSED_WRITER.format(address=running.unix)],
+def paused(script: str, address: str, ready: str) -> subprocess.Popen[str]:
+    """Run a client script until it prints ``ready``, then SIGSTOP it (its stdin resumes it
+    after a SIGCONT)."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", script.format(address=address)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
-    assert writer.stdout is not None and writer.stdin is not None
+    assert process.stdout is not None and process.stdin is not None
+    assert process.stdout.readline() == ready + "\n"
+    process.send_signal(signal.SIGSTOP)
+    return process
+
+
+def resume(process: subprocess.Popen[str]) -> None:
+    assert process.stdin is not None
+    process.send_signal(signal.SIGCONT)
+    process.stdin.write("go\n")
+    process.stdin.flush()
+
+
+def test_a_paused_writer_cannot_corrupt_another_keys_entry(serve) -> None:
+    running = serve("--lease-ttl-s", "1", pool_bytes=1 << 20, block_size=1 << 16)
+    writer = paused(PAUSED_WRITER, running.unix, "half written")
+    assert writer.stdout is not None
     try:
-        assert writer.stdout.readline() == "half written\n"
-        writer.send_signal(signal.SIGSTOP)
         with ChunkStoreClient(running.unix) as client:
             wait_for(lambda: client.stats().active_reservations == 0)  # expired
             assert client.stats().blocks_quarantined == 2  # the writer lives: kept from others
             k, v = random_kv(40, seed=3)
             assert client.put(entry_key(1), k, v, 0)  # the pool has room elsewhere
-            writer.send_signal(signal.SIGCONT)
-            writer.stdin.write("go\n")
-            writer.stdin.flush()
+            resume(writer)
             assert writer.stdout.readline().startswith("commit refused: WrongState")
             assert writer.wait(timeout=30) == 0
             stored = client.get(entry_key(1))  # untouched by the late writer
@@ -215,15 +228,7 @@ def test_a_paused_writer_cannot_corrupt_another_keys_entry(serve) -> None:
 
 def test_quarantined_blocks_return_when_the_paused_writer_dies(serve) -> None:
     running = serve("--lease-ttl-s", "1", pool_bytes=1 << 20, block_size=1 << 16)
-    writer = subprocess.Popen(
-        [sys.executable, "-c", PAUSED_WRITER.format(address=running.unix)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert writer.stdout is not None
-    assert writer.stdout.readline() == "half written\n"
-    writer.send_signal(signal.SIGSTOP)
+    writer = paused(PAUSED_WRITER, running.unix, "half written")
     with ChunkStoreClient(running.unix) as client:
         wait_for(lambda: client.stats().blocks_quarantined == 2)
         writer.kill()
@@ -302,21 +307,12 @@ c.close()
 def test_a_client_paused_past_the_ttl_keeps_its_session(daemon: RunningDaemon) -> None:
     with ChunkStoreClient(daemon.unix) as client:
         assert client.put(entry_key(1), *random_kv(4), 0)
-        reader = subprocess.Popen(
-            [sys.executable, "-c", PAUSED_READER.format(address=daemon.unix)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert reader.stdout is not None and reader.stdin is not None
+        reader = paused(PAUSED_READER, daemon.unix, "leased")
+        assert reader.stdout is not None
         try:
-            assert reader.stdout.readline() == "leased\n"
-            reader.send_signal(signal.SIGSTOP)
             wait_for(lambda: client.stats().active_leases == 0)  # its lease expired...
             assert client.stats().sessions == 2  # ...its session did not: its stream is open
-            reader.send_signal(signal.SIGCONT)
-            reader.stdin.write("go\n")
-            reader.stdin.flush()
+            resume(reader)
             assert reader.stdout.readline().startswith("lease expired: NOT_FOUND: no lease")
             assert reader.stdout.readline() == "reopened 0\n"  # the same session served on
             assert reader.wait(timeout=30) == 0
