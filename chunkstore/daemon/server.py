@@ -505,7 +505,7 @@ class _TokenCheck(grpc.ServerInterceptor):
                 else f"{method} is an admin call, refused: the daemon has no --admin-token"
             )
             return _refusal(continuation(details), grpc.StatusCode.PERMISSION_DENIED, why)
-        if bearer in self.client or (bearer == self.peer and method in PEER):
+        if bearer in self.client or (self.peer and bearer == self.peer and method in PEER):
             return continuation(details)
         return _refusal(
             continuation(details), grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token"

@@ -44,7 +44,12 @@ def test_bad_settings_are_refused_with_the_reason(tmp_path: Path) -> None:
     with pytest.raises(InvalidRequest, match="TLS"):
         load(environ={}, flags={"tls_cert": "c.pem"})
     # A cluster directory needs an address peers can dial.
-    cluster = {"redis": "redis://10.0.0.5:6379/0", "token": "t"}
+    cluster = {
+        "redis": "redis://10.0.0.5:6379/0",
+        "token": "t",
+        "peer_token": "p",
+        "allow_insecure_peers": "true",
+    }
     with pytest.raises(InvalidRequest, match="set --advertise"):
         load(environ={}, flags={**cluster, "tcp": "0.0.0.0:50551"})
     with pytest.raises(InvalidRequest, match="needs --tcp"):
