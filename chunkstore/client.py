@@ -37,7 +37,13 @@ from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol import chunkstore_pb2_grpc as pb_grpc
 from chunkstore.protocol.endpoints import default_socket
 from chunkstore.protocol.shm import gather, map_shared_pool, scatter
-from chunkstore.protocol.wire import MAX_MESSAGE, layout_from_proto, layout_to_proto, typed_error
+from chunkstore.protocol.wire import (
+    MAX_BATCH,
+    MAX_MESSAGE,
+    layout_from_proto,
+    layout_to_proto,
+    typed_error,
+)
 
 log = logging.getLogger("chunkstore.client")
 
@@ -47,6 +53,12 @@ WRITE_PIECE = 1 << 20
 def default_address() -> str:
     """The node's daemon when no address is configured: its default unix socket."""
     return f"unix:{default_socket()}"
+
+
+def _batches(keys: Sequence[bytes]) -> Iterator[list[bytes]]:
+    keys = list(keys)
+    for start in range(0, len(keys), MAX_BATCH):
+        yield keys[start : start + MAX_BATCH]
 
 
 def as_bytes(t: torch.Tensor) -> np.ndarray:
@@ -241,17 +253,31 @@ class ChunkStoreClient:
     def stats(self) -> pb.StatsReply:
         return self._call(self.stub.Stats, pb.StatsRequest())
 
+    # Admin calls take any number of keys: they go in calls of MAX_BATCH keys each.
+
     def evict(self, keys: Sequence[bytes]) -> pb.EvictReply:
-        return self._call(self.stub.Evict, pb.EvictRequest(keys=list(keys)))
+        total = pb.EvictReply()
+        for batch in _batches(keys):
+            reply = self._call(self.stub.Evict, pb.EvictRequest(keys=batch))
+            total.evicted += reply.evicted
+            total.busy += reply.busy
+        return total
 
     def clear(self) -> pb.ClearReply:
         return self._call(self.stub.Clear, pb.ClearRequest())
 
     def pin(self, keys: Sequence[bytes]) -> int:
-        return int(self._call(self.stub.Pin, pb.PinRequest(keys=list(keys))).changed)
+        """Pin entries; each call of MAX_BATCH keys is all or nothing (NotFound)."""
+        return sum(
+            int(self._call(self.stub.Pin, pb.PinRequest(keys=batch)).changed)
+            for batch in _batches(keys)
+        )
 
     def unpin(self, keys: Sequence[bytes]) -> int:
-        return int(self._call(self.stub.Unpin, pb.PinRequest(keys=list(keys))).changed)
+        return sum(
+            int(self._call(self.stub.Unpin, pb.PinRequest(keys=batch)).changed)
+            for batch in _batches(keys)
+        )
 
     def undrain(self) -> bool:
         """Serve reads and writes again after a drain; whether it was draining."""
@@ -358,8 +384,9 @@ class ChunkStoreClient:
 
     def release(self, lease_ids: Sequence[int], shm_bytes_read: int = 0) -> None:
         """End leases. ``shm_bytes_read``: bytes other clients copied out of the pool under
-        them (see ``read_into``), for the daemon's transport metrics."""
-        if not lease_ids:
+        them (see ``read_into``), for the daemon's transport metrics; reported even with no
+        lease left to end (a request that finished before its readers reported)."""
+        if not lease_ids and not shm_bytes_read:
             return
         shm_bytes = shm_bytes_read + sum(self._shm_reads.pop(i, 0) for i in lease_ids)
         self._session_call(

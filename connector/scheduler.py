@@ -215,12 +215,17 @@ class SchedulerSide:
         held = self._held.pop(req_id, None)
         if held is not None:
             self._release_leases(held.session, list(held.leases.values()), shm_bytes_read)
+        elif shm_bytes_read and (client := self.link.get()) is not None:
+            # vLLM frees a request (request_finished: leases gone) before it hands over the
+            # workers' output of the same step, so a load whose request ended in that step (a
+            # one-token answer) reports its bytes here, with no lease left.
+            self._release_leases(client.session, [], shm_bytes_read)
 
     def _release_leases(
         self, session: str, leases: list[LeasedEntry], shm_bytes_read: int = 0
     ) -> None:
         client = self.link.get()
-        if not leases or client is None or client.session != session:
+        if not (leases or shm_bytes_read) or client is None or client.session != session:
             return  # leases of a session that ended went with it
         try:
             client.release([lease.lease_id for lease in leases], shm_bytes_read)

@@ -6,6 +6,11 @@ reservations belong to a session and go when it ends or stops renewing them (TTL
 LRU by bytes: on demand when a reservation needs room, and down to the low watermark once
 usage passes the high one. The index owns entries; the pool owns bytes and free blocks; one
 lock serializes both.
+
+Every operation costs the same whatever the index holds: the eviction order holds only
+evictable entries (pinned and leased ones leave it, and return when they become evictable
+again), and what ``stats`` reports is counted as it changes, never by walking the entries, so
+a Prometheus scrape does not hold lookups up at 100k entries.
 """
 
 from __future__ import annotations
@@ -33,8 +38,7 @@ from chunkstore.errors import (
 from chunkstore.kv.entry import EntryLayout
 from chunkstore.kv.keys import KEY_BYTES
 from chunkstore.protocol.shm import checksum, scatter
-
-MAX_BATCH = 4096  # keys in one lookup / acquire / admin call
+from chunkstore.protocol.wire import MAX_BATCH
 
 
 @dataclass
@@ -126,7 +130,12 @@ class Index:
         self.on_evict = on_evict
         self.lock = threading.RLock()
         self.draining = False
-        self._entries: OrderedDict[bytes, Entry] = OrderedDict()  # LRU order: oldest first
+        self._entries: dict[bytes, Entry] = {}
+        # The evictable entries (neither pinned nor leased), least recently used first.
+        self._lru: OrderedDict[bytes, Entry] = OrderedDict()
+        self._evictable_blocks = 0  # blocks of the entries in _lru
+        self._pinned = 0
+        self._quarantined_blocks = 0
         self._reservations: dict[int, Reservation] = {}
         self._reserved_keys: dict[bytes, int] = {}
         self._finished: OrderedDict[int, str] = OrderedDict()  # recent reservation outcomes
@@ -181,7 +190,7 @@ class Index:
             for lease_id in list(session.leases):
                 self._drop_lease(self._leases[lease_id])
             for blocks in session.quarantined.values():  # its process is gone: nobody writes
-                self.pool.free(blocks)
+                self._unquarantine(blocks)
 
     def expire(self) -> int:
         """Reclaim leases and reservations whose holder stopped renewing them, and sessions
@@ -239,7 +248,7 @@ class Index:
                 self._leases[lease.id] = lease
                 session.leases.add(lease.id)
                 entry.leases += 1
-                self._entries.move_to_end(key)
+                self._place(entry)  # out of the eviction order; back as the newest when free
                 out.append((lease, entry))
             return out
 
@@ -299,7 +308,7 @@ class Index:
                 session = self._sessions.get(session_id)
                 if session is not None and reservation_id in session.quarantined:
                     # Its writer is back and asks about it: done copying, the blocks can go.
-                    self.pool.free(session.quarantined.pop(reservation_id))
+                    self._unquarantine(session.quarantined.pop(reservation_id))
                 raise WrongState(
                     f"reservation {reservation_id} was {self._finished[reservation_id]} already"
                 )
@@ -338,6 +347,7 @@ class Index:
                 claimed_checksum,
             )
             self._entries[entry.key] = entry
+            self._place(entry)
             self._evict_to_watermark()
             return entry
 
@@ -379,8 +389,13 @@ class Index:
             return evicted, busy
 
     def clear(self) -> tuple[int, int]:
+        """Evict every evictable entry, however many (no batch limit: nothing crosses the
+        wire). Returns (evicted, busy)."""
         with self.lock:
-            return self.evict(list(self._entries), reason="clear")
+            evicted = len(self._lru)
+            while self._lru:
+                self._evict(next(iter(self._lru.values())), "clear")
+            return evicted, len(self._entries)
 
     def set_pinned(self, keys: Sequence[bytes], pinned: bool) -> int:
         self._check_keys(keys)
@@ -391,7 +406,10 @@ class Index:
             entries = list({k: self._entries[k] for k in keys}.values())
             changed = sum(e.pinned != pinned for e in entries)
             for entry in entries:
-                entry.pinned = pinned
+                if entry.pinned != pinned:
+                    entry.pinned = pinned
+                    self._pinned += 1 if pinned else -1
+                    self._place(entry)
             return changed
 
     def verify(self, keys: Sequence[bytes]) -> list[bytes]:
@@ -426,7 +444,7 @@ class Index:
             used_blocks = self.pool.num_blocks - self.pool.free_blocks
             return IndexStats(
                 entries=len(self._entries),
-                pinned_entries=sum(e.pinned for e in self._entries.values()),
+                pinned_entries=self._pinned,
                 bytes_used=used_blocks * self.pool.block_size,
                 bytes_capacity=self.pool.capacity,
                 blocks_free=self.pool.free_blocks,
@@ -440,9 +458,7 @@ class Index:
                 hit_tokens=self._counts["hit_tokens"],
                 evictions=dict(self.evictions),
                 draining=self.draining,
-                blocks_quarantined=sum(
-                    len(b) for s in self._sessions.values() for b in s.quarantined.values()
-                ),
+                blocks_quarantined=self._quarantined_blocks,
             )
 
     def entries(self) -> list[Entry]:
@@ -481,7 +497,7 @@ class Index:
         blocks = self.pool.allocate(count)
         if blocks is not None:
             return blocks
-        evictable = sum(len(e.blocks) for e in self._entries.values() if self._evictable(e))
+        evictable = self._evictable_blocks
         if self.pool.free_blocks + evictable < count:  # evicting would not make room: keep all
             raise PoolFull(
                 f"need {count} blocks, {self.pool.free_blocks} free and {evictable} evictable; "
@@ -494,12 +510,19 @@ class Index:
             blocks = self.pool.allocate(count)
         return blocks
 
-    @staticmethod
-    def _evictable(entry: Entry) -> bool:
-        return not entry.leases and not entry.pinned
+    def _place(self, entry: Entry) -> None:
+        """Keep the eviction order to the evictable entries: after any change to an entry's
+        pins or leases, in it (as the newest) exactly when it is committed, unpinned and
+        unleased."""
+        evictable = not (entry.leases or entry.pinned or entry.evicted)
+        if evictable and entry.key not in self._lru:
+            self._lru[entry.key] = entry
+            self._evictable_blocks += len(entry.blocks)
+        elif not evictable and self._lru.pop(entry.key, None) is not None:
+            self._evictable_blocks -= len(entry.blocks)
 
     def _lru_victim(self) -> Entry | None:
-        return next((e for e in self._entries.values() if self._evictable(e)), None)
+        return next(iter(self._lru.values()), None)
 
     def _evict_to_watermark(self) -> None:
         total = self.pool.num_blocks
@@ -514,6 +537,9 @@ class Index:
     def _evict(self, entry: Entry, reason: str) -> None:
         del self._entries[entry.key]
         entry.evicted = True
+        self._place(entry)
+        if entry.pinned:
+            self._pinned -= 1
         if not entry.leases:
             self.pool.free(entry.blocks)
         self.evictions[reason] += 1
@@ -535,12 +561,18 @@ class Index:
         session = self._sessions.get(reservation.session)
         if outcome == "expired" and session is not None and session.streams:
             session.quarantined[reservation.id] = reservation.blocks
+            self._quarantined_blocks += len(reservation.blocks)
         else:
             self.pool.free(reservation.blocks)
+
+    def _unquarantine(self, blocks: list[int]) -> None:
+        self._quarantined_blocks -= len(blocks)
+        self.pool.free(blocks)
 
     def _drop_lease(self, lease: Lease) -> None:
         del self._leases[lease.id]
         lease.entry.leases -= 1
+        self._place(lease.entry)
         if lease.entry.evicted and not lease.entry.leases:
             self.pool.free(lease.entry.blocks)
         session = self._sessions.get(lease.session)

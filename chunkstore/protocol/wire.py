@@ -21,6 +21,7 @@ from chunkstore.kv.entry import EntryLayout
 from chunkstore.protocol import chunkstore_pb2 as pb
 
 MAX_MESSAGE = 64 << 20  # bytes in one gRPC message, both ways
+MAX_BATCH = 4096  # keys in one lookup / acquire / admin call
 
 
 def layout_from_proto(msg: pb.EntryLayout) -> EntryLayout:

@@ -8,6 +8,7 @@ logprobs must match the assembled-cache reference (HF transformers, fp32) within
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from pathlib import Path
@@ -84,6 +85,13 @@ def test_isolation_sys_reuses_chunks_in_any_order_exactly(
         stats = client.stats()
     assert stats.hit_tokens == loaded
     assert stats.entries == 2 * (1 + len(DOCS))  # sys and each doc, under either sys prompt
+    # Every byte the workers copied out of the pool is counted, though each request ended in
+    # the step of its load (one token: vLLM frees it before it hands over the step's output).
+    config = json.loads((model / "config.json").read_text())
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    per_token = 2 * 4 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim
+    shm_read = daemon.scrape().get('chunkstore_bytes_total{direction="read",transport="shm"}')
+    assert shm_read == loaded * per_token
 
 
 def test_chunked_prefill_saves_segments_computed_over_several_steps(

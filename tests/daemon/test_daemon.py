@@ -300,3 +300,33 @@ def test_a_port_in_use_fails_start_up_cleanly(daemon: RunningDaemon, tmp_path: P
     run = serve_tcp_only(daemon.tcp, tmp_path)
     assert run.returncode == 2 and daemon.tcp in run.stderr
     assert not list(tmp_path.glob("chunkstore-*"))  # the pool file was removed
+
+
+def test_admin_calls_work_at_any_size(serve) -> None:
+    """Clear of 10k entries (it used to send every key through the 4,096-key batch limit
+    and clear nothing); evict and pin of more keys than one call takes."""
+    daemon = serve(pool_bytes=12_000 * 4096, block_size=4096)
+    k, v = random_kv(1, heads=1, head_dim=4)
+    keys = [entry_key(i) for i in range(10_000)]
+    with ChunkStoreClient(daemon.unix) as client:
+        for key in keys:
+            assert client.put(key, k, v, 0)
+        assert client.pin(keys[:5000]) == 5000
+        assert client.unpin(keys[:4500]) == 4500
+        reply = client.evict(keys[:5000])
+        assert (reply.evicted, reply.busy) == (4500, 500)
+        reply = client.clear()
+        assert (reply.evicted, reply.busy) == (5000, 500)
+        stats = client.stats()
+        assert (stats.entries, stats.pinned_entries) == (500, 500)
+        assert client.unpin(keys[4500:5000]) == 500
+    cleared = subprocess.run(
+        [sys.executable, "-m", "chunkstore.cli", "clear", "--address", daemon.unix],
+        capture_output=True,
+        text=True,
+        env=serve_env(),
+        timeout=60,
+    )
+    assert cleared.returncode == 0, cleared.stderr
+    with ChunkStoreClient(daemon.unix) as client:
+        assert client.stats().entries == 0

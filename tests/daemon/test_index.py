@@ -159,6 +159,7 @@ class IndexMachine(RuleBasedStateMachine):
     def no_block_is_owned_twice_and_bytes_add_up(self):
         owned = [b for e in self.index.entries() for b in e.blocks]
         owned += [b for r in self.index.reservations() for b in r.blocks]
+        owned += [b for s in self.index.sessions() for q in s.quarantined.values() for b in q]
         free = self.pool._free
         assert len(owned) == len(set(owned))
         assert not set(owned) & set(free) and len(free) == len(set(free))
@@ -176,6 +177,29 @@ class IndexMachine(RuleBasedStateMachine):
         for entry in self.index.entries():
             assert entry.key in self.written
             assert entry.leases >= 0
+
+    @rule()
+    def stream_opens(self):
+        with contextlib.suppress(AlreadyExists):  # a client's process goes on living
+            self.index.attach_stream(self.session)
+
+    @rule()
+    def client_dies(self):
+        self.index.end_session(self.session)
+        self.session = self.index.open_session("machine")
+
+    @invariant()
+    def counted_figures_match_a_walk(self):
+        """What stats() and eviction keep incrementally (so they cost nothing at 100k
+        entries) equals what walking everything finds."""
+        entries = self.index.entries()
+        stats = self.index.stats()
+        assert stats.pinned_entries == sum(e.pinned for e in entries)
+        quarantined = [b for s in self.index.sessions() for q in s.quarantined.values() for b in q]
+        assert stats.blocks_quarantined == len(quarantined)
+        evictable = [e for e in entries if not (e.pinned or e.leases)]
+        assert set(self.index._lru) == {e.key for e in evictable}
+        assert self.index._evictable_blocks == sum(len(e.blocks) for e in evictable)
 
     @invariant()
     def uncommitted_entries_are_unreadable(self):
@@ -281,4 +305,47 @@ def test_passing_the_high_watermark_evicts_down_to_the_low_one(tmp_path) -> None
     # The fifth commit took usage to 10/10 > 8: LRU entries go until usage <= 5 blocks.
     assert [e.key for e in index.entries()] == KEYS[3:5]
     assert index.stats().evictions == {"watermark": 3}
+    pool.close()
+
+
+def test_eviction_takes_the_least_recently_released_and_never_walks_pins(index: Index) -> None:
+    s = index.open_session("t")
+    quarter = layout(BLOCKS * BLOCK // 16 // 4)
+    for key in KEYS[:4]:
+        res = index.reserve(s, key, quarter, quarter.nbytes)
+        index.commit(s, res.id, checksum(index.pool.region(), res.blocks, BLOCK, quarter.nbytes))
+    index.set_pinned([KEYS[0]], True)
+    [(lease, _)] = index.acquire(s, [KEYS[1]])  # type: ignore[misc]
+    assert list(index._lru) == [KEYS[2], KEYS[3]]  # pinned and leased entries are not in it
+    index.release(s, [lease.id])  # back as the most recently used
+    index.set_pinned([KEYS[0]], False)
+    assert list(index._lru) == [KEYS[2], KEYS[3], KEYS[1], KEYS[0]]
+    index.reserve(s, KEYS[4], quarter, quarter.nbytes)
+    assert {e.key for e in index.entries()} == {KEYS[0], KEYS[1], KEYS[3]}
+    assert index.clear() == (3, 0)
+    assert index.stats().blocks_free == BLOCKS - len(index.reservations()[0].blocks)
+
+
+def test_clear_has_no_batch_limit_and_stats_never_walk_the_entries(tmp_path) -> None:
+    pool = SharedMemoryPool(BLOCK, 12_000, directory=tmp_path)
+    index = Index(pool)
+    s = index.open_session("t")
+    tiny = layout(4)  # one block
+    for i in range(10_000):
+        res = index.reserve(s, i.to_bytes(16, "big"), tiny, tiny.nbytes)
+        index.commit(s, res.id, checksum(pool.region(), res.blocks, BLOCK, tiny.nbytes))
+    index.set_pinned([i.to_bytes(16, "big") for i in range(10)], True)
+
+    class Unwalkable(dict):  # a scrape that walked the entries would hold lookups up
+        def values(self):
+            raise AssertionError("stats walked the entries")
+
+        __iter__ = items = values  # type: ignore[assignment]
+
+    entries, index._entries = index._entries, Unwalkable(index._entries)
+    stats = index.stats()
+    assert (stats.entries, stats.pinned_entries) == (10_000, 10)
+    index._entries = entries
+    assert index.clear() == (9_990, 10)
+    assert index.stats().entries == 10
     pool.close()
