@@ -13,6 +13,7 @@ from typing import Any
 from chunkstore.bench import e2e as e2e_bench
 from chunkstore.bench import quality as quality_bench
 from chunkstore.bench import remap as remap_bench
+from chunkstore.bench import scale as scale_bench
 from chunkstore.bench import store as store_bench
 from chunkstore.testing.models import MODELS
 
@@ -38,6 +39,11 @@ BENCHES: dict[
         quality_bench.add_arguments,
         quality_bench.run,
         "answer accuracy on generated multi-document QA, per recovery method, with TTFT",
+    ),
+    "scale": (
+        scale_bench.add_arguments,
+        scale_bench.run,
+        "the daemon at 1k / 10k / 100k entries, with pinned entries, and with 1-8 readers",
     ),
     "store": (
         store_bench.add_arguments,
