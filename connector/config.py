@@ -21,6 +21,7 @@ class ConnectorConfig:
     reconnect_s: float = 10.0  # how often to retry an unreachable daemon
     timeout_s: float = 1.0  # per call: a hung daemon stalls scheduling no longer than this
     overlap_layers: bool = True  # write layer i + 1 while vLLM computes layer i
+    load_threads: int = 2  # threads that write a layer's loaded entries side by side
     inband_isolation: bool = True  # the isolation mask inside vLLM's attention (worker hook)
     # Answer quality under isolation (each needs in-band isolation; README, "Quality"):
     virtual_gap: int = 0  # chunks computed as if standing this many tokens after sys
@@ -44,6 +45,8 @@ class ConnectorConfig:
             raise ValueError(f"transport must be auto, shm or stream, not {config.transport!r}")
         if min(config.virtual_gap, config.recompute_chunks, config.recompute_tokens) < 0:
             raise ValueError("virtual_gap, recompute_chunks and recompute_tokens are counts >= 0")
+        if config.load_threads < 1:
+            raise ValueError(f"load_threads must be >= 1, not {config.load_threads}")
         if config.question_temperature <= 0 or config.question_scale <= 0:
             raise ValueError("question_temperature and question_scale must be > 0")
         if config.quality_recovery and not config.inband_isolation:

@@ -6,7 +6,8 @@ kv_heads, 2 * block_size, head_size], the first block_size rows are K and the re
 ``cpu_attn_reshape_and_cache``, whatever its kernel's internal layout. Reads decode the layout
 of its "vec" kernels (per block and head, K dim-major [head_size, block_size], then V
 token-major [block_size, head_size]), and are trusted only after ``probe`` showed the kernel
-writes exactly that.
+writes exactly that; loads then write that layout directly, keys rotated on the way
+(``write_rotated``, one pass instead of remap, copy and vLLM's op).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 
 import torch
 
+from chunkstore.kv.rope import RotaryConfig, rotate_keys
+
 log = logging.getLogger("chunkstore.connector")
 
 
@@ -23,6 +26,34 @@ class CpuKVLayout:
     def __init__(self, vllm_config: Any, block_size: int) -> None:
         self.vllm_config = vllm_config
         self.block_size = block_size
+        self.plain = False  # the probe showed the "vec" layout ``read`` decodes
+
+    def write_rotated(
+        self,
+        layer_name: str,
+        cache: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        slots: torch.Tensor,
+        rotation: tuple[torch.Tensor, torch.Tensor] | None,
+        rotary: RotaryConfig,
+    ) -> None:
+        """K, rotated by ``rotation`` (cos, sin: see ``rope.rotation_table``; None: as they
+        are), and V [tokens, heads, head_size] into the cache at ``slots``. In one pass (the
+        fused kernel) where the probe showed the "vec" layout and the kernel takes the dtype;
+        else remap, then vLLM's own write op."""
+        if self.plain and self.isa(layer_name) == "vec":
+            # Imported here, not with the module: vLLM (0.32) scans every loaded module when
+            # a worker starts and fails on an object numba's llvmlite defines, which would
+            # break an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0).
+            from chunkstore.kv.writer_cpu import write_vec_layer
+
+            key_part, value_part = self._parts(cache)
+            if write_vec_layer(keys, values, key_part, value_part, slots, rotation, rotary):
+                return
+        if rotation is not None:
+            keys = rotate_keys(keys, *rotation, rotary, out=torch.empty_like(keys))
+        self.write(layer_name, cache, keys, values, slots)
 
     def isa(self, layer_name: str) -> str:
         """The kernel variant vLLM picked for a layer (set on the layer by its builder)."""
@@ -55,13 +86,21 @@ class CpuKVLayout:
     @staticmethod
     def read(cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the tokens at ``slots``, [tokens, heads, head_size] each (copies)."""
+        key_part, value_part = CpuKVLayout._parts(cache)
+        block_size = cache.shape[2]
+        block, offset = slots // block_size, slots % block_size
+        return key_part[block, :, :, offset], value_part[block, :, offset, :]
+
+    @staticmethod
+    def _parts(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the "vec" layout: K [blocks, heads, head_size, block_size] (dim-major)
+        and V [blocks, heads, block_size, head_size]."""
         blocks, heads, block_size, width = cache.shape
         dim = width // 2
         region = cache.view(blocks, heads, 2 * block_size * dim)
         key_part = region[:, :, : block_size * dim].view(blocks, heads, dim, block_size)
         value_part = region[:, :, block_size * dim :].view(blocks, heads, block_size, dim)
-        block, offset = slots // block_size, slots % block_size
-        return key_part[block, :, :, offset], value_part[block, :, offset, :]
+        return key_part, value_part
 
     def probe(self, layer_name: str, cache: torch.Tensor) -> bool:
         """Write two tokens into block 0 (vLLM's null block, never handed to a request)
@@ -74,7 +113,8 @@ class CpuKVLayout:
             slots = torch.tensor([0, 1], dtype=torch.int64)
             self.write(layer_name, cache, keys, values, slots)
             got_k, got_v = self.read(cache, slots)
-            return bool(torch.equal(got_k, keys) and torch.equal(got_v, values))
+            self.plain = bool(torch.equal(got_k, keys) and torch.equal(got_v, values))
+            return self.plain
         except Exception as err:  # noqa: BLE001 - any failure means: do not trust reads
             log.warning("chunkstore: cache layout probe failed: %s", err)
             return False

@@ -17,6 +17,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -24,7 +25,7 @@ import torch
 
 from chunkstore.errors import ChunkStoreError
 from chunkstore.kv.entry import tensors_of
-from chunkstore.kv.rope import RotaryConfig, remap_keys
+from chunkstore.kv.rope import RotaryConfig, rotation_table
 
 from .client_holder import DaemonLink
 from .common import ChunkStoreMetadata, LoadItem, LoadsEnded, RequestPlan, SaveItem
@@ -60,7 +61,7 @@ class Fetched:
     item: LoadItem
     keys: torch.Tensor  # [layers, tokens, local heads, head_dim], at the entry's positions
     values: torch.Tensor
-    delta: int  # actual - virtual position: the rotation the keys still need
+    rotation: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin of actual - virtual position
     slots: torch.Tensor
 
 
@@ -68,11 +69,20 @@ class LayerLoads:
     """Writes fetched entries into vLLM's cache one layer at a time on a background thread,
     so layer i + 1 is written while the model computes layer i; vLLM calls
     ``wait_for_layer_load`` before each layer's attention. Without ``overlap`` every layer is
-    written here, before the forward begins."""
+    written here, before the forward begins. With ``writers`` (a thread pool) a layer's
+    entries are written side by side: the write kernels run without the GIL, and while the
+    model waits for a layer its cores are idle."""
 
-    def __init__(self, worker: WorkerSide, fetched: list[Fetched], overlap: bool) -> None:
+    def __init__(
+        self,
+        worker: WorkerSide,
+        fetched: list[Fetched],
+        overlap: bool,
+        writers: ThreadPoolExecutor | None = None,
+    ) -> None:
         self.worker = worker
         self.fetched = fetched
+        self.writers = writers
         self.ready = [threading.Event() for _ in worker.layers]
         self.waited: set[int] = set()
         self.error: Exception | None = None
@@ -89,8 +99,16 @@ class LayerLoads:
         began = time.perf_counter()
         try:
             for layer, ready in enumerate(self.ready):
-                for entry in self.fetched:
-                    self.worker._write_layer(entry, layer)
+                if self.writers is None or len(self.fetched) < 2:
+                    for entry in self.fetched:
+                        self.worker._write_layer(entry, layer)
+                else:
+                    writes = [
+                        self.writers.submit(self.worker._write_layer, entry, layer)
+                        for entry in self.fetched
+                    ]
+                    for write in writes:
+                        write.result()  # raises what the write raised
                 ready.set()
         except Exception as err:  # reported by finish(); those loads are computed
             self.error = err
@@ -126,6 +144,10 @@ class WorkerSide:
         self._causal_requests: OrderedDict[str, None] = OrderedDict()  # see _isolation_missed
         self._failed_blocks: set[int] = set()
         self._layer_loads: LayerLoads | None = None
+        # Where loads are read to, kept from step to step: a fresh buffer each step would
+        # fault in every page of it first (~2 GB/s, slower than the copy itself).
+        self._staging = torch.empty(0, dtype=torch.uint8)
+        self._writers: ThreadPoolExecutor | None = None
         self._layer_index: dict[str, int] = {}
         self.heads = RankHeads(0, 1, self.keys.layout.num_kv_heads, self.keys.layout.num_kv_heads)
         self._ended = LoadsEnded()
@@ -229,13 +251,19 @@ class WorkerSide:
         self._finish_loads()  # a previous step's, should vLLM not have asked for its results
         began = time.perf_counter()
         fetched: list[Fetched] = []
+        need = sum(item.lease.nbytes for plan in metadata.requests for item in plan.loads)
+        if need > self._staging.numel():
+            self._staging = torch.empty(need, dtype=torch.uint8)
+        offset = 0
         for plan in metadata.requests:
             if not plan.loads:
                 continue
             shm_bytes = 0
             for item in plan.loads:
+                buffer = self._staging[offset : offset + item.lease.nbytes]
+                offset += item.lease.nbytes
                 try:
-                    entry, nbytes = self._fetch(plan, item)
+                    entry, nbytes = self._fetch(plan, item, buffer)
                     fetched.append(entry)
                     shm_bytes += nbytes
                 except ChunkStoreError as err:
@@ -244,7 +272,11 @@ class WorkerSide:
                     self._failed(plan, item)
             self._ended.shm_bytes[plan.req_id] = shm_bytes
         if fetched:
-            self._layer_loads = LayerLoads(self, fetched, self.config.overlap_layers)
+            if self._writers is None and self.config.load_threads > 1:
+                self._writers = ThreadPoolExecutor(
+                    self.config.load_threads, thread_name_prefix="chunkstore-write"
+                )
+            self._layer_loads = LayerLoads(self, fetched, self.config.overlap_layers, self._writers)
         if any(plan.loads for plan in metadata.requests):
             self.stats.add("load_seconds", time.perf_counter() - began)
 
@@ -254,16 +286,17 @@ class WorkerSide:
         slots = self._slots(plan, item.actual_start, item.num_tokens)
         self._failed_blocks.update(int(b) for b in torch.unique(slots // self.block_size))
 
-    def _fetch(self, plan: RequestPlan, item: LoadItem) -> tuple[Fetched, int]:
-        """Copy one leased entry out of the pool and check it; returns it ready to write and
-        the bytes read through shared memory."""
+    def _fetch(
+        self, plan: RequestPlan, item: LoadItem, buffer: torch.Tensor
+    ) -> tuple[Fetched, int]:
+        """Copy one leased entry out of the pool into ``buffer`` and check it; returns it
+        ready to write and the bytes read through shared memory."""
         if not self.layers:
             raise LoadFailed("no usable KV cache layout")
         client = self.link.get()
         if client is None:
             raise DaemonDown("daemon unreachable")
         entry = item.lease
-        buffer = torch.empty(entry.nbytes, dtype=torch.uint8)
         # The scheduler's lease keeps the blocks; the checksum catches any torn read.
         client.read_into(entry, buffer, session=item.session)
         layout, want = entry.layout, self.keys.layout
@@ -278,22 +311,28 @@ class WorkerSide:
         assert values is not None
         rows = slice(item.entry_offset, item.entry_offset + item.num_tokens)
         heads = self.heads.local_slice()
+        delta = item.actual_start - item.entry_offset - layout.virtual_start
         fetched = Fetched(
             plan,
             item,
             keys[:, rows, heads],
             values[:, rows, heads],
-            delta=item.actual_start - item.entry_offset - layout.virtual_start,
+            rotation_table(self.rotary, delta, item.num_tokens) if delta else None,
             slots=self._slots(plan, item.actual_start, item.num_tokens),
         )
         return fetched, entry.nbytes if client.transport == "shm" else 0
 
     def _write_layer(self, entry: Fetched, layer: int) -> None:
         name, cache = self.layers[layer]
-        k = entry.keys[layer]
-        if entry.delta:
-            k = remap_keys(k, entry.delta, self.rotary)
-        self.cache.write(name, cache, k, entry.values[layer], entry.slots)
+        self.cache.write_rotated(
+            name,
+            cache,
+            entry.keys[layer],
+            entry.values[layer],
+            entry.slots,
+            entry.rotation,
+            self.rotary,
+        )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._layer_loads is not None:
@@ -412,4 +451,6 @@ class WorkerSide:
         return self.heads.gather(keys, 2, group), self.heads.gather(values, 2, group)
 
     def shutdown(self) -> None:
+        if self._writers is not None:
+            self._writers.shutdown(wait=True)
         self.link.close()

@@ -12,6 +12,8 @@ A sys prompt + N chunks of M tokens (default 8 x 512) + a question, in one run:
 - ``plain``: prompts without a separator through the connector, against the baseline
   (``plain_overhead``: what the connector and its attention hook cost a prompt they leave
   alone).
+With ``--slope 2,4,8,15`` it times full hits of that many chunks instead and fits TTFT to
+the tokens loaded: ``us_per_loaded_token`` (the slope) and ``fixed_ms``.
 TTFT is the wall time of a one-token generate; each figure is the median over ``--repeats``
 prompts (a different one each, reordered or, for cold ones, with documents not seen before).
 """
@@ -79,6 +81,54 @@ def shape_prompts(
     return [sys_ids + sep + doc + sep for doc in docs], measured
 
 
+def _slope(args: argparse.Namespace, model: Path, encode: Any) -> dict[str, Any]:
+    """Full hits of 1..N stored chunks in one vLLM: TTFT against the tokens loaded, fitted
+    to a line (least squares): its slope is what each loaded token costs."""
+    counts = [int(c) for c in args.slope.split(",")]
+    sep = encode("##")
+    sys_ids = encode(SYS)
+    docs = _documents(encode, max(counts), args.chunk_tokens, sep, seed=1)
+    rng = random.Random(0)
+    measured, lengths = [], []
+    for count in counts:
+        for i in range(args.repeats):
+            order = docs[:count]
+            rng.shuffle(order)
+            measured.append(_prompt(sys_ids, order, encode(QUESTIONS[i % len(QUESTIONS)]), sep))
+            lengths.append(len(measured[-1]))
+    ingest = [sys_ids + sep + doc + sep for doc in docs]
+    warmup = encode("Hello, how are you today?")
+    max_len = max(4096, 1 << (max(lengths) + 64).bit_length())
+    with tempfile.TemporaryDirectory(prefix="chunkstore-e2e-") as tmp:
+        work = Path(tmp)
+        with start_daemon(work / "daemon", pool_bytes=3 << 30, block_size=1 << 20) as daemon:
+            rows = run_probe(
+                model,
+                [warmup, *ingest, *measured],
+                work / "slope",
+                {"address": daemon.unix, "load_threads": args.load_threads},
+                max_model_len=max_len,
+            )[1 + len(ingest) :]
+    loaded = [r["cached_tokens"] for r in rows]
+    if any(n < length - 32 for n, length in zip(loaded, lengths, strict=True)):
+        raise RuntimeError(f"not every prompt was a full hit: {loaded} of {lengths} tokens")
+    by_count = [rows[i : i + args.repeats] for i in range(0, len(rows), args.repeats)]
+    x = [statistics.median(r["cached_tokens"] for r in group) for group in by_count]
+    y = [statistics.median(r["seconds"] for r in group) for group in by_count]
+    slope, intercept = statistics.linear_regression(x, y)
+    return {
+        "bench": "e2e.slope",
+        "model": model.name,
+        "chunk_tokens": args.chunk_tokens,
+        "repeats": args.repeats,
+        "load_threads": args.load_threads,
+        "loaded_tokens": [int(t) for t in x],
+        "ttft_s": [round(t, 4) for t in y],
+        "us_per_loaded_token": round(slope * 1e6, 2),
+        "fixed_ms": round(intercept * 1e3, 1),
+    }
+
+
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     from transformers import AutoTokenizer
 
@@ -87,6 +137,10 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
 
     def encode(text: str) -> list[int]:
         return list(tok.encode(text, add_special_tokens=False))
+
+    if args.slope:
+        yield _slope(args, model, encode)
+        return
 
     sep = encode("##")
     sys_ids = encode(SYS)
@@ -193,4 +247,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-tokens", type=int, default=512, help="tokens per chunk (512)")
     parser.add_argument(
         "--repeats", type=int, default=3, help="reordered prompts timed per configuration (3)"
+    )
+    parser.add_argument(
+        "--load-threads", type=int, default=2, help="the connector's load_threads (--slope)"
+    )
+    parser.add_argument(
+        "--slope",
+        default="",
+        metavar="COUNTS",
+        help="instead: full hits of these chunk counts (e.g. 2,4,8,15: 1k..7.7k tokens of "
+        "512-token chunks) and the fitted cost per loaded token",
     )

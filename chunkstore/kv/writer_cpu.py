@@ -105,3 +105,98 @@ def write_cpu(
         first,
         second,
     )
+
+
+# vLLM's CPU attention cache ("vec" kernels), one layer: per block and head, K dim-major
+# [head_dim, block_size] then V token-major [block_size, head_dim] (connector/cpu_layout.py).
+# One entry's layer at a time, on the connector's load thread while the model computes on
+# the other cores: single-threaded, and without the GIL.
+
+
+@njit(cache=True, boundscheck=False, nogil=True)
+def _write_vec_f32(src_k, src_v, key_part, value_part, slots, cos, sin, first, second):
+    tokens, heads, dims = src_k.shape
+    block_size = key_part.shape[3]
+    pairs = first.shape[0]
+    row = np.empty(dims, np.float32)
+    for t in range(tokens):
+        s = slots[t]
+        b, o = s // block_size, s % block_size
+        for h in range(heads):
+            for d in range(dims):
+                row[d] = src_k[t, h, d]
+            for j in range(pairs):
+                a = src_k[t, h, first[j]]
+                c = src_k[t, h, second[j]]
+                row[first[j]] = a * cos[t, j] - c * sin[t, j]
+                row[second[j]] = c * cos[t, j] + a * sin[t, j]
+            for d in range(dims):
+                key_part[b, h, d, o] = row[d]
+            for d in range(value_part.shape[3]):
+                value_part[b, h, o, d] = src_v[t, h, d]
+
+
+@njit(cache=True, boundscheck=False, nogil=True)
+def _write_vec_bf16(src_k, src_v, key_part, value_part, slots, cos, sin, first, second):
+    tokens, heads, dims = src_k.shape
+    block_size = key_part.shape[3]
+    pairs = first.shape[0]
+    row = np.empty(dims, np.uint32)
+    wide = row.view(np.float32)
+    for t in range(tokens):
+        s = slots[t]
+        b, o = s // block_size, s % block_size
+        for h in range(heads):
+            for d in range(dims):
+                row[d] = np.uint32(src_k[t, h, d]) << 16
+            for j in range(pairs):
+                a = wide[first[j]]
+                c = wide[second[j]]
+                wide[first[j]] = a * cos[t, j] - c * sin[t, j]
+                wide[second[j]] = c * cos[t, j] + a * sin[t, j]
+            for d in range(dims):
+                bits = row[d]
+                bits = bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))
+                key_part[b, h, d, o] = np.uint16(bits >> 16)
+            for d in range(value_part.shape[3]):
+                value_part[b, h, o, d] = src_v[t, h, d]
+
+
+_VEC_KERNELS = {torch.float32: _write_vec_f32, torch.bfloat16: _write_vec_bf16}
+
+
+def write_vec_layer(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_part: torch.Tensor,
+    value_part: torch.Tensor,
+    slots: torch.Tensor,
+    rotation: tuple[torch.Tensor, torch.Tensor] | None,
+    rotary: RotaryConfig,
+) -> bool:
+    """Rotate one layer's keys ([tokens, heads, head_dim]) by ``rotation`` (cos, sin
+    [tokens, rotary_dim / 2]; None: copy) and write them and the values at ``slots`` of
+    vLLM's CPU "vec" cache views (key_part [blocks, heads, head_dim, block_size], value_part
+    [blocks, heads, block_size, head_dim]). False (nothing written) for a dtype it has no
+    kernel for."""
+    kernel = _VEC_KERNELS.get(keys.dtype)
+    if kernel is None or key_part.dtype != keys.dtype or values.dtype != keys.dtype:
+        return False
+    if rotation is None:
+        first = second = np.empty(0, np.int64)
+        cos_a = sin_a = np.empty((keys.shape[0], 0), np.float32)
+    else:
+        first, second = (i.numpy() for i in pair_indices(rotary))
+        cos_a, sin_a = (x.contiguous().numpy() for x in rotation)
+    kernel(
+        _as_array(keys),
+        _as_array(values),
+        _as_array(key_part),
+        _as_array(value_part),
+        slots.contiguous().numpy(),
+        cos_a,
+        sin_a,
+        first,
+        second,
+    )
+    return True
