@@ -159,3 +159,53 @@ def test_bench_e2e_json_on_the_tiny_model() -> None:
     figures = ("ttft_speedup", "cold_isolated_vs_baseline", "plain_overhead", "layer_overlap_gain")
     for figure in (*figures, "baseline_ttft_s"):
         assert row[figure] > 0
+
+
+def test_bench_scale_json() -> None:
+    run = chunkstore(
+        "bench",
+        "scale",
+        "--json",
+        "--sizes",
+        "100,300",
+        "--lookups",
+        "20",
+        "--pinned",
+        "100",
+        "--evicting-puts",
+        "50",
+        "--readers",
+        "1,2",
+        "--entry-mib",
+        "2",
+        "--read-seconds",
+        "0.3",
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in run.stdout.splitlines()]
+    sizes = [r for r in rows if r["bench"] == "scale.size"]
+    assert [r["entries"] for r in sizes] == [100, 300]  # and Clear evicted each (else it raises)
+    ratios = {k: v for r in rows for k, v in r.items() if "_vs_" in k}
+    wanted = {"lookup_300_vs_100", "scrape_300_vs_100", "put_pinned_vs_none", "read_2x_vs_1x"}
+    assert wanted <= set(ratios)
+    assert all(v > 0 for v in ratios.values())
+
+
+def test_bench_e2e_slope_on_the_tiny_model() -> None:
+    run = chunkstore(
+        "bench",
+        "e2e",
+        "--json",
+        "--model",
+        "tiny",
+        "--chunk-tokens",
+        "64",
+        "--repeats",
+        "1",
+        "--slope",
+        "1,3",
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    [row] = [json.loads(line) for line in run.stdout.splitlines()]
+    assert row["bench"] == "e2e.slope" and len(row["loaded_tokens"]) == 2
+    assert row["loaded_tokens"][1] > row["loaded_tokens"][0] >= 64  # full hits (else it raises)

@@ -42,6 +42,10 @@ def _key(i: int) -> bytes:
     return i.to_bytes(16, "little")
 
 
+def _label(entries: int) -> str:
+    return f"{entries // 1000}k" if entries % 1000 == 0 else str(entries)
+
+
 def _progress(message: str) -> None:
     print(f"bench scale: {message}", file=sys.stderr, flush=True)
 
@@ -200,7 +204,7 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                 rows.append(row)
                 yield row
         small, large = rows[0], rows[-1]
-        ratio = f"{large['entries'] // 1000}k_vs_{small['entries'] // 1000}k"
+        ratio = f"{_label(large['entries'])}_vs_{_label(small['entries'])}"
         yield {
             "bench": "scale.size_ratios",
             f"lookup_{ratio}": round(large["lookup_p50_ms"] / small["lookup_p50_ms"], 3),
