@@ -37,6 +37,12 @@ def _write_f32(src_k, src_v, dst_k, dst_v, slots, cos, sin, first, second):
                     dst_k[layer, s, h, second[j]] = b * cos[t, j] + a * sin[t, j]
 
 
+@njit(inline="always")
+def _narrow(bits):
+    """float32 bits to bfloat16 bits, rounded to nearest even as torch narrows."""
+    return np.uint16((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16)
+
+
 @njit(parallel=True, cache=True, boundscheck=False)
 def _write_bf16(src_k, src_v, dst_k, dst_v, slots, cos, sin, first, second):
     layers, tokens, heads, dims = src_k.shape
@@ -59,9 +65,7 @@ def _write_bf16(src_k, src_v, dst_k, dst_v, slots, cos, sin, first, second):
                     wide[first[j]] = a * cos[t, j] - b * sin[t, j]
                     wide[second[j]] = b * cos[t, j] + a * sin[t, j]
                 for d in range(dims):
-                    bits = row[d]
-                    bits = bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))
-                    dst_k[layer, s, h, d] = np.uint16(bits >> 16)
+                    dst_k[layer, s, h, d] = _narrow(row[d])
 
 
 def _as_array(x: torch.Tensor) -> np.ndarray:
@@ -155,9 +159,7 @@ def _write_vec_bf16(src_k, src_v, key_part, value_part, slots, cos, sin, first, 
                 wide[first[j]] = a * cos[t, j] - c * sin[t, j]
                 wide[second[j]] = c * cos[t, j] + a * sin[t, j]
             for d in range(dims):
-                bits = row[d]
-                bits = bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))
-                key_part[b, h, d, o] = np.uint16(bits >> 16)
+                key_part[b, h, d, o] = _narrow(row[d])
             for d in range(value_part.shape[3]):
                 value_part[b, h, o, d] = src_v[t, h, d]
 
