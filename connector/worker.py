@@ -65,6 +65,12 @@ class Fetched:
     slots: torch.Tensor
 
 
+def _aligned(nbytes: int) -> int:
+    """Room an entry takes in the staging buffer: each starts on a 64-byte boundary, so any
+    dtype can view it whatever the entries before it held."""
+    return -(-nbytes // 64) * 64
+
+
 class LayerLoads:
     """Writes fetched entries into vLLM's cache one layer at a time on a background thread,
     so layer i + 1 is written while the model computes layer i; vLLM calls
@@ -251,7 +257,7 @@ class WorkerSide:
         self._finish_loads()  # a previous step's, should vLLM not have asked for its results
         began = time.perf_counter()
         fetched: list[Fetched] = []
-        need = sum(item.lease.nbytes for plan in metadata.requests for item in plan.loads)
+        need = sum(_aligned(item.lease.nbytes) for plan in metadata.requests for item in plan.loads)
         if need > self._staging.numel():
             self._staging = torch.empty(need, dtype=torch.uint8)
         offset = 0
@@ -261,7 +267,7 @@ class WorkerSide:
             shm_bytes = 0
             for item in plan.loads:
                 buffer = self._staging[offset : offset + item.lease.nbytes]
-                offset += item.lease.nbytes
+                offset += _aligned(item.lease.nbytes)
                 try:
                     entry, nbytes = self._fetch(plan, item, buffer)
                     fetched.append(entry)
