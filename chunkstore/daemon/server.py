@@ -424,6 +424,16 @@ class LiveHealth(health.HealthServicer):
         return super().Check(request, context)
 
 
+# (request streaming, response streaming) -> grpc's factory for such a handler, and the
+# attribute of a handler that serves that kind of call.
+_KINDS: dict[tuple[bool, bool], tuple[Callable[..., Any], str]] = {
+    (False, False): (grpc.unary_unary_rpc_method_handler, "unary_unary"),
+    (False, True): (grpc.unary_stream_rpc_method_handler, "unary_stream"),
+    (True, False): (grpc.stream_unary_rpc_method_handler, "stream_unary"),
+    (True, True): (grpc.stream_stream_rpc_method_handler, "stream_stream"),
+}
+
+
 class _DecodeInHandler(grpc.ServerInterceptor):
     """Decode requests inside the handler, so that bytes that are not the method's message
     answer INVALID_ARGUMENT. grpcio's own decoding answers INTERNAL, logs a traceback, and
@@ -447,22 +457,10 @@ class _DecodeInHandler(grpc.ServerInterceptor):
         def each(raw: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[Any]:
             return (decoded(r, context) for r in raw)
 
-        kind = (handler.request_streaming, handler.response_streaming)
-        options = {"response_serializer": handler.response_serializer}
-        if kind == (False, False):
-            return grpc.unary_unary_rpc_method_handler(
-                lambda r, c: handler.unary_unary(decoded(r, c), c), **options
-            )
-        if kind == (False, True):
-            return grpc.unary_stream_rpc_method_handler(
-                lambda r, c: handler.unary_stream(decoded(r, c), c), **options
-            )
-        if kind == (True, False):
-            return grpc.stream_unary_rpc_method_handler(
-                lambda r, c: handler.stream_unary(each(r, c), c), **options
-            )
-        return grpc.stream_stream_rpc_method_handler(
-            lambda r, c: handler.stream_stream(each(r, c), c), **options
+        make, name = _KINDS[handler.request_streaming, handler.response_streaming]
+        serve, convert = getattr(handler, name), each if handler.request_streaming else decoded
+        return make(
+            lambda r, c: serve(convert(r, c), c), response_serializer=handler.response_serializer
         )
 
 
@@ -520,13 +518,7 @@ def _refusal(handler: Any, code: grpc.StatusCode, message: str) -> Any:
     def refuse(request: Any, context: grpc.ServicerContext) -> Any:
         context.abort(code, message)
 
-    kind = (handler.request_streaming, handler.response_streaming)
-    make = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }[kind]
+    make, _ = _KINDS[handler.request_streaming, handler.response_streaming]
     return make(refuse)
 
 
