@@ -12,23 +12,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from chunkstore.bench.timing import timed
 from chunkstore.kv.paging import slot_mapping
 from chunkstore.kv.rope import RotaryConfig, remap_keys
 from chunkstore.kv.writer import write_chunk, write_torch, writer_for
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def _timed(fn: Callable[[], None]) -> float:
-    began = time.perf_counter()
-    fn()
-    return time.perf_counter() - began
 
 
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
@@ -74,10 +68,10 @@ def _measure(
     copy()
     copies, remaps, torch_ops = [], [], []
     for _ in range(args.repeats):
-        copies.append(_timed(copy))
-        remaps.append(_timed(remap))
+        copies.append(timed(copy))
+        remaps.append(timed(remap))
         if args.torch_ops:
-            torch_ops.append(_timed(lambda: remap(write_torch)))
+            torch_ops.append(timed(lambda: remap(write_torch)))
     nbytes = 2 * keys.numel() * keys.element_size()
     result = {
         "bench": "remap",

@@ -17,6 +17,7 @@ timings themselves are noisy on a shared machine.
 from __future__ import annotations
 
 import argparse
+import functools
 import multiprocessing as mp
 import statistics
 import sys
@@ -31,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from chunkstore.bench.timing import timed
 from chunkstore.client import ChunkStoreClient
 from chunkstore.testing.daemon import RunningDaemon, start_daemon
 
@@ -74,17 +76,13 @@ def _lookup_latencies(client: ChunkStoreClient, stored: int, rounds: int) -> lis
     for _ in range(rounds):
         present = [_key(int(i)) for i in rng.integers(0, stored, 32)]
         batch = present + [_key(10**9 + int(i)) for i in rng.integers(0, 10**6, 32)]
-        began = time.perf_counter()
-        client.lookup(batch)
-        times.append(time.perf_counter() - began)
+        times.append(timed(functools.partial(client.lookup, batch)))
     return times
 
 
-def _scrape(url: str) -> float:
-    began = time.perf_counter()
+def _scrape(url: str) -> None:
     with urllib.request.urlopen(url, timeout=30) as reply:
         reply.read()
-    return time.perf_counter() - began
 
 
 def _at_size(daemon: RunningDaemon, size: int, rounds: int) -> dict[str, Any]:
@@ -93,12 +91,8 @@ def _at_size(daemon: RunningDaemon, size: int, rounds: int) -> dict[str, Any]:
         put_rate = _fill(client, 0, size)
         _lookup_latencies(client, size, 50)  # warm up
         lookups = _lookup_latencies(client, size, rounds)
-        stats = []
-        for _ in range(20):
-            began = time.perf_counter()
-            client.stats()
-            stats.append(time.perf_counter() - began)
-        scrapes = [_scrape(daemon.metrics_url) for _ in range(20)]
+        stats = [timed(client.stats) for _ in range(20)]
+        scrapes = [timed(lambda: _scrape(daemon.metrics_url)) for _ in range(20)]
         stop = threading.Event()
 
         def scrape_on() -> None:

@@ -25,15 +25,10 @@ import numpy as np
 import redis
 import torch
 
+from chunkstore.bench.timing import timed
 from chunkstore.client import ChunkStoreClient, as_bytes
 from chunkstore.testing.daemon import start_daemon
 from chunkstore.testing.redis import RedisServer
-
-
-def _timed(fn: Callable[[], Any]) -> float:
-    began = time.perf_counter()
-    fn()
-    return time.perf_counter() - began
 
 
 def _ratio(numerator: list[float], denominator: list[float]) -> float:
@@ -79,7 +74,7 @@ def _lookups(client: ChunkStoreClient, args: argparse.Namespace) -> dict[str, An
     latencies = []
     began = time.perf_counter()
     for _ in range(args.lookup_batches):
-        latencies.append(_timed(lambda: client.lookup(batch)))
+        latencies.append(timed(lambda: client.lookup(batch)))
     elapsed = time.perf_counter() - began
     return {
         "bench": "store.lookup",
@@ -135,7 +130,7 @@ def _reads(
     times: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(args.repeats):
         for name, fn in paths.items():
-            times[name].append(_timed(fn))
+            times[name].append(timed(fn))
     p50 = {name: statistics.median(t) for name, t in times.items()}
     return {
         "bench": "store.read",
