@@ -268,15 +268,15 @@ class ChunkStoreClient:
 
     def pin(self, keys: Sequence[bytes]) -> int:
         """Pin entries; each call of MAX_BATCH keys is all or nothing (NotFound)."""
-        return sum(
-            int(self._call(self.stub.Pin, pb.PinRequest(keys=batch)).changed)
-            for batch in _batches(keys)
-        )
+        return self._set_pinned(self.stub.Pin, keys)
 
     def unpin(self, keys: Sequence[bytes]) -> int:
+        return self._set_pinned(self.stub.Unpin, keys)
+
+    def _set_pinned(self, method: Any, keys: Sequence[bytes]) -> int:
+        """Entries whose pin changed, over calls of MAX_BATCH keys."""
         return sum(
-            int(self._call(self.stub.Unpin, pb.PinRequest(keys=batch)).changed)
-            for batch in _batches(keys)
+            int(self._call(method, pb.PinRequest(keys=batch)).changed) for batch in _batches(keys)
         )
 
     def undrain(self) -> bool:
