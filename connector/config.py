@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -22,6 +23,7 @@ class ConnectorConfig:
     timeout_s: float = 1.0  # per call: a hung daemon stalls scheduling no longer than this
     overlap_layers: bool = True  # write layer i + 1 while vLLM computes layer i
     load_threads: int = 2  # threads that write a layer's loaded entries side by side
+    load_cpus: str = "all"  # where they run: all | vllm (its compute cores) | a list "0-3,8"
     inband_isolation: bool = True  # the isolation mask inside vLLM's attention (worker hook)
     # Answer quality under isolation (each needs in-band isolation; README, "Quality"):
     virtual_gap: int = 0  # chunks computed as if standing this many tokens after sys
@@ -47,6 +49,7 @@ class ConnectorConfig:
             raise ValueError("virtual_gap, recompute_chunks and recompute_tokens are counts >= 0")
         if config.load_threads < 1:
             raise ValueError(f"load_threads must be >= 1, not {config.load_threads}")
+        load_cpus(config.load_cpus)  # raises on a bad list
         if config.question_temperature <= 0 or config.question_scale <= 0:
             raise ValueError("question_temperature and question_scale must be > 0")
         if config.quality_recovery and not config.inband_isolation:
@@ -76,6 +79,30 @@ class ConnectorConfig:
             or self.recompute_tokens
             or self.reweights_questions
         )
+
+
+def load_cpus(text: str) -> set[int] | None:
+    """The CPUs the connector's load threads may run on (``load_cpus``); None: where vLLM
+    put the thread that starts them.
+
+    vLLM's CPU worker binds its thread, and so every thread it starts, to its compute
+    cores, keeping the rest (``VLLM_CPU_NUM_OF_RESERVED_CPU``) for its scheduler. While a
+    layer loads, the forward waits for it: a load confined to the compute cores leaves the
+    reserved ones idle. "all" lets the loads run on every core the process may use."""
+    if text == "vllm":
+        return None
+    if text == "all":
+        return set(range(os.cpu_count() or 1))
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            first, _, last = part.strip().partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        cpus = set()
+    if not cpus:
+        raise ValueError(f"load_cpus must be all, vllm or a CPU list like 0-3,8, not {text!r}")
+    return cpus
 
 
 def unsupported_parallelism(vllm_config: Any) -> str | None:

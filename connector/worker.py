@@ -13,6 +13,7 @@ told which blocks, and it computes them.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
 import time
@@ -29,7 +30,7 @@ from chunkstore.kv.rope import RotaryConfig, rotation_table
 
 from .client_holder import DaemonLink
 from .common import ChunkStoreMetadata, LoadItem, LoadsEnded, RequestPlan, SaveItem
-from .config import ConnectorConfig, unsupported_parallelism
+from .config import ConnectorConfig, load_cpus, unsupported_parallelism
 from .cpu_layout import CpuKVLayout
 from .heads import RankHeads
 from .isolation import IsolationHook
@@ -71,6 +72,16 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // 64) * 64
 
 
+def place_thread(cpus: set[int] | None) -> None:
+    """Let the calling thread run on ``cpus`` (None: leave it where it is)."""
+    if cpus is None:
+        return
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as err:  # none of them allowed here: stay on vLLM's cores
+        log.warning("chunkstore: load threads stay on vLLM's cores (load_cpus: %s)", err)
+
+
 class LayerLoads:
     """Writes fetched entries into vLLM's cache one layer at a time on a background thread,
     so layer i + 1 is written while the model computes layer i; vLLM calls
@@ -85,6 +96,7 @@ class LayerLoads:
         fetched: list[Fetched],
         overlap: bool,
         writers: ThreadPoolExecutor | None = None,
+        cpus: set[int] | None = None,
     ) -> None:
         self.worker = worker
         self.fetched = fetched
@@ -95,14 +107,17 @@ class LayerLoads:
         self.seconds = 0.0
         self.thread: threading.Thread | None = None
         if overlap:
-            self.thread = threading.Thread(target=self._run, name="chunkstore-load", daemon=True)
+            self.thread = threading.Thread(
+                target=self._run, args=(cpus,), name="chunkstore-load", daemon=True
+            )
             self.thread.start()
         else:
             self._run()
             self.waited = set(range(len(self.ready)))
 
-    def _run(self) -> None:
+    def _run(self, cpus: set[int] | None = None) -> None:
         began = time.perf_counter()
+        place_thread(cpus)
         try:
             for layer, ready in enumerate(self.ready):
                 if self.writers is None or len(self.fetched) < 2:
@@ -154,6 +169,7 @@ class WorkerSide:
         # fault in every page of it first (~2 GB/s, slower than the copy itself).
         self._staging = torch.empty(0, dtype=torch.uint8)
         self._writers: ThreadPoolExecutor | None = None
+        self.load_cpus = load_cpus(config.load_cpus)
         self._layer_index: dict[str, int] = {}
         self.heads = RankHeads(0, 1, self.keys.layout.num_kv_heads, self.keys.layout.num_kv_heads)
         self._ended = LoadsEnded()
@@ -280,9 +296,14 @@ class WorkerSide:
         if fetched:
             if self._writers is None and self.config.load_threads > 1:
                 self._writers = ThreadPoolExecutor(
-                    self.config.load_threads, thread_name_prefix="chunkstore-write"
+                    self.config.load_threads,
+                    thread_name_prefix="chunkstore-write",
+                    initializer=place_thread,
+                    initargs=(self.load_cpus,),
                 )
-            self._layer_loads = LayerLoads(self, fetched, self.config.overlap_layers, self._writers)
+            self._layer_loads = LayerLoads(
+                self, fetched, self.config.overlap_layers, self._writers, self.load_cpus
+            )
         if any(plan.loads for plan in metadata.requests):
             self.stats.add("load_seconds", time.perf_counter() - began)
 

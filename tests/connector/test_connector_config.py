@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
 
-from chunkstore_vllm.config import ConnectorConfig, unsupported_parallelism
+from chunkstore_vllm.config import ConnectorConfig, load_cpus, unsupported_parallelism
 
 
 def test_settings_come_from_the_extra_config_and_typos_are_refused() -> None:
@@ -33,6 +34,16 @@ def test_quality_settings_are_checked(extra: dict, error: str) -> None:
     with pytest.raises(ValueError, match=error):
         ConnectorConfig.from_extra(extra)
     assert ConnectorConfig.from_extra({"recompute_tokens": 16}).quality_recovery
+
+
+def test_load_cpus_name_where_the_load_threads_run() -> None:
+    assert ConnectorConfig().load_cpus == "all"
+    assert load_cpus("all") == set(range(os.cpu_count() or 1))
+    assert load_cpus("vllm") is None  # left on vLLM's compute cores
+    assert load_cpus("0-2, 5") == {0, 1, 2, 5}
+    for bad in ("", "some", "3-x", "1,,2"):
+        with pytest.raises(ValueError, match="load_cpus must be"):
+            ConnectorConfig.from_extra({"load_cpus": bad})
 
 
 def parallel(**sizes: int) -> SimpleNamespace:

@@ -4,6 +4,7 @@ whether every layer was waited for. (vLLM itself drives it in tests/test_connect
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -28,6 +29,7 @@ class RecordingWorker:
         if layer == self.fail_at:
             raise RuntimeError(f"write of layer {layer} failed")
         self.written.append((entry, layer))
+        self.cpus = os.sched_getaffinity(0)
 
 
 def test_each_wait_returns_only_once_its_layer_is_written() -> None:
@@ -71,3 +73,20 @@ def test_without_overlap_everything_is_written_before_the_forward(fail_at: int) 
     assert loads.all_waited()
     assert len(worker.written) == (LAYERS if fail_at < 0 else fail_at)
     assert (loads.finish() is None) == (fail_at < 0)
+
+
+def test_the_load_thread_runs_on_the_cpus_it_is_given() -> None:
+    """vLLM binds its thread, and so every thread it starts, to its compute cores; the loads
+    are moved to ``load_cpus`` (on 2 cores: the one vLLM keeps for its scheduler as well)."""
+    main = os.sched_getaffinity(0)
+    one = {min(main)}
+    worker = RecordingWorker()
+    worker.gate.set()
+    loads = LayerLoads(worker, ["a"], overlap=True, cpus=one)  # type: ignore[arg-type]
+    assert loads.finish() is None
+    assert worker.cpus == one
+    assert os.sched_getaffinity(0) == main  # the caller's own thread stays where it was
+    without = RecordingWorker()
+    without.gate.set()
+    assert LayerLoads(without, ["a"], overlap=True).finish() is None  # type: ignore[arg-type]
+    assert without.cpus == main
