@@ -209,3 +209,6 @@ def test_bench_e2e_slope_on_the_tiny_model() -> None:
     [row] = [json.loads(line) for line in run.stdout.splitlines()]
     assert row["bench"] == "e2e.slope" and len(row["loaded_tokens"]) == 2
     assert row["loaded_tokens"][1] > row["loaded_tokens"][0] >= 64  # full hits (else it raises)
+    # the floor: vLLM alone, prefix-cache hits on the same contexts, in the same run
+    assert len(row["floor_ttft_s"]) == 2 and all(t > 0 for t in row["floor_ttft_s"])
+    assert row["floor_cached_tokens"][1] >= row["floor_cached_tokens"][0]

@@ -13,7 +13,9 @@ A sys prompt + N chunks of M tokens (default 8 x 512) + a question, in one run:
   (``plain_overhead``: what the connector and its attention hook cost a prompt they leave
   alone).
 With ``--slope 2,4,8,15`` it times full hits of that many chunks instead and fits TTFT to
-the tokens loaded: ``us_per_loaded_token`` (the slope) and ``fixed_ms``.
+the tokens loaded: ``us_per_loaded_token`` (the slope) and ``fixed_ms``; against the floor
+of the same prompts answered by vLLM alone after a prefix-cache hit on their context
+(``floor_us_per_token``, ``slope_vs_floor``).
 TTFT is the wall time of a one-token generate; each figure is the median over ``--repeats``
 prompts (a different one each, reordered or, for cold ones, with documents not seen before).
 """
@@ -81,20 +83,46 @@ def shape_prompts(
     return [sys_ids + sep + doc + sep for doc in docs], measured
 
 
+def _fit(
+    rows: list[dict[str, Any]], repeats: int
+) -> tuple[list[float], list[float], float | None, float | None]:
+    """Medians per group of ``repeats`` rows (tokens reused, TTFT) and the line through them:
+    slope in seconds per token, intercept in seconds (None if every group reused as much)."""
+    groups = [rows[i : i + repeats] for i in range(0, len(rows), repeats)]
+    x = [statistics.median(r["cached_tokens"] for r in group) for group in groups]
+    y = [statistics.median(r["seconds"] for r in group) for group in groups]
+    if len(set(x)) < 2:
+        return x, y, None, None
+    slope, intercept = statistics.linear_regression(x, y)
+    return x, y, slope, intercept
+
+
+def _us(seconds: float | None, scale: float = 1e6, digits: int = 2) -> float | None:
+    return None if seconds is None else round(seconds * scale, digits)
+
+
 def _slope(args: argparse.Namespace, model: Path, encode: Any) -> dict[str, Any]:
     """Full hits of 1..N stored chunks in one vLLM: TTFT against the tokens loaded, fitted
-    to a line (least squares): its slope is what each loaded token costs."""
+    to a line (least squares): its slope is what each loaded token costs. The floor, in
+    the same run: vLLM alone (no connector) answering the same prompts after a prefix-cache
+    hit on their context (primed by the same context under another question), fitted the
+    same way: what the question's own forward costs per token of context it attends to."""
     counts = [int(c) for c in args.slope.split(",")]
+    if len(set(counts)) < 2:
+        raise ValueError(f"--slope needs two chunk counts or more, not {args.slope!r}")
     sep = encode("##")
     sys_ids = encode(SYS)
     docs = _documents(encode, max(counts), args.chunk_tokens, sep, seed=1)
     rng = random.Random(0)
-    measured, lengths = [], []
+    measured, primers, lengths = [], [], []
     for count in counts:
         for i in range(args.repeats):
             order = docs[:count]
             rng.shuffle(order)
             measured.append(_prompt(sys_ids, order, encode(QUESTIONS[i % len(QUESTIONS)]), sep))
+            primers.append(
+                _prompt(sys_ids, order, encode(QUESTIONS[(i + 1) % len(QUESTIONS)]), sep)
+            )
             lengths.append(len(measured[-1]))
     ingest = [sys_ids + sep + doc + sep for doc in docs]
     warmup = encode("Hello, how are you today?")
@@ -106,26 +134,43 @@ def _slope(args: argparse.Namespace, model: Path, encode: Any) -> dict[str, Any]
                 model,
                 [warmup, *ingest, *measured],
                 work / "slope",
-                {"address": daemon.unix, "load_threads": args.load_threads},
+                {
+                    "address": daemon.unix,
+                    "load_threads": args.load_threads,
+                    "load_cpus": args.load_cpus,
+                },
                 max_model_len=max_len,
             )[1 + len(ingest) :]
+        paired = [p for pair in zip(primers, measured, strict=True) for p in pair]
+        floor_rows = run_probe(
+            model,
+            [warmup, *paired],
+            work / "floor",
+            max_model_len=max_len,
+            extra=("--prefix-caching",),
+        )[2::2]
     loaded = [r["cached_tokens"] for r in rows]
     if any(n < length - 32 for n, length in zip(loaded, lengths, strict=True)):
         raise RuntimeError(f"not every prompt was a full hit: {loaded} of {lengths} tokens")
-    by_count = [rows[i : i + args.repeats] for i in range(0, len(rows), args.repeats)]
-    x = [statistics.median(r["cached_tokens"] for r in group) for group in by_count]
-    y = [statistics.median(r["seconds"] for r in group) for group in by_count]
-    slope, intercept = statistics.linear_regression(x, y)
+    x, y, slope, intercept = _fit(rows, args.repeats)
+    floor_x, floor_y, floor_slope, floor_intercept = _fit(floor_rows, args.repeats)
+    assert slope is not None  # distinct counts load distinct token counts
     return {
         "bench": "e2e.slope",
         "model": model.name,
         "chunk_tokens": args.chunk_tokens,
         "repeats": args.repeats,
         "load_threads": args.load_threads,
+        "load_cpus": args.load_cpus,
         "loaded_tokens": [int(t) for t in x],
         "ttft_s": [round(t, 4) for t in y],
-        "us_per_loaded_token": round(slope * 1e6, 2),
-        "fixed_ms": round(intercept * 1e3, 1),
+        "us_per_loaded_token": _us(slope),
+        "fixed_ms": _us(intercept, 1e3, 1),
+        "floor_cached_tokens": [int(t) for t in floor_x],
+        "floor_ttft_s": [round(t, 4) for t in floor_y],
+        "floor_us_per_token": _us(floor_slope),
+        "floor_fixed_ms": _us(floor_intercept, 1e3, 1),
+        "slope_vs_floor": None if not floor_slope else round(slope / floor_slope, 2),
     }
 
 
@@ -250,6 +295,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--load-threads", type=int, default=2, help="the connector's load_threads (--slope)"
+    )
+    parser.add_argument(
+        "--load-cpus", default="all", help="the connector's load_cpus (--slope; default all)"
     )
     parser.add_argument(
         "--slope",
