@@ -5,14 +5,13 @@ request in it must hit every document it ingested."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
+
+from chunkstore.testing.vllm_server import stop_group
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,23 +23,6 @@ def quickstart() -> str:
     match = re.search(r"```sh\n(.*?)```", section, re.S)
     assert match, "README: no shell block under ## Quickstart"
     return match.group(1)
-
-
-def stop_group(pgid: int, grace: float = 60.0) -> None:
-    """SIGTERM every process the script left (the daemon removes its pool on the way out),
-    SIGKILL what is still there after ``grace`` seconds."""
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(pgid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.5)
 
 
 @pytest.mark.slow
@@ -62,7 +44,7 @@ def test_the_readme_quickstart_runs_as_written(tmp_path: Path) -> None:
         finally:
             if run.poll() is None:
                 run.kill()
-            stop_group(run.pid)
+            stop_group(run.pid)  # the daemon removes its pool on SIGTERM
             corpus.unlink(missing_ok=True)
     out = log.read_text()
     assert run.returncode == 0, out[-6000:]

@@ -97,7 +97,8 @@ def _fit(
     return x, y, slope, intercept
 
 
-def _us(seconds: float | None, scale: float = 1e6, digits: int = 2) -> float | None:
+def _scaled(seconds: float | None, scale: float = 1e6, digits: int = 2) -> float | None:
+    """Seconds in another unit (1e6: us, 1e3: ms), rounded; None stays None."""
     return None if seconds is None else round(seconds * scale, digits)
 
 
@@ -164,12 +165,12 @@ def _slope(args: argparse.Namespace, model: Path, encode: Any) -> dict[str, Any]
         "load_cpus": args.load_cpus,
         "loaded_tokens": [int(t) for t in x],
         "ttft_s": [round(t, 4) for t in y],
-        "us_per_loaded_token": _us(slope),
-        "fixed_ms": _us(intercept, 1e3, 1),
+        "us_per_loaded_token": _scaled(slope),
+        "fixed_ms": _scaled(intercept, 1e3, 1),
         "floor_cached_tokens": [int(t) for t in floor_x],
         "floor_ttft_s": [round(t, 4) for t in floor_y],
-        "floor_us_per_token": _us(floor_slope),
-        "floor_fixed_ms": _us(floor_intercept, 1e3, 1),
+        "floor_us_per_token": _scaled(floor_slope),
+        "floor_fixed_ms": _scaled(floor_intercept, 1e3, 1),
         "slope_vs_floor": None if not floor_slope else round(slope / floor_slope, 2),
     }
 

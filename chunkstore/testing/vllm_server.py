@@ -86,12 +86,26 @@ class VllmServer:
 
     def stop(self) -> None:
         if self.process.poll() is None:
-            import signal
-
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+            stop_group(self.process.pid)
+            self.process.wait()
         self.log.close()
+
+
+def stop_group(pgid: int, grace: float = 60.0) -> None:
+    """SIGTERM every process of a group (a server started with ``start_new_session``, and
+    what it started), SIGKILL what is still there after ``grace`` seconds."""
+    import signal
+    import time
+
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.5)
