@@ -22,6 +22,11 @@ FIELDS = {
     "lookups": "Requests looked up in the store.",
     "lookup_tokens": "Prompt tokens in the segments looked up.",
     "hit_tokens": "Tokens the store supplies beyond vLLM's own prefix cache.",
+    "chunked_prompts": "Prompts holding the separator (split into sys, chunks, question).",
+    "unchunked_prompts": "Prompts without the separator: computed as ordinary prompts "
+    "(a RAG app whose prompts land here is not chunking them: check the separator).",
+    "short_segments": "Sys and chunk segments shorter than min_chunk_tokens (neither looked "
+    "up nor stored).",
     "daemon_unreachable": "Lookups skipped because the daemon could not be reached (computed).",
     "sessions_reopened": "Daemon sessions lost (the daemon restarted, or this process was paused "
     "past the lease TTL) and reopened by the client (scheduler and workers).",

@@ -97,6 +97,11 @@ class SchedulerSide:
     def __init__(self, vllm_config: Any, config: ConnectorConfig) -> None:
         self.config = config
         self.keys = ModelKeys.from_vllm(vllm_config, config)
+        log.info(
+            "chunkstore: prompts split at the separator %r (token IDs %s)",
+            config.separator,
+            self.keys.separator,
+        )
         self.block_size = vllm_config.cache_config.block_size
         self._tracked: dict[str, Tracked | None] = {}  # None: a plain prompt
         self._loads: dict[str, list[LoadItem]] = {}
@@ -117,14 +122,20 @@ class SchedulerSide:
             segments = self.keys.segments(list(request.prompt_token_ids or []))
             tracked = None
             if segments and segments[0].kind is SegmentKind.SYS:  # a separator: chunked
+                self.stats.add("chunked_prompts")
                 causal = causal_start(segments, self.config.recompute_chunks)
+                plans = self.keys.plan(segments)
                 cacheable = [
                     plan
-                    for plan in self.keys.plan(segments)
+                    for plan in plans
                     if len(plan.segment) >= self.config.min_chunk_tokens
                     and plan.segment.end <= causal
                 ]
+                short = sum(len(p.segment) < self.config.min_chunk_tokens for p in plans)
+                self.stats.add("short_segments", short)
                 tracked = Tracked(segments, cacheable, causal)
+            else:
+                self.stats.add("unchunked_prompts")
             self._tracked[req_id] = tracked
         return self._tracked[req_id]
 
