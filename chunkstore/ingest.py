@@ -1,10 +1,11 @@
 """Pre-warm a corpus: have vLLM (with the connector) compute each chunk once under a sys
 prompt, so later RAG prompts load it instead of computing it.
 
-Each chunk goes to vLLM as an ingest prompt, ``sys SEP chunk SEP`` (``chunk SEP`` in
-``isolation: none``, where a chunk sees nothing but itself); the connector stores what vLLM
-computed. Chunks already in the store are skipped; after sending, the store is asked again,
-so the summary counts what really got stored.
+Each chunk goes to vLLM as an ingest prompt, ``sys SEP chunk SEP`` built in the shape the
+app sends (text, or chat messages rendered by the model's template: ``chunkstore.prompts``),
+or ``chunk SEP`` in ``isolation: none``, where a chunk sees nothing but itself; the connector
+stores what vLLM computed. Chunks already in the store are skipped; after sending, the store
+is asked again, so the summary counts what really got stored.
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from chunkstore.client import ChunkStoreClient
-from chunkstore.errors import SegmentationError
-from chunkstore.kv.fingerprint import ModelFingerprint
-from chunkstore.kv.keys import Isolation, segment_keys
-from chunkstore.kv.segments import Segment, build_chunked_prompt
+from chunkstore.kv.keys import Isolation
+from chunkstore.kv.segments import split_prompt
+from chunkstore.prompts import RagPrompts
 
 
 class Backend(Protocol):
@@ -69,49 +69,48 @@ class IngestSummary:
     failed: int = 0
 
 
+@dataclass
+class Refused:
+    """A document ingest did not send: it does not tokenize stably beside the separator."""
+
+    index: int
+    why: str
+
+
 def ingest(
     backend: Backend,
     client: ChunkStoreClient,
-    model: ModelFingerprint,
-    encode: Callable[[str], Sequence[int]],
-    sys_text: str,
+    prompts: RagPrompts,
     chunks: Sequence[str],
-    separator: Sequence[int],
-    isolation: Isolation = Isolation.SYS,
     batch_size: int = 8,
     progress: Callable[[int, int], None] | None = None,
-    virtual_gap: int = 0,
+    refused: Callable[[Refused], None] | None = None,
 ) -> IngestSummary:
-    """``isolation`` and ``virtual_gap`` as the connector is configured: they are part of
-    the keys the chunks are stored under."""
-    sep = list(separator)
-
-    def keys(segments: Sequence[Segment]) -> list[bytes | None]:
-        return segment_keys(segments, model.model_fp, model.layout_fp, isolation, virtual_gap)
-
-    sys_prompt = build_chunked_prompt(encode, sys_text, [], None, sep)
-    [sys_key] = keys(sys_prompt.segments)
+    """Store each chunk as ``prompts`` builds it (shape, separator, sys, isolation and gap
+    as the connector and the app see them: they make the keys). A chunk whose tokens would
+    differ in a request (``RagPrompts.check``) is not sent: it counts as failed and
+    ``refused`` hears why."""
     work: list[tuple[bytes, list[int]]] = []  # chunk key, ingest prompt
     summary = IngestSummary(chunks=len(chunks))
-    for text in chunks:
-        try:
-            if isolation is Isolation.SYS:  # sys SEP chunk SEP: the chunk right after sys
-                prompt = build_chunked_prompt(encode, sys_text, [text], None, sep)
-            else:  # chunk SEP: a chunk that sees nothing but itself
-                prompt = build_chunked_prompt(encode, text, [], None, sep)
-        except SegmentationError:
-            summary.failed += 1  # would split in the wrong place: never ingested
+    for index, text in enumerate(chunks):
+        why = prompts.check(text)
+        found = None if why else prompts.ingest_prompt(text)
+        if found is None:
+            summary.failed += 1
+            if refused:
+                refused(Refused(index, why or "it does not segment as one chunk"))
             continue
-        key = keys(prompt.segments)[-1]
-        assert key is not None
-        work.append((key, list(prompt.token_ids)))
-        summary.tokens += len(prompt.segments[-1])
+        ids, segment, key = found
+        work.append((key, ids))
+        summary.tokens += len(segment)
     present = _present(client, [k for k, _ in work])
     todo = [w for w, p in zip(work, present, strict=True) if not p]
     summary.already_present = len(work) - len(todo)
-    assert sys_key is not None
-    if isolation is Isolation.NONE and not _present(client, [sys_key])[0]:
-        backend.prefill([list(sys_prompt.token_ids)])  # sys alone is an entry there too
+    if prompts.isolation is Isolation.NONE:  # sys alone is an entry there too
+        sys_ids = prompts.sys_prompt()
+        sys_key = prompts.keys(split_prompt(sys_ids, prompts.sep_ids))[0]
+        if sys_key is not None and not _present(client, [sys_key])[0]:
+            backend.prefill([sys_ids])
     for start in range(0, len(todo), batch_size):
         backend.prefill([p for _, p in todo[start : start + batch_size]])
         if progress:

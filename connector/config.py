@@ -15,7 +15,7 @@ class ConnectorConfig:
     address: str = ""  # daemon address: unix:/path or host:port ("" = the default socket)
     token: str = ""
     transport: str = "auto"  # auto | shm | stream
-    separator: str | list[int] = "##"  # text (tokenized alone) or token IDs
+    separator: str | list[int] = "auto"  # auto (a free special token, else ##), text or IDs
     isolation: str = "sys"  # sys | none
     save: bool = True  # store what vLLM computed under its isolation context
     min_chunk_tokens: int = 1  # shorter segments are neither looked up nor saved

@@ -4,6 +4,9 @@ address, separator, isolation mode and model fingerprint come from the LLM's own
 
     llm = LLM(model=..., kv_transfer_config={... "kv_connector": "ChunkStoreConnector" ...})
     summary = ingest_with_llm(llm, chunks, sys_text="You answer from the documents.")
+
+``chat=True`` stores the chunks as chat requests hold them (the model's chat template, the
+chunks in the user message: ``chunkstore.prompts``).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import Any
 
 from chunkstore.client import ChunkStoreClient
 from chunkstore.ingest import IngestSummary, LLMBackend, ingest
+from chunkstore.prompts import RagPrompts
 
 from .config import ConnectorConfig
 from .keys import ModelKeys
@@ -24,6 +28,7 @@ def ingest_with_llm(
     sys_text: str,
     batch_size: int = 8,
     progress: Callable[[int, int], None] | None = None,
+    chat: bool = False,
 ) -> IngestSummary:
     vllm_config = llm.llm_engine.vllm_config
     transfer = vllm_config.kv_transfer_config
@@ -31,22 +36,14 @@ def ingest_with_llm(
         raise ValueError("this LLM was not built with kv_connector 'ChunkStoreConnector'")
     config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
     keys = ModelKeys.from_vllm(vllm_config, config)
-    tokenizer = llm.get_tokenizer()
-
-    def encode(text: str) -> list[int]:
-        return list(tokenizer.encode(text, add_special_tokens=False))
-
+    prompts = RagPrompts(
+        llm.get_tokenizer(),
+        sys_text,
+        chat=chat,
+        separator=keys.separator,
+        fingerprint=keys.fingerprint,
+        isolation=config.isolation_mode,
+        virtual_gap=config.virtual_gap,
+    )
     with ChunkStoreClient(config.daemon_address, token=config.token or None) as client:
-        return ingest(
-            LLMBackend(llm),
-            client,
-            keys.fingerprint,
-            encode,
-            sys_text,
-            chunks,
-            keys.separator,
-            config.isolation_mode,
-            batch_size,
-            progress,
-            virtual_gap=config.virtual_gap,
-        )
+        return ingest(LLMBackend(llm), client, prompts, chunks, batch_size, progress)

@@ -9,6 +9,7 @@ from chunkstore.kv.fingerprint import ModelFingerprint, fingerprint
 from chunkstore.kv.keys import KVLayout, segment_keys
 from chunkstore.kv.rope import RotaryConfig
 from chunkstore.kv.segments import Segment, SegmentKind, split_prompt
+from chunkstore.prompts import separator_ids
 
 from .config import ConnectorConfig
 
@@ -44,7 +45,7 @@ class ModelKeys:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer)
-            separator = list(tokenizer.encode(config.separator, add_special_tokens=False))
+            separator = separator_ids(tokenizer, config.separator)
         else:
             separator = [int(t) for t in config.separator]
         return cls(fp.model_fp, fp.layout_fp, fp.rotary, fp.layout, kv_dtype, separator, config, fp)

@@ -20,6 +20,7 @@ ALLOWED: list[tuple[str, tuple[str, ...]]] = [
         ("chunkstore.daemon", "chunkstore.protocol", "chunkstore.kv", "chunkstore.errors"),
     ),
     ("chunkstore.client", ("chunkstore.protocol", "chunkstore.kv", "chunkstore.errors")),
+    ("chunkstore.prompts", ("chunkstore.kv", "chunkstore.errors")),
     (
         "chunkstore_vllm",
         (
@@ -28,6 +29,7 @@ ALLOWED: list[tuple[str, tuple[str, ...]]] = [
             "chunkstore.kv",
             "chunkstore.errors",
             "chunkstore.ingest",
+            "chunkstore.prompts",
         ),
     ),
 ]

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from chunkstore.kv.segments import find_separators
+from chunkstore.prompts import AUTO, separator_ids
 from chunkstore.testing.daemon import start_daemon
 from chunkstore.testing.models import _WORDS, model_dir
 from chunkstore.testing.vllm_probe import run_probe
@@ -67,11 +68,10 @@ def _prompt(
 
 
 def shape_prompts(
-    encode: Any, chunks: int, chunk_tokens: int, repeats: int
+    encode: Any, sep: list[int], chunks: int, chunk_tokens: int, repeats: int
 ) -> tuple[list[list[int]], list[list[int]]]:
-    """The bench's prompt shape: the ingest prompts (``sys ## doc ##``, one per document) and
-    ``repeats`` prompts of every document, each reordered, under a question."""
-    sep = encode("##")
+    """The bench's prompt shape: the ingest prompts (``sys SEP doc SEP``, one per document)
+    and ``repeats`` prompts of every document, each reordered, under a question."""
     sys_ids = encode(SYS)
     docs = _documents(encode, chunks, chunk_tokens, sep, seed=1)
     rng = random.Random(0)
@@ -102,7 +102,7 @@ def _scaled(seconds: float | None, scale: float = 1e6, digits: int = 2) -> float
     return None if seconds is None else round(seconds * scale, digits)
 
 
-def _slope(args: argparse.Namespace, model: Path, encode: Any) -> dict[str, Any]:
+def _slope(args: argparse.Namespace, model: Path, encode: Any, sep: list[int]) -> dict[str, Any]:
     """Full hits of 1..N stored chunks in one vLLM: TTFT against the tokens loaded, fitted
     to a line (least squares): its slope is what each loaded token costs. The floor, in
     the same run: vLLM alone (no connector) answering the same prompts after a prefix-cache
@@ -111,7 +111,6 @@ def _slope(args: argparse.Namespace, model: Path, encode: Any) -> dict[str, Any]
     counts = [int(c) for c in args.slope.split(",")]
     if len(set(counts)) < 2:
         raise ValueError(f"--slope needs two chunk counts or more, not {args.slope!r}")
-    sep = encode("##")
     sys_ids = encode(SYS)
     docs = _documents(encode, max(counts), args.chunk_tokens, sep, seed=1)
     rng = random.Random(0)
@@ -184,15 +183,15 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     def encode(text: str) -> list[int]:
         return list(tok.encode(text, add_special_tokens=False))
 
+    sep = separator_ids(tok, AUTO)  # the connector's default separator
     if args.slope:
-        yield _slope(args, model, encode)
+        yield _slope(args, model, encode, sep)
         return
 
-    sep = encode("##")
     sys_ids = encode(SYS)
     docs = _documents(encode, args.chunks, args.chunk_tokens, sep, seed=1)
     questions = [encode(q) for q in QUESTIONS]
-    ingest, measured = shape_prompts(encode, args.chunks, args.chunk_tokens, args.repeats)
+    ingest, measured = shape_prompts(encode, sep, args.chunks, args.chunk_tokens, args.repeats)
 
     def prompt(
         chunks: list[list[int]], question: list[int], sys_prompt: list[int] = sys_ids

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from chunkstore.kv.segments import ChunkedPrompt, build_chunked_prompt
+from chunkstore.prompts import AUTO, separator_ids
 
 SYS = "You are a careful assistant. Answer only from the documents below."
 OTHER_SYS = "You are a poet. Answer in rhyme."
@@ -22,14 +23,15 @@ TOLERANCE = 1e-3  # on first-token logprobs, against the fp32 reference
 
 
 class Scenario:
-    """A model's tokenizer and the ``##`` separator, to build chunked prompts with."""
+    """A model's tokenizer and the connector's default separator ("auto": ``<file_sep>``
+    for SmolLM2, ``##`` for the tiny model), to build chunked prompts with."""
 
     def __init__(self, model: Path) -> None:
         from transformers import AutoTokenizer
 
         self.model = model
         self.tok = AutoTokenizer.from_pretrained(model)
-        self.sep = self.encode("##")
+        self.sep = separator_ids(self.tok, AUTO)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))
@@ -47,6 +49,23 @@ def assert_logprobs_match(served: dict[str, Any], logits: torch.Tensor) -> float
     worst = max(abs(lp - float(reference[int(t)])) for t, lp in served["logprobs"].items())
     assert worst <= TOLERANCE, worst
     return worst
+
+
+def first_token(choice: Any) -> dict[str, Any]:
+    """The first generated token and its top logprobs from a choice of an ``openai`` reply
+    (chat or completions, asked with ``return_tokens_as_token_ids``), in the form
+    ``assert_logprobs_match`` takes."""
+
+    def token_id(text: str) -> int:
+        return int(text.removeprefix("token_id:"))
+
+    logprobs = choice.logprobs
+    if getattr(logprobs, "content", None):  # chat
+        first = logprobs.content[0]
+        top = {token_id(t.token): t.logprob for t in first.top_logprobs}
+        return {"token": token_id(first.token), "logprobs": top}
+    top = {token_id(t): lp for t, lp in logprobs.top_logprobs[0].items()}
+    return {"token": token_id(logprobs.tokens[0]), "logprobs": top}
 
 
 def assert_same_answer(a: dict[str, Any], b: dict[str, Any], tolerance: float = TOLERANCE) -> None:

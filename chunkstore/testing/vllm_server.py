@@ -84,6 +84,31 @@ class VllmServer:
         with urllib.request.urlopen(request, timeout=300) as response:
             return dict(json.loads(response.read()))
 
+    def counters(self) -> dict[str, float]:
+        """The connector's vllm:chunkstore_*_total counters on /metrics, summed over label
+        sets (every field, 0 where absent)."""
+        from chunkstore_vllm.metrics import FIELDS
+
+        text = urllib.request.urlopen(f"{self.url}/metrics", timeout=10).read().decode()
+        found = dict.fromkeys(FIELDS, 0.0)
+        for line in text.splitlines():
+            name = line.partition("{")[0]
+            if name.startswith("vllm:chunkstore_") and name.endswith("_total"):
+                short = name.removeprefix("vllm:chunkstore_").removesuffix("_total")
+                found[short] += float(line.rsplit(" ", 1)[-1])
+        return found
+
+    def wait_for_counters(self, want: dict[str, float], timeout: float = 30.0) -> dict[str, float]:
+        """vLLM's front end records engine stats as they arrive: wait until ``want`` shows
+        (assert it does), and return every counter."""
+        deadline = time.monotonic() + timeout
+        while True:
+            counters = self.counters()
+            if all(counters[k] == v for k, v in want.items()) or time.monotonic() > deadline:
+                assert {k: counters[k] for k in want} == want, counters
+                return counters
+            time.sleep(0.5)
+
     def stop(self) -> None:
         if self.process.poll() is None:
             stop_group(self.process.pid)

