@@ -32,6 +32,7 @@ DOCS = [
     "Paris is the capital of France.",
     "Berlin is the capital of Germany.",
     "The Danube flows through ten countries.",
+    "Mount Everest is the highest mountain on Earth.",
 ]
 
 
@@ -68,16 +69,16 @@ def test_ingest_through_vllm_serve_then_a_rag_request_hits(tiny_model_dir, serve
 
         first = ingest()
         assert first == {
-            "chunks": 3,
+            "chunks": 4,
             "tokens": first["tokens"],
-            "stored": 3,
+            "stored": 4,
             "already_present": 0,
             "failed": 0,
             "progress": True,  # the progress bar was drawn
         }
         assert first["tokens"] > 0
         again = ingest()
-        assert (again["stored"], again["already_present"], again["failed"]) == (0, 3, 0)
+        assert (again["stored"], again["already_present"], again["failed"]) == (0, 4, 0)
 
         # The app's request: a text prompt with the separator written in it ("auto" is ##
         # for this tokenizer), through the openai package; vLLM tokenizes it whole.
@@ -85,11 +86,11 @@ def test_ingest_through_vllm_serve_then_a_rag_request_hits(tiny_model_dir, serve
         assert prompts.sep_text == "##"
         question = "Which river?"
         segments = prompts.segments(DOCS[::-1], question)
-        assert [s.kind for s in segments] == ["sys", "chunk", "chunk", "chunk", "question"]
-        # The connector's own counters, on vLLM's /metrics: sys and the three chunks stored
+        assert [s.kind for s in segments] == ["sys", *["chunk"] * 4, "question"]
+        # The connector's own counters, on vLLM's /metrics: sys and the four chunks stored
         # by the first ingest (once each, however the server batched its requests: those
         # after the first to store sys load it, or race it and find it stored), no failure.
-        ingested = server.wait_for_counters({"saved_segments": 4})
+        ingested = server.wait_for_counters({"saved_segments": 5})
         assert ingested["load_failures"] == ingested["save_failures"] == 0
         assert ingested["loaded_tokens"] == ingested["hit_tokens"]
         openai = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
@@ -112,11 +113,11 @@ def test_ingest_through_vllm_serve_then_a_rag_request_hits(tiny_model_dir, serve
         expected = ingested["loaded_tokens"] + loaded
         after = server.wait_for_counters({"loaded_tokens": expected, "hit_tokens": expected})
         assert after["lookups"] == ingested["lookups"] + 1
-        # Segmentation, as the dashboard shows it: three ingest prompts and the request were
+        # Segmentation, as the dashboard shows it: four ingest prompts and the request were
         # chunked; a prompt without the separator is counted apart.
-        assert (after["chunked_prompts"], after["unchunked_prompts"]) == (4, 0)
+        assert (after["chunked_prompts"], after["unchunked_prompts"]) == (5, 0)
         openai.completions.create(model=server.model, prompt="No separator here", max_tokens=1)
-        server.wait_for_counters({"chunked_prompts": 4, "unchunked_prompts": 1})
+        server.wait_for_counters({"chunked_prompts": 5, "unchunked_prompts": 1})
         assert after["load_seconds"] > ingested["load_seconds"]
         rag = prompts.token_ids(DOCS[::-1], question)
         check_connector_dashboard_and_rules(tmp_path, server, daemon, rag)
@@ -162,8 +163,8 @@ def test_ingest_with_an_llm_object(tiny_model_dir, serve, tmp_path) -> None:
     )
     [line] = [x for x in run.stdout.splitlines() if x.startswith("SUMMARIES ")]
     first, again = json.loads(line.removeprefix("SUMMARIES "))
-    assert (first["stored"], first["already_present"], first["failed"]) == (3, 0, 0)
-    assert (again["stored"], again["already_present"], again["failed"]) == (0, 3, 0)
+    assert (first["stored"], first["already_present"], first["failed"]) == (len(DOCS), 0, 0)
+    assert (again["stored"], again["already_present"], again["failed"]) == (0, len(DOCS), 0)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
 
     def encode(text: str) -> list[int]:
