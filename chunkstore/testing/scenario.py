@@ -18,6 +18,14 @@ DOCS = [
     "Berlin is the capital of Germany. The river Spree flows through the city centre.",
     "Mount Everest, on the border of Nepal and China, is the highest mountain on Earth.",
 ]
+# Short documents, as the README quickstart has them, for the tests of ingest and RAG apps.
+RAG_SYS = "Answer from the documents."
+RAG_DOCS = [
+    "Paris is the capital of France.",
+    "Berlin is the capital of Germany.",
+    "The Danube flows through ten countries.",
+    "Mount Everest is the highest mountain on Earth.",
+]
 QUESTIONS = ["Which city is the Eiffel Tower in?", "What is the highest mountain on Earth?"]
 TOLERANCE = 1e-3  # on first-token logprobs, against the fp32 reference
 

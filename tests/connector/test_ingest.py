@@ -24,16 +24,10 @@ from chunkstore.testing.prometheus import (
     rule_problem,
 )
 from chunkstore.testing.reference import HFReference
-from chunkstore.testing.scenario import assert_logprobs_match, first_token
+from chunkstore.testing.scenario import RAG_DOCS, RAG_SYS, assert_logprobs_match, first_token
 from chunkstore.testing.vllm_server import VllmServer
 
-SYS = "Answer from the documents."
-DOCS = [
-    "Paris is the capital of France.",
-    "Berlin is the capital of Germany.",
-    "The Danube flows through ten countries.",
-    "Mount Everest is the highest mountain on Earth.",
-]
+SYS, DOCS = RAG_SYS, RAG_DOCS
 
 
 def test_ingest_through_vllm_serve_then_a_rag_request_hits(tiny_model_dir, serve, tmp_path) -> None:

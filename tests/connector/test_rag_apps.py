@@ -17,16 +17,10 @@ from chunkstore.client import ChunkStoreClient
 from chunkstore.kv.keys import Isolation
 from chunkstore.prompts import RagPrompts
 from chunkstore.testing.reference import HFReference
-from chunkstore.testing.scenario import assert_logprobs_match, first_token
+from chunkstore.testing.scenario import RAG_DOCS, RAG_SYS, assert_logprobs_match, first_token
 from chunkstore.testing.vllm_server import VllmServer
 
-SYS = "Answer from the documents."
-DOCS = [
-    "Paris is the capital of France.",
-    "Berlin is the capital of Germany.",
-    "The Danube flows through ten countries.",
-    "Mount Everest is the highest mountain on Earth.",
-]
+SYS, DOCS = RAG_SYS, RAG_DOCS
 MERGES = "Its compiler is written in C#"  # ends in '#': merges with a '##' written after it
 QUESTION = "What is the capital of Germany?"
 
