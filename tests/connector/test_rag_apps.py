@@ -66,7 +66,9 @@ def test_chat_requests_from_the_openai_client_load_every_ingested_document(
     smollm2_dir, serve, tmp_path
 ) -> None:
     daemon = serve(pool_bytes=256 << 20, block_size=1 << 18)
-    server = VllmServer(smollm2_dir, tmp_path / "vllm", {"address": daemon.unix})
+    # min_chunk_tokens 4: every segment here is longer, but for the one-word document below.
+    settings = {"address": daemon.unix, "min_chunk_tokens": 4}
+    server = VllmServer(smollm2_dir, tmp_path / "vllm", settings)
     try:
         corpus = write_corpus(tmp_path / "corpus.jsonl", [*DOCS, MERGES])
         ingest = chunkstore(
@@ -116,11 +118,19 @@ def test_chat_requests_from_the_openai_client_load_every_ingested_document(
         ask(ordered, loads=prompts.segments(ordered, QUESTION)[-2].start)
         ask([new[1], *DOCS], loads=len(prompts.segments(DOCS, QUESTION)[0]))  # as it came: sys
 
-        # A chat without the separator is counted as not chunked.
+        # Segmentation counters: a chat without the separator is not chunked; a one-word
+        # document is too short to cache (it and what follows it are computed).
         counters = server.counters()
         openai.chat.completions.create(
             model=server.model, messages=[{"role": "user", "content": "Hello"}], max_tokens=1
         )
-        server.wait_for_counters({"unchunked_prompts": counters["unchunked_prompts"] + 1})
+        ask([*DOCS, "Yes."], loads=prompts.segments(DOCS, QUESTION)[-1].start)
+        server.wait_for_counters(
+            {
+                "unchunked_prompts": counters["unchunked_prompts"] + 1,
+                "chunked_prompts": counters["chunked_prompts"] + 1,
+                "short_segments": counters["short_segments"] + 1,
+            }
+        )
     finally:
         server.stop()
