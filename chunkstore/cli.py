@@ -165,6 +165,7 @@ def _prompts(args: argparse.Namespace, sys_text: str | None) -> Any:
         separator=args.separator,
         isolation=Isolation(getattr(args, "isolation", "sys")),
         virtual_gap=getattr(args, "virtual_gap", 0),
+        chat_template=Path(args.chat_template).read_text() if args.chat_template else None,
     )
 
 
@@ -300,6 +301,13 @@ def _add_prompt_shape(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="chat requests (/v1/chat/completions): sys is the system message as the model's "
         "chat template renders it, the documents are in the user message",
+    )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="with --chat: the template vLLM serves with, if it was started with "
+        "--chat-template (default: the model's own)",
     )
     parser.add_argument(
         "--sys",

@@ -77,8 +77,10 @@ class RagPrompts:
     """Chunked prompts for one model, sys prompt and shape (``chat`` or text).
 
     ``sys_text`` None in a chat: no system message (the template's default one, if any, is
-    the sys segment). ``fingerprint``, ``isolation`` and ``virtual_gap`` are the connector's:
-    they key the entries (needed for ``keys`` and ``hits_first`` only).
+    the sys segment). ``chat_template``: the template vLLM was started with
+    (``--chat-template``), if not the model's own. ``fingerprint``, ``isolation`` and
+    ``virtual_gap`` are the connector's: they key the entries (needed for ``keys`` and
+    ``hits_first`` only).
     """
 
     tokenizer: Any
@@ -88,6 +90,7 @@ class RagPrompts:
     fingerprint: ModelFingerprint | None = None
     isolation: Isolation = Isolation.SYS
     virtual_gap: int = 0
+    chat_template: str | None = None  # as vLLM's --chat-template; None: the tokenizer's own
     sep_text: str = field(init=False)  # the separator as text goes in a prompt
     sep_ids: list[int] = field(init=False)
 
@@ -100,6 +103,11 @@ class RagPrompts:
             self.sep_ids = separator_ids(self.tokenizer, self.sep_text)
         if not self.chat and self.sys_text is None:
             raise ValueError("a text prompt needs a sys text ('' for none)")
+        if not find_separators(self.sys_prompt(), self.sep_ids):
+            raise ValueError(
+                f"the separator {self.sep_text!r} is not found where sys ends: the sys text's "
+                "end merges with it, or the chat template does not render the user message"
+            )
 
     @classmethod
     def for_model(
@@ -129,7 +137,10 @@ class RagPrompts:
         """The prompt's token IDs as vLLM computes them from ``messages`` (chat) or ``text``."""
         if self.chat:
             rendered = self.tokenizer.apply_chat_template(
-                self.messages(docs, question), tokenize=False, add_generation_prompt=True
+                self.messages(docs, question),
+                chat_template=self.chat_template,
+                tokenize=False,
+                add_generation_prompt=True,
             )
             return _encode(self.tokenizer, rendered)
         return _encode(self.tokenizer, self.text(docs, question), special=True)

@@ -47,6 +47,11 @@ def test_a_chat_request_splits_after_what_the_template_renders_before_the_first_
     assert [smol.decode(c.token_ids) for c in chunks] == [d + "<file_sep>" for d in DOCS]
     assert smol.decode(question.token_ids).startswith("Which river?<|im_end|>")
     assert question.end == len(ids)
+    # vLLM started with --chat-template renders another sys segment: ingest follows it.
+    plain = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant] "
+    other = RagPrompts(smol, SYS, chat=True, chat_template=plain).segments(DOCS, "q")
+    assert smol.decode(other[0].token_ids) == f"[system] {SYS}\n[user] <file_sep>"
+    assert [c.token_ids for c in other[1:-1]] == [c.token_ids for c in chunks]
     # Without a system message the template's own one is the sys segment.
     bare = RagPrompts(smol, None, chat=True).segments(DOCS, "q")[0]
     assert "You are a helpful AI assistant named SmolLM" in smol.decode(bare.token_ids)
@@ -78,6 +83,8 @@ def test_check_names_what_a_text_separator_breaks_and_a_special_token_does_not(
     assert "merges" in (text.check(starts_with_hash) or "")
     assert "holds the separator" in (text.check(heading) or "")
     assert text.check(DOCS[0]) is None
+    with pytest.raises(ValueError, match="where sys ends"):
+        RagPrompts(text.tokenizer, "Written in C#", separator="##")  # sys merges with it
     assert text.ingest_prompt(ends_in_hash) is None
     for doc in (ends_in_hash, starts_with_hash, heading, *DOCS):
         assert special.check(doc) is None
