@@ -38,14 +38,10 @@ def default_separator(tokenizer: Any) -> str:
     """The separator ``"auto"`` stands for with this tokenizer: the first of
     SPECIAL_SEPARATORS that is a special token of its vocabulary (one ID) and absent from its
     chat template, else ``##``."""
-    specials = {
-        token.content
-        for token in getattr(tokenizer, "added_tokens_decoder", {}).values()
-        if getattr(token, "special", False)
-    }
     template = str(getattr(tokenizer, "chat_template", None) or "")
     for name in SPECIAL_SEPARATORS:
-        if name in specials and name not in template and len(_encode(tokenizer, name)) == 1:
+        usable = is_special(tokenizer, name) and name not in template
+        if usable and len(_encode(tokenizer, name)) == 1:
             return name
     return TEXT_SEPARATOR
 

@@ -3,17 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
+from chunkstore.testing.cli import chunkstore
 from chunkstore.testing.models import model_dir
-
-
-def chunkstore(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "chunkstore.cli", *args], capture_output=True, text=True, timeout=300
-    )
 
 
 def test_help_explains_each_command() -> None:

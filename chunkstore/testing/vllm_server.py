@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -119,9 +120,6 @@ class VllmServer:
 def stop_group(pgid: int, grace: float = 60.0) -> None:
     """SIGTERM every process of a group (a server started with ``start_new_session``, and
     what it started), SIGKILL what is still there after ``grace`` seconds."""
-    import signal
-    import time
-
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
         try:
             os.killpg(pgid, sig)

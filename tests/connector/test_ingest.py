@@ -16,6 +16,7 @@ from chunkstore.kv.fingerprint import fingerprint_of_folder
 from chunkstore.kv.keys import Isolation, segment_keys
 from chunkstore.kv.segments import build_chunked_prompt
 from chunkstore.prompts import RagPrompts
+from chunkstore.testing.cli import chunkstore
 from chunkstore.testing.prometheus import (
     PrometheusServer,
     about_the_connector,
@@ -38,26 +39,10 @@ def test_ingest_through_vllm_serve_then_a_rag_request_hits(tiny_model_dir, serve
         corpus.write_text("\n".join(json.dumps({"text": d}) for d in DOCS) + "\n")
 
         def ingest() -> dict:
-            run = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "chunkstore.cli",
-                    "ingest",
-                    str(corpus),
-                    "--model",
-                    str(tiny_model_dir),
-                    "--server",
-                    server.url,
-                    "--sys",
-                    SYS,
-                    "--address",
-                    daemon.unix,
-                ],
-                capture_output=True,
-                text=True,
-                timeout=600,
-            )
+            run = chunkstore(
+                "ingest", corpus, "--model", tiny_model_dir, "--server", server.url,
+                "--sys", SYS, "--address", daemon.unix, timeout=600,
+            )  # fmt: skip
             assert run.returncode == 0, run.stderr
             return {**json.loads(run.stdout), "progress": "ingest [" in run.stderr}
 

@@ -5,8 +5,6 @@ real daemon), and ``check-separator`` finds the documents a text separator would
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +14,7 @@ from openai import OpenAI
 from chunkstore.client import ChunkStoreClient
 from chunkstore.kv.keys import Isolation
 from chunkstore.prompts import RagPrompts
+from chunkstore.testing.cli import chunkstore
 from chunkstore.testing.reference import HFReference
 from chunkstore.testing.scenario import RAG_DOCS, RAG_SYS, assert_logprobs_match, first_token
 from chunkstore.testing.vllm_server import VllmServer
@@ -23,15 +22,6 @@ from chunkstore.testing.vllm_server import VllmServer
 SYS, DOCS = RAG_SYS, RAG_DOCS
 MERGES = "Its compiler is written in C#"  # ends in '#': merges with a '##' written after it
 QUESTION = "What is the capital of Germany?"
-
-
-def chunkstore(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "chunkstore.cli", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
 
 
 def write_corpus(path: Path, docs: list[str]) -> Path:
@@ -73,7 +63,7 @@ def test_chat_requests_from_the_openai_client_load_every_ingested_document(
         corpus = write_corpus(tmp_path / "corpus.jsonl", [*DOCS, MERGES])
         ingest = chunkstore(
             "ingest", corpus, "--model", smollm2_dir, "--chat", "--sys", SYS,
-            "--server", server.url, "--address", daemon.unix, "--quiet",
+            "--server", server.url, "--address", daemon.unix, "--quiet", timeout=600,
         )  # fmt: skip
         assert ingest.returncode == 0, ingest.stderr
         assert json.loads(ingest.stdout)["stored"] == 5  # MERGES too: <file_sep> never merges
