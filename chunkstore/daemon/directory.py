@@ -6,9 +6,9 @@ addresses of the daemons holding it, each scored by when its claim expires. Ever
 republishes what it holds every ttl / 3 and withdraws what it no longer holds; a daemon that
 dies stops renewing and its claims lapse. A lookup or acquire that misses locally queues the
 missing keys; a background fetcher finds a peer in the directory, pulls the entry from it
-(``peers.PeerSource``: the peer's gRPC stream, checksum-verified) and stores it here through
-the index, so the next request hits. Redis is optional, and when it cannot be reached the
-daemon serves on alone (counted in ``chunkstore_directory_errors_total``).
+(``peers.PeerSource``: the peer's gRPC stream or its transfer engine, checksum-verified) and
+stores it here through the index, so the next request hits. Redis is optional, and when it
+cannot be reached the daemon serves on alone (counted in ``chunkstore_directory_errors_total``).
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ class Directory:
         result = "absent"
         for peer in self.holders(key):
             try:
-                pulled = self.peers.pull(peer, key)  # checksum-verified
+                pulled = self.peers.pull(peer, key, self.index)  # checksum-verified
             except ChunkStoreError as err:
                 log.warning("pulling %s from %s failed: %s", key.hex()[:12], peer, err)
                 result = "failed"
@@ -153,8 +153,9 @@ class Directory:
                 continue
             if pulled is None:
                 continue  # evicted there since it last published
-            if self.index.store(key, pulled.layout, pulled.data, pulled.checksum):
-                self.metrics.bytes.labels("grpc", "write").inc(pulled.data.shape[0])
+            if not pulled.stored:
+                return "present"
+            self.metrics.bytes.labels(pulled.transport, "write").inc(pulled.nbytes)
             return "ok"
         return result
 

@@ -317,10 +317,16 @@ class Index:
             return reservation
 
     def commit(
-        self, session_id: str, reservation_id: int, claimed_checksum: int, streamed: bool = False
+        self,
+        session_id: str,
+        reservation_id: int,
+        claimed_checksum: int,
+        streamed: bool = False,
+        verify: bool | None = None,
     ) -> Entry:
-        """Make a reservation readable. With ``verify_commits`` the pool's bytes are hashed and
-        must match the writer's checksum; a mismatch aborts the reservation."""
+        """Make a reservation readable. With ``verify`` (default: ``verify_commits``) the
+        pool's bytes are hashed and must match the writer's checksum; a mismatch aborts the
+        reservation."""
         with self.lock:
             reservation = self.reservation(session_id, reservation_id)
             if streamed and reservation.written != reservation.nbytes:
@@ -328,7 +334,7 @@ class Index:
                     f"reservation {reservation_id} got {reservation.written} of "
                     f"{reservation.nbytes} bytes"
                 )
-            if self.verify_commits:
+            if self.verify_commits if verify is None else verify:
                 actual = checksum(
                     self.pool.region(), reservation.blocks, self.pool.block_size, reservation.nbytes
                 )
@@ -352,16 +358,37 @@ class Index:
             return entry
 
     def store(self, key: bytes, layout: EntryLayout, data: np.ndarray, claimed: int) -> bool:
-        """Store a whole entry whose bytes are in hand (a peer's): reserve, copy into the
-        pool, commit, in a session of its own. False if the key is stored or being stored."""
+        """Store a whole entry whose bytes are in hand: see ``store_with``."""
+        if data.shape[0] != layout.nbytes:
+            raise InvalidRequest(f"{data.shape[0]} bytes for a layout of {layout.nbytes}")
+        bs = self.pool.block_size
+        return self.store_with(
+            key, layout, lambda blocks: scatter(self.pool.region(), blocks, bs, data), claimed
+        )
+
+    def store_with(
+        self,
+        key: bytes,
+        layout: EntryLayout,
+        fill: Callable[[list[int]], None],
+        claimed: int,
+    ) -> bool:
+        """Store a peer's entry: reserve, ``fill`` the reserved blocks (outside the lock),
+        commit against the checksum the peer committed, which is always verified here, in a
+        session of its own. False if the key is stored or being stored here already. If
+        ``fill`` raises or the bytes do not hash to ``claimed``, nothing is stored and the
+        blocks go back to the pool."""
         session = self.open_session("store")
         try:
+            # While it is open, an expired reservation's blocks are quarantined, not reused:
+            # ``fill`` may still be writing into them.
+            self.attach_stream(session)
             try:
-                reservation = self.reserve(session, key, layout, data.shape[0])
+                reservation = self.reserve(session, key, layout, layout.nbytes)
             except AlreadyExists:
                 return False
-            scatter(self.pool.region(), reservation.blocks, self.pool.block_size, data)
-            self.commit(session, reservation.id, claimed)
+            fill(reservation.blocks)
+            self.commit(session, reservation.id, claimed, verify=True)
             return True
         finally:
             self.end_session(session)

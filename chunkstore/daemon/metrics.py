@@ -134,6 +134,16 @@ class Metrics:
             ["node", "thread"],
             registry=self.registry,
         )
+        fallbacks = Counter(
+            f"{PREFIX}_peer_pull_fallbacks",
+            "Peer pulls the transfer engine could not serve, pulled over the gRPC stream "
+            "instead, by why",
+            ["node", "reason"],
+            registry=self.registry,
+        )
+        for reason in ("engine_unavailable", "peer_without_engine", "read_failed"):
+            fallbacks.labels(node, reason)
+        self.peer_pull_fallbacks = _Bound(fallbacks, node)
         for result in ("ok", "absent", "failed", "present"):
             remote_fetches.labels(node, result)  # every series from the start, at 0
         directory_errors.labels(node)

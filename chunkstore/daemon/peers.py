@@ -1,14 +1,20 @@
 """Pulling an entry from a peer daemon (DESIGN.md, "Cluster"): what the cluster directory needs
-of a transport, and the one built so far, the peer's gRPC ``Read`` stream.
+of a transport, and the two built: the peer's gRPC ``Read`` stream (everywhere) and Mooncake's
+Transfer Engine (a one-sided read of the peer's pool, ``transfer.py``), which falls back to the
+stream whenever it cannot serve a pull.
 
-A puller trusts nothing it is sent: the bytes must hash to the checksum the peer committed,
-else the pull fails with ``ChecksumMismatch`` and nothing is stored. Another transport (a
-collective, Mooncake's Transfer Engine) is another class with the same ``pull``.
+Either way the puller holds a lease on the entry in the peer's daemon (Acquire over gRPC) for
+as long as it reads, so the peer neither evicts nor reuses those blocks meanwhile; a puller
+that dies stops renewing and the lease expires with the peer's lease TTL. A puller trusts
+nothing it is sent: the bytes must hash to the checksum the peer committed, else the pull
+fails with ``ChecksumMismatch`` and nothing is stored.
 """
 
 from __future__ import annotations
 
+import logging
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -16,31 +22,46 @@ import grpc
 import numpy as np
 import xxhash
 
-from chunkstore.errors import ChecksumMismatch, InvalidRequest, NotFound
+from chunkstore.daemon.index import Index
+from chunkstore.daemon.transfer import Endpoint, MooncakeEngine, read_runs
+from chunkstore.errors import ChecksumMismatch, InvalidRequest, NotFound, Unavailable
 from chunkstore.kv.entry import EntryLayout
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol import chunkstore_pb2_grpc as pb_grpc
 from chunkstore.protocol.wire import MAX_MESSAGE, layout_from_proto, typed_error
 
+log = logging.getLogger("chunkstore.daemon.peers")
+
 
 @dataclass
-class PulledEntry:
-    """A peer's entry, checked against the checksum it committed."""
+class Pulled:
+    """What a pull did: the entry's bytes, the transport that moved them ("grpc" or the
+    engine's name), and whether it was stored (False: it was stored here meanwhile)."""
 
-    layout: EntryLayout
-    data: np.ndarray  # uint8, the entry's bytes
-    checksum: int
+    nbytes: int
+    transport: str
+    stored: bool
 
 
 class PeerSource(Protocol):
-    def pull(self, peer: str, key: bytes) -> PulledEntry | None:
-        """The entry ``key`` as ``peer`` holds it, or None if it does not (any more).
-        Raises a ``StoreError`` if the peer cannot serve it."""
+    def pull(self, peer: str, key: bytes, index: Index) -> Pulled | None:
+        """Store the entry ``key`` as ``peer`` holds it in ``index``, checksum-verified; None
+        if the peer does not hold it (any more). Raises a ``StoreError`` if the peer cannot
+        serve it."""
 
     def forget(self, peer: str) -> None:
         """Drop what is kept for ``peer`` (after a failure: the next pull reconnects)."""
 
     def close(self) -> None: ...
+
+
+@dataclass
+class PeerLease:
+    """A lease this daemon holds on an entry in a peer's daemon."""
+
+    lease: pb.Lease
+    layout: EntryLayout
+    block_size: int  # the peer's
 
 
 class _Peer:
@@ -60,6 +81,7 @@ class _Peer:
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.timeout = timeout
         self.session = ""
+        self.endpoint: Endpoint | None = None  # where its transfer engine reads its pool
 
     def _call(self, method: grpc.UnaryUnaryMultiCallable, request: object) -> object:
         try:
@@ -71,24 +93,19 @@ class _Peer:
         request = pb.HelloRequest(client_name="peer-fetch", hostname=socket.gethostname())
         reply = self._call(self.stub.Hello, request)
         self.session = reply.session_id  # type: ignore[attr-defined]
+        self.endpoint = Endpoint.from_proto(reply.transfer)  # type: ignore[attr-defined]
 
-    def _acquire(self, key: bytes) -> pb.Lease:
-        request = pb.AcquireRequest(session_id=self.session, keys=[key])
-        [lease] = self._call(self.stub.Acquire, request).leases  # type: ignore[attr-defined]
-        return lease
-
-    def pull(self, key: bytes) -> PulledEntry | None:
+    def acquire(self, key: bytes) -> PeerLease | None:
+        """A lease on ``key`` in the peer's daemon, or None if it holds no such entry."""
         if not self.session:
             self._hello()
+        request = pb.AcquireRequest(session_id=self.session, keys=[key])
         try:
-            reply = self._call(
-                self.stub.Acquire, pb.AcquireRequest(session_id=self.session, keys=[key])
-            )
+            reply = self._call(self.stub.Acquire, request)
         except NotFound:  # the peer reaped our idle session (or restarted)
             self._hello()
-            reply = self._call(
-                self.stub.Acquire, pb.AcquireRequest(session_id=self.session, keys=[key])
-            )
+            request.session_id = self.session
+            reply = self._call(self.stub.Acquire, request)
         if len(reply.leases) != 1:  # type: ignore[attr-defined]
             raise InvalidRequest(f"peer answered {len(reply.leases)} leases for one key")  # type: ignore[attr-defined]
         [lease] = reply.leases  # type: ignore[attr-defined]
@@ -99,15 +116,17 @@ class _Peer:
             layout.validate()  # a malformed answer is a failed pull, not a crash
             if layout.nbytes != lease.nbytes:
                 raise InvalidRequest(f"peer leased {lease.nbytes} bytes for a layout of {layout}")
-            data = self._read(lease)
-        finally:
-            self._call(
-                self.stub.Release,
-                pb.ReleaseRequest(session_id=self.session, lease_ids=[lease.lease_id]),
-            )
-        return PulledEntry(layout, data, lease.checksum)
+        except BaseException:
+            self.release(lease)
+            raise
+        return PeerLease(lease, layout, reply.block_size)  # type: ignore[attr-defined]
 
-    def _read(self, lease: pb.Lease) -> np.ndarray:
+    def release(self, lease: pb.Lease) -> None:
+        request = pb.ReleaseRequest(session_id=self.session, lease_ids=[lease.lease_id])
+        self._call(self.stub.Release, request)
+
+    def read(self, lease: pb.Lease) -> np.ndarray:
+        """The leased entry's bytes over the gRPC stream, checked against its checksum."""
         data = np.empty(lease.nbytes, dtype=np.uint8)
         digest = xxhash.xxh3_64()
         offset = 0
@@ -159,11 +178,22 @@ class StreamPeers:
         self.tls = tls
         self._peers: dict[str, _Peer] = {}
 
-    def pull(self, peer: str, key: bytes) -> PulledEntry | None:
+    def pull(self, peer: str, key: bytes, index: Index) -> Pulled | None:
         connection = self._peers.get(peer)
         if connection is None:
             connection = self._peers[peer] = _Peer(peer, self.token, self.timeout, self.tls)
-        return connection.pull(key)
+        held = connection.acquire(key)
+        if held is None:
+            return None
+        try:
+            return self._store(connection, held, index)
+        finally:
+            connection.release(held.lease)
+
+    def _store(self, connection: _Peer, held: PeerLease, index: Index) -> Pulled:
+        data = connection.read(held.lease)
+        stored = index.store(held.lease.key, held.layout, data, held.lease.checksum)
+        return Pulled(held.layout.nbytes, "grpc", stored)
 
     def forget(self, peer: str) -> None:
         connection = self._peers.pop(peer, None)
@@ -173,3 +203,46 @@ class StreamPeers:
     def close(self) -> None:
         for peer in list(self._peers):
             self.forget(peer)
+
+
+class EnginePeers(StreamPeers):
+    """Pulls over the transfer engine, one-sidedly into blocks reserved in this daemon's pool,
+    under a lease taken over gRPC; over the stream when the engine cannot serve a pull, each
+    time counted in ``fell_back`` by why: "engine_unavailable" (this daemon's did not start),
+    "peer_without_engine", "read_failed"."""
+
+    def __init__(
+        self,
+        engine: MooncakeEngine | None,
+        fell_back: Callable[[str], None],
+        token: str | None,
+        timeout: float = 10.0,
+        tls: PeerTLS | None = None,
+    ) -> None:
+        super().__init__(token, timeout, tls)
+        self.engine = engine
+        self.fell_back = fell_back
+
+    def _store(self, connection: _Peer, held: PeerLease, index: Index) -> Pulled:
+        engine, peer = self.engine, connection.endpoint
+        if engine is None:
+            reason = "engine_unavailable"
+        elif peer is None:
+            reason = "peer_without_engine"
+        else:
+            lease = held.lease
+
+            def read(blocks: list[int]) -> None:
+                runs = read_runs(
+                    blocks, index.pool.block_size, lease.blocks, held.block_size, lease.nbytes
+                )
+                engine.read(peer, runs)
+
+            try:
+                stored = index.store_with(lease.key, held.layout, read, lease.checksum)
+                return Pulled(lease.nbytes, engine.endpoint.engine, stored)
+            except Unavailable as err:
+                log.warning("%s; pulling over the gRPC stream instead", err)
+                reason = "read_failed"
+        self.fell_back(reason)
+        return super()._store(connection, held, index)

@@ -27,10 +27,11 @@ from chunkstore.daemon.config import ServeConfig
 from chunkstore.daemon.directory import Directory
 from chunkstore.daemon.index import Entry, Index
 from chunkstore.daemon.metrics import Metrics
-from chunkstore.daemon.peers import PeerTLS, StreamPeers
+from chunkstore.daemon.peers import EnginePeers, PeerSource, PeerTLS, StreamPeers
 from chunkstore.daemon.pool import Pool, create_pool, reclaim_stale_pools
+from chunkstore.daemon.transfer import Endpoint, MooncakeEngine
 from chunkstore.daemon.workers import Workers
-from chunkstore.errors import Busy, InvalidRequest, StoreError
+from chunkstore.errors import Busy, InvalidRequest, StoreError, Unavailable
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol import chunkstore_pb2_grpc as pb_grpc
 from chunkstore.protocol.shm import block_runs, scatter
@@ -102,6 +103,7 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
         self.metrics = metrics
         self.on_drain = on_drain
         self.on_miss: Callable[[list[bytes]], None] | None = None  # the cluster directory's
+        self.transfer: Endpoint | None = None  # where peers read the pool with an engine
         self._transfers = threading.BoundedSemaphore(config.max_transfers)
 
     @contextlib.contextmanager
@@ -130,6 +132,7 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
             device=self.pool.device,
             hostname=self.config.node,
             lease_ttl_ms=int(self.config.lease_ttl_s * 1000),
+            transfer=self.transfer.to_proto() if self.transfer else None,
         )
 
     def Heartbeat(
@@ -570,6 +573,7 @@ class Daemon:
         )
         self.service = service
         self.directory: Directory | None = None
+        self.engine: MooncakeEngine | None = None
         pb_grpc.add_ChunkStoreServicer_to_server(service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.addresses: dict[str, str] = {}
@@ -601,7 +605,7 @@ class Daemon:
             self.directory = Directory(
                 config.redis,
                 config.advertise or self.addresses["tcp"],
-                StreamPeers(config.peer_token or None, tls=_peer_tls(config)),
+                self._peers(),
                 config.directory_ttl_s,
                 self.index,
                 self.metrics,
@@ -613,6 +617,39 @@ class Daemon:
         self._set_health(True)
         self.addresses["shm_path"] = self.pool.shm_path
         return self.addresses
+
+    def _peers(self) -> PeerSource:
+        """How this daemon pulls from peers: the gRPC stream, or the transfer engine with the
+        stream behind it. An engine that cannot start is said loudly, and the daemon serves
+        on without it (its pulls counted as "engine_unavailable" fallbacks)."""
+        config, tls = self.config, _peer_tls(self.config)
+        if config.transfer_engine == "none":
+            return StreamPeers(config.peer_token or None, tls=tls)
+        try:
+            self.engine = MooncakeEngine(
+                config.transfer_listen_host(),
+                config.transfer_protocol,
+                config.transfer_devices,
+                self.pool.region(),
+            )
+        except Unavailable as err:
+            log.error("%s: peers pull over the gRPC stream instead", err)
+        else:
+            self.service.transfer = self.engine.endpoint
+            self.addresses["transfer"] = self.engine.endpoint.session
+            log.warning(
+                "transfer engine %s/%s on %s: whoever reaches it can read the pool",
+                self.engine.endpoint.engine,
+                self.engine.endpoint.protocol,
+                self.engine.endpoint.session,
+            )
+        fell_back = self.metrics.peer_pull_fallbacks.labels
+        return EnginePeers(
+            self.engine,
+            lambda reason: fell_back(reason).inc(),
+            config.peer_token or None,
+            tls=tls,
+        )
 
     def _set_health(self, serving: bool) -> None:
         self._serving = serving
@@ -648,6 +685,8 @@ class Daemon:
         self.workers.join()
         if self.directory is not None:
             self.directory.stop()
+        if self.engine is not None:
+            self.engine.close()
         self.server.stop(grace=1.0).wait()
         self.metrics.close()
         self.pool.close()

@@ -33,7 +33,7 @@ class HelloRequest(_message.Message):
     def __init__(self, client_name: _Optional[str] = ..., hostname: _Optional[str] = ...) -> None: ...
 
 class HelloReply(_message.Message):
-    __slots__ = ("session_id", "version", "shm_path", "block_size", "num_blocks", "device", "hostname", "lease_ttl_ms")
+    __slots__ = ("session_id", "version", "shm_path", "block_size", "num_blocks", "device", "hostname", "lease_ttl_ms", "transfer")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class HelloReply(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     version: str
     shm_path: str
@@ -50,7 +51,22 @@ class HelloReply(_message.Message):
     device: str
     hostname: str
     lease_ttl_ms: int
-    def __init__(self, session_id: _Optional[str] = ..., version: _Optional[str] = ..., shm_path: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., device: _Optional[str] = ..., hostname: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+    transfer: TransferEndpoint
+    def __init__(self, session_id: _Optional[str] = ..., version: _Optional[str] = ..., shm_path: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., device: _Optional[str] = ..., hostname: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., transfer: _Optional[_Union[TransferEndpoint, _Mapping]] = ...) -> None: ...
+
+class TransferEndpoint(_message.Message):
+    __slots__ = ("engine", "protocol", "session", "base", "size")
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    engine: str
+    protocol: str
+    session: str
+    base: int
+    size: int
+    def __init__(self, engine: _Optional[str] = ..., protocol: _Optional[str] = ..., session: _Optional[str] = ..., base: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
 
 class Ping(_message.Message):
     __slots__ = ("session_id",)
