@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from chunkstore.bench import e2e as e2e_bench
+from chunkstore.bench import pull as pull_bench
 from chunkstore.bench import quality as quality_bench
 from chunkstore.bench import remap as remap_bench
 from chunkstore.bench import scale as scale_bench
@@ -34,6 +35,12 @@ BENCHES: dict[
         e2e_bench.add_arguments,
         e2e_bench.run,
         "time to first token in vLLM: no connector, prefix caching, chunkstore (ttft_speedup)",
+    ),
+    "pull": (
+        pull_bench.add_arguments,
+        pull_bench.run,
+        "a peer pull of one entry over Mooncake's Transfer Engine vs the gRPC stream "
+        "(pull_engine_vs_stream)",
     ),
     "quality": (
         quality_bench.add_arguments,

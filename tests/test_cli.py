@@ -126,6 +126,28 @@ def test_bench_store_json(tmp_path: Path) -> None:
         assert read[figure] > 0
 
 
+def test_bench_pull_json() -> None:
+    run = chunkstore(
+        "bench",
+        "pull",
+        "--json",
+        "--tokens",
+        "512",
+        "--layers",
+        "2",
+        "--block-size",
+        "65536",
+        "--repeats",
+        "2",
+    )
+    assert run.returncode == 0, run.stderr
+    [row] = map(json.loads, run.stdout.splitlines())
+    assert row["bench"] == "pull" and row["protocol"] == "tcp"
+    assert row["bytes"] == 2 * 2 * 512 * 3 * 64 * 4
+    assert row["pull_engine_ms_p50"] > 0 and row["pull_stream_ms_p50"] > 0
+    assert row["pull_engine_vs_stream"] > 0
+
+
 def test_bench_e2e_json_on_the_tiny_model() -> None:
     run = chunkstore(
         "bench",

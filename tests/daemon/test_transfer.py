@@ -27,7 +27,8 @@ from chunkstore.daemon.index import Index
 from chunkstore.daemon.peers import EnginePeers, _Peer
 from chunkstore.daemon.pool import SharedMemoryPool
 from chunkstore.daemon.transfer import MooncakeEngine, read_runs
-from chunkstore.errors import InvalidRequest, StoreError, Unavailable
+from chunkstore.errors import ChecksumMismatch, InvalidRequest, StoreError, Unavailable
+from chunkstore.protocol.shm import gather, map_shared_pool
 from chunkstore.testing.daemon import RunningDaemon, entry_key, random_kv
 from chunkstore.testing.redis import RedisServer
 
@@ -143,13 +144,33 @@ def test_the_owner_cannot_evict_what_a_peer_is_reading(serve, tmp_path: Path) ->
         # What landed in this pool is the owner's entry, byte for byte.
         nbytes = entry.nbytes
         mine = np.empty(nbytes, dtype=np.uint8)
-        from chunkstore.protocol.shm import gather
-
         gather(owner.pool.region(), entry.blocks, owner.pool.block_size, mine)
         k, v = owner.kv
         expected = torch.cat([k.flatten().view(torch.uint8), v.flatten().view(torch.uint8)])
         assert np.array_equal(mine, expected.numpy())
         assert owner.client.evict([entry_key(1)]).evicted == 1  # released after the read
+    finally:
+        owner.close()
+
+
+def test_bytes_read_over_the_engine_are_checked_before_they_are_stored(
+    serve, tmp_path: Path
+) -> None:
+    owner = _Owner(serve(*ENGINE, "--redis", "redis://127.0.0.1:1/0"), tmp_path)
+    try:
+        [entry] = owner.client.acquire([entry_key(1)])
+        assert entry is not None
+        region = map_shared_pool(
+            owner.daemon.ready["shm_path"], owner.client.stats().bytes_capacity
+        )
+        region[entry.blocks[-1] * owner.client.block_size + 5] ^= 0x01  # a bit rots there
+        owner.client.release([entry.lease_id])
+        index = Index(owner.pool)
+        with pytest.raises(ChecksumMismatch, match="committed by its peer"):
+            owner.peers.pull(owner.daemon.tcp, entry_key(1), index)
+        assert owner.fell_back == []  # bad bytes are not the engine's failure: no retry
+        stats = index.stats()
+        assert (stats.entries, stats.blocks_free) == (0, stats.blocks_total)
     finally:
         owner.close()
 
