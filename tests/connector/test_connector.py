@@ -197,12 +197,14 @@ def test_preempted_requests_are_resumed_with_the_same_answers(
 def test_a_node_serves_chunks_another_node_computed(tiny_model_dir, serve, tmp_path) -> None:
     """Two nodes, each a daemon with its vLLM, and a Redis directory. Chunks ingested on node
     A: node B's first RAG request misses and computes (its daemon pulls the chunks from A in
-    the background); its next request loads every chunk, exactly."""
+    the background, over Mooncake's Transfer Engine); its next request loads every chunk,
+    exactly. (Pulls over the gRPC stream: tests/daemon/test_directory.py.)"""
     s = Scenario(tiny_model_dir)
     ingest = [s.prompt(SYS, [doc], None) for doc in DOCS]
     rag = s.prompt(SYS, DOCS[::-1], QUESTIONS[0])
     with RedisServer(tmp_path / "redis") as directory:
         cluster = ("--redis", directory.url, "--directory-ttl-s", "3")
+        cluster += ("--transfer-engine", "mooncake")
         a = serve(*cluster, "--node", "a", name="a", pool_bytes=256 << 20)
         b = serve(*cluster, "--node", "b", name="b", pool_bytes=256 << 20)
         ids = [list(p.token_ids) for p in ingest]
@@ -223,6 +225,8 @@ def test_a_node_serves_chunks_another_node_computed(tiny_model_dir, serve, tmp_p
     # those two count as pulled or as present; the other chunks can only come from a.
     present = fetches['chunkstore_remote_fetches_total{result="present"}']
     assert pulled + present == 1 + len(DOCS) and pulled >= len(DOCS) - 1
+    assert fetches['chunkstore_bytes_total{direction="write",transport="mooncake"}'] > 0
+    assert sum(v for k, v in fetches.items() if "peer_pull_fallbacks_total" in k) == 0
     assert first["cached_tokens"] == 0
     assert second["cached_tokens"] == rag.segments[-1].start
     reference = HFReference.load(tiny_model_dir).assembled_cache(rag.segments, Isolation.SYS)
