@@ -124,6 +124,43 @@ def test_bench_store_json(tmp_path: Path) -> None:
     assert read["bytes"] == 2 * 2 * 64 * 3 * 64 * 4
     for figure in ("shm_vs_memcpy", "shm_vs_redis", "shm_vs_grpc"):
         assert read[figure] > 0
+    assert rows["store.put"]["shm_ms_p50"] > 0 and rows["store.small_get"]["batch_ms_p50"] > 0
+
+
+def test_bench_store_against_mooncake_store_and_redis() -> None:
+    """--peers runs Mooncake Store (its master and store process, for real) and Redis through
+    the same steps; every step reports chunkstore's time over Mooncake's."""
+    run = chunkstore(
+        "bench",
+        "store",
+        "--json",
+        "--peers",
+        "--tokens",
+        "64",
+        "--layers",
+        "2",
+        "--repeats",
+        "2",
+        "--lookup-batches",
+        "20",
+        "--small-bytes",
+        "65536",
+        "--readers",
+        "1",
+    )
+    assert run.returncode == 0, run.stderr
+    rows = {r["bench"]: r for r in map(json.loads, run.stdout.splitlines())}
+    assert rows["store.lookup"]["mooncake_p50_ms"] > 0 and rows["store.lookup"]["redis_p50_ms"] > 0
+    assert rows["store.put"]["redis_ms_p50"] > 0
+    assert rows["store.readers"]["readers_1_gb_s"] > 0
+    ratios = rows["store.vs_mooncake"]
+    for figure in (
+        "get_vs_mooncake",
+        "put_vs_mooncake",
+        "lookup_vs_mooncake",
+        "small_get_vs_mooncake",
+    ):
+        assert ratios[figure] > 0
 
 
 def test_bench_pull_json() -> None:

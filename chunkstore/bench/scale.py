@@ -162,7 +162,7 @@ def _reader(address: str, key: bytes, nbytes: int, seconds: float, start: Any, o
         out.put((reads, time.perf_counter() - began))
 
 
-def _read_bandwidth(daemon: RunningDaemon, readers: int, mib: int, seconds: float) -> float:
+def read_bandwidth(daemon: RunningDaemon, readers: int, mib: int, seconds: float) -> float:
     """Aggregate GB/s of ``readers`` processes reading one entry over and over."""
     nbytes = mib << 20  # keys and values
     key = _key(10**12 + mib)
@@ -223,7 +223,7 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             gb_s = {}
             for n in readers:
                 _progress(f"{n} reader(s)")
-                gb_s[n] = _read_bandwidth(daemon, n, args.entry_mib, args.read_seconds)
+                gb_s[n] = read_bandwidth(daemon, n, args.entry_mib, args.read_seconds)
         yield {
             "bench": "scale.readers",
             "entry_mib": args.entry_mib,

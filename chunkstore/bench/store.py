@@ -1,34 +1,47 @@
-"""``chunkstore bench store``: the daemon's lookup latency and read paths, side by side.
+"""``chunkstore bench store``: what a user of the store does, timed side by side.
 
 It starts a real daemon (and a real redis-server) on loopback and reports:
 - lookup: batches of 64 keys (half present) over the unix socket: p50 / p99 latency and keys
   looked up per second;
-- read of one chunk in SmolLM2's KV shape (default 4096 tokens, fp32) into a tensor, each
-  round: a plain memcpy of the same bytes (torch copy_), the shared-memory path (acquire, copy
-  out of the pool, verify the xxh3 checksum, release), a GET of the same bytes from Redis as a
-  Redis-backed KV cache would do it, and the gRPC stream (for the record). Ratios are medians
-  of per-round ratios: ``shm_vs_memcpy`` = memcpy time / shm time (bandwidth ratio),
-  ``shm_vs_redis`` = Redis time / shm time (speed-up).
+- read of one chunk in SmolLM2's KV shape (default 4096 tokens, fp32: 189 MB) into a tensor,
+  each round: a plain memcpy of the same bytes (torch copy_), the shared-memory path (acquire,
+  copy out of the pool, verify the xxh3 checksum, release), a GET of the same bytes from Redis
+  as a Redis-backed KV cache would do it, and the gRPC stream (for the record);
+- put of the same chunk (reserve, copy into the pool, commit: the daemon hashes what it
+  commits), into an emptied key each round;
+- 64 entries of 1 MiB read one at a time (acquire, read, release each) and 64 per call (one
+  acquire, 64 reads, one release);
+- with ``--readers``: the aggregate bandwidth of N reader processes reading the chunk.
+
+``--peers`` also runs Mooncake Store in daemon mode (``bench/mooncake.py``: its master and
+store process, this process as its client, zero-copy calls into its registered buffer) and
+Redis through the same steps, and reports ``get_vs_mooncake``, ``put_vs_mooncake``,
+``lookup_vs_mooncake``, ``small_get_vs_mooncake`` (chunkstore's time over Mooncake's: below 1,
+chunkstore is faster). Ratios are medians of per-round ratios, measured in the same rounds.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import redis
 import torch
 
+from chunkstore.bench.scale import read_bandwidth
 from chunkstore.bench.timing import timed
 from chunkstore.client import ChunkStoreClient, as_bytes
-from chunkstore.testing.daemon import start_daemon
+from chunkstore.testing.daemon import RunningDaemon, start_daemon
 from chunkstore.testing.redis import RedisServer
+
+if TYPE_CHECKING:
+    from chunkstore.bench.mooncake import MooncakeStore
 
 
 def _ratio(numerator: list[float], denominator: list[float]) -> float:
@@ -39,6 +52,9 @@ def _percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.array(values), q))
 
 
+SMALL = 64  # entries of --small-bytes read one at a time, and in one call
+
+
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     shape = (args.layers, args.tokens, args.kv_heads, args.head_dim)
@@ -46,61 +62,123 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     keys = torch.randn(shape, generator=generator).to(dtype)
     values = torch.randn(shape, generator=generator).to(dtype)
     nbytes = 2 * keys.numel() * keys.element_size()
-    pool_bytes = max(4 * nbytes, 256 << 20)
-    with tempfile.TemporaryDirectory(prefix="chunkstore-bench-") as tmp:
-        daemon = start_daemon(
-            Path(tmp) / "daemon", pool_bytes=pool_bytes, block_size=args.block_size
+    small_bytes = args.small_bytes
+    pool_bytes = max(4 * nbytes + 2 * SMALL * small_bytes, 256 << 20)
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="chunkstore-bench-")))
+        daemon = stack.enter_context(
+            start_daemon(tmp / "daemon", pool_bytes=pool_bytes, block_size=args.block_size)
         )
-        try:
-            with (
-                RedisServer(Path(tmp) / "redis") as server,
-                ChunkStoreClient(daemon.unix, transport="shm") as shm,
-                ChunkStoreClient(daemon.unix, transport="stream") as stream,
-            ):
-                yield _lookups(shm, args)
-                yield _reads(args, shm, stream, server, keys, values, nbytes)
-        finally:
-            daemon.stop()
+        server = stack.enter_context(RedisServer(tmp / "redis"))
+        shm = stack.enter_context(ChunkStoreClient(daemon.unix, transport="shm"))
+        stream = stack.enter_context(ChunkStoreClient(daemon.unix, transport="stream"))
+        peer = None
+        if args.peers:
+            from chunkstore.bench.mooncake import MooncakeStore
+
+            buffer_bytes = nbytes + SMALL * small_bytes
+            peer = MooncakeStore(tmp / "mooncake", 2 * buffer_bytes + (64 << 20), buffer_bytes)
+            stack.callback(peer.close)
+        r = redis.Redis.from_url(server.url)
+        source = torch.cat(
+            [keys.reshape(-1).view(torch.uint8), values.reshape(-1).view(torch.uint8)]
+        )
+        rows = [
+            _lookups(shm, args, peer, r if peer else None),
+            _reads(args, shm, stream, r, peer, keys, values, source),
+            _puts(args, shm, r if peer else None, peer, keys, values, source),
+            _small_gets(args, shm, peer, small_bytes),
+        ]
+        yield from rows
+        if args.readers:
+            yield _readers(daemon, args, nbytes)
+        if peer is not None:
+            yield {
+                "bench": "store.vs_mooncake",
+                **{k: v for row in rows for k, v in row.items() if k.endswith("_vs_mooncake")},
+            }
 
 
-def _lookups(client: ChunkStoreClient, args: argparse.Namespace) -> dict[str, Any]:
+def _lookups(
+    client: ChunkStoreClient,
+    args: argparse.Namespace,
+    peer: MooncakeStore | None,
+    r: redis.Redis | None,
+) -> dict[str, Any]:
     small = torch.zeros(1, 1, 1, 8)
     present = [i.to_bytes(16, "little") for i in range(args.batch // 2)]
     for key in present:
         client.put(key, small, small, 0)
     batch = present + [(10**6 + i).to_bytes(16, "little") for i in range(args.batch // 2)]
-    for _ in range(20):
-        client.lookup(batch)  # warm up the channel
-    latencies = []
-    began = time.perf_counter()
+    ways: dict[str, Callable[[], object]] = {"chunkstore": lambda: client.lookup(batch)}
+    if peer is not None:
+        names = [key.hex() for key in batch]
+        for name in names[: args.batch // 2]:
+            peer.buffer[:8] = 0
+            peer.put(name, 0, 8)
+        ways["mooncake"] = lambda: peer.exist(names)
+    if r is not None:
+        for key in present:
+            r.set(key, b"x" * 8)
+
+        def redis_exists() -> None:
+            pipe = r.pipeline(transaction=False)
+            for key in batch:
+                pipe.exists(key)
+            pipe.execute()
+
+        ways["redis"] = redis_exists
+    for fn in ways.values():
+        for _ in range(20):
+            fn()  # warm up the channels
+    latencies: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(args.lookup_batches):
-        latencies.append(timed(lambda: client.lookup(batch)))
-    elapsed = time.perf_counter() - began
-    return {
+        for name, fn in ways.items():
+            latencies[name].append(timed(fn))
+    p50 = {name: _percentile(t, 50) for name, t in latencies.items()}
+    row: dict[str, Any] = {
         "bench": "store.lookup",
         "transport": "unix socket",
         "batch": len(batch),
         "batches": args.lookup_batches,
-        "p50_ms": round(_percentile(latencies, 50) * 1e3, 3),
-        "p99_ms": round(_percentile(latencies, 99) * 1e3, 3),
-        "lookups_per_s": round(len(batch) * args.lookup_batches / elapsed),
+        "p50_ms": round(p50["chunkstore"] * 1e3, 3),
+        "p99_ms": round(_percentile(latencies["chunkstore"], 99) * 1e3, 3),
+        "lookups_per_s": round(len(batch) / statistics.mean(latencies["chunkstore"])),
     }
+    for name in ways.keys() - {"chunkstore"}:
+        row[f"{name}_p50_ms"] = round(p50[name] * 1e3, 3)
+    if peer is not None:
+        row["lookup_vs_mooncake"] = round(p50["chunkstore"] / p50["mooncake"], 3)
+    return row
+
+
+def _rounds(
+    ways: dict[str, Callable[[], object]], repeats: int, before: Callable[[], object] | None = None
+) -> dict[str, list[float]]:
+    """Each way timed once per round, in the same rounds; ``before`` runs untimed first."""
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    for _ in range(repeats):
+        for name, fn in ways.items():
+            if before is not None:
+                before()
+            times[name].append(timed(fn))
+    return times
 
 
 def _reads(
     args: argparse.Namespace,
     shm: ChunkStoreClient,
     stream: ChunkStoreClient,
-    server: RedisServer,
+    r: redis.Redis,
+    peer: MooncakeStore | None,
     keys: torch.Tensor,
     values: torch.Tensor,
-    nbytes: int,
+    source: torch.Tensor,
 ) -> dict[str, Any]:
     key = b"bench-read-key-0"
+    nbytes = source.shape[0]
     shm.put(key, keys, values, 0)
-    source = torch.cat([keys.reshape(-1).view(torch.uint8), values.reshape(-1).view(torch.uint8)])
     out = torch.empty(nbytes, dtype=torch.uint8)
-    r = redis.Redis.from_url(server.url)
     r.set(key, as_bytes(source).tobytes())
 
     def memcpy() -> None:
@@ -122,17 +200,26 @@ def _reads(
         assert isinstance(data, bytes)
         out.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
 
-    paths = {"memcpy": memcpy, "shm": via(shm), "redis": redis_get, "grpc": via(stream)}
+    paths: dict[str, Callable[[], object]] = {
+        "memcpy": memcpy,
+        "shm": via(shm),
+        "redis": redis_get,
+        "grpc": via(stream),
+    }
     for fn in paths.values():
         fn()  # warm up; every path must produce the same bytes
         assert torch.equal(out, source), "a read path returned different bytes"
         out.zero_()
-    times: dict[str, list[float]] = {name: [] for name in paths}
-    for _ in range(args.repeats):
-        for name, fn in paths.items():
-            times[name].append(timed(fn))
+    if peer is not None:
+        peer.buffer[:nbytes] = source.numpy()
+        peer.put("bench-read", 0, nbytes)
+        peer.buffer[:nbytes] = 0
+        paths["mooncake"] = lambda: peer.get("bench-read", 0, nbytes)
+        paths["mooncake"]()
+        assert np.array_equal(peer.buffer[:nbytes], source.numpy()), "mooncake's bytes differ"
+    times = _rounds(paths, args.repeats)
     p50 = {name: statistics.median(t) for name, t in times.items()}
-    return {
+    row = {
         "bench": "store.read",
         "tokens": args.tokens,
         "layers": args.layers,
@@ -148,6 +235,136 @@ def _reads(
         "shm_vs_redis": _ratio(times["redis"], times["shm"]),
         "shm_vs_grpc": _ratio(times["grpc"], times["shm"]),
     }
+    if peer is not None:
+        row["get_vs_mooncake"] = _ratio(times["shm"], times["mooncake"])
+    return row
+
+
+def _puts(
+    args: argparse.Namespace,
+    client: ChunkStoreClient,
+    r: redis.Redis | None,
+    peer: MooncakeStore | None,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    source: torch.Tensor,
+) -> dict[str, Any]:
+    """One put of the chunk per way and round, each into a key emptied before (untimed)."""
+    key, nbytes = b"bench-put-key-00", source.shape[0]
+    ways: dict[str, Callable[[], object]] = {"shm": lambda: client.put(key, keys, values, 0)}
+    payload = as_bytes(source).tobytes() if r is not None else b""
+    if r is not None:
+        ways["redis"] = lambda: r.set(key, payload)
+    if peer is not None:
+        peer.buffer[:nbytes] = source.numpy()
+        ways["mooncake"] = lambda: peer.put("bench-put", 0, nbytes)
+
+    def empty() -> None:
+        client.evict([key])
+        if r is not None:
+            r.delete(key)
+        if peer is not None:
+            peer.remove("bench-put")
+
+    for fn in ways.values():
+        empty()
+        fn()  # warm up
+    empty()
+    ways["shm"]()
+    stored = client.get(key)
+    assert stored is not None and torch.equal(stored.keys, keys), "put stored other bytes"
+    times = _rounds(ways, args.repeats, before=empty)
+    p50 = {name: statistics.median(t) for name, t in times.items()}
+    row = {
+        "bench": "store.put",
+        "bytes": nbytes,
+        "repeats": args.repeats,
+        **{f"{name}_ms_p50": round(t * 1e3, 2) for name, t in p50.items()},
+        **{f"{name}_gb_s": round(nbytes / t / 1e9, 2) for name, t in p50.items()},
+    }
+    if peer is not None:
+        row["put_vs_mooncake"] = _ratio(times["shm"], times["mooncake"])
+    return row
+
+
+def _small_gets(
+    args: argparse.Namespace,
+    client: ChunkStoreClient,
+    peer: MooncakeStore | None,
+    small_bytes: int,
+) -> dict[str, Any]:
+    tokens = small_bytes // (2 * 4 * 64)
+    keys = [(2 * 10**6 + i).to_bytes(16, "little") for i in range(SMALL)]
+    names = [f"bench-small-{i}" for i in range(SMALL)]
+    outs = [torch.empty(small_bytes, dtype=torch.uint8) for _ in keys]
+    generator = torch.Generator().manual_seed(1)
+    for i, key in enumerate(keys):
+        kv = torch.randn(1, tokens, 1, 64, generator=generator)
+        client.put(key, kv, kv, 0)
+        if peer is not None:
+            both = torch.cat([kv.reshape(-1), kv.reshape(-1)]).view(torch.uint8).numpy()
+            peer.buffer[i * small_bytes : (i + 1) * small_bytes] = both
+            peer.put(names[i], i * small_bytes, small_bytes)
+
+    def one_at_a_time() -> None:
+        for key, out in zip(keys, outs, strict=True):
+            [entry] = client.acquire([key])
+            assert entry is not None
+            try:
+                client.read_into(entry, out)
+            finally:
+                client.release([entry.lease_id])
+
+    def per_call() -> None:
+        entries = client.acquire(keys)
+        try:
+            for entry, out in zip(entries, outs, strict=True):
+                assert entry is not None
+                client.read_into(entry, out)
+        finally:
+            client.release([e.lease_id for e in entries if e is not None])
+
+    ways: dict[str, Callable[[], object]] = {"one_at_a_time": one_at_a_time, "batch": per_call}
+    if peer is not None:
+        offsets = [i * small_bytes for i in range(SMALL)]
+
+        def mooncake_one_at_a_time() -> None:
+            for name, offset in zip(names, offsets, strict=True):
+                peer.get(name, offset, small_bytes)
+
+        ways["mooncake_one_at_a_time"] = mooncake_one_at_a_time
+        ways["mooncake_batch"] = lambda: peer.batch_get(names, offsets, small_bytes)
+    for fn in ways.values():
+        fn()  # warm up
+    times = _rounds(ways, args.repeats)
+    p50 = {name: statistics.median(t) for name, t in times.items()}
+    row = {
+        "bench": "store.small_get",
+        "entries": SMALL,
+        "entry_bytes": small_bytes,
+        "repeats": args.repeats,
+        **{f"{name}_ms_p50": round(t * 1e3, 2) for name, t in p50.items()},
+    }
+    if peer is not None:
+        row["small_get_vs_mooncake"] = _ratio(times["batch"], times["mooncake_batch"])
+        row["small_get_one_at_a_time_vs_mooncake"] = _ratio(
+            times["one_at_a_time"], times["mooncake_one_at_a_time"]
+        )
+    return row
+
+
+def _readers(daemon: RunningDaemon, args: argparse.Namespace, nbytes: int) -> dict[str, Any]:
+    counts = [int(n) for n in args.readers.split(",")]
+    mib = max(1, nbytes >> 20)
+    return {
+        "bench": "store.readers",
+        "entry_mib": mib,
+        "seconds": args.reader_seconds,
+        **{
+            f"readers_{n}_gb_s": round(read_bandwidth(daemon, n, mib, args.reader_seconds), 2)
+            for n in counts
+        },
+    }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -157,6 +374,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-dim", type=int, default=64, help="head dim (SmolLM2: 64)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--block-size", type=int, default=1 << 20, help="pool block size")
-    parser.add_argument("--repeats", type=int, default=10, help="timed read rounds")
+    parser.add_argument("--repeats", type=int, default=10, help="timed rounds")
     parser.add_argument("--batch", type=int, default=64, help="keys per lookup")
     parser.add_argument("--lookup-batches", type=int, default=2000, help="lookups timed")
+    parser.add_argument(
+        "--small-bytes", type=int, default=1 << 20, help="size of the 64 small entries (1 MiB)"
+    )
+    parser.add_argument(
+        "--readers", default="", help="reader process counts for aggregate bandwidth, e.g. 1,2,4"
+    )
+    parser.add_argument("--reader-seconds", type=float, default=3.0, help="seconds per count")
+    parser.add_argument(
+        "--peers",
+        action="store_true",
+        help="also run Mooncake Store (daemon mode; the mooncake extra) and Redis through "
+        "the same steps, and report chunkstore's time over Mooncake's",
+    )
