@@ -301,8 +301,9 @@ class ChunkStoreClient:
         layout = layout_of(keys, values, virtual_start)
         parts = [as_bytes(keys)] + ([as_bytes(values)] if values is not None else [])
         digest = xxhash.xxh3_64()
-        for part in parts:
-            digest.update(part.data)
+        if self.region is None:  # streamed: hashed here; through the pool: as it is copied
+            for part in parts:
+                digest.update(part.data)
         try:
             reply = self._session_call(
                 self.stub.Reserve,
@@ -321,7 +322,7 @@ class ChunkStoreClient:
             if self.region is not None:
                 offset = 0
                 for part in parts:
-                    scatter(self.region, reply.blocks, self.block_size, part, offset)
+                    scatter(self.region, reply.blocks, self.block_size, part, offset, digest)
                     offset += part.shape[0]
             else:
                 self._stream_write(session, reply.reservation_id, parts)

@@ -54,17 +54,33 @@ def gather(
 
 
 def scatter(
-    region: np.ndarray, blocks: Sequence[int], block_size: int, data: np.ndarray, offset: int = 0
+    region: np.ndarray,
+    blocks: Sequence[int],
+    block_size: int,
+    data: np.ndarray,
+    offset: int = 0,
+    digest: Any = None,
 ) -> None:
-    """Copy ``data`` (uint8) into an entry's blocks, starting ``offset`` bytes into the entry."""
+    """Copy ``data`` (uint8) into an entry's blocks, starting ``offset`` bytes into the entry,
+    feeding ``digest`` (an xxhash object) with the bytes as they landed in the pool, piece by
+    piece while they are in L2 (as ``gather`` does): what is hashed is what the daemon will
+    hash at commit, in one pass over memory."""
     end_offset = offset + data.shape[0]
     for first, count, index in block_runs(blocks):
         run_start = index * block_size
         run_end = run_start + count * block_size
         lo, hi = max(run_start, offset), min(run_end, end_offset)
-        if hi > lo:
-            dest = first * block_size + (lo - run_start)
+        if hi <= lo:
+            continue
+        dest = first * block_size + (lo - run_start)
+        if digest is None:
             region[dest : dest + hi - lo] = data[lo - offset : hi - offset]
+            continue
+        for piece in range(lo, hi, PIECE):
+            end = min(piece + PIECE, hi)
+            at = dest + piece - lo
+            np.copyto(region[at : at + end - piece], data[piece - offset : end - offset])
+            digest.update(region[at : at + end - piece].data)
 
 
 def checksum(region: np.ndarray, blocks: Sequence[int], block_size: int, nbytes: int) -> int:
