@@ -20,8 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from chunkstore.bench.store import add_chunk_arguments, chunk_kv
 from chunkstore.bench.timing import timed
 from chunkstore.client import ChunkStoreClient
 from chunkstore.daemon.index import Index
@@ -35,12 +34,7 @@ KEY = b"bench-pull-key-0"
 
 
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    shape = (args.layers, args.tokens, args.kv_heads, args.head_dim)
-    generator = torch.Generator().manual_seed(0)
-    keys = torch.randn(shape, generator=generator).to(dtype)
-    values = torch.randn(shape, generator=generator).to(dtype)
-    nbytes = 2 * keys.numel() * keys.element_size()
+    keys, values, nbytes = chunk_kv(args)
     blocks = -(-nbytes // args.block_size)
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="chunkstore-bench-")))
@@ -103,12 +97,7 @@ def _pulls(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tokens", type=int, default=4096, help="chunk length (default 4096)")
-    parser.add_argument("--layers", type=int, default=30, help="layers (SmolLM2: 30)")
-    parser.add_argument("--kv-heads", type=int, default=3, help="KV heads (SmolLM2: 3)")
-    parser.add_argument("--head-dim", type=int, default=64, help="head dim (SmolLM2: 64)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--block-size", type=int, default=1 << 20, help="pool block size")
+    add_chunk_arguments(parser)
     parser.add_argument("--repeats", type=int, default=10, help="timed rounds (both ways each)")
     parser.add_argument(
         "--protocol", default="tcp", help="the engine's protocol (default tcp; rdma, ascend)"

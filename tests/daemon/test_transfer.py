@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import signal
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,17 +28,10 @@ from chunkstore.daemon.pool import SharedMemoryPool
 from chunkstore.daemon.transfer import MooncakeEngine, read_runs
 from chunkstore.errors import ChecksumMismatch, InvalidRequest, StoreError, Unavailable
 from chunkstore.protocol.shm import gather, map_shared_pool
-from chunkstore.testing.daemon import RunningDaemon, entry_key, random_kv
+from chunkstore.testing.daemon import RunningDaemon, entry_key, random_kv, wait_for
 from chunkstore.testing.redis import RedisServer
 
 ENGINE = ("--transfer-engine", "mooncake")
-
-
-def eventually(check: Callable[[], bool], timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "not within the timeout"
-        time.sleep(0.05)
 
 
 @pytest.fixture
@@ -74,9 +66,9 @@ def test_a_pull_over_the_engine_stores_the_entry_bit_exact(serve, redis_url: str
         [held] = on_a.acquire([entry_key(1)])
         assert held is not None and held.blocks[1] != held.blocks[0] + 1
         on_a.release([held.lease_id])
-        eventually(lambda: directory.zscore(directory_key(entry_key(1)), a.tcp) is not None)
+        wait_for(lambda: directory.zscore(directory_key(entry_key(1)), a.tcp) is not None)
         assert on_b.lookup([entry_key(1)]) == [None]  # the miss queues the pull
-        eventually(lambda: on_b.lookup([entry_key(1)])[0] is not None)
+        wait_for(lambda: on_b.lookup([entry_key(1)])[0] is not None)
         stored = on_b.get(entry_key(1))
         assert stored is not None and stored.layout.virtual_start == 7
         assert torch.equal(stored.keys, k) and torch.equal(stored.values, v)
@@ -203,7 +195,7 @@ def test_a_puller_that_dies_holds_the_owners_blocks_one_lease_ttl(serve, tmp_pat
         held = puller.acquire(entry_key(1))  # ... and never reads nor releases: it died
         assert held is not None
         assert owner.client.evict([entry_key(1)]).busy == 1
-        eventually(lambda: owner.client.stats().active_leases == 0, timeout=10)
+        wait_for(lambda: owner.client.stats().active_leases == 0, timeout=10)
         assert owner.client.evict([entry_key(1)]).evicted == 1
         puller.close()
     finally:
@@ -220,11 +212,9 @@ def test_what_the_engine_cannot_serve_goes_over_the_stream(
     k, v = random_kv(8)
     with ChunkStoreClient(a.unix) as on_a, ChunkStoreClient(b.unix) as on_b:
         on_a.put(entry_key(1), k, v, virtual_start=0)
-        eventually(
-            lambda: bool(redis.Redis.from_url(redis_url).exists(directory_key(entry_key(1))))
-        )
+        wait_for(lambda: bool(redis.Redis.from_url(redis_url).exists(directory_key(entry_key(1)))))
         on_b.lookup([entry_key(1)])
-        eventually(lambda: on_b.lookup([entry_key(1)])[0] is not None)
+        wait_for(lambda: on_b.lookup([entry_key(1)])[0] is not None)
         stored = on_b.get(entry_key(1))
         assert stored is not None and torch.equal(stored.keys, k)
     metrics = b.scrape()
