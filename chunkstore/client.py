@@ -36,6 +36,7 @@ from chunkstore.kv.entry import EntryLayout, layout_of, tensors_of
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol import chunkstore_pb2_grpc as pb_grpc
 from chunkstore.protocol.endpoints import default_socket
+from chunkstore.protocol.fast import FastChannel
 from chunkstore.protocol.shm import gather, map_shared_pool, scatter
 from chunkstore.protocol.wire import (
     MAX_BATCH,
@@ -94,9 +95,12 @@ class ChunkStoreClient:
         client_key: bytes | None = None,
         timeout: float = 10.0,
         name: str = "",
+        fast: bool = True,
     ) -> None:
         """``address``: ``unix:/path/to.sock`` or ``host:port``. ``transport``: "auto" (shared
-        memory when the pool can be mapped), "shm" (required) or "stream"."""
+        memory when the pool can be mapped), "shm" (required) or "stream". ``fast``: make
+        Lookup, Acquire and Release over the daemon's fast path when it offers one on this
+        host (``protocol/fast.py``; gRPC otherwise, and after any failure of it)."""
         if transport not in ("auto", "shm", "stream"):
             raise InvalidRequest(f"unknown transport {transport!r}: auto, shm or stream")
         self.address = address
@@ -114,6 +118,14 @@ class ChunkStoreClient:
             self.channel = grpc.insecure_channel(address, options=options)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.stub = pb_grpc.ChunkStoreStub(self.channel)
+        self._token = token
+        self._use_fast = fast
+        self._fast: FastChannel | None = None
+        self._fast_names = {
+            self.stub.Lookup: "Lookup",
+            self.stub.Acquire: "Acquire",
+            self.stub.Release: "Release",
+        }
         self.name = name or f"pid-{os.getpid()}"
         self.requested_transport = transport
         self.sessions_reopened = 0  # sessions lost (daemon restart, pause past the TTL)
@@ -146,6 +158,7 @@ class ChunkStoreClient:
             raise Unavailable("the daemon's pool is not shared memory on this host")
         self.block_size = hello.block_size
         self.server_info = hello
+        self._connect_fast(hello)
         self.region = region
         self.transport = "shm" if region is not None else "stream"
         self.session = hello.session_id
@@ -168,7 +181,32 @@ class ChunkStoreClient:
 
     # Plumbing -----------------------------------------------------------------------------
 
+    def _connect_fast(self, hello: pb.HelloReply) -> None:
+        if self._fast is not None:
+            self._fast.close()
+            self._fast = None
+        path = hello.fast_socket
+        if not (self._use_fast and path and hello.hostname == socket.gethostname()):
+            return
+        try:
+            self._fast = FastChannel(path, self._token, self.timeout)
+        except (OSError, StoreError) as exc:
+            log.info("fast path at %s not used (%s); Lookup/Acquire/Release over gRPC", path, exc)
+
+    @property
+    def fast(self) -> bool:
+        """Whether Lookup, Acquire and Release go over the fast path now."""
+        return self._fast is not None
+
     def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
+        fast = self._fast
+        if fast is not None and method in self._fast_names:
+            try:
+                return fast.call(self._fast_names[method], request)
+            except Unavailable as exc:  # the connection itself failed: gRPC from now on
+                self._fast = None
+                log.warning("%s; Lookup/Acquire/Release over gRPC from now on", exc)
+                raise
         try:
             return method(request, timeout=timeout or self.timeout, metadata=self.metadata)
         except grpc.RpcError as err:
@@ -231,6 +269,8 @@ class ChunkStoreClient:
         self._closed.set()
         self._pings.put(None)
         self._heartbeat.join(timeout=2)
+        if self._fast is not None:
+            self._fast.close()
         self.channel.close()
 
     def __enter__(self) -> ChunkStoreClient:

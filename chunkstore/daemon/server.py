@@ -25,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from chunkstore import __version__
 from chunkstore.daemon.config import ServeConfig
 from chunkstore.daemon.directory import Directory
+from chunkstore.daemon.fastpath import FastPath
 from chunkstore.daemon.index import Entry, Index
 from chunkstore.daemon.metrics import Metrics
 from chunkstore.daemon.peers import EnginePeers, PeerSource, PeerTLS, StreamPeers
@@ -34,6 +35,7 @@ from chunkstore.daemon.workers import Workers
 from chunkstore.errors import Busy, InvalidRequest, StoreError, Unavailable
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol import chunkstore_pb2_grpc as pb_grpc
+from chunkstore.protocol.fast import fast_socket_path
 from chunkstore.protocol.shm import block_runs, scatter
 from chunkstore.protocol.wire import MAX_MESSAGE, layout_from_proto, layout_to_proto
 
@@ -104,6 +106,7 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
         self.on_drain = on_drain
         self.on_miss: Callable[[list[bytes]], None] | None = None  # the cluster directory's
         self.transfer: Endpoint | None = None  # where peers read the pool with an engine
+        self.fast_socket = ""  # the fast path's socket (Lookup, Acquire, Release)
         self._transfers = threading.BoundedSemaphore(config.max_transfers)
 
     @contextlib.contextmanager
@@ -133,6 +136,7 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
             hostname=self.config.node,
             lease_ttl_ms=int(self.config.lease_ttl_s * 1000),
             transfer=self.transfer.to_proto() if self.transfer else None,
+            fast_socket=self.fast_socket,
         )
 
     def Heartbeat(
@@ -494,23 +498,29 @@ class _TokenCheck(grpc.ServerInterceptor):
         self.admin = f"Bearer {admin_token}" if admin_token else None
         self.peer = f"Bearer {peer_token}" if peer_token else None
 
-    def intercept_service(self, continuation: Any, details: Any) -> Any:
-        method = details.method
-        if method.startswith("/grpc.health.v1.Health/"):
-            return continuation(details)
-        bearer = dict(details.invocation_metadata or ()).get("authorization")
+    def refusal(self, bearer: str | None, method: str) -> tuple[grpc.StatusCode, str] | None:
+        """The status and reason a call of ``method`` with ``bearer`` is refused with, or
+        None (the fast path asks too)."""
         if method in ADMIN and bearer != self.admin:
             why = (
                 f"{method} is an admin call: it needs the admin token"
                 if self.admin
                 else f"{method} is an admin call, refused: the daemon has no --admin-token"
             )
-            return _refusal(continuation(details), grpc.StatusCode.PERMISSION_DENIED, why)
+            return grpc.StatusCode.PERMISSION_DENIED, why
         if bearer in self.client or (self.peer and bearer == self.peer and method in PEER):
+            return None
+        return grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token"
+
+    def intercept_service(self, continuation: Any, details: Any) -> Any:
+        method = details.method
+        if method.startswith("/grpc.health.v1.Health/"):
             return continuation(details)
-        return _refusal(
-            continuation(details), grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token"
-        )
+        bearer = dict(details.invocation_metadata or ()).get("authorization")
+        refused = self.refusal(bearer, method)
+        if refused is None:
+            return continuation(details)
+        return _refusal(continuation(details), *refused)
 
 
 def _refusal(handler: Any, code: grpc.StatusCode, message: str) -> Any:
@@ -548,9 +558,10 @@ class Daemon:
         )
         self.metrics = Metrics(self.index, config.node)
         guarded = config.token or config.admin_token
-        interceptors = (
-            [_TokenCheck(config.token, config.admin_token, config.peer_token)] if guarded else []
+        self.token_check = (
+            _TokenCheck(config.token, config.admin_token, config.peer_token) if guarded else None
         )
+        interceptors: list[grpc.ServerInterceptor] = [self.token_check] if self.token_check else []
         interceptors.append(_DecodeInHandler())
         self.server = grpc.server(
             # A thread per heartbeat stream and per transfer stream, both bounded, and 32 more
@@ -574,6 +585,7 @@ class Daemon:
         self.service = service
         self.directory: Directory | None = None
         self.engine: MooncakeEngine | None = None
+        self.fast: FastPath | None = None
         pb_grpc.add_ChunkStoreServicer_to_server(service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.addresses: dict[str, str] = {}
@@ -675,6 +687,16 @@ class Daemon:
         finally:
             os.umask(previous)
         self.addresses["socket"] = str(socket_path)
+        check = self.token_check
+        self.fast = FastPath(
+            fast_socket_path(str(socket_path)),
+            self.service,
+            (lambda bearer, name: check.refusal(bearer, f"/{SERVICE}/{name}")) if check else None,
+            self.config.max_sessions,
+            self.config.group_access,
+        )
+        self.service.fast_socket = self.fast.path
+        self.addresses["fast"] = self.fast.path
 
     def stop(self, drain_timeout: float | None = None) -> int:
         """Drain (bounded), stop serving, free the pool. Returns the leases left behind."""
@@ -683,6 +705,8 @@ class Daemon:
             self.index, self.config.drain_timeout_s if drain_timeout is None else drain_timeout
         )
         self.workers.join()
+        if self.fast is not None:
+            self.fast.stop()
         if self.directory is not None:
             self.directory.stop()
         if self.engine is not None:

@@ -33,7 +33,7 @@ class HelloRequest(_message.Message):
     def __init__(self, client_name: _Optional[str] = ..., hostname: _Optional[str] = ...) -> None: ...
 
 class HelloReply(_message.Message):
-    __slots__ = ("session_id", "version", "shm_path", "block_size", "num_blocks", "device", "hostname", "lease_ttl_ms", "transfer")
+    __slots__ = ("session_id", "version", "shm_path", "block_size", "num_blocks", "device", "hostname", "lease_ttl_ms", "transfer", "fast_socket")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class HelloReply(_message.Message):
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    FAST_SOCKET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     version: str
     shm_path: str
@@ -52,7 +53,8 @@ class HelloReply(_message.Message):
     hostname: str
     lease_ttl_ms: int
     transfer: TransferEndpoint
-    def __init__(self, session_id: _Optional[str] = ..., version: _Optional[str] = ..., shm_path: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., device: _Optional[str] = ..., hostname: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., transfer: _Optional[_Union[TransferEndpoint, _Mapping]] = ...) -> None: ...
+    fast_socket: str
+    def __init__(self, session_id: _Optional[str] = ..., version: _Optional[str] = ..., shm_path: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., device: _Optional[str] = ..., hostname: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., transfer: _Optional[_Union[TransferEndpoint, _Mapping]] = ..., fast_socket: _Optional[str] = ...) -> None: ...
 
 class TransferEndpoint(_message.Message):
     __slots__ = ("engine", "protocol", "session", "base", "size")

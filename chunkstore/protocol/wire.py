@@ -62,7 +62,12 @@ _ERRORS: dict[grpc.StatusCode, type[StoreError]] = {
 }
 
 
+def error_of(code: str, details: str) -> StoreError:
+    """The typed error a status code names (``grpc.StatusCode`` member name)."""
+    status = grpc.StatusCode[code] if code in grpc.StatusCode.__members__ else None
+    kind = _ERRORS.get(status, StoreError) if status is not None else StoreError
+    return kind(f"{code}: {details}")
+
+
 def typed_error(err: grpc.RpcError) -> StoreError:
-    code = err.code()
-    kind = _ERRORS.get(code, StoreError)
-    return kind(f"{code.name}: {err.details()}")
+    return error_of(err.code().name, err.details())

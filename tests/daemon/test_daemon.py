@@ -83,7 +83,7 @@ def test_health_service_answers_serving(daemon: RunningDaemon) -> None:
 
 
 def test_socket_and_pool_are_private_to_the_user(daemon: RunningDaemon) -> None:
-    for path in (daemon.ready["socket"], daemon.ready["shm_path"]):
+    for path in (daemon.ready["socket"], daemon.ready["fast"], daemon.ready["shm_path"]):
         mode = stat.S_IMODE(os.stat(path).st_mode)
         assert mode & 0o077 == 0, f"{path} is {oct(mode)}"
 

@@ -1,0 +1,158 @@
+"""The daemon's side of the fast path (``protocol/fast.py``): a unix socket beside the gRPC one,
+a thread per connection, each frame answered by the same service method gRPC calls (so the
+same index calls, metrics, typed errors), under the same token rules.
+
+A connection that sends what is not a frame (too long, cut short, an unknown kind, a message
+that does not parse) gets one error and is closed; it costs nobody else anything.
+Connections beyond ``max_connections`` are closed at once: their clients use gRPC.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from chunkstore.errors import StoreError
+from chunkstore.protocol.fast import AUTH, CODES, METHODS, OK, receive, send
+
+log = logging.getLogger("chunkstore.daemon.fastpath")
+
+
+class _Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _Context:
+    """What the service methods ask of a gRPC context, for a fast-path call."""
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise _Aborted(code, details)
+
+    def peer(self) -> str:
+        return "fast-path"
+
+
+class FastPath:
+    """Serve ``service``'s fast methods on ``path``. ``refusal(bearer, method)``: the status
+    and reason a call with that bearer ("Bearer <token>" or None) is refused with, or None."""
+
+    def __init__(
+        self,
+        path: str,
+        service: Any,
+        refusal: Callable[[str | None, str], tuple[grpc.StatusCode, str] | None] | None,
+        max_connections: int,
+        group_access: bool,
+    ) -> None:
+        self.path = path
+        self.service = service
+        self.refusal = refusal
+        self.max_connections = max_connections
+        Path(path).unlink(missing_ok=True)
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        previous = os.umask(0o007 if group_access else 0o077)
+        try:
+            self._listener.bind(path)
+        finally:
+            os.umask(previous)
+        self._listener.listen(64)
+        self._lock = threading.Lock()
+        self._connections: set[socket.socket] = set()
+        self._stopping = False
+        self._accepting = threading.Thread(target=self._accept, name="fast-accept", daemon=True)
+        self._accepting.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed: stopping
+            with self._lock:
+                if self._stopping or len(self._connections) >= self.max_connections:
+                    conn.close()
+                    continue
+                self._connections.add(conn)
+            threading.Thread(
+                target=self._serve, args=(conn,), name="fast-conn", daemon=True
+            ).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        bearer: str | None = None
+        try:
+            while True:
+                try:
+                    frame = receive(conn)
+                except (StoreError, EOFError) as err:
+                    self._refuse(conn, grpc.StatusCode.INVALID_ARGUMENT, str(err))
+                    return
+                if frame is None:
+                    return
+                kind, payload = frame
+                if kind == AUTH:
+                    bearer = "Bearer " + payload.decode(errors="replace") if payload else None
+                    send(conn, OK, b"")
+                    continue
+                if not 1 <= kind <= len(METHODS):
+                    self._refuse(conn, grpc.StatusCode.INVALID_ARGUMENT, f"no method {kind}")
+                    return
+                if not self._call(conn, list(METHODS)[kind - 1], payload, bearer):
+                    return
+        except OSError:
+            return  # the client went away mid-frame: nothing was started for it
+        finally:
+            with self._lock:
+                self._connections.discard(conn)
+            conn.close()
+
+    def _call(self, conn: socket.socket, name: str, payload: bytes, bearer: str | None) -> bool:
+        """Answer one call; False when the connection must close."""
+        if self.refusal is not None:
+            refused = self.refusal(bearer, name)
+            if refused is not None:
+                self._reply_error(conn, *refused)
+                return True
+        request_type, _ = METHODS[name]
+        try:
+            request = request_type.FromString(payload)
+        except DecodeError as err:
+            self._refuse(conn, grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {err}")
+            return False
+        try:
+            reply = getattr(self.service, name)(request, _Context())
+        except _Aborted as err:
+            self._reply_error(conn, err.code, err.details)
+            return True
+        send(conn, OK, reply.SerializeToString())
+        return True
+
+    @staticmethod
+    def _reply_error(conn: socket.socket, code: grpc.StatusCode, details: str) -> None:
+        send(conn, 1 + CODES.index(code.name), details.encode())
+
+    def _refuse(self, conn: socket.socket, code: grpc.StatusCode, details: str) -> None:
+        with contextlib.suppress(OSError):
+            self._reply_error(conn, code, details)
+        log.warning("fast path: closed a connection: %s", details)
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            connections = list(self._connections)
+        self._listener.close()
+        for conn in connections:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        self._accepting.join(timeout=2)
+        Path(self.path).unlink(missing_ok=True)

@@ -1,0 +1,117 @@
+"""The fast path: the hot control calls (Lookup, Acquire, Release) over a plain unix socket
+beside the daemon's gRPC one. Python gRPC costs ~0.7 ms a call here whatever it carries; the
+same messages framed on a socket cost ~0.06 ms. Same messages, same service code, same
+tokens and typed errors: only the framing differs.
+
+A frame is a little-endian u32 (the bytes after it), a u8 kind, then the payload. Requests:
+kind 0 is ``Auth`` (payload: the bearer token, or nothing; the client's first frame), kind
+1 + i calls ``METHODS[i]`` (payload: its request message). Replies: kind 0 is the reply
+message; kind 1 + i is the error whose gRPC status is ``CODES[i]`` (payload: its message).
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from typing import Any
+
+import grpc
+
+from chunkstore.errors import Exhausted, InvalidRequest, StoreError, Unavailable
+from chunkstore.protocol import chunkstore_pb2 as pb
+from chunkstore.protocol.wire import MAX_MESSAGE, error_of
+
+METHODS: dict[str, tuple[type[Any], type[Any]]] = {
+    "Lookup": (pb.LookupRequest, pb.LookupReply),
+    "Acquire": (pb.AcquireRequest, pb.AcquireReply),
+    "Release": (pb.ReleaseRequest, pb.ReleaseReply),
+}
+KINDS = {name: 1 + i for i, name in enumerate(METHODS)}
+CODES = [code.name for code in grpc.StatusCode if code is not grpc.StatusCode.OK]
+AUTH, OK = 0, 0
+_HEADER = struct.Struct("<IB")
+
+
+def fast_socket_path(grpc_socket: str) -> str:
+    return grpc_socket + ".fast"
+
+
+def send(sock: socket.socket, kind: int, payload: bytes) -> None:
+    sock.sendall(_HEADER.pack(len(payload) + 1, kind) + payload)
+
+
+def _exactly(sock: socket.socket, n: int) -> bytes | None:
+    """``n`` bytes, or None if the peer closed before the first; a close after it is an
+    ``EOFError`` (a frame cut short)."""
+    data = bytearray()
+    while len(data) < n:
+        piece = sock.recv(n - len(data))
+        if not piece:
+            if not data:
+                return None
+            raise EOFError(f"the frame ended after {len(data)} of {n} bytes")
+        data += piece
+    return bytes(data)
+
+
+def receive(sock: socket.socket) -> tuple[int, bytes] | None:
+    """The next frame, or None at a clean end of the connection. A frame longer than
+    ``MAX_MESSAGE`` or cut short raises (the connection is then unusable)."""
+    header = _exactly(sock, _HEADER.size)
+    if header is None:
+        return None
+    length, kind = _HEADER.unpack(header)
+    if not 1 <= length <= MAX_MESSAGE + 1:
+        raise InvalidRequest(f"a fast-path frame of {length} bytes (at most {MAX_MESSAGE + 1})")
+    payload = _exactly(sock, length - 1) if length > 1 else b""
+    if payload is None:
+        raise EOFError("the frame ended after its header")
+    return kind, payload
+
+
+class FastChannel:
+    """A client's connection to the fast path: one call at a time (a lock), from any
+    thread. Any failure of the connection itself closes it for good and raises
+    ``Unavailable``; the caller then goes back to gRPC."""
+
+    def __init__(self, path: str, token: str | None, timeout: float) -> None:
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout)
+        self._lock = threading.Lock()
+        try:
+            self._sock.connect(path)
+            self._exchange(AUTH, (token or "").encode())  # a round trip: the path is served
+        except BaseException:
+            self._sock.close()
+            raise
+
+    def call(self, name: str, request: Any) -> Any:
+        _, reply_type = METHODS[name]
+        message = request.SerializeToString()
+        if len(message) > MAX_MESSAGE:  # refused before it is sent, as gRPC does
+            raise Exhausted(
+                f"RESOURCE_EXHAUSTED: a {name} of {len(message)} bytes (at most {MAX_MESSAGE})"
+            )
+        payload = self._exchange(KINDS[name], message)
+        return reply_type.FromString(payload)
+
+    def _exchange(self, kind: int, payload: bytes) -> bytes:
+        with self._lock:
+            try:
+                send(self._sock, kind, payload)
+                frame = receive(self._sock)
+            except (OSError, EOFError, StoreError) as err:
+                self._sock.close()
+                raise Unavailable(f"the fast path failed: {err}") from None
+        if frame is None:
+            self._sock.close()
+            raise Unavailable("the daemon closed the fast path")
+        status, body = frame
+        if status == OK:
+            return body
+        code = CODES[status - 1] if status <= len(CODES) else "UNKNOWN"
+        raise error_of(code, body.decode(errors="replace"))
+
+    def close(self) -> None:
+        self._sock.close()

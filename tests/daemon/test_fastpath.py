@@ -1,0 +1,109 @@
+"""The fast path (Lookup, Acquire, Release framed on a unix socket beside gRPC), against a real
+daemon: the same answers, counts and typed errors as gRPC, the same token rules; frames that
+are not frames close only their own connection; a client without it uses gRPC."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+
+import pytest
+
+from chunkstore.client import ChunkStoreClient
+from chunkstore.errors import InvalidRequest, NotFound, Unauthenticated
+from chunkstore.protocol import chunkstore_pb2 as pb
+from chunkstore.protocol.fast import FastChannel
+from chunkstore.testing.daemon import RunningDaemon, entry_key, random_kv
+
+
+@pytest.fixture
+def daemon(serve) -> RunningDaemon:
+    return serve()
+
+
+def test_the_fast_path_answers_as_grpc_does(daemon: RunningDaemon) -> None:
+    keys = [entry_key(i) for i in range(8)]
+    with (
+        ChunkStoreClient(daemon.unix) as fast,
+        ChunkStoreClient(daemon.unix, fast=False) as slow,
+    ):
+        assert fast.fast and not slow.fast
+        for key in keys[:4]:
+            assert slow.put(key, *random_kv(3 + key[0]), virtual_start=0)
+        assert fast.lookup(keys) == slow.lookup(keys)
+        assert [hit is not None for hit in fast.lookup(keys)] == [True] * 4 + [False] * 4
+        before = fast.stats()
+        fast.lookup(keys, num_tokens=[10] * 8)
+        after = fast.stats()
+        assert after.lookup_tokens - before.lookup_tokens == 80
+        assert after.hit_tokens - before.hit_tokens == 40  # counted as a gRPC lookup is
+        # A lease taken over the fast path reads the right bytes and holds the entry.
+        [leased] = fast.acquire([keys[1]])
+        assert leased is not None and slow.evict([keys[1]]).busy == 1
+        stored = slow.get(keys[1])
+        assert stored is not None
+        fast.release([leased.lease_id])
+        assert fast.stats().active_leases == 0
+        got = fast.get(keys[2])
+        expected = slow.get(keys[2])
+        assert got is not None and expected is not None and got.keys.equal(expected.keys)
+        # Typed errors, and the connection goes on after them.
+        with pytest.raises(InvalidRequest, match="a key is 16 bytes"):
+            fast.lookup([b"short"])
+        with pytest.raises(NotFound):
+            fast.release([12345])
+        assert fast.fast and fast.lookup(keys[:1])[0] is not None
+    scraped = daemon.scrape()
+    assert scraped['chunkstore_rpc_seconds_count{method="Lookup"}'] >= 4
+
+
+def test_the_fast_path_keeps_the_token_rules(serve) -> None:
+    running = serve("--token", "s3cret")
+    with ChunkStoreClient(running.unix, token="s3cret") as client:
+        assert client.fast and client.lookup([entry_key(1)]) == [None]
+    request = pb.LookupRequest(keys=[entry_key(1)])
+    for token in (None, "wrong"):
+        channel = FastChannel(running.ready["fast"], token, 5.0)
+        with pytest.raises(Unauthenticated):
+            channel.call("Lookup", request)
+        channel.close()
+
+
+def _raw(path: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(5)
+    sock.connect(path)
+    return sock
+
+
+def test_what_is_not_a_frame_closes_only_its_connection(daemon: RunningDaemon) -> None:
+    path = daemon.ready["fast"]
+    with ChunkStoreClient(daemon.unix) as client:
+        assert client.fast
+        oversized = _raw(path)
+        oversized.sendall(struct.pack("<IB", 1 << 31, 1))  # a frame of 2 GiB
+        reply = oversized.recv(4096)
+        assert b"at most" in reply and oversized.recv(1) == b""  # said why, then closed
+        unknown = _raw(path)
+        unknown.sendall(struct.pack("<IB", 1, 99))
+        assert b"no method" in unknown.recv(4096) and unknown.recv(1) == b""
+        garbage = _raw(path)
+        garbage.sendall(struct.pack("<IB", 4, 1) + b"\xff\xff\xff")  # not a LookupRequest
+        assert b"Lookup" in garbage.recv(4096)
+        cut = _raw(path)
+        cut.sendall(struct.pack("<IB", 100, 1) + b"abc")  # then dies halfway
+        cut.close()
+        for sock in (oversized, unknown, garbage):
+            sock.close()
+        assert client.lookup([entry_key(1)]) == [None]  # the others go on
+        assert client.fast
+    assert "fast path: closed a connection" in daemon.log()
+
+
+def test_without_the_fast_path_a_client_uses_grpc(daemon: RunningDaemon) -> None:
+    os.unlink(daemon.ready["fast"])  # e.g. a tmp cleaner removed it
+    with ChunkStoreClient(daemon.unix) as client:
+        assert not client.fast
+        assert client.put(entry_key(1), *random_kv(4), virtual_start=0)
+        assert client.lookup([entry_key(1)])[0] is not None
