@@ -22,7 +22,6 @@ from typing import Any
 import grpc
 import numpy as np
 import torch
-import xxhash
 
 from chunkstore.errors import (
     AlreadyExists,
@@ -37,7 +36,7 @@ from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol import chunkstore_pb2_grpc as pb_grpc
 from chunkstore.protocol.endpoints import default_socket
 from chunkstore.protocol.fast import FastChannel
-from chunkstore.protocol.shm import gather, map_shared_pool, scatter
+from chunkstore.protocol.shm import EntryDigest, gather, map_shared_pool, scatter_parts
 from chunkstore.protocol.wire import (
     MAX_BATCH,
     MAX_MESSAGE,
@@ -96,11 +95,13 @@ class ChunkStoreClient:
         timeout: float = 10.0,
         name: str = "",
         fast: bool = True,
+        copy_threads: int = 2,
     ) -> None:
         """``address``: ``unix:/path/to.sock`` or ``host:port``. ``transport``: "auto" (shared
         memory when the pool can be mapped), "shm" (required) or "stream". ``fast``: make
-        Lookup, Acquire and Release over the daemon's fast path when it offers one on this
-        host (``protocol/fast.py``; gRPC otherwise, and after any failure of it)."""
+        Lookup, Acquire, Release, Reserve and Commit over the daemon's fast path when it
+        offers one on this host (``protocol/fast.py``; gRPC otherwise, and after any failure of it).
+        ``copy_threads``: threads a read or a put copies through the pool with (1 or 2)."""
         if transport not in ("auto", "shm", "stream"):
             raise InvalidRequest(f"unknown transport {transport!r}: auto, shm or stream")
         self.address = address
@@ -120,11 +121,14 @@ class ChunkStoreClient:
         self.stub = pb_grpc.ChunkStoreStub(self.channel)
         self._token = token
         self._use_fast = fast
+        self.copy_threads = copy_threads
         self._fast: FastChannel | None = None
         self._fast_names = {
             self.stub.Lookup: "Lookup",
             self.stub.Acquire: "Acquire",
             self.stub.Release: "Release",
+            self.stub.Reserve: "Reserve",
+            self.stub.Commit: "Commit",
         }
         self.name = name or f"pid-{os.getpid()}"
         self.requested_transport = transport
@@ -191,11 +195,11 @@ class ChunkStoreClient:
         try:
             self._fast = FastChannel(path, self._token, self.timeout)
         except (OSError, StoreError) as exc:
-            log.info("fast path at %s not used (%s); Lookup/Acquire/Release over gRPC", path, exc)
+            log.info("fast path at %s not used (%s); the control calls over gRPC", path, exc)
 
     @property
     def fast(self) -> bool:
-        """Whether Lookup, Acquire and Release go over the fast path now."""
+        """Whether Lookup, Acquire, Release, Reserve and Commit go over the fast path now."""
         return self._fast is not None
 
     def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
@@ -205,7 +209,7 @@ class ChunkStoreClient:
                 return fast.call(self._fast_names[method], request)
             except Unavailable as exc:  # the connection itself failed: gRPC from now on
                 self._fast = None
-                log.warning("%s; Lookup/Acquire/Release over gRPC from now on", exc)
+                log.warning("%s; the control calls over gRPC from now on", exc)
                 raise
         try:
             return method(request, timeout=timeout or self.timeout, metadata=self.metadata)
@@ -340,7 +344,7 @@ class ChunkStoreClient:
         MLA latent). False if the key is stored (or being stored) already."""
         layout = layout_of(keys, values, virtual_start)
         parts = [as_bytes(keys)] + ([as_bytes(values)] if values is not None else [])
-        digest = xxhash.xxh3_64()
+        digest = EntryDigest()
         if self.region is None:  # streamed: hashed here; through the pool: as it is copied
             for part in parts:
                 digest.update(part.data)
@@ -360,10 +364,9 @@ class ChunkStoreClient:
         session = self.session  # the reservation's
         try:
             if self.region is not None:
-                offset = 0
-                for part in parts:
-                    scatter(self.region, reply.blocks, self.block_size, part, offset, digest)
-                    offset += part.shape[0]
+                scatter_parts(
+                    self.region, reply.blocks, self.block_size, parts, digest, self.copy_threads
+                )
             else:
                 self._stream_write(session, reply.reservation_id, parts)
             self._session_call(
@@ -445,9 +448,9 @@ class ChunkStoreClient:
         scheduler leases, its workers read); that client reports the shared-memory bytes
         when it releases."""
         target = out.numpy()
-        digest = xxhash.xxh3_64()
+        digest = EntryDigest()
         if self.region is not None:
-            gather(self.region, entry.blocks, self.block_size, target, digest)
+            gather(self.region, entry.blocks, self.block_size, target, digest, self.copy_threads)
             if session is None:
                 read = self._shm_reads.get(entry.lease_id, 0)
                 self._shm_reads[entry.lease_id] = read + entry.nbytes

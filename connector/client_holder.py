@@ -46,6 +46,7 @@ class DaemonLink:
                 transport=self.config.transport,
                 name=self.name,
                 timeout=self.config.timeout_s,
+                copy_threads=1,  # the load threads read beside vLLM's forward: one core each
             )
         except ChunkStoreError as err:
             self.failed(f"cannot reach chunkstore at {self.config.daemon_address}: {err}")

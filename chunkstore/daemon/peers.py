@@ -20,7 +20,6 @@ from typing import Protocol
 
 import grpc
 import numpy as np
-import xxhash
 
 from chunkstore.daemon.index import Index
 from chunkstore.daemon.transfer import Endpoint, MooncakeEngine, read_runs
@@ -28,6 +27,7 @@ from chunkstore.errors import ChecksumMismatch, InvalidRequest, NotFound, Unavai
 from chunkstore.kv.entry import EntryLayout
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol import chunkstore_pb2_grpc as pb_grpc
+from chunkstore.protocol.shm import EntryDigest
 from chunkstore.protocol.wire import MAX_MESSAGE, layout_from_proto, typed_error
 
 log = logging.getLogger("chunkstore.daemon.peers")
@@ -128,7 +128,7 @@ class _Peer:
     def read(self, lease: pb.Lease) -> np.ndarray:
         """The leased entry's bytes over the gRPC stream, checked against its checksum."""
         data = np.empty(lease.nbytes, dtype=np.uint8)
-        digest = xxhash.xxh3_64()
+        digest = EntryDigest()
         offset = 0
         request = pb.ReadRequest(session_id=self.session, lease_id=lease.lease_id)
         try:

@@ -106,7 +106,7 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
         self.on_drain = on_drain
         self.on_miss: Callable[[list[bytes]], None] | None = None  # the cluster directory's
         self.transfer: Endpoint | None = None  # where peers read the pool with an engine
-        self.fast_socket = ""  # the fast path's socket (Lookup, Acquire, Release)
+        self.fast_socket = ""  # the fast path's socket (protocol/fast.py)
         self._transfers = threading.BoundedSemaphore(config.max_transfers)
 
     @contextlib.contextmanager

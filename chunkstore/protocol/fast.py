@@ -1,7 +1,7 @@
-"""The fast path: the hot control calls (Lookup, Acquire, Release) over a plain unix socket
-beside the daemon's gRPC one. Python gRPC costs ~0.7 ms a call here whatever it carries; the
-same messages framed on a socket cost ~0.06 ms. Same messages, same service code, same
-tokens and typed errors: only the framing differs.
+"""The fast path: the hot control calls (Lookup, Acquire, Release, Reserve, Commit) over a
+plain unix socket beside the daemon's gRPC one. Python gRPC costs ~0.7 ms a call here
+whatever it carries; the same messages framed on a socket cost ~0.06 ms. Same messages,
+same service code, same tokens and typed errors: only the framing differs.
 
 A frame is a little-endian u32 (the bytes after it), a u8 kind, then the payload. Requests:
 kind 0 is ``Auth`` (payload: the bearer token, or nothing; the client's first frame), kind
@@ -26,6 +26,8 @@ METHODS: dict[str, tuple[type[Any], type[Any]]] = {
     "Lookup": (pb.LookupRequest, pb.LookupReply),
     "Acquire": (pb.AcquireRequest, pb.AcquireReply),
     "Release": (pb.ReleaseRequest, pb.ReleaseReply),
+    "Reserve": (pb.ReserveRequest, pb.ReserveReply),
+    "Commit": (pb.CommitRequest, pb.CommitReply),
 }
 KINDS = {name: 1 + i for i, name in enumerate(METHODS)}
 CODES = [code.name for code in grpc.StatusCode if code is not grpc.StatusCode.OK]

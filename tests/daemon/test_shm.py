@@ -1,0 +1,83 @@
+"""The entry checksum and the copies in and out of the pool (chunkstore/protocol/shm.py): the
+checksum is the same however the bytes are fed, in pieces or by stripes hashed apart on two
+threads, from any block layout; a changed byte anywhere changes it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from chunkstore.protocol.shm import (
+    STRIPE,
+    EntryDigest,
+    checksum,
+    gather,
+    scatter,
+    scatter_parts,
+)
+
+
+def _reference(data: np.ndarray) -> int:
+    """The definition, written out: xxh3-64 over each 1 MiB stripe's xxh3-64, little-endian."""
+    digests = b"".join(
+        xxhash.xxh3_64_intdigest(data[lo : lo + STRIPE].data).to_bytes(8, "little")
+        for lo in range(0, data.shape[0], STRIPE)
+    )
+    return xxhash.xxh3_64_intdigest(digests)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    nbytes=st.sampled_from([1, 1000, STRIPE - 1, STRIPE, STRIPE + 1, 3 * STRIPE + 12345]),
+    block_size=st.sampled_from([4096, 65536, STRIPE, 4 * STRIPE]),
+    cut=st.integers(1, 3 * STRIPE),
+    seed=st.integers(0, 2**16),
+)
+def test_every_path_computes_the_same_checksum(nbytes, block_size, cut, seed) -> None:
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    count = -(-nbytes // block_size)
+    region = np.zeros((count * 2 + 1) * block_size, dtype=np.uint8)
+    blocks = [int(b) for b in rng.permutation(count * 2)[:count]]  # scattered, out of order
+    expected = _reference(data)
+
+    fed = EntryDigest()
+    for lo in range(0, nbytes, cut):  # pieces of any size
+        fed.update(data[lo : lo + cut].data)
+    assert fed.intdigest() == expected
+
+    half = nbytes // 2  # two parts, as keys then values
+    for threads in (1, 2):
+        region[:] = 0
+        written = EntryDigest()
+        scatter_parts(region, blocks, block_size, [data[:half], data[half:]], written, threads)
+        assert written.intdigest() == expected
+        assert checksum(region, blocks, block_size, nbytes) == expected
+    streamed = EntryDigest()  # the daemon's Write: pieces at offsets, hashed at commit
+    scatter(region, blocks, block_size, data[:half], 0, streamed)
+    scatter(region, blocks, block_size, data[half:], half, streamed)
+    assert streamed.intdigest() == expected
+
+    for threads in (1, 2):
+        out = np.zeros(nbytes, dtype=np.uint8)
+        read = EntryDigest()
+        gather(region, blocks, block_size, out, read, threads)
+        assert np.array_equal(out, data) and read.intdigest() == expected
+
+
+@pytest.mark.parametrize("where", [0, STRIPE - 1, STRIPE, 2 * STRIPE + 7])
+def test_a_changed_byte_changes_the_checksum(where: int) -> None:
+    data = np.random.default_rng(1).integers(0, 256, 3 * STRIPE, dtype=np.uint8)
+    before = checksum(data, [0], data.shape[0], data.shape[0])
+    data[where] ^= 0x01
+    assert checksum(data, [0], data.shape[0], data.shape[0]) != before
+
+
+def test_a_stripe_cannot_be_added_in_the_middle_of_one() -> None:
+    digest = EntryDigest()
+    digest.update(b"abc")
+    with pytest.raises(ValueError):
+        digest.add_stripe(1)
