@@ -28,7 +28,7 @@ import numpy as np
 
 from chunkstore.errors import Unavailable
 from chunkstore.protocol import chunkstore_pb2 as pb
-from chunkstore.protocol.shm import block_runs
+from chunkstore.protocol.shm import extents
 
 log = logging.getLogger("chunkstore.daemon.transfer")
 
@@ -67,10 +67,7 @@ def _extents(blocks: Sequence[int], block_size: int, nbytes: int) -> list[tuple[
     """(offset, length) of each contiguous byte range an entry of ``nbytes`` covers."""
     if len(blocks) != -(-nbytes // block_size):
         raise ValueError(f"{len(blocks)} blocks of {block_size} bytes for {nbytes} bytes")
-    return [
-        (first * block_size, min(count * block_size, nbytes - index * block_size))
-        for first, count, index in block_runs(blocks)
-    ]
+    return list(extents(blocks, block_size, 0, nbytes))
 
 
 def read_runs(

@@ -30,7 +30,6 @@ def block_runs(blocks: Sequence[int]) -> Iterator[tuple[int, int, int]]:
 
 
 STRIPE = 1 << 20  # the checksum's unit, and the piece copied then hashed while in L2
-PIECE = STRIPE
 
 
 class EntryDigest:
@@ -74,7 +73,7 @@ def stripe_digest(data: Any) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
-def _ranges(blocks: Sequence[int], block_size: int, lo: int, hi: int) -> Iterator[tuple[int, int]]:
+def extents(blocks: Sequence[int], block_size: int, lo: int, hi: int) -> Iterator[tuple[int, int]]:
     """(pool offset, length) of the entry's bytes [lo, hi), in order, consecutive blocks
     merged."""
     while lo < hi:
@@ -105,7 +104,7 @@ def _gather_stripes(
     for stripe in stripes:
         lo, hi = stripe * STRIPE, min((stripe + 1) * STRIPE, nbytes)
         at = lo
-        for start, length in _ranges(blocks, block_size, lo, hi):
+        for start, length in extents(blocks, block_size, lo, hi):
             np.copyto(out[at : at + length], region[start : start + length])
             at += length
         if hashed:
@@ -172,16 +171,13 @@ def scatter_parts(
             lo, hi = stripe * STRIPE, min((stripe + 1) * STRIPE, nbytes)
             for start, part in placed:
                 at, end = max(lo, start), min(hi, start + part.shape[0])
-                for pool_at, length in _ranges(blocks, block_size, at, end) if at < end else ():
+                for pool_at, length in extents(blocks, block_size, at, end) if at < end else ():
                     np.copyto(
                         region[pool_at : pool_at + length], part[at - start : at - start + length]
                     )
                     at += length
             if digest is not None:
-                stripe_hash = xxhash.xxh3_64()
-                for pool_at, length in _ranges(blocks, block_size, lo, hi):
-                    stripe_hash.update(region[pool_at : pool_at + length].data)
-                digests.append(stripe_hash.intdigest())
+                digests.append(_stripe_in_place(region, blocks, block_size, lo, hi))
         return digests
 
     for value in _by_stripes(-(-nbytes // STRIPE), threads, work):
@@ -189,40 +185,33 @@ def scatter_parts(
 
 
 def scatter(
-    region: np.ndarray,
-    blocks: Sequence[int],
-    block_size: int,
-    data: np.ndarray,
-    offset: int = 0,
-    digest: Any = None,
+    region: np.ndarray, blocks: Sequence[int], block_size: int, data: np.ndarray, offset: int = 0
 ) -> None:
-    """Copy ``data`` (uint8) into an entry's blocks, starting ``offset`` bytes into the entry,
-    feeding ``digest`` (an xxhash object) with the bytes as they landed in the pool, piece by
-    piece while they are in L2 (as ``gather`` does): what is hashed is what the daemon will
-    hash at commit, in one pass over memory."""
-    end_offset = offset + data.shape[0]
-    for first, count, index in block_runs(blocks):
-        run_start = index * block_size
-        run_end = run_start + count * block_size
-        lo, hi = max(run_start, offset), min(run_end, end_offset)
-        if hi <= lo:
-            continue
-        dest = first * block_size + (lo - run_start)
-        if digest is None:
-            region[dest : dest + hi - lo] = data[lo - offset : hi - offset]
-            continue
-        for piece in range(lo, hi, PIECE):
-            end = min(piece + PIECE, hi)
-            at = dest + piece - lo
-            np.copyto(region[at : at + end - piece], data[piece - offset : end - offset])
-            digest.update(region[at : at + end - piece].data)
+    """Copy ``data`` (uint8) into an entry's blocks, starting ``offset`` bytes into the
+    entry (the daemon's Write of one piece; it hashes the entry at commit)."""
+    at = offset
+    for pool_at, length in extents(blocks, block_size, offset, offset + data.shape[0]):
+        region[pool_at : pool_at + length] = data[at - offset : at - offset + length]
+        at += length
+
+
+def _stripe_in_place(
+    region: np.ndarray, blocks: Sequence[int], block_size: int, lo: int, hi: int
+) -> int:
+    """The digest of the entry's stripe [lo, hi), read where it lies in the pool."""
+    stripe = xxhash.xxh3_64()
+    for pool_at, length in extents(blocks, block_size, lo, hi):
+        stripe.update(region[pool_at : pool_at + length].data)
+    return stripe.intdigest()
 
 
 def checksum(region: np.ndarray, blocks: Sequence[int], block_size: int, nbytes: int) -> int:
     """An entry's checksum (``EntryDigest``), read in place."""
     digest = EntryDigest()
-    for start, length in _ranges(blocks, block_size, 0, nbytes):
-        digest.update(region[start : start + length].data)
+    for lo in range(0, nbytes, STRIPE):
+        digest.add_stripe(
+            _stripe_in_place(region, blocks, block_size, lo, min(lo + STRIPE, nbytes))
+        )
     return digest.intdigest()
 
 
