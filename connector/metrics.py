@@ -27,13 +27,22 @@ FIELDS = {
     "(a RAG app whose prompts land here is not chunking them: check the separator).",
     "short_segments": "Sys and chunk segments shorter than min_chunk_tokens (neither looked "
     "up nor stored).",
+    "lookup_seconds": "Time spent looking chunked prompts up: segmenting, keying and the "
+    "daemon's Acquire.",
     "daemon_unreachable": "Lookups skipped because the daemon could not be reached (computed).",
     "sessions_reopened": "Daemon sessions lost (the daemon restarted, or this process was paused "
     "past the lease TTL) and reopened by the client (scheduler and workers).",
     # Worker side.
     "loaded_tokens": "Tokens copied from the store into vLLM's KV cache.",
     "load_failures": "Loads that failed and were computed instead (daemon, lease, checksum).",
-    "load_seconds": "Time spent loading, remap and cache writes included.",
+    "load_seconds": "Time spent loading, remap and cache writes included (read_seconds + "
+    "write_seconds).",
+    "read_seconds": "Time spent reading loaded entries out of the store and checking them, "
+    "before the forward.",
+    "write_seconds": "Time spent remapping loaded keys and writing the KV into vLLM's cache "
+    "(beside the forward with overlap_layers).",
+    "wait_seconds": "Time the forward waited for a layer's loaded KV to be written (the part "
+    "of write_seconds not hidden behind it).",
     "saved_segments": "Segments stored after vLLM computed them under their isolation context "
     "(not those another request stored first).",
     "saved_tokens": "Tokens stored.",

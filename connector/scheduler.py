@@ -8,6 +8,7 @@ workers report the loads ended or the request ends."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -161,6 +162,7 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
         """Lease every stored segment (one batch call); keep the leases of the hit run past
         vLLM's own prefix hits, which the workers will load."""
+        began = time.perf_counter()
         req_id = request.request_id
         self._release(req_id)  # asked again: the request was not scheduled last time
         if self.off:
@@ -174,6 +176,7 @@ class SchedulerSide:
         if not segments:
             return 0
         held = self._acquire(segments)
+        self.stats.add("lookup_seconds", time.perf_counter() - began)
         if not held.session:
             return 0  # no daemon: compute, and plan no saves it could not take either
         hit_end = 0

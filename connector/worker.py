@@ -104,7 +104,8 @@ class LayerLoads:
         self.ready = [threading.Event() for _ in worker.layers]
         self.waited: set[int] = set()
         self.error: Exception | None = None
-        self.seconds = 0.0
+        self.seconds = 0.0  # writing, remap included
+        self.wait_seconds = 0.0  # the model blocked in wait()
         self.thread: threading.Thread | None = None
         if overlap:
             self.thread = threading.Thread(
@@ -114,6 +115,7 @@ class LayerLoads:
         else:
             self._run()
             self.waited = set(range(len(self.ready)))
+            self.wait_seconds = self.seconds  # written before the forward: all of it waited
 
     def _run(self, cpus: set[int] | None = None) -> None:
         began = time.perf_counter()
@@ -140,7 +142,11 @@ class LayerLoads:
 
     def wait(self, layer: int) -> None:
         self.waited.add(layer)
-        self.ready[layer].wait()
+        ready = self.ready[layer]
+        if not ready.is_set():
+            began = time.perf_counter()
+            ready.wait()
+            self.wait_seconds += time.perf_counter() - began
 
     def all_waited(self) -> bool:
         return len(self.waited) == len(self.ready)
@@ -293,6 +299,10 @@ class WorkerSide:
                         self.link.trouble(f"load of {item.key.hex()[:12]}", err)
                     self._failed(plan, item)
             self._ended.shm_bytes[plan.req_id] = shm_bytes
+        if any(plan.loads for plan in metadata.requests):
+            read = time.perf_counter() - began
+            self.stats.add("read_seconds", read)
+            self.stats.add("load_seconds", read)
         if fetched:
             if self._writers is None and self.config.load_threads > 1:
                 self._writers = ThreadPoolExecutor(
@@ -304,8 +314,6 @@ class WorkerSide:
             self._layer_loads = LayerLoads(
                 self, fetched, self.config.overlap_layers, self._writers, self.load_cpus
             )
-        if any(plan.loads for plan in metadata.requests):
-            self.stats.add("load_seconds", time.perf_counter() - began)
 
     def _failed(self, plan: RequestPlan, item: LoadItem) -> None:
         """vLLM is told these blocks did not load, and computes them."""
@@ -374,6 +382,8 @@ class WorkerSide:
             return
         error = loads.finish()
         self.stats.add("load_seconds", loads.seconds)
+        self.stats.add("write_seconds", loads.seconds)
+        self.stats.add("wait_seconds", loads.wait_seconds)
         if error is None and loads.all_waited():
             for entry in loads.fetched:
                 self.stats.add("loaded_tokens", entry.item.num_tokens)
