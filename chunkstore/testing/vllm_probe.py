@@ -80,6 +80,11 @@ def main() -> None:
         metavar="INDEX",
         help="empty the connector's daemon (chunkstore clear) before prompt INDEX; repeatable",
     )
+    parser.add_argument(
+        "--stats",
+        action="store_true",
+        help="add each prompt's connector counters (vllm:chunkstore_*, its delta) to its result",
+    )
     parser.add_argument("--touch", default="", help="create this file before prompt --touch-before")
     parser.add_argument("--touch-before", type=int, default=-1)
     args = parser.parse_args()
@@ -106,6 +111,7 @@ def main() -> None:
         enable_prefix_caching=args.prefix_caching,
         seed=0,
         num_gpu_blocks_override=args.num_gpu_blocks_override or None,
+        disable_log_stats=not args.stats,
         **kwargs,
     )
     params = SamplingParams(max_tokens=args.max_tokens, logprobs=args.logprobs, temperature=0.0)
@@ -136,10 +142,30 @@ def main() -> None:
                 max_tokens=entry["max_tokens"], logprobs=args.logprobs, temperature=0.0
             )
         ids = entry["prompt_token_ids"] if isinstance(entry, dict) else entry
+        counted = _counters() if args.stats else {}
         began = time.perf_counter()
         prompt: Any = {"prompt_token_ids": ids}
         output = llm.generate([prompt], own, use_tqdm=False)[0]
-        print(MARKER + json.dumps(_result(output, time.perf_counter() - began)), flush=True)
+        result = _result(output, time.perf_counter() - began)
+        if args.stats:
+            after = _counters()
+            result["connector"] = {k: v - counted.get(k, 0) for k, v in after.items()}
+        print(MARKER + json.dumps(result), flush=True)
+
+
+def _counters() -> dict[str, float]:
+    """The connector's counters now (vllm:chunkstore_<name>_total, summed over labels), read
+    from the registry vLLM's stat logger fills (``LLM.get_metrics`` rounds them to integers,
+    seconds included)."""
+    from prometheus_client import REGISTRY
+
+    totals: dict[str, float] = {}
+    for family in REGISTRY.collect():
+        for sample in family.samples:
+            if sample.name.startswith("vllm:chunkstore_") and sample.name.endswith("_total"):
+                name = sample.name.removeprefix("vllm:chunkstore_").removesuffix("_total")
+                totals[name] = totals.get(name, 0) + sample.value
+    return totals
 
 
 def _clear_store(connector: dict[str, Any]) -> None:
@@ -174,8 +200,10 @@ def run_probe(
     max_model_len: int = 4096,
     extra: tuple[str, ...] = (),
     timeout: float = 1800,
+    stats: bool = False,
 ) -> list[dict[str, Any]]:
-    """Run this module in a subprocess over ``prompts``; one result dict per prompt."""
+    """Run this module in a subprocess over ``prompts``; one result dict per prompt (with
+    ``stats``, each holds its connector counters under ``connector``)."""
     import subprocess
     import sys
 
@@ -190,6 +218,7 @@ def run_probe(
         "--max-model-len",
         str(max_model_len),
         *extra,
+        *(["--stats"] if stats else []),
     ]
     if connector is not None:
         (workdir / "connector.json").write_text(json.dumps(connector))
