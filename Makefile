@@ -42,7 +42,7 @@ models: install
 	$(BIN)/chunkstore models
 
 test: install models
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=30
 
 test-fast: install
 	$(BIN)/python -m pytest -m "not slow"
