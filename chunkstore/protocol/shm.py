@@ -116,9 +116,9 @@ _COPIERS = ThreadPoolExecutor(2, thread_name_prefix="chunkstore-copy")
 
 
 def _by_stripes(count: int, threads: int, work: Callable[[Sequence[int]], list[int]]) -> list[int]:
-    """``work`` over stripes 0..count-1, on one thread or two taking alternate stripes (the
-    copies run side by side; the hashes, which hold the GIL, are short); the stripe digests
-    it returns, in stripe order."""
+    """``work`` over stripes 0..count-1, on one thread or two taking alternate stripes (numpy's
+    copies and python-xxhash 4's hashes of over 64 KiB both release the GIL, so both run side
+    by side); the stripe digests it returns, in stripe order."""
     if threads <= 1 or count < 2:
         return work(range(count))
     even, odd = _COPIERS.map(work, [range(0, count, 2), range(1, count, 2)])
