@@ -75,6 +75,29 @@ def test_without_overlap_everything_is_written_before_the_forward(fail_at: int) 
     assert (loads.finish() is None) == (fail_at < 0)
 
 
+def test_only_the_time_the_model_blocked_counts_as_waited() -> None:
+    """``wait_seconds`` (the connector's ``wait_seconds`` counter): a wait on a layer not yet
+    written counts; a wait on a written one adds nothing; it never exceeds the writing."""
+    worker = RecordingWorker()
+    loads = LayerLoads(worker, ["a"], overlap=True)  # type: ignore[arg-type]
+    waiter = threading.Thread(target=loads.wait, args=(0,))
+    waiter.start()
+    waiter.join(0.05)
+    assert waiter.is_alive()  # blocked: the gate holds the writes back
+    worker.gate.set()
+    waiter.join()
+    assert loads.finish() is None
+    blocked = loads.wait_seconds
+    assert 0 < blocked <= loads.seconds
+    for layer in range(1, LAYERS):
+        loads.wait(layer)  # written already
+    assert loads.wait_seconds == blocked
+    worker = RecordingWorker()
+    worker.gate.set()
+    serial = LayerLoads(worker, ["a"], overlap=False)  # type: ignore[arg-type]
+    assert serial.wait_seconds == serial.seconds > 0  # written before the forward: all waited
+
+
 def test_the_load_thread_runs_on_the_cpus_it_is_given() -> None:
     """vLLM binds its thread, and so every thread it starts, to its compute cores; the loads
     are moved to ``load_cpus`` (on 2 cores: the one vLLM keeps for its scheduler as well)."""
