@@ -36,7 +36,7 @@ from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol import chunkstore_pb2_grpc as pb_grpc
 from chunkstore.protocol.endpoints import default_socket
 from chunkstore.protocol.fast import FastChannel
-from chunkstore.protocol.shm import EntryDigest, gather, map_shared_pool, scatter_parts
+from chunkstore.protocol.shm import EntryDigest, gather_many, map_shared_pool, scatter_parts
 from chunkstore.protocol.wire import (
     MAX_BATCH,
     MAX_MESSAGE,
@@ -447,35 +447,63 @@ class ChunkStoreClient:
         ``session``: the session holding the lease when another client took it (the vLLM
         scheduler leases, its workers read); that client reports the shared-memory bytes
         when it releases."""
-        target = out.numpy()
-        digest = EntryDigest()
+        self.read_many([entry], [out], session)
+
+    def read_many(
+        self,
+        entries: Sequence[LeasedEntry],
+        outs: Sequence[torch.Tensor],
+        session: str | None = None,
+    ) -> None:
+        """``read_into`` of several leased entries at once: through the pool their stripes
+        are shared out over ``copy_threads``, so 64 small entries copy side by side as one
+        large one does. Every entry is checked; the first that fails raises
+        ``ChecksumMismatch`` (the others were copied and checked)."""
+        if len(entries) != len(outs):
+            raise InvalidRequest(f"{len(entries)} entries to read into {len(outs)} buffers")
+        for entry, out in zip(entries, outs, strict=True):
+            if out.dtype != torch.uint8 or out.numel() != entry.nbytes or not out.is_contiguous():
+                raise InvalidRequest(
+                    f"entry {entry.key.hex()} is {entry.nbytes} bytes: read it into a contiguous "
+                    f"uint8 tensor of as many, not {out.dtype} of {out.numel()}"
+                )
+        digests = [EntryDigest() for _ in entries]
         if self.region is not None:
-            gather(self.region, entry.blocks, self.block_size, target, digest, self.copy_threads)
+            reads = [(e.blocks, out.numpy()) for e, out in zip(entries, outs, strict=True)]
+            gather_many(self.region, self.block_size, reads, digests, self.copy_threads)
             if session is None:
-                read = self._shm_reads.get(entry.lease_id, 0)
-                self._shm_reads[entry.lease_id] = read + entry.nbytes
+                for entry in entries:
+                    read = self._shm_reads.get(entry.lease_id, 0)
+                    self._shm_reads[entry.lease_id] = read + entry.nbytes
         else:
-            offset = 0
-            request = pb.ReadRequest(session_id=session or self.session, lease_id=entry.lease_id)
-            try:
-                for piece in self.stub.Read(
-                    request, timeout=max(self.timeout, 120.0), metadata=self.metadata
-                ):
-                    data = np.frombuffer(piece.data, dtype=np.uint8)
-                    target[offset : offset + data.shape[0]] = data
-                    offset += data.shape[0]
-            except grpc.RpcError as err:
-                raise typed_error(err) from None
-            if offset != entry.nbytes:
-                raise ChecksumMismatch(f"read {offset} of {entry.nbytes} bytes")
-            digest.update(target.data)
-        actual = digest.intdigest()
-        if actual != entry.checksum:
-            self._report_corrupt(entry.key)
-            raise ChecksumMismatch(
-                f"entry {entry.key.hex()} hashes to {actual:#x}, committed as "
-                f"{entry.checksum:#x}: not used"
-            )
+            for entry, out, digest in zip(entries, outs, digests, strict=True):
+                self._stream_read(entry, out.numpy(), digest, session)
+        for entry, digest in zip(entries, digests, strict=True):
+            actual = digest.intdigest()
+            if actual != entry.checksum:
+                self._report_corrupt(entry.key)
+                raise ChecksumMismatch(
+                    f"entry {entry.key.hex()} hashes to {actual:#x}, committed as "
+                    f"{entry.checksum:#x}: not used"
+                )
+
+    def _stream_read(
+        self, entry: LeasedEntry, target: np.ndarray, digest: EntryDigest, session: str | None
+    ) -> None:
+        offset = 0
+        request = pb.ReadRequest(session_id=session or self.session, lease_id=entry.lease_id)
+        try:
+            for piece in self.stub.Read(
+                request, timeout=max(self.timeout, 120.0), metadata=self.metadata
+            ):
+                data = np.frombuffer(piece.data, dtype=np.uint8)
+                target[offset : offset + data.shape[0]] = data
+                offset += data.shape[0]
+        except grpc.RpcError as err:
+            raise typed_error(err) from None
+        if offset != entry.nbytes:
+            raise ChecksumMismatch(f"read {offset} of {entry.nbytes} bytes")
+        digest.update(target.data)
 
     def _report_corrupt(self, key: bytes) -> None:
         """Have the daemon check the entry itself: if its pool bytes are bad it evicts it,

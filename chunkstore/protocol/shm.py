@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from chunkstore.protocol import streamcopy
+
 
 def block_runs(blocks: Sequence[int]) -> Iterator[tuple[int, int, int]]:
     """(first block, run length, index in ``blocks``) for each run of consecutive blocks:
@@ -89,41 +91,70 @@ def extents(blocks: Sequence[int], block_size: int, lo: int, hi: int) -> Iterato
         lo += length
 
 
-def _gather_stripes(
-    region: np.ndarray,
-    blocks: Sequence[int],
-    block_size: int,
-    out: np.ndarray,
-    stripes: Sequence[int],
-    hashed: bool,
-) -> list[int]:
-    """Copy these stripes of the entry into ``out``; each one's digest, hashed from ``out``
-    right after its copy (in L2), if ``hashed``."""
-    digests = []
-    nbytes = out.shape[0]
-    for stripe in stripes:
-        lo, hi = stripe * STRIPE, min((stripe + 1) * STRIPE, nbytes)
-        at = lo
-        for start, length in extents(blocks, block_size, lo, hi):
-            np.copyto(out[at : at + length], region[start : start + length])
-            at += length
-        if hashed:
-            digests.append(stripe_digest(out[lo:hi].data))
-    return digests
+def _gather_stripe(
+    region: np.ndarray, blocks: Sequence[int], block_size: int, out: np.ndarray, stripe: int
+) -> None:
+    lo, hi = stripe * STRIPE, min((stripe + 1) * STRIPE, out.shape[0])
+    at = lo
+    for start, length in extents(blocks, block_size, lo, hi):
+        streamcopy.copy(out[at : at + length], region[start : start + length])
+        at += length
 
 
-_COPIERS = ThreadPoolExecutor(2, thread_name_prefix="chunkstore-copy")
+_COPIER = ThreadPoolExecutor(1, thread_name_prefix="chunkstore-copy")
 
 
 def _by_stripes(count: int, threads: int, work: Callable[[Sequence[int]], list[int]]) -> list[int]:
-    """``work`` over stripes 0..count-1, on one thread or two taking alternate stripes (numpy's
-    copies and python-xxhash 4's hashes of over 64 KiB both release the GIL, so both run side
-    by side); the stripe digests it returns, in stripe order."""
+    """``work`` over stripes 0..count-1, on one thread or two taking alternate stripes (the
+    streaming copy and python-xxhash 4's hashes of over 64 KiB both release the GIL, so both
+    run side by side): the caller's and one helper, so a read wakes one thread, not two; the
+    stripe digests it returns, in stripe order."""
     if threads <= 1 or count < 2:
         return work(range(count))
-    even, odd = _COPIERS.map(work, [range(0, count, 2), range(1, count, 2)])
+    helper = _COPIER.submit(work, range(1, count, 2))
+    try:
+        even = work(range(0, count, 2))
+    finally:
+        odd = helper.result()
     digests = [d for pair in zip(even, odd, strict=False) for d in pair]
     return digests + even[len(odd) :]
+
+
+def gather_many(
+    region: np.ndarray,
+    block_size: int,
+    reads: Sequence[tuple[Sequence[int], np.ndarray]],
+    digests: Sequence[EntryDigest] | None = None,
+    threads: int = 1,
+) -> None:
+    """Copy entries' bytes out of their blocks: each ``(blocks, out)`` into ``out`` (uint8,
+    the entry's length), feeding ``digests`` (one per entry) on the way. The stripes of all
+    the entries are shared out over ``threads`` (1 or 2, ``_by_stripes``), so many small
+    entries read as fast as one large one. Each stripe is hashed from the pool right after
+    its copy: the copy left the source in L2, while a streamed destination is not in any
+    cache (hashing ``out`` after a cached copy made a read 1.3x slower, README). The pool's
+    bytes are hashed after they were copied, so a change to them before or during the copy
+    shows as a mismatch. One thread is one copy, not torch's: torch splits a copy over its
+    intra-op threads, one per core in every reader process, and readers side by side
+    oversubscribe the cores."""
+    stripes = [
+        (i, s) for i, (_, out) in enumerate(reads) for s in range(-(-out.shape[0] // STRIPE))
+    ]
+
+    def work(picked: Sequence[int]) -> list[int]:
+        hashed = []
+        for i, stripe in (stripes[k] for k in picked):
+            blocks, out = reads[i]
+            _gather_stripe(region, blocks, block_size, out, stripe)
+            if digests is not None:
+                lo = stripe * STRIPE
+                hi = min(lo + STRIPE, out.shape[0])
+                hashed.append(_stripe_in_place(region, blocks, block_size, lo, hi))
+        return hashed
+
+    values = _by_stripes(len(stripes), threads, work)
+    for (i, _), value in zip(stripes, values, strict=False):
+        digests[i].add_stripe(value)  # type: ignore[index]
 
 
 def gather(
@@ -134,18 +165,8 @@ def gather(
     digest: EntryDigest | None = None,
     threads: int = 1,
 ) -> None:
-    """Copy an entry's bytes out of its blocks into ``out`` (uint8, the entry's length),
-    feeding ``digest`` on the way: each stripe is hashed right after its copy, while it is in
-    L2, so one pass over memory, not two. ``threads``: 1 or 2 (``_by_stripes``). One thread
-    is numpy's memcpy, not torch's copy: torch splits a copy over its intra-op threads, one
-    per core in every reader process, and readers side by side oversubscribe the cores."""
-    count = -(-out.shape[0] // STRIPE)
-
-    def work(stripes: Sequence[int]) -> list[int]:
-        return _gather_stripes(region, blocks, block_size, out, stripes, digest is not None)
-
-    for value in _by_stripes(count, threads, work):
-        digest.add_stripe(value)  # type: ignore[union-attr]
+    """One entry's ``gather_many``."""
+    gather_many(region, block_size, [(blocks, out)], None if digest is None else [digest], threads)
 
 
 def scatter_parts(
@@ -157,8 +178,10 @@ def scatter_parts(
     threads: int = 1,
 ) -> None:
     """Copy an entry given as consecutive parts (uint8: keys, then values) into its blocks,
-    feeding ``digest`` with each stripe as it landed in the pool (what the daemon hashes at
-    commit), hashed right after its copy. ``threads``: 1 or 2 (``_by_stripes``)."""
+    feeding ``digest`` with each stripe of the parts, hashed right after its copy while it is
+    in L2 (``_gather_stripes`` says why the source). It is the digest of what the writer
+    meant to store; the daemon's commit hashes the pool and refuses a copy that differs.
+    ``threads``: 1 or 2 (``_by_stripes``)."""
     placed, offset = [], 0
     for part in parts:
         placed.append((offset, part))
@@ -169,15 +192,21 @@ def scatter_parts(
         digests = []
         for stripe in stripes:
             lo, hi = stripe * STRIPE, min((stripe + 1) * STRIPE, nbytes)
+            pieces = []
             for start, part in placed:
                 at, end = max(lo, start), min(hi, start + part.shape[0])
+                if at < end:
+                    pieces.append(part[at - start : end - start])
                 for pool_at, length in extents(blocks, block_size, at, end) if at < end else ():
-                    np.copyto(
+                    streamcopy.copy(
                         region[pool_at : pool_at + length], part[at - start : at - start + length]
                     )
                     at += length
             if digest is not None:
-                digests.append(_stripe_in_place(region, blocks, block_size, lo, hi))
+                hasher = xxhash.xxh3_64()
+                for piece in pieces:
+                    hasher.update(piece.data)
+                digests.append(hasher.intdigest())
         return digests
 
     for value in _by_stripes(-(-nbytes // STRIPE), threads, work):

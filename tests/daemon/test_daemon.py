@@ -39,7 +39,7 @@ from chunkstore.testing.daemon import (
 
 @pytest.fixture
 def daemon(serve) -> RunningDaemon:
-    return serve("--lease-ttl-s", "2")
+    return serve("--lease-ttl-s", "2", "--verify-commits", "true")
 
 
 @pytest.mark.parametrize("transport", ["shm", "stream"])
@@ -56,6 +56,33 @@ def test_put_then_get_returns_the_same_bytes(daemon: RunningDaemon, transport, d
         assert torch.equal(got.keys, k) and torch.equal(got.values, v)
         assert client.get(entry_key(2)) is None
         assert client.lookup([entry_key(1), entry_key(2)]) == [100, None]
+
+
+@pytest.mark.parametrize("transport", ["shm", "stream"])
+def test_many_entries_read_in_one_call_are_each_checked(
+    daemon: RunningDaemon, transport: str
+) -> None:
+    address = daemon.unix if transport == "shm" else daemon.tcp
+    with ChunkStoreClient(address, transport=transport) as client:
+        stored = [random_kv(tokens, seed=tokens) for tokens in (1, 37, 700, 3)]  # odd sizes
+        for i, (k, v) in enumerate(stored):
+            assert client.put(entry_key(i), k, v, 0)
+        entries = client.acquire([entry_key(i) for i in range(len(stored))])
+        assert all(entries)
+        outs = [torch.empty(e.nbytes, dtype=torch.uint8) for e in entries]  # type: ignore[union-attr]
+        client.read_many(entries, outs)  # type: ignore[arg-type]
+        for entry, out, (k, v) in zip(entries, outs, stored, strict=True):
+            keys, values = tensors_of(out, entry.layout)  # type: ignore[union-attr]
+            assert torch.equal(keys, k) and torch.equal(values, v)
+        with pytest.raises(InvalidRequest, match="uint8 tensor of as many"):
+            client.read_many(entries[:1], [outs[1]])  # type: ignore[list-item]
+        if transport == "shm":  # one bad entry among good ones fails the call, and is evicted
+            assert client.region is not None and entries[2] is not None
+            client.region[entries[2].blocks[0] * client.block_size] ^= 0xFF
+            with pytest.raises(ChecksumMismatch, match=entry_key(2).hex()):
+                client.read_many(entries, outs)  # type: ignore[arg-type]
+            assert client.lookup([entry_key(i) for i in range(4)]) == [1, 37, None, 3]
+        client.release([e.lease_id for e in entries if e is not None])
 
 
 def test_other_processes_read_what_one_wrote(daemon: RunningDaemon) -> None:

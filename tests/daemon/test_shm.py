@@ -10,6 +10,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from chunkstore.protocol import streamcopy
 from chunkstore.protocol.shm import (
     STRIPE,
     EntryDigest,
@@ -81,3 +82,27 @@ def test_a_stripe_cannot_be_added_in_the_middle_of_one() -> None:
     digest.update(b"abc")
     with pytest.raises(ValueError):
         digest.add_stripe(1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    nbytes=st.integers(0, 5000),
+    dst_at=st.integers(0, 15),
+    src_at=st.integers(0, 15),
+    seed=st.integers(0, 2**16),
+)
+def test_the_streaming_copy_copies_exactly_the_bytes_at_any_alignment(
+    nbytes, dst_at, src_at, seed
+) -> None:
+    source = np.random.default_rng(seed).integers(0, 256, nbytes + 16, dtype=np.uint8)
+    target = np.zeros(nbytes + 32, dtype=np.uint8)
+    streamcopy.copy(target[dst_at : dst_at + nbytes], source[src_at : src_at + nbytes])
+    assert np.array_equal(target[dst_at : dst_at + nbytes], source[src_at : src_at + nbytes])
+    assert not target[:dst_at].any() and not target[dst_at + nbytes :].any()  # nothing beside
+
+
+def test_the_streaming_copy_is_the_compiled_kernel() -> None:
+    """numba is a dependency: the fallback (numpy's copy) must not be what runs silently."""
+    assert streamcopy.copy is not streamcopy._plain
+    with pytest.raises(ValueError, match="into"):
+        streamcopy.copy(np.zeros(3, np.uint8), np.zeros(4, np.uint8))
