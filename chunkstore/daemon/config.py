@@ -41,7 +41,7 @@ class ServeConfig:
     lease_ttl_s: float = 30.0
     high_watermark: float = 0.95
     low_watermark: float = 0.85
-    verify_commits: bool = True
+    verify_commits: bool = False  # every read checks; this refuses a bad write earlier
     drain_timeout_s: float = 10.0
     max_sessions: int = 1024  # clients at once (each holds a heartbeat stream)
     max_transfers: int = 64  # Read / Write streams at once (clients that cannot map the pool)
@@ -219,7 +219,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "lease_ttl_s": "seconds a silent client keeps its leases and reservations (30)",
         "high_watermark": "evict LRU entries once the pool is this full (0.95)",
         "low_watermark": "... down to this fill (0.85)",
-        "verify_commits": "hash an entry's pool bytes at commit and refuse a mismatch (true)",
+        "verify_commits": "also hash an entry's pool bytes at commit and refuse a mismatch "
+        "(false: every read checks the bytes, and a bad entry is evicted at its first read; "
+        "true catches a faulty writer before anyone reads, at ~30%% of a put's time; pulls "
+        "from peers are always checked)",
         "drain_timeout_s": "on SIGTERM, how long to wait for leases to end (10)",
         "max_sessions": "client sessions served at once; Hello beyond it is refused with "
         "RESOURCE_EXHAUSTED (1024; each holds a heartbeat stream and one server thread)",

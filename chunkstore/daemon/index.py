@@ -113,7 +113,7 @@ class Index:
         lease_ttl: float = 30.0,
         high_watermark: float = 0.95,
         low_watermark: float = 0.85,
-        verify_commits: bool = True,
+        verify_commits: bool = False,
         max_sessions: int = 1 << 30,
         clock: Callable[[], float] = time.monotonic,
         on_evict: Callable[[str, int], None] | None = None,

@@ -18,10 +18,11 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from chunkstore.client import ChunkStoreClient
+from chunkstore.client import ChunkStoreClient, as_bytes
 from chunkstore.errors import ChecksumMismatch, Exhausted, Forbidden, NotFound, WrongState
 from chunkstore.kv.entry import layout_of
 from chunkstore.protocol import chunkstore_pb2 as pb
+from chunkstore.protocol.shm import EntryDigest
 from chunkstore.protocol.wire import layout_to_proto
 from chunkstore.testing.daemon import (
     RunningDaemon,
@@ -155,11 +156,12 @@ def daemon(serve) -> RunningDaemon:
 PAUSED_WRITER = """
 import sys
 import numpy as np, torch
-from chunkstore.client import ChunkStoreClient
+from chunkstore.client import ChunkStoreClient, as_bytes
 from chunkstore.errors import StoreError
 from chunkstore.kv.entry import layout_of
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol.shm import scatter
+from chunkstore.protocol.shm import EntryDigest
 from chunkstore.protocol.wire import layout_to_proto
 c = ChunkStoreClient({address!r}, transport="shm")
 k = torch.zeros(2, 40, 3, 64)
@@ -264,6 +266,55 @@ def test_an_entry_that_fails_its_checksum_is_evicted_at_once(daemon: RunningDaem
         assert f"entry {entry_key(1).hex()} failed its checksum" in daemon.log()
 
 
+def commit_unwritten(client: ChunkStoreClient, key: bytes) -> None:
+    """A faulty writer: reserves, writes nothing, commits the checksum of bytes it meant to
+    write."""
+    k, v = random_kv(16)
+    layout = layout_of(k, v, 0)
+    res = client._call(
+        client.stub.Reserve,
+        pb.ReserveRequest(
+            session_id=client.session, key=key, layout=layout_to_proto(layout), nbytes=layout.nbytes
+        ),
+    )
+    digest = EntryDigest()
+    digest.update(as_bytes(k).data)
+    digest.update(as_bytes(v).data)
+    client._call(
+        client.stub.Commit,
+        pb.CommitRequest(
+            session_id=client.session,
+            reservation_id=res.reservation_id,
+            checksum=digest.intdigest(),
+        ),
+    )
+
+
+def test_a_bad_write_committed_unverified_is_never_read(daemon: RunningDaemon) -> None:
+    """By default a commit is not re-hashed (every read is): the bad entry is refused at its
+    first read and evicted, and the next put replaces it."""
+    with ChunkStoreClient(daemon.unix) as client:
+        commit_unwritten(client, entry_key(1))
+        assert client.lookup([entry_key(1)]) != [None]  # committed...
+        with pytest.raises(ChecksumMismatch):
+            client.get(entry_key(1))  # ...never served
+        assert client.lookup([entry_key(1)]) == [None]
+        assert client.stats().evictions["corrupt"] == 1
+        k, v = random_kv(16, seed=3)
+        assert client.put(entry_key(1), k, v, 0)
+        stored = client.get(entry_key(1))
+        assert stored is not None and torch.equal(stored.keys, k)
+
+
+def test_verify_commits_refuses_a_bad_write_at_commit(serve) -> None:
+    running = serve("--verify-commits", "true")
+    with ChunkStoreClient(running.unix) as client:
+        with pytest.raises(ChecksumMismatch, match="aborted"):
+            commit_unwritten(client, entry_key(1))
+        assert client.lookup([entry_key(1)]) == [None]
+        assert client.stats().evictions["corrupt"] == 0
+
+
 def test_a_client_reopens_its_session_after_the_daemon_restarts(serve, caplog) -> None:
     first = serve("--lease-ttl-s", "1")
     with ChunkStoreClient(first.unix, transport="shm") as client:
@@ -286,7 +337,7 @@ def test_a_client_reopens_its_session_after_the_daemon_restarts(serve, caplog) -
 
 PAUSED_READER = """
 import sys
-from chunkstore.client import ChunkStoreClient
+from chunkstore.client import ChunkStoreClient, as_bytes
 from chunkstore.errors import NotFound
 from chunkstore.testing.daemon import entry_key, random_kv
 c = ChunkStoreClient({address!r})

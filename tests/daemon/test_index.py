@@ -48,7 +48,12 @@ class IndexMachine(RuleBasedStateMachine):
         self.clock = Clock()
         self.pool = SharedMemoryPool(BLOCK, BLOCKS, directory=self._dir())
         self.index = Index(
-            self.pool, lease_ttl=10.0, high_watermark=0.9, low_watermark=0.6, clock=self.clock
+            self.pool,
+            lease_ttl=10.0,
+            high_watermark=0.9,
+            low_watermark=0.6,
+            clock=self.clock,
+            verify_commits=True,  # a dishonest commit is refused; off, a read would catch it
         )
         self.session = self.index.open_session("machine")
         self.written: dict[bytes, bytes] = {}  # committed key -> the bytes written
