@@ -7,10 +7,10 @@ It starts a real daemon (and a real redis-server) on loopback and reports:
   each round: a plain memcpy of the same bytes (torch copy_), the shared-memory path (acquire,
   copy out of the pool, verify the xxh3 checksum, release), a GET of the same bytes from Redis
   as a Redis-backed KV cache would do it, and the gRPC stream (for the record);
-- put of the same chunk (reserve, copy into the pool, commit: the daemon hashes what it
-  commits), into an emptied key each round;
+- put of the same chunk (reserve, copy into the pool hashing each stripe, commit; the daemon
+  re-hashes at commit only with ``--verify-commits true``), into an emptied key each round;
 - 64 entries of 1 MiB read one at a time (acquire, read, release each) and 64 per call (one
-  acquire, 64 reads, one release);
+  acquire, one ``read_many``, one release);
 - with ``--readers``: the aggregate bandwidth of N reader processes reading the chunk.
 
 ``--peers`` also runs Mooncake Store in daemon mode (``bench/mooncake.py``: its master and
@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import statistics
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,6 +54,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 SMALL = 64  # entries of --small-bytes read one at a time, and in one call
+SETTLE_S = 0.01  # the pause before each timed call (_rounds)
 
 
 def chunk_kv(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -161,12 +163,16 @@ def _lookups(
 def _rounds(
     ways: dict[str, Callable[[], object]], repeats: int, before: Callable[[], object] | None = None
 ) -> dict[str, list[float]]:
-    """Each way timed once per round, in the same rounds; ``before`` runs untimed first."""
+    """Each way timed once per round, in the same rounds; ``before`` runs untimed first, then
+    a pause of ``SETTLE_S``, so no way pays for what the one before left running: torch's
+    OpenMP threads spin on after a copy and took ~5 ms from the shm read that came next
+    (2 cores), a daemon or Redis may still be freeing what ``before`` dropped."""
     times: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(repeats):
         for name, fn in ways.items():
             if before is not None:
                 before()
+            time.sleep(SETTLE_S)
             times[name].append(timed(fn))
     return times
 
@@ -324,9 +330,8 @@ def _small_gets(
     def per_call() -> None:
         entries = client.acquire(keys)
         try:
-            for entry, out in zip(entries, outs, strict=True):
-                assert entry is not None
-                client.read_into(entry, out)
+            assert all(entries)
+            client.read_many(entries, outs)  # type: ignore[arg-type]
         finally:
             client.release([e.lease_id for e in entries if e is not None])
 
