@@ -212,7 +212,7 @@ def pair_indices(cfg: RotaryConfig) -> tuple[torch.Tensor, torch.Tensor]:
 Rotator = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, RotaryConfig, torch.Tensor], None]
 
 
-def _rotate_torch(
+def rotate_with_torch(
     keys: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -257,7 +257,11 @@ def _rotate_npu(
 
 
 # Device type -> rotation kernel. Adding a device back end is adding an entry.
-ROTATORS: dict[str, Rotator] = {"cpu": _rotate_torch, "cuda": _rotate_torch, "npu": _rotate_npu}
+ROTATORS: dict[str, Rotator] = {
+    "cpu": rotate_with_torch,
+    "cuda": rotate_with_torch,
+    "npu": _rotate_npu,
+}
 
 
 def rotate_keys(

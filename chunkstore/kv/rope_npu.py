@@ -9,12 +9,32 @@ here, so tests drive this module through a fake ``torch_npu`` named as such.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:  # rope imports this module when a key is on an NPU, not the other way
     from chunkstore.kv.rope import RotaryConfig
+
+log = logging.getLogger(__name__)
+
+# npu_rotary_mul's documented limits on Atlas A2 / A3 (torch_npu-npu_rotary_mul.md, Ascend
+# op-plugin; ../shared/research/device-apis.md Q4), for our call: BSND input [1, tokens,
+# heads, D], r1 / r2 [1, tokens, 1, D]. D even and under 896; B and N under 1000; in
+# "interleave" mode B * N under 1000 too.
+MAX_ROTATED_DIMS = 896
+MAX_HEADS = 1000
+_told: set[str] = set()
+
+
+def kernel_refusal(cfg: RotaryConfig, heads: int) -> str | None:
+    """Why npu_rotary_mul would refuse these keys (None: it takes them)."""
+    if cfg.rotary_dim % 2 or cfg.rotary_dim >= MAX_ROTATED_DIMS:
+        return f"it rotates an even number of dims under {MAX_ROTATED_DIMS}, not {cfg.rotary_dim}"
+    if heads >= MAX_HEADS:
+        return f"it takes under {MAX_HEADS} heads, not {heads}"
+    return None
 
 
 def full_width(table: torch.Tensor, cfg: RotaryConfig) -> torch.Tensor:
@@ -31,10 +51,21 @@ def rotate(
     cfg: RotaryConfig,
     out: torch.Tensor,
 ) -> None:
-    import torch_npu
-
     lo, hi = cfg.rotary_offset, cfg.rotary_offset + cfg.rotary_dim
     x = keys[..., lo:hi]
+    heads = x[0].numel() // cfg.rotary_dim if x.shape[0] else 1
+    refusal = kernel_refusal(cfg, heads)
+    if refusal is not None:  # the same rotation in plain torch ops, on the NPU
+        if refusal not in _told:
+            _told.add(refusal)
+            log.warning("npu_rotary_mul not used (%s): rotating with torch ops", refusal)
+        from chunkstore.kv.rope import rotate_with_torch
+
+        rotate_with_torch(keys, cos, sin, cfg, out)
+        return
+
+    import torch_npu
+
     # The kernel takes 4D operands: [1, tokens, heads, dims].
     x4 = x.reshape(1, x.shape[0], -1, cfg.rotary_dim)
     r1 = full_width(cos, cfg).reshape(1, x.shape[0], -1, cfg.rotary_dim).to(x.dtype)

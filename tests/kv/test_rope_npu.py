@@ -20,7 +20,17 @@ from chunkstore.kv.rope import ROTATORS, RotaryConfig, remap_keys, rotation_tabl
 def _fake_rotary_mul(
     x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, rotary_mode: str = "half"
 ) -> torch.Tensor:
-    assert x.dim() == 4 and r1.dim() == 4 and r2.dim() == 4, "npu_rotary_mul takes 4D tensors"
+    # What the documentation says the kernel refuses (A2 / A3, BSND, see rope_npu), refused
+    # here too, so a call the real kernel would refuse cannot pass unseen:
+    if not (x.dim() == 4 and r1.dim() == 4 and r2.dim() == 4):
+        raise RuntimeError("npu_rotary_mul takes 4D tensors")
+    b, s, n, d = x.shape
+    if d % 2 or d >= 896 or b >= 1000 or n >= 1000:
+        raise RuntimeError(f"npu_rotary_mul: shape {tuple(x.shape)} out of range")
+    if rotary_mode == "interleave" and b * n >= 1000:
+        raise RuntimeError("npu_rotary_mul: interleave takes B * N under 1000")
+    if r1.shape != r2.shape or r1.shape not in ((1, s, 1, d), (b, s, 1, d), (b, s, n, d)):
+        raise RuntimeError(f"npu_rotary_mul: r1 / r2 {tuple(r1.shape)} do not broadcast")
     if rotary_mode == "half":
         x1, x2 = x.chunk(2, dim=-1)
         rotated = torch.cat((-x2, x1), dim=-1)
@@ -59,3 +69,35 @@ def test_npu_path_equals_torch_path(fake_torch_npu, cfg: RotaryConfig) -> None:
 def test_npu_tensors_dispatch_to_the_npu_path() -> None:
     assert ROTATORS["npu"] is not ROTATORS["cpu"]
     assert ROTATORS["cuda"] is ROTATORS["cpu"]
+
+
+def test_the_fake_refuses_what_the_kernel_refuses() -> None:
+    x = torch.zeros(1, 4, 2, 896)
+    r = torch.zeros(1, 4, 1, 896)
+    with pytest.raises(RuntimeError, match="out of range"):
+        _fake_rotary_mul(x, r, r)
+    with pytest.raises(RuntimeError, match="out of range"):
+        _fake_rotary_mul(torch.zeros(1, 4, 1000, 64), r[..., :64], r[..., :64])
+    with pytest.raises(RuntimeError, match="do not broadcast"):
+        _fake_rotary_mul(
+            torch.zeros(1, 4, 2, 64), torch.zeros(1, 1, 2, 64), torch.zeros(1, 1, 2, 64)
+        )
+
+
+@pytest.mark.parametrize(
+    "cfg, heads",
+    [
+        (RotaryConfig(head_dim=1024, rotary_dim=1024, theta=10000.0), 2),
+        (RotaryConfig(head_dim=64, rotary_dim=64, theta=10000.0), 1000),
+    ],
+    ids=["too-many-dims", "too-many-heads"],
+)
+def test_what_the_kernel_refuses_is_rotated_with_torch_ops(
+    fake_torch_npu, cfg: RotaryConfig, heads: int
+) -> None:
+    assert rope_npu.kernel_refusal(cfg, heads) is not None
+    keys = torch.randn(3, heads, cfg.head_dim)
+    cos, sin = rotation_table(cfg, 77, 3)
+    out = torch.empty_like(keys)
+    rope_npu.rotate(keys, cos[:, None], sin[:, None], cfg, out)  # the fake would raise
+    torch.testing.assert_close(out, remap_keys(keys, 77, cfg), rtol=0, atol=1e-6)
