@@ -4,6 +4,9 @@ threads, from any block layout; a changed byte anywhere changes it."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import xxhash
@@ -101,8 +104,18 @@ def test_the_streaming_copy_copies_exactly_the_bytes_at_any_alignment(
     assert not target[:dst_at].any() and not target[dst_at + nbytes :].any()  # nothing beside
 
 
-def test_the_streaming_copy_is_the_compiled_kernel() -> None:
-    """numba is a dependency: the fallback (numpy's copy) must not be what runs silently."""
-    assert streamcopy.copy is not streamcopy._plain
+def test_the_streaming_copy_is_the_compiled_kernel_loaded_at_first_use() -> None:
+    """numba is a dependency: the fallback (numpy's copy) must not be what runs silently. And
+    it is not imported with the client: vLLM 0.32 trips on llvmlite loaded before its worker
+    starts (an in-process engine)."""
+    code = (
+        "import sys, numpy as np\n"
+        "import chunkstore.client\n"
+        "from chunkstore.protocol import streamcopy\n"
+        "assert 'numba' not in sys.modules and 'llvmlite' not in sys.modules, 'imported early'\n"
+        "streamcopy.copy(np.zeros(64, np.uint8), np.ones(64, np.uint8))\n"
+        "assert streamcopy.kernel() is not np.copyto\n"
+    )
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
     with pytest.raises(ValueError, match="into"):
         streamcopy.copy(np.zeros(3, np.uint8), np.zeros(4, np.uint8))
