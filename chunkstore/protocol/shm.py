@@ -56,7 +56,7 @@ class EntryDigest:
                 self._close()
 
     def add_stripe(self, digest: int) -> None:
-        """The digest of the next whole stripe, hashed elsewhere (``stripe_digest``)."""
+        """The digest (xxh3-64) of the next whole stripe, hashed elsewhere."""
         if self._filled:
             raise ValueError("a stripe added in the middle of one being fed")
         self._digests += digest.to_bytes(8, "little")
@@ -69,10 +69,6 @@ class EntryDigest:
     def intdigest(self) -> int:
         tail = self._stripe.intdigest().to_bytes(8, "little") if self._filled else b""
         return xxhash.xxh3_64_intdigest(bytes(self._digests) + tail)
-
-
-def stripe_digest(data: Any) -> int:
-    return xxhash.xxh3_64_intdigest(data)
 
 
 def extents(blocks: Sequence[int], block_size: int, lo: int, hi: int) -> Iterator[tuple[int, int]]:
@@ -179,8 +175,9 @@ def scatter_parts(
 ) -> None:
     """Copy an entry given as consecutive parts (uint8: keys, then values) into its blocks,
     feeding ``digest`` with each stripe of the parts, hashed right after its copy while it is
-    in L2 (``_gather_stripes`` says why the source). It is the digest of what the writer
-    meant to store; the daemon's commit hashes the pool and refuses a copy that differs.
+    in L2 (``gather_many`` says why the source). It is the digest of what the writer meant
+    to store: every read hashes the pool, and refuses a copy that differs (so does the
+    daemon's commit with ``verify_commits``).
     ``threads``: 1 or 2 (``_by_stripes``)."""
     placed, offset = [], 0
     for part in parts:
