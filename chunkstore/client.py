@@ -1,7 +1,8 @@
 """``ChunkStoreClient``: the Python client of the daemon.
 
-It opens a session (kept alive by a heartbeat stream: if this process dies, the daemon drops
-its leases and reservations at once), then moves bytes the cheapest way it can: straight
+It opens a session (kept alive by a heartbeat stream, held by the daemon before the constructor
+returns: if this process dies, the daemon drops its leases and reservations at once; if it is
+paused, the session waits for it), then moves bytes the cheapest way it can: straight
 through the shared-memory pool when it can map it (same host), else over the gRPC streams.
 Every read is checked against the checksum stored at commit; a mismatch raises
 ChecksumMismatch and the bytes are never returned.
@@ -138,10 +139,14 @@ class ChunkStoreClient:
         self._shm_reads: dict[int, int] = {}  # lease id -> bytes copied out of the pool
         self._pings: queue.Queue[pb.Ping | None] = queue.Queue()
         self._closed = threading.Event()
+        self._attached = threading.Event()  # the first heartbeat stream answered (or failed)
         self._heartbeat = threading.Thread(
             target=self._beat, name="chunkstore-heartbeat", daemon=True
         )
         self._heartbeat.start()
+        # Until the daemon has the stream, an idle session can expire: a process paused (or
+        # slow) right after this returned would find its session gone when it resumes.
+        self._attached.wait(self.timeout)
 
     def _open_session(self) -> None:
         """Hello: a new session, and the pool mapped again (a restarted daemon has a new one)."""
@@ -243,11 +248,13 @@ class ChunkStoreClient:
                 for _ in self.stub.Heartbeat(
                     self._pings_of(session, interval), metadata=self.metadata
                 ):
+                    self._attached.set()  # the daemon attached the stream before answering
                     if self._closed.is_set():
                         return
             except grpc.RpcError as err:
                 if not self._closed.is_set():
                     log.warning("heartbeat to %s ended: %s", self.address, err)
+            self._attached.set()  # never keep the constructor waiting past a failed stream
             while not self._closed.wait(interval):
                 try:
                     self._reopen(session)
