@@ -56,13 +56,14 @@ class CacheLayout(ABC):
                 raise LayoutError("a rotation needs the rotary config it was made for")
             cos, sin = rotation[0][keep], rotation[1][keep]
             keys = rotate_keys(keys, cos, sin, rotary, out=torch.empty_like(keys))
-        block, offset = self._address(key_view, keys, slots, "keys")
+        self._check(key_view, keys, slots, "keys")
+        block, offset = slots // key_view.shape[1], slots % key_view.shape[1]
         key_view[block, offset] = keys.to(key_view.dtype)
         if value_view is not None:
             if values is None:
                 raise LayoutError(f"{self.name} caches hold values: none were given")
             values = values[keep]
-            self._address(value_view, values, slots, "values")
+            self._check(value_view, values, slots, "values")
             value_view[block, offset] = values.to(value_view.dtype)
 
     def read(self, cache: Any, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -73,9 +74,9 @@ class CacheLayout(ABC):
         keys = key_view[block, offset]
         return keys, None if value_view is None else value_view[block, offset]
 
-    def _address(
+    def _check(
         self, view: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, what: str
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> None:
         blocks, block_size = view.shape[:2]
         if rows.shape[1:] != view.shape[2:] or rows.shape[0] != slots.shape[0]:
             raise LayoutError(
@@ -84,7 +85,6 @@ class CacheLayout(ABC):
             )
         if slots.numel() and int(slots.max()) >= blocks * block_size:
             raise LayoutError(f"slot {int(slots.max())} beyond the cache's {blocks * block_size}")
-        return slots // block_size, slots % block_size
 
 
 class PackedLayout(CacheLayout):

@@ -30,8 +30,8 @@ _told: set[str] = set()
 
 def kernel_refusal(cfg: RotaryConfig, heads: int) -> str | None:
     """Why npu_rotary_mul would refuse these keys (None: it takes them)."""
-    if cfg.rotary_dim % 2 or cfg.rotary_dim >= MAX_ROTATED_DIMS:
-        return f"it rotates an even number of dims under {MAX_ROTATED_DIMS}, not {cfg.rotary_dim}"
+    if cfg.rotary_dim >= MAX_ROTATED_DIMS:  # even: RotaryConfig refuses odd widths
+        return f"it rotates under {MAX_ROTATED_DIMS} dims, not {cfg.rotary_dim}"
     if heads >= MAX_HEADS:
         return f"it takes under {MAX_HEADS} heads, not {heads}"
     return None
