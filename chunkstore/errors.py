@@ -90,3 +90,10 @@ class Unavailable(StoreError):
     """The daemon cannot be reached (or is shutting down)."""
 
     code = "UNAVAILABLE"
+
+
+class DeviceError(StoreError):
+    """A device runtime refused: no such device in this process, a pool handle opened twice,
+    memory freed while importers still hold it."""
+
+    code = "FAILED_PRECONDITION"

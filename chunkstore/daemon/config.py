@@ -100,6 +100,9 @@ class ServeConfig:
             raise InvalidRequest("--directory-ttl-s must be positive")
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
             raise InvalidRequest("watermarks need 0 < low <= high <= 1")
+        from chunkstore.protocol.device_ipc import parse_device  # torch: not for --help
+
+        parse_device(self.device)
         self._validate_transfer()
 
     def _validate_transfer(self) -> None:
@@ -109,6 +112,11 @@ class ServeConfig:
             raise InvalidRequest(f"--transfer-protocol: one of {', '.join(PROTOCOLS)}")
         if self.transfer_engine == "none":
             return
+        if self.device != "cpu":
+            raise InvalidRequest(
+                f"--transfer-engine registers host memory; a --device {self.device} pool is not "
+                "registered yet: leave --transfer-engine none (peers pull over the gRPC stream)"
+            )
         if not self.redis:
             raise InvalidRequest("--transfer-engine serves peer pulls: it needs --redis")
         if self.peer_token and not self.allow_insecure_peers:
@@ -199,7 +207,9 @@ def load(
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per setting, each defaulting to None so that it overrides only when given."""
     helps = {
-        "device": "pool device: cpu (cuda / npu pools are not built yet)",
+        "device": "pool device: cpu (a shared-memory file), cuda[:N] or npu[:N] (one device "
+        "allocation same-node workers open by IPC), fake[:N] (a CPU stand-in for a device, "
+        "for tests)",
         "pool_bytes": "pool size in bytes (default: pool_fraction of available memory)",
         "pool_fraction": "share of available memory for the pool when pool_bytes is 0 (0.25)",
         "block_size": "pool block size in bytes (default 1 MiB)",

@@ -37,7 +37,6 @@ from chunkstore.errors import (
 )
 from chunkstore.kv.entry import EntryLayout
 from chunkstore.kv.keys import KEY_BYTES
-from chunkstore.protocol.shm import checksum, scatter
 from chunkstore.protocol.wire import MAX_BATCH
 
 
@@ -97,6 +96,7 @@ class IndexStats:
     active_leases: int
     active_reservations: int
     sessions: int
+    pool_importers: int  # sessions whose process opened a device pool by IPC
     lookups: int
     hits: int
     lookup_tokens: int
@@ -158,15 +158,18 @@ class Index:
             self._sessions[session_id] = Session(session_id, name, self.clock())
             return session_id
 
-    def attach_stream(self, session_id: str) -> None:
+    def attach_stream(self, session_id: str, holds_pool: bool = False) -> None:
         """A heartbeat stream opened: the session's process is alive until it closes (then
         ``end_session``), however long it stays silent. One per session: each holds a server
-        thread, and ``max_sessions`` bounds them only so."""
+        thread, and ``max_sessions`` bounds them only so. ``holds_pool``: the process opened
+        a device pool by IPC; it counts as an importer for as long as the stream lives."""
         with self.lock:
             session = self._session(session_id)
             if session.streams:
                 raise AlreadyExists(f"session {session_id} has its heartbeat stream already")
             session.streams += 1
+            if holds_pool:
+                self.pool.importers.add(session_id)
 
     def renew(self, session_id: str) -> None:
         """A sign of life: pushes back the expiry of everything the session holds."""
@@ -183,6 +186,7 @@ class Index:
         """The client is gone: its reservations are aborted and its leases released."""
         with self.lock:
             session = self._sessions.pop(session_id, None)
+            self.pool.importers.discard(session_id)
             if session is None:
                 return
             for reservation_id in list(session.reservations):
@@ -335,9 +339,7 @@ class Index:
                     f"{reservation.nbytes} bytes"
                 )
             if self.verify_commits if verify is None else verify:
-                actual = checksum(
-                    self.pool.region(), reservation.blocks, self.pool.block_size, reservation.nbytes
-                )
+                actual = self.pool.checksum(reservation.blocks, reservation.nbytes)
                 if actual != claimed_checksum:
                     self._drop_reservation(reservation)
                     raise ChecksumMismatch(
@@ -361,10 +363,7 @@ class Index:
         """Store a whole entry whose bytes are in hand: see ``store_with``."""
         if data.shape[0] != layout.nbytes:
             raise InvalidRequest(f"{data.shape[0]} bytes for a layout of {layout.nbytes}")
-        bs = self.pool.block_size
-        return self.store_with(
-            key, layout, lambda blocks: scatter(self.pool.region(), blocks, bs, data), claimed
-        )
+        return self.store_with(key, layout, lambda blocks: self.pool.scatter(blocks, data), claimed)
 
     def store_with(
         self,
@@ -390,8 +389,7 @@ class Index:
             fill(reservation.blocks)
             # Hashed here, outside the lock (lookups go on meanwhile): nobody else writes a
             # reservation's blocks, so these are the bytes the commit makes readable.
-            region, bs = self.pool.region(), self.pool.block_size
-            actual = checksum(region, reservation.blocks, bs, reservation.nbytes)
+            actual = self.pool.checksum(reservation.blocks, reservation.nbytes)
             if actual != claimed:
                 raise ChecksumMismatch(
                     f"entry {key.hex()} hashes to {actual:#x}, committed by its peer as "
@@ -459,8 +457,7 @@ class Index:
                 entry = self._entries.get(key)
                 if entry is None:
                     continue
-                region, bs = self.pool.region(), self.pool.block_size
-                if checksum(region, entry.blocks, bs, entry.nbytes) != entry.checksum:
+                if self.pool.checksum(entry.blocks, entry.nbytes) != entry.checksum:
                     self._evict(entry, "corrupt")
                     corrupt.append(key)
             return corrupt
@@ -488,6 +485,7 @@ class Index:
                 active_leases=len(self._leases),
                 active_reservations=len(self._reservations),
                 sessions=len(self._sessions),
+                pool_importers=len(self.pool.importers),
                 lookups=self._counts["lookups"],
                 hits=self._counts["hits"],
                 lookup_tokens=self._counts["lookup_tokens"],

@@ -50,6 +50,7 @@ class IndexCollector:
             "active_leases": ("Leases held by readers", s.active_leases),
             "active_reservations": ("Reservations being written", s.active_reservations),
             "sessions": ("Client sessions", s.sessions),
+            "pool_importers": ("Processes holding the device pool by IPC", s.pool_importers),
             "pool_blocks_quarantined": (
                 "Blocks of expired reservations kept from reuse while their writer lives",
                 s.blocks_quarantined,

@@ -3,23 +3,37 @@ which blocks are free; it knows nothing of entries (the index does).
 
 Back ends sit behind ``Pool`` and ``create_pool``. The CPU pool is a file in shared memory
 that clients on the same host map, so a read or write is one copy between a client's tensors
-and the pool, never through the daemon. Device pools (CUDA, NPU) hand out IPC handles; they
-are not built yet and ``create_pool`` says so.
+and the pool, never through the daemon. A device pool (CUDA, NPU, or the CPU stand-in
+"fake") is one device allocation that same-node clients open once through its IPC handle
+(``protocol/device_ipc.py``); the daemon frees it only after every importer closed.
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import secrets
 import stat
+import time
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import torch
 
-from chunkstore.errors import InvalidRequest
+from chunkstore.errors import DeviceError, InvalidRequest
+from chunkstore.protocol import shm
+from chunkstore.protocol.device_ipc import (
+    IpcHandle,
+    TensorDigest,
+    parse_device,
+    runtime_for,
+)
+
+log = logging.getLogger(__name__)
 
 
 class Pool(ABC):
@@ -31,6 +45,7 @@ class Pool(ABC):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low blocks first
+        self.importers: set[str] = set()  # sessions whose process opened the pool by IPC
 
     @property
     def capacity(self) -> int:
@@ -62,12 +77,30 @@ class Pool(ABC):
     def shm_path(self) -> str:
         """The file same-host clients map ("" if the pool cannot be mapped)."""
 
-    @abstractmethod
-    def region(self) -> np.ndarray:
-        """The whole pool as uint8, for the daemon's own reads and writes (streams, checks)."""
+    @property
+    def ipc_handle(self) -> IpcHandle | None:
+        """What a same-node client opens a device pool with (None: not a device pool)."""
+        return None
 
     @abstractmethod
-    def close(self) -> None: ...
+    def region(self) -> np.ndarray:
+        """The whole pool as host uint8 (a transfer engine registers it)."""
+
+    @abstractmethod
+    def checksum(self, blocks: Sequence[int], nbytes: int) -> int:
+        """An entry's checksum, computed from its pool bytes the way its writers compute it."""
+
+    @abstractmethod
+    def scatter(self, blocks: Sequence[int], data: np.ndarray, offset: int = 0) -> None:
+        """Host bytes into an entry's blocks, from entry byte ``offset``."""
+
+    @abstractmethod
+    def read(self, start: int, end: int) -> bytes:
+        """Pool bytes [start, end) to the host."""
+
+    @abstractmethod
+    def close(self, grace: float = 0.0) -> None:
+        """Give the memory back (``grace``: how long importers get to close first)."""
 
 
 class SharedMemoryPool(Pool):
@@ -117,9 +150,87 @@ class SharedMemoryPool(Pool):
     def region(self) -> np.ndarray:
         return self._region
 
-    def close(self) -> None:
+    def checksum(self, blocks: Sequence[int], nbytes: int) -> int:
+        return shm.checksum(self._region, blocks, self.block_size, nbytes)
+
+    def scatter(self, blocks: Sequence[int], data: np.ndarray, offset: int = 0) -> None:
+        shm.scatter(self._region, blocks, self.block_size, data, offset)
+
+    def read(self, start: int, end: int) -> bytes:
+        return self._region[start:end].tobytes()
+
+    def close(self, grace: float = 0.0) -> None:
         self.path.unlink(missing_ok=True)
-        # The mapping goes when the last view of it does.
+        # The mapping goes when the last view of it does (clients' maps keep their pages).
+
+
+class DevicePool(Pool):
+    """One device allocation shared by IPC. The daemon's own reads and writes (streamed
+    transport, verification) copy through the host; same-node clients copy device to device
+    through their import. Entries are checked with ``TensorDigest``."""
+
+    def __init__(self, device: str, block_size: int, num_blocks: int) -> None:
+        super().__init__(block_size, num_blocks)
+        kind, index = parse_device(device)
+        self.runtime = runtime_for(kind)
+        self._device = f"{kind}:{index}"
+        self.tensor = self.runtime.allocate(index, self.capacity)
+        self._handle = self.runtime.export(self.tensor)
+        log.info(
+            "device pool: %d bytes on %s (%s)", self.capacity, self._device, self._handle.device
+        )
+
+    @property
+    def device(self) -> str:
+        return self._device
+
+    @property
+    def shm_path(self) -> str:
+        return ""
+
+    @property
+    def ipc_handle(self) -> IpcHandle:
+        return self._handle
+
+    def region(self) -> np.ndarray:
+        raise InvalidRequest(
+            f"the {self._device} pool has no host region: a transfer engine registers host "
+            "memory (serve device pools with --transfer-engine none)"
+        )
+
+    def checksum(self, blocks: Sequence[int], nbytes: int) -> int:
+        digest = TensorDigest()
+        for start, length in shm.extents(blocks, self.block_size, 0, nbytes):
+            digest.update(self.tensor[start : start + length])
+        return digest.intdigest()
+
+    def scatter(self, blocks: Sequence[int], data: np.ndarray, offset: int = 0) -> None:
+        with warnings.catch_warnings():  # read-only bytes off the wire: only read here
+            warnings.simplefilter("ignore", UserWarning)
+            source = torch.from_numpy(data)
+        done = 0
+        end = offset + data.shape[0]
+        for start, length in shm.extents(blocks, self.block_size, offset, end):
+            self.tensor[start : start + length].copy_(source[done : done + length])
+            done += length
+        self.runtime.synchronize(self.tensor)
+
+    def read(self, start: int, end: int) -> bytes:
+        return self.tensor[start:end].cpu().numpy().tobytes()
+
+    def close(self, grace: float = 0.0) -> None:
+        """Free once no process imports the pool; after ``grace`` seconds of waiting, leave it
+        allocated rather than free it under an importer (the runtime frees it when the last
+        one closes or exits)."""
+        deadline = time.monotonic() + grace
+        holders = self.runtime.importers(self.tensor)
+        while holders and time.monotonic() < deadline:
+            time.sleep(0.05)
+            holders = self.runtime.importers(self.tensor)
+        try:
+            self.runtime.free(self.tensor)
+        except DeviceError as err:
+            log.error("device pool on %s not freed: %s", self._device, err)
 
 
 def _owner_gone(pid: int) -> bool:
@@ -161,10 +272,7 @@ def create_pool(
     shm_dir: str = "/dev/shm",
     group_access: bool = False,
 ) -> Pool:
-    """The pool back end for a device. Adding one is adding a branch here and a class."""
+    """The pool back end for a device: "cpu", or "cuda[:N]", "npu[:N]", "fake[:N]"."""
     if device == "cpu":
         return SharedMemoryPool(block_size, num_blocks, shm_dir, group_access=group_access)
-    raise InvalidRequest(
-        f"no {device!r} pool back end yet: device pools (CUDA IPC, NPU) are not built; "
-        "use --device cpu"
-    )
+    return DevicePool(device, block_size, num_blocks)

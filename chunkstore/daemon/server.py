@@ -36,7 +36,7 @@ from chunkstore.errors import Busy, InvalidRequest, StoreError, Unavailable
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol import chunkstore_pb2_grpc as pb_grpc
 from chunkstore.protocol.fast import fast_socket_path
-from chunkstore.protocol.shm import block_runs, scatter
+from chunkstore.protocol.shm import block_runs
 from chunkstore.protocol.wire import MAX_MESSAGE, layout_from_proto, layout_to_proto
 
 log = logging.getLogger("chunkstore.serve")
@@ -137,6 +137,7 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
             lease_ttl_ms=int(self.config.lease_ttl_s * 1000),
             transfer=self.transfer.to_proto() if self.transfer else None,
             fast_socket=self.fast_socket,
+            device_pool=handle.to_proto() if (handle := self.pool.ipc_handle) else None,
         )
 
     def Heartbeat(
@@ -154,7 +155,7 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
         try:
             for ping in request_iterator:
                 if not session:
-                    self.index.attach_stream(ping.session_id)
+                    self.index.attach_stream(ping.session_id, ping.holds_pool)
                     session.append(ping.session_id)
                 self.index.renew(ping.session_id)
                 yield pb.Pong(server_time_ms=int(time.time() * 1000))
@@ -259,13 +260,7 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
                         f"reservation {reservation_id} holds {reservation.nbytes} bytes; "
                         f"{reservation.written + data.shape[0]} were sent"
                     )
-                scatter(
-                    self.pool.region(),
-                    reservation.blocks,
-                    self.pool.block_size,
-                    data,
-                    offset=reservation.written,
-                )
+                self.pool.scatter(reservation.blocks, data, offset=reservation.written)
                 reservation.written += data.shape[0]
             total += data.shape[0]
             self.metrics.bytes.labels("grpc", "write").inc(data.shape[0])
@@ -283,7 +278,7 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
         piece = request.piece_bytes or READ_PIECE
         if piece > MAX_MESSAGE // 2:
             raise InvalidRequest(f"piece_bytes {piece} over {MAX_MESSAGE // 2}")
-        region, bs = self.pool.region(), self.pool.block_size
+        bs = self.pool.block_size
         remaining = entry.nbytes
         for first, count, _ in block_runs(entry.blocks):
             start = first * bs
@@ -291,7 +286,7 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
             for lo in range(start, end, piece):
                 hi = min(lo + piece, end)
                 self.metrics.bytes.labels("grpc", "read").inc(hi - lo)
-                yield pb.ReadPiece(data=region[lo:hi].tobytes())
+                yield pb.ReadPiece(data=self.pool.read(lo, hi))
             remaining -= end - start
 
     @_rpc
@@ -307,6 +302,7 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
             active_leases=s.active_leases,
             active_reservations=s.active_reservations,
             sessions=s.sessions,
+            pool_importers=s.pool_importers,
             lookups=s.lookups,
             hits=s.hits,
             lookup_tokens=s.lookup_tokens,
@@ -713,7 +709,10 @@ class Daemon:
             self.engine.close()
         self.server.stop(grace=1.0).wait()
         self.metrics.close()
-        self.pool.close()
+        # A device pool waits (as long as the drain) for the processes that imported it.
+        self.pool.close(
+            grace=self.config.drain_timeout_s if drain_timeout is None else drain_timeout
+        )
         if "socket" in self.addresses:
             Path(self.addresses["socket"]).unlink(missing_ok=True)
         return left

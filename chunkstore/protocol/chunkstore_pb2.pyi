@@ -33,7 +33,7 @@ class HelloRequest(_message.Message):
     def __init__(self, client_name: _Optional[str] = ..., hostname: _Optional[str] = ...) -> None: ...
 
 class HelloReply(_message.Message):
-    __slots__ = ("session_id", "version", "shm_path", "block_size", "num_blocks", "device", "hostname", "lease_ttl_ms", "transfer", "fast_socket")
+    __slots__ = ("session_id", "version", "shm_path", "block_size", "num_blocks", "device", "hostname", "lease_ttl_ms", "transfer", "fast_socket", "device_pool")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class HelloReply(_message.Message):
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
     FAST_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_POOL_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     version: str
     shm_path: str
@@ -54,7 +55,30 @@ class HelloReply(_message.Message):
     lease_ttl_ms: int
     transfer: TransferEndpoint
     fast_socket: str
-    def __init__(self, session_id: _Optional[str] = ..., version: _Optional[str] = ..., shm_path: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., device: _Optional[str] = ..., hostname: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., transfer: _Optional[_Union[TransferEndpoint, _Mapping]] = ..., fast_socket: _Optional[str] = ...) -> None: ...
+    device_pool: DevicePool
+    def __init__(self, session_id: _Optional[str] = ..., version: _Optional[str] = ..., shm_path: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., device: _Optional[str] = ..., hostname: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., transfer: _Optional[_Union[TransferEndpoint, _Mapping]] = ..., fast_socket: _Optional[str] = ..., device_pool: _Optional[_Union[DevicePool, _Mapping]] = ...) -> None: ...
+
+class DevicePool(_message.Message):
+    __slots__ = ("runtime", "device", "handle", "size", "offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    RUNTIME_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    runtime: str
+    device: str
+    handle: bytes
+    size: int
+    offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, runtime: _Optional[str] = ..., device: _Optional[str] = ..., handle: _Optional[bytes] = ..., size: _Optional[int] = ..., offset: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class TransferEndpoint(_message.Message):
     __slots__ = ("engine", "protocol", "session", "base", "size")
@@ -71,10 +95,12 @@ class TransferEndpoint(_message.Message):
     def __init__(self, engine: _Optional[str] = ..., protocol: _Optional[str] = ..., session: _Optional[str] = ..., base: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
 
 class Ping(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "holds_pool")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    HOLDS_POOL_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    holds_pool: bool
+    def __init__(self, session_id: _Optional[str] = ..., holds_pool: _Optional[bool] = ...) -> None: ...
 
 class Pong(_message.Message):
     __slots__ = ("server_time_ms",)
@@ -231,7 +257,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("entries", "pinned_entries", "bytes_used", "bytes_capacity", "blocks_free", "blocks_total", "active_leases", "active_reservations", "sessions", "lookups", "hits", "lookup_tokens", "hit_tokens", "evictions", "draining", "blocks_quarantined")
+    __slots__ = ("entries", "pinned_entries", "bytes_used", "bytes_capacity", "blocks_free", "blocks_total", "active_leases", "active_reservations", "sessions", "lookups", "hits", "lookup_tokens", "hit_tokens", "evictions", "draining", "blocks_quarantined", "pool_importers")
     class EvictionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +281,7 @@ class StatsReply(_message.Message):
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    POOL_IMPORTERS_FIELD_NUMBER: _ClassVar[int]
     entries: int
     pinned_entries: int
     bytes_used: int
@@ -271,7 +298,8 @@ class StatsReply(_message.Message):
     evictions: _containers.ScalarMap[str, int]
     draining: bool
     blocks_quarantined: int
-    def __init__(self, entries: _Optional[int] = ..., pinned_entries: _Optional[int] = ..., bytes_used: _Optional[int] = ..., bytes_capacity: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_total: _Optional[int] = ..., active_leases: _Optional[int] = ..., active_reservations: _Optional[int] = ..., sessions: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., evictions: _Optional[_Mapping[str, int]] = ..., draining: _Optional[bool] = ..., blocks_quarantined: _Optional[int] = ...) -> None: ...
+    pool_importers: int
+    def __init__(self, entries: _Optional[int] = ..., pinned_entries: _Optional[int] = ..., bytes_used: _Optional[int] = ..., bytes_capacity: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_total: _Optional[int] = ..., active_leases: _Optional[int] = ..., active_reservations: _Optional[int] = ..., sessions: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., evictions: _Optional[_Mapping[str, int]] = ..., draining: _Optional[bool] = ..., blocks_quarantined: _Optional[int] = ..., pool_importers: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("keys",)

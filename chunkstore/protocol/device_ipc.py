@@ -1,0 +1,339 @@
+"""Device pools shared between processes: one allocation made by the daemon, opened once by
+each same-node worker through the platform's IPC handle, entries addressed as byte offsets.
+
+The platform sits behind ``DeviceIPC``: ``TorchIPC`` drives torch's own sharing calls
+(CUDA ``_share_cuda_`` / ``_new_shared_cuda``; torch-npu ``_share_npu_`` / ``_new_shared_npu``,
+which wrap the ACL IPC calls, see ../shared/research/device-apis.md Q1/Q2), and
+``chunkstore.protocol.fake_device`` stands in for a device on a CPU-only host. Everything else
+(handle exchange over gRPC, offsets, who holds an import, close before free, the data path)
+is this module's and the pool's, the same code whichever runtime is beneath.
+
+Rules both real runtimes impose, kept here for all:
+- a handle names a device by identity (a UUID, or host and physical chip), never by a
+  process-local ordinal: ``CUDA_VISIBLE_DEVICES`` / ``ASCEND_RT_VISIBLE_DEVICES`` renumber;
+- a process opens a handle once and reuses the tensor (HDK < 25.3.RC1 refuses a second import,
+  CUDA maps one per context);
+- every importer closes before the exporter frees (freeing first is undefined on the device).
+
+Entries in a device pool are checked with ``TensorDigest`` (computed by torch ops on the
+device the bytes are on), not the shared-memory pool's xxh3 stripes, which need host bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import xxhash
+
+from chunkstore.errors import DeviceError, InvalidRequest
+from chunkstore.protocol import chunkstore_pb2 as pb
+from chunkstore.protocol.shm import extents
+
+
+@dataclass(frozen=True)
+class IpcHandle:
+    """What an importer needs to open a pool: torch's sharing tuple without its device
+    ordinal, plus the device's identity and the runtime that made it."""
+
+    runtime: str  # "cuda", "npu", "fake"
+    device: str  # identity: GPU UUID, "host-chip" on Ascend
+    handle: bytes
+    size: int
+    offset: int = 0
+    ref_counter_handle: bytes = b""
+    ref_counter_offset: int = 0
+    event_handle: bytes = b""
+    event_sync_required: bool = False
+
+    def to_proto(self) -> pb.DevicePool:
+        return pb.DevicePool(
+            runtime=self.runtime,
+            device=self.device,
+            handle=self.handle,
+            size=self.size,
+            offset=self.offset,
+            ref_counter_handle=self.ref_counter_handle,
+            ref_counter_offset=self.ref_counter_offset,
+            event_handle=self.event_handle,
+            event_sync_required=self.event_sync_required,
+        )
+
+    @staticmethod
+    def from_proto(msg: pb.DevicePool) -> IpcHandle:
+        return IpcHandle(
+            msg.runtime,
+            msg.device,
+            msg.handle,
+            msg.size,
+            msg.offset,
+            msg.ref_counter_handle,
+            msg.ref_counter_offset,
+            msg.event_handle,
+            msg.event_sync_required,
+        )
+
+
+class DeviceIPC(ABC):
+    """One platform's allocation and IPC calls. ``index`` is this process's ordinal."""
+
+    kind: str
+
+    @abstractmethod
+    def identity(self, index: int) -> str:
+        """The device's identity, the same in every process on the node."""
+
+    @abstractmethod
+    def visible(self) -> list[str]:
+        """Identities of this process's devices, by ordinal."""
+
+    @abstractmethod
+    def allocate(self, index: int, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor of its own allocation (IPC shares whole allocations)."""
+
+    @abstractmethod
+    def export(self, pool: torch.Tensor) -> IpcHandle: ...
+
+    @abstractmethod
+    def open(self, handle: IpcHandle, index: int) -> torch.Tensor: ...
+
+    @abstractmethod
+    def close(self, opened: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def free(self, pool: torch.Tensor) -> None: ...
+
+    def synchronize(self, tensor: torch.Tensor) -> None:  # noqa: B027  (CPU: nothing queued)
+        """Wait until copies queued on the tensor's device have landed."""
+
+    def importers(self, pool: torch.Tensor) -> list[int] | None:
+        """Live processes holding an import of ``pool``, where the runtime can tell (None:
+        torch keeps a freed block in its IPC limbo until they let go, so it never asks)."""
+        return None
+
+    def index_of(self, identity: str) -> int:
+        try:
+            return self.visible().index(identity)
+        except ValueError:
+            raise DeviceError(
+                f"the pool is on device {identity}, which this process does not see "
+                f"(it sees {self.visible() or 'none'}): check *_VISIBLE_DEVICES"
+            ) from None
+
+
+class TorchIPC(DeviceIPC):
+    """CUDA or Ascend through torch's storage sharing (torch-npu installs the same methods
+    with npu in their names). Not run on this project's CPU-only hosts: ``tests/device``
+    runs the pool's checks through it where a device exists."""
+
+    def __init__(self, kind: str) -> None:
+        if kind not in ("cuda", "npu"):
+            raise InvalidRequest(f"no IPC runtime for {kind!r}")
+        if kind == "npu":
+            import torch_npu  # noqa: F401  (installs torch.npu and _share_npu_)
+        self.kind = kind
+        self.module: Any = getattr(torch, kind)
+        if not self.module.is_available():
+            raise DeviceError(f"torch sees no {kind} device in this process")
+
+    def identity(self, index: int) -> str:
+        uuid = getattr(self.module.get_device_properties(index), "uuid", None)
+        if uuid:
+            return str(uuid)
+        if self.kind == "npu":  # older HDKs expose no UUID: host and physical chip
+            chips = os.environ.get("ASCEND_RT_VISIBLE_DEVICES", "")
+            physical = chips.split(",")[index] if chips else str(index)
+            return f"{socket.gethostname()}-{physical.strip()}"
+        raise DeviceError(f"{self.kind}:{index} reports no UUID")
+
+    def visible(self) -> list[str]:
+        return [self.identity(i) for i in range(self.module.device_count())]
+
+    def allocate(self, index: int, nbytes: int) -> torch.Tensor:
+        # The caching allocator hands a plain (ND, cudaMalloc-style) block; expandable
+        # segments and vLLM's sleep-mode allocator are not shareable this way.
+        return torch.empty(nbytes, dtype=torch.uint8, device=f"{self.kind}:{index}")
+
+    def export(self, pool: torch.Tensor) -> IpcHandle:
+        share = getattr(pool.untyped_storage(), f"_share_{self.kind}_")
+        _device, handle, size, offset, ref_handle, ref_offset, event, sync = share()
+        return IpcHandle(
+            self.kind,
+            self.identity(pool.device.index or 0),
+            handle,
+            size,
+            offset,
+            ref_handle,
+            ref_offset,
+            event or b"",
+            bool(sync),
+        )
+
+    def open(self, handle: IpcHandle, index: int) -> torch.Tensor:
+        new_shared = getattr(torch.UntypedStorage, f"_new_shared_{self.kind}")
+        with self.module.device(index):
+            storage = new_shared(
+                index,
+                handle.handle,
+                handle.size,
+                handle.offset,
+                handle.ref_counter_handle,
+                handle.ref_counter_offset,
+                handle.event_handle,
+                handle.event_sync_required,
+            )
+            pool = torch.empty(0, dtype=torch.uint8, device=f"{self.kind}:{index}")
+            pool.set_(storage, 0, (handle.size,), (1,))
+        return pool
+
+    def close(self, opened: torch.Tensor) -> None:
+        self.synchronize(opened)  # nothing of ours still reads or writes it
+        opened.set_()  # type: ignore[call-overload]  # drops the storage: the import ends
+
+    def free(self, pool: torch.Tensor) -> None:
+        self.synchronize(pool)
+        pool.set_()  # type: ignore[call-overload]
+        self.module.empty_cache()
+
+    def synchronize(self, tensor: torch.Tensor) -> None:
+        self.module.synchronize(tensor.device)
+
+
+def runtime_for(kind: str) -> DeviceIPC:
+    """The IPC runtime of a pool device kind: "cuda", "npu", or "fake" (the CPU stand-in)."""
+    if kind == "fake":
+        from chunkstore.protocol.fake_device import FakeDeviceIPC
+
+        return FakeDeviceIPC()
+    return TorchIPC(kind)
+
+
+def parse_device(device: str) -> tuple[str, int]:
+    """ "cuda", "cuda:1", "npu:0", "fake" -> (kind, ordinal)."""
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", "cuda", "npu", "fake") or (index and not index.isdigit()):
+        raise InvalidRequest(
+            f"unknown pool device {device!r}: cpu, cuda[:N], npu[:N] or fake[:N] (a CPU "
+            "stand-in for a device, for tests)"
+        )
+    return kind, int(index or 0)
+
+
+# Opening -----------------------------------------------------------------------------------
+
+_opened: dict[tuple[str, bytes], tuple[DeviceIPC, torch.Tensor, int]] = {}
+_opened_lock = threading.Lock()
+
+
+def open_pool(handle: IpcHandle) -> torch.Tensor:
+    """This process's view of a daemon's device pool, opened at the first call and shared by
+    every later one (clients of one process, a session reopened on the same pool)."""
+    key = (handle.runtime, handle.handle)
+    with _opened_lock:
+        if key in _opened:
+            runtime, pool, users = _opened[key]
+            _opened[key] = (runtime, pool, users + 1)
+            return pool
+        runtime = runtime_for(handle.runtime)
+        pool = runtime.open(handle, runtime.index_of(handle.device))
+        _opened[key] = (runtime, pool, 1)
+        return pool
+
+
+def close_pool(handle: IpcHandle) -> None:
+    """One user less; the last one closes the import (before the daemon may free)."""
+    key = (handle.runtime, handle.handle)
+    with _opened_lock:
+        if key not in _opened:
+            return
+        runtime, pool, users = _opened.pop(key)
+        if users > 1:
+            _opened[key] = (runtime, pool, users - 1)
+            return
+    runtime.close(pool)
+
+
+def synchronize_pool(handle: IpcHandle) -> None:
+    with _opened_lock:
+        opened = _opened.get((handle.runtime, handle.handle))
+    if opened is not None:
+        opened[0].synchronize(opened[1])
+
+
+# Data path ---------------------------------------------------------------------------------
+
+DIGEST_PIECE = 4 << 20
+_MODULUS = 65521
+
+
+class TensorDigest:
+    """An entry's checksum in a device pool, computed with torch ops wherever the bytes are:
+    xxh3-64 over the entry's length, the sum of its bytes and their sum weighted by position
+    (weights cycle through 1..65521). Exact integers, so every device and the CPU agree; it
+    catches zeroed, stale, shifted and torn blocks, not a deliberate forgery. Fed in pieces
+    of any size, in order."""
+
+    def __init__(self) -> None:
+        self.length = 0
+        self.plain = 0
+        self.weighted = 0
+
+    def update(self, data: torch.Tensor) -> None:
+        for lo in range(0, data.numel(), DIGEST_PIECE):
+            piece = data[lo : lo + DIGEST_PIECE].to(torch.int64)
+            base = torch.arange(piece.numel(), dtype=torch.int64, device=piece.device)
+            weights = (base + self.length) % _MODULUS + 1
+            self.plain += int(piece.sum())
+            self.weighted += int((piece * weights).sum())  # < 2^24 each: no overflow
+            self.length += piece.numel()
+
+    def intdigest(self) -> int:
+        mask = (1 << 64) - 1
+        words = (self.length & mask, self.plain & mask, self.weighted & mask)
+        return xxhash.xxh3_64_intdigest(b"".join(w.to_bytes(8, "little") for w in words))
+
+
+def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as a flat uint8 tensor on its own device."""
+    return t.detach().contiguous().view(torch.uint8).reshape(-1)
+
+
+def scatter_tensors(
+    pool: torch.Tensor,
+    blocks: Sequence[int],
+    block_size: int,
+    parts: Sequence[torch.Tensor],
+    digest: TensorDigest,
+) -> None:
+    """Copy ``parts`` (flat uint8, in order) into the entry's blocks, hashing each source."""
+    at = 0
+    for part in parts:
+        done = 0
+        for start, length in extents(blocks, block_size, at, at + part.numel()):
+            source = part[done : done + length]
+            pool[start : start + length].copy_(source, non_blocking=True)
+            digest.update(source)
+            done += length
+        at += part.numel()
+
+
+def gather_tensor(
+    pool: torch.Tensor,
+    blocks: Sequence[int],
+    block_size: int,
+    out: torch.Tensor,
+    digest: TensorDigest,
+) -> None:
+    """Copy the entry's blocks into ``out`` (flat uint8), then hash the pool's bytes: a change
+    made before or during the copy shows as a mismatch."""
+    done = 0
+    for start, length in extents(blocks, block_size, 0, out.numel()):
+        out[done : done + length].copy_(pool[start : start + length])
+        digest.update(pool[start : start + length])
+        done += length
