@@ -41,6 +41,7 @@ from chunkstore.protocol.device_ipc import (
     close_pool,
     gather_tensor,
     open_pool,
+    pin_host_region,
     scatter_tensors,
     synchronize_pool,
     tensor_bytes,
@@ -115,13 +116,17 @@ class ChunkStoreClient:
         name: str = "",
         fast: bool = True,
         copy_threads: int = 2,
+        pin_for: str = "",
     ) -> None:
         """``address``: ``unix:/path/to.sock`` or ``host:port``. ``transport``: "auto" (through
         the pool when this host can reach it: a shared-memory map, or a device pool opened by
         IPC), "shm" (through the pool, required) or "stream". ``fast``: make
         Lookup, Acquire, Release, Reserve and Commit over the daemon's fast path when it
         offers one on this host (``protocol/fast.py``; gRPC otherwise, and after any failure of it).
-        ``copy_threads``: threads a read or a put copies through the pool with (1 or 2)."""
+        ``copy_threads``: threads a read or a put copies through the pool with (1 or 2).
+        ``pin_for``: "cuda" (or "npu") registers a mapped shared-memory pool with that
+        runtime, page-locked, so copies between it and the device run as DMA; where it
+        cannot, a warning says why and the pool is used pageable."""
         if transport not in ("auto", "shm", "stream"):
             raise InvalidRequest(f"unknown transport {transport!r}: auto, shm or stream")
         self.address = address
@@ -154,6 +159,9 @@ class ChunkStoreClient:
         self.requested_transport = transport
         self.sessions_reopened = 0  # sessions lost (daemon restart, pause past the TTL)
         self._session_lock = threading.Lock()
+        self.pin_for = pin_for
+        self.pinned = False  # the mapped pool is registered with the device runtime
+        self._unpin: Callable[[], None] | None = None
         self.device_pool: torch.Tensor | None = None  # a device pool's import
         self._pool_handle: IpcHandle | None = None
         self._open_session()
@@ -191,6 +199,7 @@ class ChunkStoreClient:
         self.block_size = hello.block_size
         self.server_info = hello
         self._connect_fast(hello)
+        self._pin(region)
         self.region = region
         self.transport = "stream"
         if region is not None:
@@ -221,6 +230,19 @@ class ChunkStoreClient:
             log.warning("device pool not opened (%s); using the gRPC stream", exc)
             return
         self._pool_handle = handle
+
+    def _pin(self, region: np.ndarray | None) -> None:
+        """Register a newly mapped pool with the device runtime (``pin_for``), after
+        unregistering the one before (a restarted daemon's; None: just that)."""
+        if self._unpin is not None:  # the old pool's mapping (a restarted daemon's)
+            self._unpin()
+            self._unpin, self.pinned = None, False
+        if region is None or not self.pin_for:
+            return
+        self._unpin, why = pin_host_region(region, self.pin_for)
+        self.pinned = self._unpin is not None
+        if why:
+            log.warning("chunkstore pool not pinned for %s: %s", self.pin_for, why)
 
     def _digest(self) -> EntryDigest | TensorDigest:
         """The checksum the daemon's pool keeps: xxh3 stripes, or TensorDigest (device)."""
@@ -332,6 +354,7 @@ class ChunkStoreClient:
         if self._closed.is_set():
             return
         self._closed.set()
+        self._pin(None)
         if self._pool_handle is not None:  # closed before the daemon sees the session end
             close_pool(self._pool_handle)
             self.device_pool, self._pool_handle = None, None
@@ -549,7 +572,7 @@ class ChunkStoreClient:
             reads = [(e.blocks, out.numpy()) for e, out in zip(entries, outs, strict=True)]
             stripes = [d for d in digests if isinstance(d, EntryDigest)]
             gather_many(self.region, self.block_size, reads, stripes, self.copy_threads)
-        if self.transport != "stream" and session is None:
+        if self.transport == "shm" and session is None:  # the daemon's shm byte counter
             for entry in entries:
                 read = self._shm_reads.get(entry.lease_id, 0)
                 self._shm_reads[entry.lease_id] = read + entry.nbytes

@@ -25,7 +25,7 @@ import os
 import socket
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -223,6 +223,33 @@ def parse_device(device: str) -> tuple[str, int]:
             "stand-in for a device, for tests)"
         )
     return kind, int(index or 0)
+
+
+# Pinned host pools -------------------------------------------------------------------------
+
+
+def pin_host_region(region: Any, kind: str) -> tuple[Callable[[], None] | None, str]:
+    """Register a mapped shared-memory pool with a device runtime, page-locked, so copies
+    between it and that device run as DMA (an unregistered page is staged through a pinned
+    bounce buffer first). Returns (unregister, "") or (None, why not)."""
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            return None, "torch sees no CUDA device in this process"
+        cudart = torch.cuda.cudart()
+        pointer, size = region.ctypes.data, region.nbytes
+        err = cudart.cudaHostRegister(pointer, size, 0)  # cudaHostRegisterDefault
+        if int(err) != 0:
+            return None, f"cudaHostRegister failed with error {int(err)}"
+
+        def unregister() -> None:
+            cudart.cudaHostUnregister(pointer)
+
+        return unregister, ""
+    if kind == "npu":
+        # torch_npu exposes no host-register call (ACL's aclrtHostRegister needs a binding
+        # of its own): the pool stays pageable there.
+        return None, "torch_npu has no host-register call: the pool stays pageable"
+    return None, f"nothing to pin for {kind!r}"
 
 
 # Opening -----------------------------------------------------------------------------------

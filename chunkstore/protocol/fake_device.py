@@ -84,7 +84,21 @@ class FakeDeviceIPC(DeviceIPC):
             raise DeviceError(f"fake:{index}: this process sees {len(devices)} fake devices")
         return devices[index]
 
+    @staticmethod
+    def sweep() -> None:
+        """Remove allocations whose exporter died with no live importer left (the driver
+        frees a dead process's memory; a file would outlive it)."""
+        for path in DIRECTORY.glob(f"chunkstore-fakedev-{os.getuid()}-*-*"):
+            if path.suffix == ".importers":
+                continue
+            pid = path.name.split("-")[3]
+            ledger = Path(f"{path}.importers")
+            if pid.isdigit() and not _alive(int(pid)) and not _edit_importers(ledger):
+                path.unlink(missing_ok=True)
+                ledger.unlink(missing_ok=True)
+
     def allocate(self, index: int, nbytes: int) -> torch.Tensor:
+        self.sweep()
         identity = self.identity(index)
         path = DIRECTORY / f"chunkstore-fakedev-{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)

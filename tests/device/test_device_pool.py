@@ -276,3 +276,61 @@ def test_device_pools_refuse_what_they_cannot_serve(serve, tmp_path: Path) -> No
         env=env,
     )
     assert run.returncode != 0 and "sees 1 fake devices" in run.stderr
+
+
+# Pinned host pools ------------------------------------------------------------------------
+
+
+def test_a_shared_memory_pool_is_pinned_for_a_gpu(serve, accelerator: str) -> None:
+    """A CPU pool read by device workers: the client registers its mapping with the device
+    runtime, so copies to the device run as DMA."""
+    daemon = serve()
+    with ChunkStoreClient(daemon.unix, transport="shm", pin_for=accelerator) as client:
+        if accelerator == "npu":  # torch_npu has no host-register call: stays pageable
+            assert not client.pinned
+            return
+        assert client.pinned and torch.from_numpy(client.region).is_pinned()
+        keys, values = random_kv(64)
+        assert client.put(entry_key(1), keys.to(accelerator), values.to(accelerator), 0)
+        [entry] = client.acquire([entry_key(1)])
+        assert entry is not None
+        out = torch.empty(entry.nbytes, dtype=torch.uint8).pin_memory()
+        client.read_into(entry, out)
+        client.release([entry.lease_id])
+        got = out.to(accelerator).view(torch.float32)[: keys.numel()].view(keys.shape)
+        assert torch.equal(got.cpu(), keys)
+
+
+def test_a_pool_that_cannot_be_pinned_is_used_pageable(
+    serve, caplog: pytest.LogCaptureFixture
+) -> None:
+    daemon = serve()
+    with ChunkStoreClient(daemon.unix, transport="shm", pin_for="npu") as client:
+        assert not client.pinned
+        assert "pool not pinned for npu: torch_npu has no host-register call" in caplog.text
+        keys, values = random_kv(8)
+        assert client.put(entry_key(1), keys, values, 0)
+        assert torch.equal(client.get(entry_key(1)).keys, keys)  # type: ignore[union-attr]
+
+
+EXPORT_AND_WAIT = """
+from chunkstore.protocol.fake_device import FakeDeviceIPC
+ipc = FakeDeviceIPC()
+pool = ipc.allocate(0, 1 << 16)
+print(ipc.export(pool).handle.decode().partition("|")[0], flush=True)
+input()
+"""
+
+
+def test_memory_of_an_exporter_that_died_goes_with_it() -> None:
+    """As the driver frees a killed process's allocations, the fake's next allocation sweeps
+    a dead exporter's file (none is left behind by a SIGKILLed daemon)."""
+    exporter = child(EXPORT_AND_WAIT)
+    assert exporter.stdout is not None
+    memory = Path(exporter.stdout.readline().strip())
+    assert memory.exists()
+    exporter.send_signal(signal.SIGKILL)
+    exporter.wait()
+    ipc = FakeDeviceIPC()
+    ipc.free(ipc.allocate(0, 1 << 12))
+    assert not memory.exists()
