@@ -28,6 +28,7 @@ class DaemonLink:
         self._retry_at = 0.0
         self._down = False
         self.failures = 0
+        self.pin_for = ""  # the worker's device type when its cache is on a GPU / NPU
 
     def get(self) -> ChunkStoreClient | None:
         """The client, or None while the daemon is unreachable (then: compute)."""
@@ -47,6 +48,7 @@ class DaemonLink:
                 name=self.name,
                 timeout=self.config.timeout_s,
                 copy_threads=1,  # the load threads read beside vLLM's forward: one core each
+                pin_for=self.pin_for,
             )
         except ChunkStoreError as err:
             self.failed(f"cannot reach chunkstore at {self.config.daemon_address}: {err}")

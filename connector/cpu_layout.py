@@ -28,6 +28,14 @@ class CpuKVLayout:
         self.block_size = block_size
         self.plain = False  # the probe showed the "vec" layout ``read`` decodes
 
+    @staticmethod
+    def local_heads(cache: torch.Tensor) -> int:
+        return int(cache.shape[1])
+
+    @staticmethod
+    def head_dim(cache: torch.Tensor) -> int:
+        return int(cache.shape[3] // 2)
+
     def write_rotated(
         self,
         layer_name: str,

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from chunkstore.errors import ChunkStoreError
+from chunkstore.errors import ChunkStoreError, LayoutError
 from chunkstore.kv.entry import tensors_of
 from chunkstore.kv.rope import RotaryConfig, rotation_table
 
@@ -32,6 +32,7 @@ from .client_holder import DaemonLink
 from .common import ChunkStoreMetadata, LoadItem, LoadsEnded, RequestPlan, SaveItem
 from .config import ConnectorConfig, load_cpus, unsupported_parallelism
 from .cpu_layout import CpuKVLayout
+from .device_layout import DeviceKVLayout, cache_access
 from .heads import RankHeads
 from .isolation import IsolationHook
 from .keys import ModelKeys
@@ -164,8 +165,8 @@ class WorkerSide:
         self.keys = ModelKeys.from_vllm(vllm_config, config)
         self.rotary: RotaryConfig = self.keys.rotary
         self.block_size = vllm_config.cache_config.block_size
-        self.layers: list[tuple[str, torch.Tensor]] = []
-        self.cache = CpuKVLayout(vllm_config, self.block_size)
+        self.layers: list[tuple[str, Any]] = []  # a tensor per layer, or vllm-ascend's (K, V)
+        self.cache: CpuKVLayout | DeviceKVLayout = CpuKVLayout(vllm_config, self.block_size)
         self.can_read_cache = False
         self.hook: IsolationHook | None = None
         self._causal_requests: OrderedDict[str, None] = OrderedDict()  # see _isolation_missed
@@ -192,27 +193,28 @@ class WorkerSide:
         self.layers = sorted(kv_caches.items(), key=lambda item: _layer_index(item[0]))
         self._layer_index = {name: i for i, (name, _) in enumerate(self.layers)}
         layout = self.keys.layout
-        if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for _, t in self.layers):
+        try:
+            self.cache = cache_access(
+                self.vllm_config, self.block_size, self.layers[0][1], layout.head_dim
+            )
+            shapes = {
+                (self.cache.local_heads(cache), self.cache.head_dim(cache))
+                for _, cache in self.layers
+            }
+        except LayoutError as err:
             log.warning(
-                "chunkstore: this attention back end's KV cache is not one tensor of "
-                "[blocks, heads, block_size, 2 * head_dim] per layer; loading and "
-                "saving are off, every request is computed"
+                "chunkstore: %s; loading and saving are off, every request is computed", err
             )
             self.layers = []
             return
-        shapes = {tuple(t.shape[1:]) for _, t in self.layers}
-        expected_tail = (self.block_size, 2 * layout.head_dim)
-        ok = (
-            len(self.layers) == layout.num_layers
-            and len(shapes) == 1
-            and next(iter(shapes))[1:] == expected_tail
-        )
-        if not ok:
+        fits = len(shapes) == 1 and next(iter(shapes))[1] == layout.head_dim
+        if len(self.layers) != layout.num_layers or not fits:
             log.warning(
-                "chunkstore: KV cache layout %s of %d layers is not the CPU layout "
-                "this connector writes; it will load and save nothing",
+                "chunkstore: KV caches of (heads, head_dim) %s in %d layers do not fit the "
+                "model's %d layers; it will load and save nothing",
                 sorted(shapes),
                 len(self.layers),
+                layout.num_layers,
             )
             self.layers = []
             return
@@ -223,6 +225,17 @@ class WorkerSide:
             self.layers = []
             return
         self.can_read_cache = self.cache.probe(*self.layers[0])
+        if isinstance(self.cache, DeviceKVLayout):  # loads copy the pool to the device
+            self.link.pin_for = self.cache.layout.views(self.layers[0][1])[0].device.type
+        if not self.can_read_cache and isinstance(self.cache, DeviceKVLayout):
+            log.warning(
+                "chunkstore: the %s cache probe did not find the back end's own write where "
+                "the layout reads; loading and saving are off, every request is computed "
+                "(loads count as load_failures)",
+                self.cache.layout.name,
+            )
+            self.layers = []
+            return
         if not self.can_read_cache:
             log.warning(
                 "chunkstore: the attention kernel's cache layout is not plain; "
@@ -238,7 +251,10 @@ class WorkerSide:
         in a request then see their neighbours, and only segments that causal attention
         isolates are saved)."""
         why = "the cache layout probe failed" if not self.can_read_cache else None
+        if not isinstance(self.cache, CpuKVLayout):
+            why = f"it serves vLLM's CPU attention only, not a {self.cache.layout.name} cache"
         if why is None:
+            assert isinstance(self.cache, CpuKVLayout)
             hook = IsolationHook(self.cache, self.rotary, self.config, self._isolation_missed)
             why = hook.install(self.vllm_config, [name for name, _ in self.layers])
             if why is None:
@@ -247,7 +263,7 @@ class WorkerSide:
         log.warning("chunkstore: in-band isolation is off: %s", why)
 
     def _rank_heads(self) -> RankHeads:
-        local = self.layers[0][1].shape[1]
+        local = self.cache.local_heads(self.layers[0][1])
         if local == self.keys.layout.num_kv_heads:
             return RankHeads(0, 1, local, local)
         from vllm.distributed import (
