@@ -8,7 +8,11 @@ Where things live (imports run down this list, never up):
   conversions, the shared-memory block layout, the default address).
 - ``chunkstore.daemon``: what ``chunkstore serve`` runs.
 - ``chunkstore.client``: the daemon's Python client.
-- the faces: ``cli`` (the ``chunkstore`` command), ``ingest``, ``bench``, ``testing``.
+- ``chunkstore.models`` (the models ``chunkstore models`` builds) and
+  ``chunkstore.processes`` (real local processes: a daemon, redis-server, a vLLM probe): what
+  the commands run beside the daemon; they import only the layers above this line.
+- the faces: ``cli`` (the ``chunkstore`` command), ``ingest``, ``bench``, and ``testing``
+  (helpers only the tests import).
 The vLLM connector is the sibling package ``chunkstore_vllm`` (folder ``connector/``).
 """
 

@@ -16,7 +16,7 @@ from chunkstore.bench import quality as quality_bench
 from chunkstore.bench import remap as remap_bench
 from chunkstore.bench import scale as scale_bench
 from chunkstore.bench import store as store_bench
-from chunkstore.testing.models import MODELS
+from chunkstore.models import MODELS, model_dir
 
 BENCHES: dict[
     str,
@@ -82,8 +82,6 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
-    from chunkstore.testing.models import model_dir
-
     unknown = sorted(set(args.names) - set(MODELS))
     if unknown:
         print(

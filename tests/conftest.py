@@ -1,5 +1,5 @@
-"""Shared fixtures: the test models, built once and cached (chunkstore.testing.models), and
-real ``chunkstore serve`` processes (chunkstore.testing.daemon)."""
+"""Shared fixtures: the test models, built once and cached (chunkstore.models), and
+real ``chunkstore serve`` processes (chunkstore.processes.daemon)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from chunkstore.testing.daemon import RunningDaemon, start_daemon
-from chunkstore.testing.models import model_dir
+from chunkstore.models import model_dir
+from chunkstore.processes.daemon import RunningDaemon, start_daemon
 
 
 @pytest.fixture(scope="session")

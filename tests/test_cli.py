@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from chunkstore.models import model_dir
 from chunkstore.testing.cli import chunkstore
-from chunkstore.testing.models import model_dir
 
 
 def test_help_explains_each_command() -> None:

@@ -19,7 +19,7 @@ import yaml
 
 from chunkstore.client import ChunkStoreClient
 from chunkstore.errors import InvalidRequest
-from chunkstore.testing.daemon import start_daemon
+from chunkstore.processes.daemon import start_daemon
 from chunkstore.testing.prometheus import (
     DASHBOARD,
     DEPLOY,

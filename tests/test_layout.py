@@ -21,6 +21,18 @@ ALLOWED: list[tuple[str, tuple[str, ...]]] = [
     ),
     ("chunkstore.client", ("chunkstore.protocol", "chunkstore.kv", "chunkstore.errors")),
     ("chunkstore.prompts", ("chunkstore.kv", "chunkstore.errors")),
+    # What user commands run beside the daemon: product code, so never the test helpers.
+    ("chunkstore.models", ()),
+    (
+        "chunkstore.processes",
+        (
+            "chunkstore.processes",
+            "chunkstore.client",
+            "chunkstore.protocol",
+            "chunkstore.kv",
+            "chunkstore.errors",
+        ),
+    ),
     (
         "chunkstore_vllm",
         (
@@ -32,6 +44,13 @@ ALLOWED: list[tuple[str, tuple[str, ...]]] = [
             "chunkstore.prompts",
         ),
     ),
+]
+
+
+# Faces, free otherwise, and what they must not import: the test helpers are not product code.
+FORBIDDEN: list[tuple[str, tuple[str, ...]]] = [
+    ("chunkstore.cli", ("chunkstore.testing",)),
+    ("chunkstore.bench", ("chunkstore.testing",)),
 ]
 
 
@@ -77,10 +96,13 @@ def broken_rules(sources: dict[str, tuple[str, bool]]) -> list[str]:
     problems = []
     for module, (source, is_package) in sorted(sources.items()):
         rule = next((allowed for prefix, allowed in ALLOWED if _under(module, prefix)), None)
-        if rule is None:
-            continue  # the faces: cli, ingest, bench, testing may import anything
+        banned = [b for prefix, names in FORBIDDEN if _under(module, prefix) for b in names]
         for name in sorted(imports_of(source, module, is_package, known)):
-            if name != "chunkstore" and not any(_under(name, ok) for ok in (module, *rule)):
+            if rule is not None:  # a layer: only what its rule names
+                allowed = name == "chunkstore" or any(_under(name, ok) for ok in (module, *rule))
+            else:  # a face (cli, ingest, bench, testing): anything but what it is banned
+                allowed = not any(_under(name, b) for b in banned)
+            if not allowed:
                 problems.append(f"{module} imports {name}")
     return problems
 
@@ -111,10 +133,19 @@ def test_the_rule_check_catches_what_it_is_for() -> None:
         "chunkstore_vllm.worker": ("from .common import A\nimport chunkstore.protocol", False),
         "chunkstore_vllm.common": ("", False),
         "chunkstore.protocol": ("", True),
+        "chunkstore.testing": ("", True),
+        "chunkstore.testing.entries": ("", False),
+        "chunkstore.bench.e2e": ("def f():\n    from chunkstore.testing import entries", False),
+        "chunkstore.cli": ("from chunkstore.daemon import index", False),
+        "chunkstore.processes.daemon": ("from chunkstore.testing.entries import wait_for", False),
+        "chunkstore.models": ("import chunkstore.bench.e2e", False),
     }
     assert broken_rules(sources) == [
+        "chunkstore.bench.e2e imports chunkstore.testing.entries",
         "chunkstore.client imports chunkstore.daemon.pool",
         "chunkstore.daemon.directory imports chunkstore.client",
         "chunkstore.kv.masks imports chunkstore.daemon.index",
+        "chunkstore.models imports chunkstore.bench.e2e",
+        "chunkstore.processes.daemon imports chunkstore.testing.entries",
         "chunkstore_vllm.worker imports chunkstore.protocol",
     ]

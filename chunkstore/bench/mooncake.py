@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from chunkstore.testing.redis import free_port
+from chunkstore.processes.redis import free_port
 
 OBJECT_NOT_FOUND = -704  # Mooncake's ErrorCode (mooncake-store/include/types.h)
 

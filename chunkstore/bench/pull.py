@@ -27,8 +27,8 @@ from chunkstore.daemon.index import Index
 from chunkstore.daemon.peers import EnginePeers, PeerSource, StreamPeers
 from chunkstore.daemon.pool import SharedMemoryPool
 from chunkstore.daemon.transfer import MooncakeEngine
-from chunkstore.testing.daemon import start_daemon
-from chunkstore.testing.redis import RedisServer
+from chunkstore.processes.daemon import start_daemon
+from chunkstore.processes.redis import RedisServer
 
 KEY = b"bench-pull-key-0"
 

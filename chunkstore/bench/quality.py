@@ -30,9 +30,9 @@ from typing import Any
 
 from chunkstore.bench import e2e, qa_cases
 from chunkstore.kv.segments import SegmentKind, build_chunked_prompt, split_prompt
-from chunkstore.testing.daemon import start_daemon
-from chunkstore.testing.models import model_dir
-from chunkstore.testing.vllm_probe import run_probe
+from chunkstore.models import model_dir
+from chunkstore.processes.daemon import start_daemon
+from chunkstore.processes.vllm_probe import run_probe
 from chunkstore_vllm.config import ConnectorConfig
 
 FULL, ISOLATED = "full", "isolated"

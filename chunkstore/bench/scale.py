@@ -34,7 +34,7 @@ import torch
 
 from chunkstore.bench.timing import timed
 from chunkstore.client import ChunkStoreClient
-from chunkstore.testing.daemon import RunningDaemon, start_daemon
+from chunkstore.processes.daemon import RunningDaemon, start_daemon
 
 ENTRY = 4096
 SHAPE = (1, 8, 2, 32)  # layers, tokens, kv heads, head dim: 4 KiB of fp32 keys and values

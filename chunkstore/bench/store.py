@@ -38,8 +38,8 @@ import torch
 from chunkstore.bench.scale import read_bandwidth
 from chunkstore.bench.timing import timed
 from chunkstore.client import ChunkStoreClient, as_bytes
-from chunkstore.testing.daemon import RunningDaemon, start_daemon
-from chunkstore.testing.redis import RedisServer
+from chunkstore.processes.daemon import RunningDaemon, start_daemon
+from chunkstore.processes.redis import RedisServer
 
 if TYPE_CHECKING:
     from chunkstore.bench.mooncake import MooncakeStore

@@ -1,5 +1,6 @@
-"""Test and bench helpers: the test models (``models``), the HF reference every served KV is
-measured against (``reference``), and real processes started on free ports (``daemon``,
-``dying_daemon``, ``redis``, ``prometheus``, ``vllm_probe``, ``vllm_server``, the ``cli``), and a
-throw-away PKI (``pki``). A face: it may
-import any part of chunkstore; nothing but the faces (cli, bench) and the tests import it."""
+"""Test helpers: the HF reference every served KV is measured against (``reference``), the
+RAG scenario the end-to-end tests share (``scenario``), what tests store in a daemon and how
+they wait on it (``entries``), real processes only tests start (``dying_daemon``,
+``prometheus``, ``vllm_server``, the ``cli``), and a throw-away PKI (``pki``). A face: it may
+import any part of chunkstore; only the tests import it (what ``chunkstore`` commands run,
+``chunkstore.models`` and ``chunkstore.processes``, lives outside it)."""

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from chunkstore.testing.redis import free_port
+from chunkstore.processes.redis import free_port
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
 DASHBOARD = DEPLOY.parent / "grafana" / "dashboards" / "chunkstore.json"

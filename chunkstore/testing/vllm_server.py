@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from chunkstore.testing.redis import free_port
+from chunkstore.processes.redis import free_port
 
 EXAMPLE_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "vllm" / "kv-transfer-config.json"
 

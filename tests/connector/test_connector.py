@@ -17,8 +17,9 @@ import pytest
 
 from chunkstore.client import ChunkStoreClient
 from chunkstore.kv.keys import Isolation
-from chunkstore.testing.daemon import RunningDaemon
-from chunkstore.testing.redis import RedisServer
+from chunkstore.processes.daemon import RunningDaemon
+from chunkstore.processes.redis import RedisServer
+from chunkstore.processes.vllm_probe import run_probe
 from chunkstore.testing.reference import HFReference
 from chunkstore.testing.scenario import (
     DOCS,
@@ -28,7 +29,6 @@ from chunkstore.testing.scenario import (
     Scenario,
     assert_logprobs_match,
 )
-from chunkstore.testing.vllm_probe import run_probe
 
 
 def run_vllm(

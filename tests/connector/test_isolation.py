@@ -14,7 +14,8 @@ from chunkstore.client import ChunkStoreClient
 from chunkstore.kv.fingerprint import fingerprint_of_folder
 from chunkstore.kv.keys import Isolation, segment_keys
 from chunkstore.kv.segments import ChunkedPrompt
-from chunkstore.testing.daemon import RunningDaemon
+from chunkstore.processes.daemon import RunningDaemon
+from chunkstore.processes.vllm_probe import run_probe
 from chunkstore.testing.reference import HFReference, relative_error
 from chunkstore.testing.scenario import (
     DOCS,
@@ -24,7 +25,6 @@ from chunkstore.testing.scenario import (
     assert_logprobs_match,
     assert_same_answer,
 )
-from chunkstore.testing.vllm_probe import run_probe
 
 MORE_DOCS = [
     "Rome is the capital of Italy. The river Tiber flows through it.",
@@ -244,10 +244,10 @@ def test_without_inband_isolation_only_causally_isolated_segments_are_stored(
 def long_text(words: int, seed: int) -> str:
     import random
 
-    from chunkstore.testing.models import _WORDS
+    from chunkstore.models import WORDS
 
     rng = random.Random(seed)
-    return " ".join(rng.choice(_WORDS) for _ in range(words)).capitalize() + "."
+    return " ".join(rng.choice(WORDS) for _ in range(words)).capitalize() + "."
 
 
 def test_vllm_prefix_cache_never_serves_kv_of_another_role(

@@ -8,8 +8,8 @@ import torch
 from transformers import AutoTokenizer
 
 from chunkstore.kv.segments import build_chunked_prompt
+from chunkstore.processes.vllm_probe import run_probe
 from chunkstore.testing.reference import HFReference
-from chunkstore.testing.vllm_probe import run_probe
 
 
 @pytest.mark.slow

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from chunkstore.client import ChunkStoreClient
-from chunkstore.testing.daemon import RunningDaemon, entry_key, random_kv, wait_for
+from chunkstore.processes.daemon import RunningDaemon
+from chunkstore.testing.entries import entry_key, random_kv, wait_for
 
 SECONDS = float(os.environ.get("CHUNKSTORE_CHAOS_SECONDS", "60"))
 KEYS = 40
@@ -31,7 +32,7 @@ import json, random, sys, time
 import torch
 from chunkstore.client import ChunkStoreClient
 from chunkstore.errors import ChecksumMismatch, StoreError
-from chunkstore.testing.daemon import entry_key, random_kv
+from chunkstore.testing.entries import entry_key, random_kv
 
 sys.path.insert(0, {tests!r})
 from test_chaos import content

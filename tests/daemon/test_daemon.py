@@ -25,16 +25,10 @@ from chunkstore.errors import (
     WrongState,
 )
 from chunkstore.kv.entry import layout_of, tensors_of
+from chunkstore.processes.daemon import RunningDaemon, serve_command, serve_env
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol.wire import layout_to_proto
-from chunkstore.testing.daemon import (
-    RunningDaemon,
-    entry_key,
-    random_kv,
-    serve_command,
-    serve_env,
-    wait_for,
-)
+from chunkstore.testing.entries import entry_key, random_kv, wait_for
 
 
 @pytest.fixture

@@ -16,8 +16,8 @@ import torch
 
 from chunkstore.client import ChunkStoreClient
 from chunkstore.daemon.directory import directory_key
-from chunkstore.testing.daemon import entry_key, random_kv
-from chunkstore.testing.redis import RedisServer, free_port
+from chunkstore.processes.redis import RedisServer, free_port
+from chunkstore.testing.entries import entry_key, random_kv
 
 TTL = "2"
 

@@ -12,9 +12,10 @@ import pytest
 
 from chunkstore.client import ChunkStoreClient
 from chunkstore.errors import InvalidRequest, NotFound, Unauthenticated
+from chunkstore.processes.daemon import RunningDaemon
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol.fast import FastChannel
-from chunkstore.testing.daemon import RunningDaemon, entry_key, random_kv
+from chunkstore.testing.entries import entry_key, random_kv
 
 
 @pytest.fixture

@@ -21,19 +21,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from chunkstore.client import ChunkStoreClient, as_bytes
 from chunkstore.errors import ChecksumMismatch, Exhausted, Forbidden, NotFound, WrongState
 from chunkstore.kv.entry import layout_of
+from chunkstore.processes.daemon import RunningDaemon, serve_command, serve_env, start_daemon
+from chunkstore.processes.redis import RedisServer
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol.shm import EntryDigest
 from chunkstore.protocol.wire import layout_to_proto
-from chunkstore.testing.daemon import (
-    RunningDaemon,
-    entry_key,
-    random_kv,
-    serve_command,
-    serve_env,
-    start_daemon,
-    wait_for,
-)
-from chunkstore.testing.redis import RedisServer
+from chunkstore.testing.entries import entry_key, random_kv, wait_for
 
 
 def serve_once(workdir: Path, *flags: str) -> subprocess.CompletedProcess[str]:
@@ -339,7 +332,7 @@ PAUSED_READER = """
 import sys
 from chunkstore.client import ChunkStoreClient, as_bytes
 from chunkstore.errors import NotFound
-from chunkstore.testing.daemon import entry_key, random_kv
+from chunkstore.testing.entries import entry_key, random_kv
 c = ChunkStoreClient({address!r})
 [lease] = c.acquire([entry_key(1)])
 print("leased", flush=True)

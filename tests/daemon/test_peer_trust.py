@@ -18,9 +18,10 @@ import torch
 from chunkstore.client import ChunkStoreClient
 from chunkstore.daemon.directory import directory_key
 from chunkstore.errors import Forbidden, Unauthenticated
-from chunkstore.testing.daemon import entry_key, random_kv, serve_command, serve_env, wait_for
+from chunkstore.processes.daemon import serve_command, serve_env
+from chunkstore.processes.redis import RedisServer
+from chunkstore.testing.entries import entry_key, random_kv, wait_for
 from chunkstore.testing.pki import make_pki
-from chunkstore.testing.redis import RedisServer
 
 
 class Spy(grpc.GenericRpcHandler):

@@ -27,9 +27,10 @@ from chunkstore.daemon.peers import EnginePeers, _Peer
 from chunkstore.daemon.pool import SharedMemoryPool
 from chunkstore.daemon.transfer import MooncakeEngine, read_runs
 from chunkstore.errors import ChecksumMismatch, InvalidRequest, StoreError, Unavailable
+from chunkstore.processes.daemon import RunningDaemon
+from chunkstore.processes.redis import RedisServer
 from chunkstore.protocol.shm import gather, map_shared_pool
-from chunkstore.testing.daemon import RunningDaemon, entry_key, random_kv, wait_for
-from chunkstore.testing.redis import RedisServer
+from chunkstore.testing.entries import entry_key, random_kv, wait_for
 
 ENGINE = ("--transfer-engine", "mooncake")
 

@@ -19,9 +19,10 @@ import torch
 
 from chunkstore.client import ChunkStoreClient
 from chunkstore.errors import ChecksumMismatch, DeviceError, InvalidRequest
+from chunkstore.processes.daemon import serve_env
 from chunkstore.protocol.device_ipc import IpcHandle, TensorDigest, parse_device
 from chunkstore.protocol.fake_device import ENV, FakeDeviceIPC
-from chunkstore.testing.daemon import entry_key, random_kv, serve_env, wait_for
+from chunkstore.testing.entries import entry_key, random_kv, wait_for
 
 
 def child(code: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
@@ -157,7 +158,7 @@ def test_device_names_and_digests() -> None:
 WORKER = """
 import sys, torch
 from chunkstore.client import ChunkStoreClient
-from chunkstore.testing.daemon import entry_key, random_kv
+from chunkstore.testing.entries import entry_key, random_kv
 client = ChunkStoreClient({address!r}, transport="shm")
 print(client.transport, flush=True)
 keys, values = random_kv(40, seed=1)
@@ -257,7 +258,7 @@ if sys.stdin.readline().strip() == "close":
 
 
 def test_device_pools_refuse_what_they_cannot_serve(serve, tmp_path: Path) -> None:
-    from chunkstore.testing.daemon import serve_command
+    from chunkstore.processes.daemon import serve_command
 
     run = subprocess.run(
         serve_command(tmp_path, "--device", "tpu"),

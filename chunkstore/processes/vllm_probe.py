@@ -3,7 +3,7 @@
 A separate process on purpose: vLLM spawns its engine process, which needs a ``__main__``
 guard, and its start-up cost and global state stay out of the caller.
 
-    python -m chunkstore.testing.vllm_probe MODEL_DIR PROMPTS.json [--connector CONFIG.json]
+    python -m chunkstore.processes.vllm_probe MODEL_DIR PROMPTS.json [--connector CONFIG.json]
 
 PROMPTS.json is a list of prompts, run one after another (so later ones see what earlier
 ones stored): each a token-ID list, or ``{"prompt_token_ids": [...], "max_tokens": N}`` to
@@ -212,7 +212,7 @@ def run_probe(
     command = [
         sys.executable,
         "-m",
-        "chunkstore.testing.vllm_probe",
+        "chunkstore.processes.vllm_probe",
         str(model),
         str(workdir / "prompts.json"),
         "--max-model-len",

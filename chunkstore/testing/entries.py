@@ -1,0 +1,33 @@
+"""What tests store in a daemon, and how they wait on it: distinct entry keys, seeded random
+KV tensors, and polling until a background effect (a lease expiring, a pull landing) shows."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def entry_key(i: int) -> bytes:
+    """A distinct 16-byte key for test entries."""
+    return i.to_bytes(16, "little")
+
+
+def random_kv(
+    tokens: int, seed: int = 0, dtype: Any = None, heads: int = 3, head_dim: int = 64
+) -> tuple[Any, Any]:
+    """Seeded random keys and values [2 layers, tokens, heads, head_dim] (fp32 by default)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    shape = (2, tokens, heads, head_dim)
+    keys, values = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    return (keys.to(dtype), values.to(dtype)) if dtype is not None else (keys, values)
+
+
+def wait_for(condition: Callable[[], object], timeout: float = 10.0) -> None:
+    """Poll ``condition`` until it holds; fail the test if it does not within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
