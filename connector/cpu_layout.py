@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from chunkstore.kv.rope import RotaryConfig, rotate_keys
+from chunkstore.kv.remap import rotate_keys
+from chunkstore.kv.rope import RotaryConfig
 
 log = logging.getLogger("chunkstore.connector")
 

@@ -3,7 +3,7 @@
 
 vLLM's CPU cache keeps its own access (``cpu_layout.CpuKVLayout``: its kernel packs pages by
 ISA). Every other back end goes through a ``CacheLayout`` (``chunkstore.kv.cache_layouts``):
-torch ops on the cache's own device, keys rotated there (``rope.ROTATORS``: torch ops on CUDA,
+torch ops on the cache's own device, keys rotated there (``remap.ROTATORS``: torch ops on CUDA,
 ``npu_rotary_mul`` where its rules allow on Ascend). A layout is trusted only after ``probe``
 wrote two tokens into the null block with the back end's own write op and read them back
 where the layout says they are; until then, and wherever the cache is one this module does

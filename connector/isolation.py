@@ -38,7 +38,8 @@ import torch
 
 from chunkstore.kv.attention import KeyBlock, attention_after_context
 from chunkstore.kv.keys import Isolation
-from chunkstore.kv.rope import RotaryConfig, rotate_keys, rotation_table
+from chunkstore.kv.remap import rotate_keys
+from chunkstore.kv.rope import RotaryConfig, rotation_table
 
 from .common import IsolatedStep, RequestPlan
 from .config import ConnectorConfig

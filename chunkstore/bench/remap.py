@@ -19,7 +19,8 @@ import torch
 
 from chunkstore.bench.timing import timed
 from chunkstore.kv.paging import slot_mapping
-from chunkstore.kv.rope import RotaryConfig, remap_keys
+from chunkstore.kv.remap import remap_keys
+from chunkstore.kv.rope import RotaryConfig
 from chunkstore.kv.writer import write_chunk, write_torch, writer_for
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

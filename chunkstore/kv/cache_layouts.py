@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from chunkstore.errors import LayoutError
-from chunkstore.kv.rope import RotaryConfig, rotate_keys
+from chunkstore.kv.remap import rotate_keys
+from chunkstore.kv.rope import RotaryConfig
 
 Views = tuple[torch.Tensor, torch.Tensor | None]
 

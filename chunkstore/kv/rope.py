@@ -10,6 +10,9 @@ UnsupportedRotaryError, so callers fall back to computing.
 The frequencies are computed in float32 exactly as the serving engines compute them (HF
 transformers, vLLM): a key rotated with slightly different frequencies would drift by
 delta * error, which grows with the distance moved.
+
+This module is the rotation's definition and its plain-torch kernel (CPU, CUDA); the Ascend
+kernel is ``rope_npu``, and ``remap`` picks one by the keys' device and applies it.
 """
 
 from __future__ import annotations
@@ -209,6 +212,7 @@ def pair_indices(cfg: RotaryConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return first + cfg.rotary_offset, second + cfg.rotary_offset
 
 
+# A rotation kernel (one per device type, ``remap.ROTATORS``): keys, cos, sin, config, out.
 Rotator = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, RotaryConfig, torch.Tensor], None]
 
 
@@ -242,56 +246,3 @@ def rotate_with_torch(
         if hi < keys.shape[-1]:
             out[..., hi:].copy_(keys[..., hi:])
     out[..., lo:hi].copy_(rotated)
-
-
-def _rotate_npu(
-    keys: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    cfg: RotaryConfig,
-    out: torch.Tensor,
-) -> None:
-    from chunkstore.kv import rope_npu
-
-    rope_npu.rotate(keys, cos, sin, cfg, out)
-
-
-# Device type -> rotation kernel. Adding a device back end is adding an entry.
-ROTATORS: dict[str, Rotator] = {
-    "cpu": rotate_with_torch,
-    "cuda": rotate_with_torch,
-    "npu": _rotate_npu,
-}
-
-
-def rotate_keys(
-    keys: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    cfg: RotaryConfig,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Rotate keys shaped [tokens, (heads,) head_dim] by the angles in a rotation table.
-
-    ``out`` may be ``keys`` itself (in place) or any tensor of the same shape and dtype.
-    """
-    if keys.shape[-1] != cfg.head_dim:
-        raise LayoutError(f"keys have last dim {keys.shape[-1]}, rotary expects {cfg.head_dim}")
-    if cos.shape != (keys.shape[0], cfg.rotary_dim // 2):
-        raise LayoutError(
-            f"rotation table {tuple(cos.shape)} does not fit keys {tuple(keys.shape)}"
-        )
-    if keys.dim() == 3:
-        cos, sin = cos[:, None, :], sin[:, None, :]
-    out = keys if out is None else out
-    rotator = ROTATORS.get(keys.device.type)
-    if rotator is None:
-        raise LayoutError(f"no rotation kernel for device type {keys.device.type!r}")
-    rotator(keys, cos.to(keys.device), sin.to(keys.device), cfg, out)
-    return out
-
-
-def remap_keys(keys: torch.Tensor, deltas: torch.Tensor | int, cfg: RotaryConfig) -> torch.Tensor:
-    """A copy of ``keys`` rotated by ``deltas`` positions (one per token, or one for all)."""
-    cos, sin = rotation_table(cfg, deltas, keys.shape[0], keys.device)
-    return rotate_keys(keys, cos, sin, cfg, out=torch.empty_like(keys))

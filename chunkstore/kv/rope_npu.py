@@ -10,12 +10,10 @@ here, so tests drive this module through a fake ``torch_npu`` named as such.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:  # rope imports this module when a key is on an NPU, not the other way
-    from chunkstore.kv.rope import RotaryConfig
+from chunkstore.kv.rope import RotaryConfig, rotate_with_torch
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +57,6 @@ def rotate(
         if refusal not in _told:
             _told.add(refusal)
             log.warning("npu_rotary_mul not used (%s): rotating with torch ops", refusal)
-        from chunkstore.kv.rope import rotate_with_torch
-
         rotate_with_torch(keys, cos, sin, cfg, out)
         return
 

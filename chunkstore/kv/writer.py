@@ -16,7 +16,8 @@ import torch
 
 from chunkstore.errors import LayoutError
 from chunkstore.kv.paging import PAD_SLOT
-from chunkstore.kv.rope import RotaryConfig, rotate_keys, rotation_table
+from chunkstore.kv.remap import rotate_keys
+from chunkstore.kv.rope import RotaryConfig, rotation_table
 
 log = logging.getLogger(__name__)
 

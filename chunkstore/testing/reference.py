@@ -21,7 +21,8 @@ import torch
 
 from chunkstore.kv.keys import Isolation
 from chunkstore.kv.masks import MaskForm, SegmentLayout, isolation_mask
-from chunkstore.kv.rope import RotaryConfig, remap_keys
+from chunkstore.kv.remap import remap_keys
+from chunkstore.kv.rope import RotaryConfig
 from chunkstore.kv.segments import Segment, SegmentKind
 
 

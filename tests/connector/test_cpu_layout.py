@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from chunkstore.kv.rope import RotaryConfig, rotate_keys, rotation_table
+from chunkstore.kv.remap import rotate_keys
+from chunkstore.kv.rope import RotaryConfig, rotation_table
 from chunkstore_vllm.cpu_layout import CpuKVLayout
 
 BLOCKS, HEADS, BLOCK_SIZE, DIM = 6, 3, 16, 64

@@ -13,7 +13,8 @@ import torch
 
 from chunkstore.errors import LayoutError
 from chunkstore.kv.cache_layouts import PackedLayout, SplitLayout, StackedLayout
-from chunkstore.kv.rope import RotaryConfig, rotate_keys, rotation_table
+from chunkstore.kv.remap import rotate_keys
+from chunkstore.kv.rope import RotaryConfig, rotation_table
 from chunkstore_vllm.device_layout import DeviceKVLayout, layout_of_cache
 
 BLOCKS, BLOCK_SIZE, HEADS, DIM = 4, 8, 2, 16

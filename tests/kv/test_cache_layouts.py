@@ -18,7 +18,8 @@ from chunkstore.kv.cache_layouts import (
     StackedLayout,
 )
 from chunkstore.kv.paging import PAD_SLOT
-from chunkstore.kv.rope import RotaryConfig, remap_keys, rotation_table
+from chunkstore.kv.remap import remap_keys
+from chunkstore.kv.rope import RotaryConfig, rotation_table
 from chunkstore.kv.writer import write_chunk
 
 BLOCKS, BLOCK_SIZE, HEADS, DIM = 6, 4, 2, 8

@@ -12,7 +12,8 @@ from transformers.models.gptj import modeling_gptj as hf_gptj
 from transformers.models.llama import modeling_llama as hf_llama
 
 from chunkstore.errors import LayoutError, UnsupportedRotaryError
-from chunkstore.kv.rope import RotaryConfig, inv_frequencies, remap_keys, rotation_table
+from chunkstore.kv.remap import remap_keys
+from chunkstore.kv.rope import RotaryConfig, inv_frequencies, rotation_table
 
 EPS32 = 2.0**-24
 
@@ -199,7 +200,7 @@ def test_rotating_by_d_then_minus_d_returns_input(style: str, dtype: torch.dtype
 
 
 def test_in_place_rotation_equals_out_of_place() -> None:
-    from chunkstore.kv.rope import rotate_keys
+    from chunkstore.kv.remap import rotate_keys
 
     cfg = RotaryConfig(head_dim=64, rotary_dim=64, theta=10000.0)
     keys = torch.randn(16, 2, 64)

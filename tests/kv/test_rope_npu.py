@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from chunkstore.kv import rope_npu
-from chunkstore.kv.rope import ROTATORS, RotaryConfig, remap_keys, rotation_table
+from chunkstore.kv.remap import ROTATORS, remap_keys
+from chunkstore.kv.rope import RotaryConfig, rotation_table
 
 
 def _fake_rotary_mul(

@@ -9,7 +9,8 @@ import torch
 
 from chunkstore.errors import LayoutError
 from chunkstore.kv.paging import PAD_SLOT, slot_mapping
-from chunkstore.kv.rope import RotaryConfig, remap_keys
+from chunkstore.kv.remap import remap_keys
+from chunkstore.kv.rope import RotaryConfig
 from chunkstore.kv.writer import write_chunk, write_torch
 from chunkstore.kv.writer_cpu import write_cpu
 
