@@ -36,7 +36,6 @@ from chunkstore.kv.entry import EntryLayout, layout_of, tensors_of
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol import chunkstore_pb2_grpc as pb_grpc
 from chunkstore.protocol.device_ipc import (
-    IpcHandle,
     TensorDigest,
     close_pool,
     gather_tensor,
@@ -46,6 +45,7 @@ from chunkstore.protocol.device_ipc import (
     synchronize_pool,
     tensor_bytes,
 )
+from chunkstore.protocol.device_runtime import IpcHandle
 from chunkstore.protocol.endpoints import default_socket
 from chunkstore.protocol.fast import FastChannel
 from chunkstore.protocol.shm import EntryDigest, gather_many, map_shared_pool, scatter_parts

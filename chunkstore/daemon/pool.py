@@ -26,12 +26,8 @@ import torch
 
 from chunkstore.errors import DeviceError, InvalidRequest
 from chunkstore.protocol import shm
-from chunkstore.protocol.device_ipc import (
-    IpcHandle,
-    TensorDigest,
-    parse_device,
-    runtime_for,
-)
+from chunkstore.protocol.device_ipc import TensorDigest, parse_device, runtime_for
+from chunkstore.protocol.device_runtime import IpcHandle
 
 log = logging.getLogger(__name__)
 

@@ -1,10 +1,11 @@
 """Device pools shared between processes: one allocation made by the daemon, opened once by
 each same-node worker through the platform's IPC handle, entries addressed as byte offsets.
 
-The platform sits behind ``DeviceIPC``: ``TorchIPC`` drives torch's own sharing calls
-(CUDA ``_share_cuda_`` / ``_new_shared_cuda``; torch-npu ``_share_npu_`` / ``_new_shared_npu``,
-which wrap the ACL IPC calls, see ../shared/research/device-apis.md Q1/Q2), and
-``chunkstore.protocol.fake_device`` stands in for a device on a CPU-only host. Everything else
+The platform sits behind ``DeviceIPC`` (``device_runtime``, with the ``IpcHandle`` it
+exports): ``TorchIPC`` here drives torch's own sharing calls (CUDA ``_share_cuda_`` /
+``_new_shared_cuda``; torch-npu ``_share_npu_`` / ``_new_shared_npu``, which wrap the ACL IPC
+calls, see ../shared/research/device-apis.md Q1/Q2), and ``fake_device`` stands in for a device
+on a CPU-only host; ``runtime_for`` picks one by name. Everything else
 (handle exchange over gRPC, offsets, who holds an import, close before free, the data path)
 is this module's and the pool's, the same code whichever runtime is beneath.
 
@@ -24,107 +25,16 @@ from __future__ import annotations
 import os
 import socket
 import threading
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import xxhash
 
 from chunkstore.errors import DeviceError, InvalidRequest
-from chunkstore.protocol import chunkstore_pb2 as pb
+from chunkstore.protocol.device_runtime import DeviceIPC, IpcHandle
+from chunkstore.protocol.fake_device import FakeDeviceIPC
 from chunkstore.protocol.shm import extents
-
-
-@dataclass(frozen=True)
-class IpcHandle:
-    """What an importer needs to open a pool: torch's sharing tuple without its device
-    ordinal, plus the device's identity and the runtime that made it."""
-
-    runtime: str  # "cuda", "npu", "fake"
-    device: str  # identity: GPU UUID, "host-chip" on Ascend
-    handle: bytes
-    size: int
-    offset: int = 0
-    ref_counter_handle: bytes = b""
-    ref_counter_offset: int = 0
-    event_handle: bytes = b""
-    event_sync_required: bool = False
-
-    def to_proto(self) -> pb.DevicePool:
-        return pb.DevicePool(
-            runtime=self.runtime,
-            device=self.device,
-            handle=self.handle,
-            size=self.size,
-            offset=self.offset,
-            ref_counter_handle=self.ref_counter_handle,
-            ref_counter_offset=self.ref_counter_offset,
-            event_handle=self.event_handle,
-            event_sync_required=self.event_sync_required,
-        )
-
-    @staticmethod
-    def from_proto(msg: pb.DevicePool) -> IpcHandle:
-        return IpcHandle(
-            msg.runtime,
-            msg.device,
-            msg.handle,
-            msg.size,
-            msg.offset,
-            msg.ref_counter_handle,
-            msg.ref_counter_offset,
-            msg.event_handle,
-            msg.event_sync_required,
-        )
-
-
-class DeviceIPC(ABC):
-    """One platform's allocation and IPC calls. ``index`` is this process's ordinal."""
-
-    kind: str
-
-    @abstractmethod
-    def identity(self, index: int) -> str:
-        """The device's identity, the same in every process on the node."""
-
-    @abstractmethod
-    def visible(self) -> list[str]:
-        """Identities of this process's devices, by ordinal."""
-
-    @abstractmethod
-    def allocate(self, index: int, nbytes: int) -> torch.Tensor:
-        """A uint8 tensor of its own allocation (IPC shares whole allocations)."""
-
-    @abstractmethod
-    def export(self, pool: torch.Tensor) -> IpcHandle: ...
-
-    @abstractmethod
-    def open(self, handle: IpcHandle, index: int) -> torch.Tensor: ...
-
-    @abstractmethod
-    def close(self, opened: torch.Tensor) -> None: ...
-
-    @abstractmethod
-    def free(self, pool: torch.Tensor) -> None: ...
-
-    def synchronize(self, tensor: torch.Tensor) -> None:  # noqa: B027  (CPU: nothing queued)
-        """Wait until copies queued on the tensor's device have landed."""
-
-    def importers(self, pool: torch.Tensor) -> list[int] | None:
-        """Live processes holding an import of ``pool``, where the runtime can tell (None:
-        torch keeps a freed block in its IPC limbo until they let go, so it never asks)."""
-        return None
-
-    def index_of(self, identity: str) -> int:
-        try:
-            return self.visible().index(identity)
-        except ValueError:
-            raise DeviceError(
-                f"the pool is on device {identity}, which this process does not see "
-                f"(it sees {self.visible() or 'none'}): check *_VISIBLE_DEVICES"
-            ) from None
 
 
 class TorchIPC(DeviceIPC):
@@ -208,8 +118,6 @@ class TorchIPC(DeviceIPC):
 def runtime_for(kind: str) -> DeviceIPC:
     """The IPC runtime of a pool device kind: "cuda", "npu", or "fake" (the CPU stand-in)."""
     if kind == "fake":
-        from chunkstore.protocol.fake_device import FakeDeviceIPC
-
         return FakeDeviceIPC()
     return TorchIPC(kind)
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from chunkstore.errors import DeviceError
-from chunkstore.protocol.device_ipc import DeviceIPC, IpcHandle
+from chunkstore.protocol.device_runtime import DeviceIPC, IpcHandle
 
 ENV = "FAKE_VISIBLE_DEVICES"
 DIRECTORY = Path("/dev/shm")

@@ -20,7 +20,8 @@ import torch
 from chunkstore.client import ChunkStoreClient
 from chunkstore.errors import ChecksumMismatch, DeviceError, InvalidRequest
 from chunkstore.processes.daemon import serve_env
-from chunkstore.protocol.device_ipc import IpcHandle, TensorDigest, parse_device
+from chunkstore.protocol.device_ipc import TensorDigest, parse_device
+from chunkstore.protocol.device_runtime import IpcHandle
 from chunkstore.protocol.fake_device import ENV, FakeDeviceIPC
 from chunkstore.testing.entries import entry_key, random_kv, wait_for
 
@@ -51,7 +52,7 @@ def handle_text(handle: IpcHandle) -> str:
 OPEN_AND_WAIT = """
 import sys
 from chunkstore.errors import DeviceError
-from chunkstore.protocol.device_ipc import IpcHandle
+from chunkstore.protocol.device_runtime import IpcHandle
 from chunkstore.protocol.fake_device import FakeDeviceIPC
 handle = {handle}
 ipc = FakeDeviceIPC()
@@ -105,7 +106,7 @@ def test_the_fake_refuses_what_the_drivers_refuse(monkeypatch: pytest.MonkeyPatc
 
 TRY_OPEN = """
 from chunkstore.errors import DeviceError
-from chunkstore.protocol.device_ipc import IpcHandle
+from chunkstore.protocol.device_runtime import IpcHandle
 from chunkstore.protocol.fake_device import FakeDeviceIPC
 handle = {handle}
 try:
