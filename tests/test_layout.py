@@ -149,3 +149,97 @@ def test_the_rule_check_catches_what_it_is_for() -> None:
         "chunkstore.processes.daemon imports chunkstore.testing.entries",
         "chunkstore_vllm.worker imports chunkstore.protocol",
     ]
+
+
+def import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
+    """Module -> the project modules it imports (function-level imports too: a lazy import is
+    a dependency all the same), less imports of its own ancestor packages. Python runs a
+    package's ``__init__`` before any module in it, so a module importing its package (the
+    root ``chunkstore`` for ``__version__``, or ``from chunkstore.protocol import
+    chunkstore_pb2``) reads a namespace that is there already and orders nothing; the other
+    direction, an ``__init__`` importing its submodules to expose them, is an edge like any."""
+    known = set(sources)
+    return {
+        module: {
+            name
+            for name in imports_of(source, module, is_package, known)
+            if name in known and name != module and not _under(module, name)
+        }
+        for module, (source, is_package) in sources.items()
+    }
+
+
+def circles(graph: dict[str, set[str]]) -> list[str]:
+    """One line per group of modules that import each other round (a strongly connected
+    component of more than one module), naming one circle through it: "a -> b -> a"."""
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(module: str) -> None:  # Tarjan's algorithm
+        order[module] = low[module] = len(order)
+        stack.append(module)
+        for name in sorted(graph[module]):
+            if name not in order:
+                visit(name)
+                low[module] = min(low[module], low[name])
+            elif name in stack:
+                low[module] = min(low[module], order[name])
+        if low[module] == order[module]:  # the root of a group: it is on the stack above it
+            group = set(stack[stack.index(module) :])
+            del stack[stack.index(module) :]
+            if len(group) > 1:
+                found.append(" -> ".join(_circle_through(min(group), group, graph)))
+
+    for module in sorted(graph):
+        if module not in order:
+            visit(module)
+    return sorted(found)
+
+
+def _circle_through(start: str, group: set[str], graph: dict[str, set[str]]) -> list[str]:
+    """The shortest path from ``start`` back to itself inside ``group``."""
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        following = []
+        for module in frontier:
+            for name in sorted(graph[module] & group):
+                if name == start:
+                    return [*paths[module], start]
+                if name not in paths:
+                    paths[name] = [*paths[module], name]
+                    following.append(name)
+        frontier = following
+    raise AssertionError(f"{start} is on no circle in {group}")
+
+
+def test_no_import_circles_between_files() -> None:
+    """Each file imports downward only: no two modules import each other, however round."""
+    sources = {
+        name: (path.read_text(), path.name == "__init__.py")
+        for name, path in project_modules().items()
+    }
+    assert circles(import_graph(sources)) == []
+
+
+def test_the_circle_check_catches_what_it_is_for() -> None:
+    """The checker itself: a circle through a lazy import is reported with its path, each
+    group once; a package importing its submodules, and a module importing the package root,
+    are not circles."""
+    sources = {
+        "chunkstore": ("from chunkstore import kv", True),
+        "chunkstore.kv": ("from chunkstore.kv import rope", True),
+        "chunkstore.kv.rope": ("import chunkstore\ndef f():\n    from . import rope_npu", False),
+        "chunkstore.kv.rope_npu": ("from chunkstore.kv.rope import RotaryConfig", False),
+        "chunkstore.protocol": ("", True),
+        "chunkstore.protocol.a": ("from chunkstore.protocol import b", False),
+        "chunkstore.protocol.b": ("from chunkstore.protocol.c import X", False),
+        "chunkstore.protocol.c": ("from .a import Y\nfrom chunkstore.kv import rope", False),
+    }
+    assert circles(import_graph(sources)) == [
+        "chunkstore.kv.rope -> chunkstore.kv.rope_npu -> chunkstore.kv.rope",
+        "chunkstore.protocol.a -> chunkstore.protocol.b -> chunkstore.protocol.c"
+        " -> chunkstore.protocol.a",
+    ]
