@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from chunkstore.kv.paging import request_slots
 from chunkstore.kv.remap import rotate_keys
 from chunkstore.kv.rope import RotaryConfig
 
@@ -131,9 +132,5 @@ class CpuKVLayout:
             cache[0].copy_(saved)
 
     def slots(self, block_ids: torch.Tensor, start: int, count: int) -> torch.Tensor:
-        """Slots of positions [start, start + count) of a request with this block table
-        (seed 004)."""
-        positions = torch.arange(start, start + count)
-        return block_ids[positions // self.block_size] * self.block_size + (
-            positions % self.block_size
-        )
+        """Slots of positions [start, start + count) of a request with this block table."""
+        return request_slots(block_ids, start, count, self.block_size)

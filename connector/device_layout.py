@@ -27,6 +27,7 @@ import torch
 
 from chunkstore.errors import LayoutError
 from chunkstore.kv.cache_layouts import CacheLayout, PackedLayout, SplitLayout, StackedLayout
+from chunkstore.kv.paging import request_slots
 from chunkstore.kv.rope import RotaryConfig
 
 from .cpu_layout import CpuKVLayout
@@ -129,10 +130,8 @@ class DeviceKVLayout:
                 value_view[0].copy_(saved[1])
 
     def slots(self, block_ids: torch.Tensor, start: int, count: int) -> torch.Tensor:
-        positions = torch.arange(start, start + count)
-        return block_ids[positions // self.block_size] * self.block_size + (
-            positions % self.block_size
-        )
+        """Slots of positions [start, start + count) of a request with this block table."""
+        return request_slots(block_ids, start, count, self.block_size)
 
 
 def layout_of_cache(cache: torch.Tensor, head_dim: int) -> CacheLayout:

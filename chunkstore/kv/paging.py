@@ -27,6 +27,13 @@ def slot_mapping(
     return block_numbers * block_size + positions.long() % block_size
 
 
+def request_slots(block_ids: torch.Tensor, start: int, count: int, block_size: int) -> torch.Tensor:
+    """Slots of positions [start, start + count) of one request whose block table is
+    ``block_ids``: ``slot_mapping`` of that request alone."""
+    positions = torch.arange(start, start + count)
+    return slot_mapping(torch.zeros_like(positions), positions, block_ids[None, :], block_size)
+
+
 def cp_owner(
     positions: torch.Tensor,
     cp_world_size: int,

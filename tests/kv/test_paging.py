@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chunkstore.kv.paging import PAD_SLOT, cp_owner, cp_slot_mapping, slot_mapping
+from chunkstore.kv.paging import (
+    PAD_SLOT,
+    cp_owner,
+    cp_slot_mapping,
+    request_slots,
+    slot_mapping,
+)
 
 BLOCK_SIZE = 2
 
@@ -29,6 +35,12 @@ def test_seed_004_step_2_chunked_prefill() -> None:
     req = torch.tensor([0, 1, 2, 2, 2])
     pos = torch.tensor([3, 2, 5, 6, 7])
     assert slot_mapping(req, pos, table, BLOCK_SIZE).tolist() == [5, 14, 13, 16, 17]
+
+
+def test_one_request_slots_are_its_rows_slot_mapping() -> None:
+    # Positions 3..6 of request 2 of step 2 (blocks [4, 5, 6, 8]), as the connector asks.
+    blocks = torch.tensor([4, 5, 6, 8])
+    assert request_slots(blocks, 3, 4, BLOCK_SIZE).tolist() == [11, 12, 13, 16]
 
 
 @pytest.mark.parametrize(("world", "interleave"), [(1, 1), (2, 1), (2, 4), (4, 2), (3, 1)])
