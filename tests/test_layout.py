@@ -111,11 +111,16 @@ def _under(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
 
 
-def test_imports_run_one_way() -> None:
-    sources = {
+def project_sources() -> dict[str, tuple[str, bool]]:
+    """Every project module -> (its source, whether it is a package's ``__init__``)."""
+    return {
         name: (path.read_text(), path.name == "__init__.py")
         for name, path in project_modules().items()
     }
+
+
+def test_imports_run_one_way() -> None:
+    sources = project_sources()
     assert len(sources) > 40
     assert broken_rules(sources) == []
 
@@ -217,11 +222,7 @@ def _circle_through(start: str, group: set[str], graph: dict[str, set[str]]) -> 
 
 def test_no_import_circles_between_files() -> None:
     """Each file imports downward only: no two modules import each other, however round."""
-    sources = {
-        name: (path.read_text(), path.name == "__init__.py")
-        for name, path in project_modules().items()
-    }
-    assert circles(import_graph(sources)) == []
+    assert circles(import_graph(project_sources())) == []
 
 
 def test_the_circle_check_catches_what_it_is_for() -> None:
