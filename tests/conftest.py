@@ -1,5 +1,15 @@
 """Shared fixtures: the test models, built once and cached (chunkstore.models), and
-real ``chunkstore serve`` processes (chunkstore.processes.daemon)."""
+real ``chunkstore serve`` processes (chunkstore.processes.daemon).
+
+vLLM runs in the tests with its engine in the process that drives it
+(VLLM_ENABLE_V1_MULTIPROCESSING=0, set here for the whole session): a vLLM probe then starts
+one Python process instead of three (driver, engine core, worker), each of which imports torch
+and vLLM; that is ~30 s of a ~45 s probe on 2 cores, and the suite starts ~60 probes. The
+connector is the same code either way (its scheduler and worker sides are separate objects).
+What the deployed process layout adds, the metadata pickled from the scheduler to the workers,
+stays covered: every ``vllm serve`` the tests start (chunkstore.testing.vllm_server, the
+README quickstart) and every tensor-parallel run keeps its engine and workers in processes.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +21,13 @@ import pytest
 
 from chunkstore.models import model_dir
 from chunkstore.processes.daemon import RunningDaemon, start_daemon
+
+
+@pytest.fixture(scope="session", autouse=True)
+def vllm_engine_in_process() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -52,7 +52,9 @@ class VllmServer:
             "--kv-transfer-config",
             json.dumps(transfer),
         ]
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+        # Served as deployed: engine core and worker in their own processes, whatever the
+        # tests set for their in-process probes (tests/conftest.py).
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
         self.log_path = workdir / "vllm-serve.log"
         self.log = self.log_path.open("w")
         self.process = subprocess.Popen(
