@@ -25,7 +25,8 @@ class ConnectorConfig:
     load_threads: int = 2  # threads that write a layer's loaded entries side by side
     load_cpus: str = "all"  # where they run: all | vllm (its compute cores) | a list "0-3,8"
     inband_isolation: bool = True  # the isolation mask inside vLLM's attention (worker hook)
-    # Answer quality under isolation (each needs in-band isolation; README, "Quality"):
+    # Answer quality under isolation (each needs in-band isolation; docs/connector.md,
+    # "Answer quality"):
     virtual_gap: int = 0  # chunks computed as if standing this many tokens after sys
     recompute_chunks: int = 0  # a question's last N chunks computed seeing all before them
     recompute_tokens: int = 0  # each chunk's first N tokens recomputed seeing all before them

@@ -6,7 +6,8 @@ across two, a fact with look-alikes in other documents), each a chat prompt
 - ``full``: vLLM without the connector (causal prefill: every document sees those before it);
 - ``isolated``: the connector with its default settings (chunks isolated, nothing recovered);
 - a recovery method: connector settings joined by ``+``, e.g. ``virtual_gap=200`` or
-  ``virtual_gap=200+recompute_tokens=16`` (README, "Answer quality").
+  ``virtual_gap=200+recompute_tokens=16`` (docs/benchmarks.md, "Answer quality: chunkstore
+  bench quality --json").
 Each method runs in its own vLLM process against its own empty daemon; cases share documents,
 so most chunks are loaded from the store and the rest computed in the request (the methods
 act the same on both). Accuracy comes with its 95% Wilson interval; ``gap_closed`` is the
@@ -57,7 +58,8 @@ DEFAULT_METHODS = (
 # A chat prompt: the documents are the user's message, the question closes it.
 SYS_TEXT = "<|im_start|>system\n" + qa_cases.SYS + "<|im_end|>\n<|im_start|>user\nDocuments:\n"
 QUESTION_TEXT = "\nQuestion: {}<|im_end|>\n<|im_start|>assistant\n"
-SEPARATOR = "##"  # the README's table was measured with it (before "auto" became the default)
+# The separator of docs/benchmarks.md's table (Answer quality), from before "auto" was the default.
+SEPARATOR = "##"
 KNOBS: dict[str, type] = {
     "virtual_gap": int,
     "recompute_chunks": int,

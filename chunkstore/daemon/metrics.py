@@ -1,4 +1,4 @@
-"""Prometheus metrics of the daemon (names listed in the README).
+"""Prometheus metrics of the daemon (names listed in docs/operations.md, "Daemon metrics").
 
 Counts the index already keeps (lookups, hits, evictions, entries, leases) are read from it at
 scrape time, so the metrics move exactly as the operations did; what only the server sees

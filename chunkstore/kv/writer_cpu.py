@@ -1,10 +1,11 @@
 """The fused CPU remap-and-write kernel: one pass reads a stored chunk and writes its rotated
 keys and its values into the paged cache at their slots.
 
-Plain torch needs several passes over the keys (multiply, add, scatter), three times the
-cost of the copy on these CPUs; this loop costs about what the copy does (README, "remap").
-Numba compiles it once per process (cached on disk). bfloat16 is handled as raw 16-bit words:
-widened to float32 by a shift, rotated, narrowed with round-to-nearest-even as torch does.
+Plain torch needs several passes over the keys (multiply, add, scatter), about four times the
+cost of the copy on these CPUs; this loop costs about what the copy does (docs/benchmarks.md,
+"chunkstore bench remap --json"). Numba compiles it once per process (cached on disk).
+bfloat16 is handled as raw 16-bit words: widened to float32 by a shift, rotated, narrowed with
+round-to-nearest-even as torch does.
 """
 
 from __future__ import annotations

@@ -128,11 +128,11 @@ def gather_many(
     the entries are shared out over ``threads`` (1 or 2, ``_by_stripes``), so many small
     entries read as fast as one large one. Each stripe is hashed from the pool right after
     its copy: the copy left the source in L2, while a streamed destination is not in any
-    cache (hashing ``out`` after a cached copy made a read 1.3x slower, README). The pool's
-    bytes are hashed after they were copied, so a change to them before or during the copy
-    shows as a mismatch. One thread is one copy, not torch's: torch splits a copy over its
-    intra-op threads, one per core in every reader process, and readers side by side
-    oversubscribe the cores."""
+    cache (hashing ``out`` after a cached copy made a read 1.3x slower: docs/benchmarks.md,
+    "chunkstore bench store --json"). The pool's bytes are hashed after they were copied, so
+    a change to them before or during the copy shows as a mismatch. One thread is one copy,
+    not torch's: torch splits a copy over its intra-op threads, one per core in every reader
+    process, and readers side by side oversubscribe the cores."""
     stripes = [
         (i, s) for i, (_, out) in enumerate(reads) for s in range(-(-out.shape[0] // STRIPE))
     ]

@@ -6,7 +6,7 @@ nobody reads the destination soon, so both the put's copy into the pool and the 
 of it store around the caches instead. glibc's memcpy does this only above
 ``x86_non_temporal_threshold`` (240 MiB on the development machine), which our 1 MiB
 stripes never reach. Measured there (2 threads, 180 MiB into the pool): 8.8 ms against
-12.5 ms for numpy's copy (README, "store").
+12.5 ms for numpy's copy (docs/benchmarks.md, "chunkstore bench store --json").
 
 The kernel (``streamcopy_kernel``, compiled by numba at the first copy and cached on disk) is
 a loop of 8-byte stores tagged ``!nontemporal`` (x86: ``movnti``; AArch64: ``stnp``), then a

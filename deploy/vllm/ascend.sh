@@ -6,7 +6,8 @@
 # torch_npu._npu_reshape_and_cache put tokens where it reads them; keys are rotated on the
 # NPU (npu_rotary_mul where its rules allow). An NZ-format or quantized cache, an MLA model,
 # a failed probe: the connector says why and computes. The in-band isolation hook serves
-# vLLM's CPU attention only. None of this has run on an NPU yet (README, "What is left").
+# vLLM's CPU attention only. None of this has run on an NPU yet (docs/whats-left.md,
+# "The connector on GPU / NPU back ends").
 set -euo pipefail
 MODEL=${MODEL:?set MODEL to the model folder}
 HERE=$(cd "$(dirname "$0")" && pwd)

@@ -1,7 +1,7 @@
-"""Cluster trust (README, "Trust between daemons"): the client token never leaves for a peer,
-the peer token reads and nothing else, and with --peer-ca a daemon pulls only from peers whose
-certificate it verifies. Real daemons, a real Redis, openssl's certificates, and a spy gRPC
-server that Redis lists as a holder."""
+"""Cluster trust (docs/daemon.md, "Trust between daemons"): the client token never leaves for
+a peer, the peer token reads and nothing else, and with --peer-ca a daemon pulls only from
+peers whose certificate it verifies. Real daemons, a real Redis, openssl's certificates, and a
+spy gRPC server that Redis lists as a holder."""
 
 from __future__ import annotations
 
