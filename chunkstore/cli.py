@@ -4,60 +4,30 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import sys
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from chunkstore.bench import e2e as e2e_bench
-from chunkstore.bench import pull as pull_bench
-from chunkstore.bench import quality as quality_bench
-from chunkstore.bench import remap as remap_bench
-from chunkstore.bench import scale as scale_bench
-from chunkstore.bench import store as store_bench
 from chunkstore.models import MODELS, model_dir
 
-BENCHES: dict[
-    str,
-    tuple[
-        Callable[[argparse.ArgumentParser], None],
-        Callable[[argparse.Namespace], Iterator[dict[str, Any]]],
-        str,
-    ],
-] = {
-    "remap": (
-        remap_bench.add_arguments,
-        remap_bench.run,
-        "RoPE remap + paged write of a chunk against a plain copy (ratio_vs_copy)",
-    ),
-    "e2e": (
-        e2e_bench.add_arguments,
-        e2e_bench.run,
-        "time to first token in vLLM: no connector, prefix caching, chunkstore (ttft_speedup)",
-    ),
-    "pull": (
-        pull_bench.add_arguments,
-        pull_bench.run,
-        "a peer pull of one entry over Mooncake's Transfer Engine vs the gRPC stream "
-        "(pull_engine_vs_stream)",
-    ),
-    "quality": (
-        quality_bench.add_arguments,
-        quality_bench.run,
-        "answer accuracy on generated multi-document QA, per recovery method, with TTFT",
-    ),
-    "scale": (
-        scale_bench.add_arguments,
-        scale_bench.run,
-        "the daemon at 1k / 10k / 100k entries, with pinned entries, and with 1-8 readers",
-    ),
-    "store": (
-        store_bench.add_arguments,
-        store_bench.run,
-        "daemon lookups, and reads via shared memory against memcpy, Redis and gRPC",
-    ),
+# Bench name -> what it measures. Each is the module chunkstore.bench.NAME, with
+# add_arguments(parser) and run(args) -> rows; imported only by `chunkstore bench` (the benches
+# load torch and vLLM's helpers, seconds that `chunkstore serve` and the admin verbs skip).
+BENCHES: dict[str, str] = {
+    "remap": "RoPE remap + paged write of a chunk against a plain copy (ratio_vs_copy)",
+    "e2e": "time to first token in vLLM: no connector, prefix caching, chunkstore (ttft_speedup)",
+    "pull": "a peer pull of one entry over Mooncake's Transfer Engine vs the gRPC stream "
+    "(pull_engine_vs_stream)",
+    "quality": "answer accuracy on generated multi-document QA, per recovery method, with TTFT",
+    "scale": "the daemon at 1k / 10k / 100k entries, with pinned entries, and with 1-8 readers",
+    "store": "daemon lookups, and reads via shared memory against memcpy, Redis and gRPC",
 }
+
+
+def _bench_module(name: str) -> Any:
+    return importlib.import_module(f"chunkstore.bench.{name}")
 
 
 def _print_table(rows: list[dict[str, Any]]) -> None:
@@ -72,7 +42,7 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
 
 def _bench(args: argparse.Namespace) -> int:
     rows = []
-    for row in BENCHES[args.name][1](args):
+    for row in _bench_module(args.name).run(args):
         if args.json:
             print(json.dumps(row), flush=True)
         rows.append(row)
@@ -281,7 +251,7 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _add_daemon_address(parser: argparse.ArgumentParser, token: bool = True) -> None:
-    from chunkstore.client import default_address
+    from chunkstore.protocol.endpoints import default_address
 
     parser.add_argument(
         "--address",
@@ -331,7 +301,9 @@ def _add_prompt_shape(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(bench_arguments: bool = True) -> argparse.ArgumentParser:
+    """The whole command line; ``bench_arguments=False`` leaves out each bench's own arguments
+    (and the imports they need), for any command but ``bench``."""
     parser = argparse.ArgumentParser(
         prog="chunkstore",
         description="Position-independent KV-cache service for LLM serving.",
@@ -345,9 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
         "with a 'bench' field and its figures; ratios are measured side by side.",
     )
     benches = bench.add_subparsers(dest="name", required=True, metavar="NAME")
-    for name, (add_arguments, _, summary) in BENCHES.items():
+    for name, summary in BENCHES.items():
         sub = benches.add_parser(name, help=summary, description=summary)
-        add_arguments(sub)
+        if bench_arguments:
+            _bench_module(name).add_arguments(sub)
         sub.add_argument("--json", action="store_true", help="one JSON object per line")
         sub.set_defaults(func=_bench)
 
@@ -465,7 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(bench_arguments=argv[:1] == ["bench"]).parse_args(argv)
     result: int = args.func(args)
     return result
 

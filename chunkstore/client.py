@@ -46,7 +46,7 @@ from chunkstore.protocol.device_ipc import (
     tensor_bytes,
 )
 from chunkstore.protocol.device_runtime import IpcHandle
-from chunkstore.protocol.endpoints import default_socket
+from chunkstore.protocol.endpoints import default_address as default_address  # re-exported
 from chunkstore.protocol.fast import FastChannel
 from chunkstore.protocol.shm import EntryDigest, gather_many, map_shared_pool, scatter_parts
 from chunkstore.protocol.wire import (
@@ -60,11 +60,6 @@ from chunkstore.protocol.wire import (
 log = logging.getLogger("chunkstore.client")
 
 WRITE_PIECE = 1 << 20
-
-
-def default_address() -> str:
-    """The node's daemon when no address is configured: its default unix socket."""
-    return f"unix:{default_socket()}"
 
 
 def _batches(keys: Sequence[bytes]) -> Iterator[list[bytes]]:

@@ -1,11 +1,11 @@
 """The chunk pool: one preallocated region carved into fixed-size blocks. It owns bytes and
 which blocks are free; it knows nothing of entries (the index does).
 
-Back ends sit behind ``Pool`` and ``create_pool``. The CPU pool is a file in shared memory
-that clients on the same host map, so a read or write is one copy between a client's tensors
-and the pool, never through the daemon. A device pool (CUDA, NPU, or the CPU stand-in
-"fake") is one device allocation that same-node clients open once through its IPC handle
-(``protocol/device_ipc.py``); the daemon frees it only after every importer closed.
+Back ends sit behind ``Pool``, and ``pool_factory.create_pool`` picks one. This file holds the
+interface and the CPU pool: a file in shared memory that clients on the same host map, so a
+read or write is one copy between a client's tensors and the pool, never through the daemon.
+Device pools are in ``device_pool.py``; this file does not import torch, so a daemon on a CPU
+pool starts without it.
 """
 
 from __future__ import annotations
@@ -15,19 +15,18 @@ import mmap
 import os
 import secrets
 import stat
-import time
-import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from chunkstore.errors import DeviceError, InvalidRequest
+from chunkstore.errors import InvalidRequest
 from chunkstore.protocol import shm
-from chunkstore.protocol.device_ipc import TensorDigest, parse_device, runtime_for
-from chunkstore.protocol.device_runtime import IpcHandle
+
+if TYPE_CHECKING:
+    from chunkstore.protocol.device_runtime import IpcHandle
 
 log = logging.getLogger(__name__)
 
@@ -160,75 +159,6 @@ class SharedMemoryPool(Pool):
         # The mapping goes when the last view of it does (clients' maps keep their pages).
 
 
-class DevicePool(Pool):
-    """One device allocation shared by IPC. The daemon's own reads and writes (streamed
-    transport, verification) copy through the host; same-node clients copy device to device
-    through their import. Entries are checked with ``TensorDigest``."""
-
-    def __init__(self, device: str, block_size: int, num_blocks: int) -> None:
-        super().__init__(block_size, num_blocks)
-        kind, index = parse_device(device)
-        self.runtime = runtime_for(kind)
-        self._device = f"{kind}:{index}"
-        self.tensor = self.runtime.allocate(index, self.capacity)
-        self._handle = self.runtime.export(self.tensor)
-        log.info(
-            "device pool: %d bytes on %s (%s)", self.capacity, self._device, self._handle.device
-        )
-
-    @property
-    def device(self) -> str:
-        return self._device
-
-    @property
-    def shm_path(self) -> str:
-        return ""
-
-    @property
-    def ipc_handle(self) -> IpcHandle:
-        return self._handle
-
-    def region(self) -> np.ndarray:
-        raise InvalidRequest(
-            f"the {self._device} pool has no host region: a transfer engine registers host "
-            "memory (serve device pools with --transfer-engine none)"
-        )
-
-    def checksum(self, blocks: Sequence[int], nbytes: int) -> int:
-        digest = TensorDigest()
-        for start, length in shm.extents(blocks, self.block_size, 0, nbytes):
-            digest.update(self.tensor[start : start + length])
-        return digest.intdigest()
-
-    def scatter(self, blocks: Sequence[int], data: np.ndarray, offset: int = 0) -> None:
-        with warnings.catch_warnings():  # read-only bytes off the wire: only read here
-            warnings.simplefilter("ignore", UserWarning)
-            source = torch.from_numpy(data)
-        done = 0
-        end = offset + data.shape[0]
-        for start, length in shm.extents(blocks, self.block_size, offset, end):
-            self.tensor[start : start + length].copy_(source[done : done + length])
-            done += length
-        self.runtime.synchronize(self.tensor)
-
-    def read(self, start: int, end: int) -> bytes:
-        return self.tensor[start:end].cpu().numpy().tobytes()
-
-    def close(self, grace: float = 0.0) -> None:
-        """Free once no process imports the pool; after ``grace`` seconds of waiting, leave it
-        allocated rather than free it under an importer (the runtime frees it when the last
-        one closes or exits)."""
-        deadline = time.monotonic() + grace
-        holders = self.runtime.importers(self.tensor)
-        while holders and time.monotonic() < deadline:
-            time.sleep(0.05)
-            holders = self.runtime.importers(self.tensor)
-        try:
-            self.runtime.free(self.tensor)
-        except DeviceError as err:
-            log.error("device pool on %s not freed: %s", self._device, err)
-
-
 def _owner_gone(pid: int) -> bool:
     if pid == os.getpid():
         return True  # this daemon has not made its pool yet: a dead one's, same pid reused
@@ -259,16 +189,3 @@ def reclaim_stale_pools(directory: str | Path) -> list[tuple[Path, int]]:
             path.unlink(missing_ok=True)
             removed.append((path, st.st_size))
     return removed
-
-
-def create_pool(
-    device: str,
-    block_size: int,
-    num_blocks: int,
-    shm_dir: str = "/dev/shm",
-    group_access: bool = False,
-) -> Pool:
-    """The pool back end for a device: "cpu", or "cuda[:N]", "npu[:N]", "fake[:N]"."""
-    if device == "cpu":
-        return SharedMemoryPool(block_size, num_blocks, shm_dir, group_access=group_access)
-    return DevicePool(device, block_size, num_blocks)

@@ -29,7 +29,8 @@ from chunkstore.daemon.fastpath import FastPath
 from chunkstore.daemon.index import Entry, Index
 from chunkstore.daemon.metrics import Metrics
 from chunkstore.daemon.peers import EnginePeers, PeerSource, PeerTLS, StreamPeers
-from chunkstore.daemon.pool import Pool, create_pool, reclaim_stale_pools
+from chunkstore.daemon.pool import Pool, reclaim_stale_pools
+from chunkstore.daemon.pool_factory import create_pool
 from chunkstore.daemon.transfer import Endpoint, MooncakeEngine
 from chunkstore.daemon.workers import Workers
 from chunkstore.errors import Busy, InvalidRequest, StoreError, Unavailable

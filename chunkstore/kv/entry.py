@@ -4,13 +4,23 @@ head_dim] then values, each C-contiguous in the stored dtype (MLA: one latent te
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from chunkstore.errors import InvalidRequest
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+# The stored dtypes by name, with their item sizes. Names, not torch dtypes: the daemon checks
+# layouts without importing torch (it starts in a fraction of the time).
+ITEMSIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 KINDS = ("kv", "mla")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, name)
 
 
 @dataclass(frozen=True)
@@ -24,8 +34,8 @@ class EntryLayout:
     virtual_start: int
 
     def validate(self) -> None:
-        if self.dtype not in DTYPES:
-            raise InvalidRequest(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.dtype not in ITEMSIZES:
+            raise InvalidRequest(f"dtype {self.dtype!r} is not one of {', '.join(ITEMSIZES)}")
         if self.kind not in KINDS:
             raise InvalidRequest(f"kind {self.kind!r} is not one of {', '.join(KINDS)}")
         dims = (self.num_layers, self.num_kv_heads, self.head_dim, self.num_tokens)
@@ -41,9 +51,8 @@ class EntryLayout:
     @property
     def nbytes(self) -> int:
         """Bytes the layout needs: K and V (or one latent for MLA)."""
-        itemsize = torch.empty(0, dtype=DTYPES[self.dtype]).element_size()
         count = self.num_layers * self.num_tokens * self.num_kv_heads * self.head_dim
-        return count * itemsize * (2 if self.kind == "kv" else 1)
+        return count * ITEMSIZES[self.dtype] * (2 if self.kind == "kv" else 1)
 
 
 def layout_of(keys: torch.Tensor, values: torch.Tensor | None, virtual_start: int) -> EntryLayout:
@@ -53,7 +62,7 @@ def layout_of(keys: torch.Tensor, values: torch.Tensor | None, virtual_start: in
             "keys and values must both be [layers, tokens, kv_heads, head_dim], "
             f"got {tuple(keys.shape)} and {None if values is None else tuple(values.shape)}"
         )
-    names = {v: k for k, v in DTYPES.items()}
+    names = {torch_dtype(name): name for name in ITEMSIZES}
     if keys.dtype not in names or (values is not None and values.dtype != keys.dtype):
         raise InvalidRequest(f"unsupported or mixed dtypes {keys.dtype}")
     layers, tokens, heads, dim = keys.shape
@@ -65,7 +74,7 @@ def tensors_of(
     buffer: torch.Tensor, layout: EntryLayout
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Views of an entry's bytes (uint8) as its keys and values, no copy."""
-    typed = buffer.view(DTYPES[layout.dtype])
+    typed = buffer.view(torch_dtype(layout.dtype))
     if layout.kind == "mla":
         return typed.view(layout.tensor_shape), None
     half = typed.shape[0] // 2

@@ -12,11 +12,14 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 import xxhash
 
-from chunkstore.kv.rope import RotaryConfig
 from chunkstore.kv.segments import Segment, SegmentKind
+
+if TYPE_CHECKING:  # rope needs torch; keys alone must not (the daemon imports them)
+    from chunkstore.kv.rope import RotaryConfig
 
 KEY_BYTES = 16
 _KEY_VERSION = b"chunkstore.key.v1"

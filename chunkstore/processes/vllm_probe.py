@@ -169,7 +169,8 @@ def _counters() -> dict[str, float]:
 
 
 def _clear_store(connector: dict[str, Any]) -> None:
-    from chunkstore.client import ChunkStoreClient, default_address
+    from chunkstore.client import ChunkStoreClient
+    from chunkstore.protocol.endpoints import default_address
 
     address = connector.get("address") or default_address()
     with ChunkStoreClient(address, token=connector.get("token") or None) as client:

@@ -12,3 +12,8 @@ def default_socket() -> str:
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     base = Path(runtime) if runtime else Path("/tmp") / f"chunkstore-{os.getuid()}"
     return str(base / "chunkstore.sock")
+
+
+def default_address() -> str:
+    """The node's daemon when no address is configured: its default unix socket."""
+    return f"unix:{default_socket()}"
