@@ -150,6 +150,11 @@ class FastPath:
         with self._lock:
             self._stopping = True
             connections = list(self._connections)
+        # Closing a socket does not wake a thread blocked in its accept() on Linux; shutting
+        # it down does (accept fails with EINVAL), so the accept thread ends now, not at the
+        # join's timeout.
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
         for conn in connections:
             with contextlib.suppress(OSError):
