@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -64,3 +66,16 @@ def test_the_token_is_not_printed() -> None:
 
 def test_generated_stubs_match_the_proto() -> None:
     assert stale_outputs() == []
+
+
+def test_the_daemon_and_its_command_line_start_without_torch() -> None:
+    """torch takes seconds to import: ``chunkstore serve`` on a CPU pool, the admin verbs'
+    parser and ``--help`` never load it (a device pool and the benches do, when asked for)."""
+    code = (
+        "import sys\n"
+        "import chunkstore.cli, chunkstore.daemon.server\n"
+        "chunkstore.cli.build_parser(bench_arguments=False)\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
