@@ -9,6 +9,9 @@ connector is the same code either way (its scheduler and worker sides are separa
 What the deployed process layout adds, the metadata pickled from the scheduler to the workers,
 stays covered: every ``vllm serve`` the tests start (chunkstore.testing.vllm_server, the
 README quickstart) and every tensor-parallel run keeps its engine and workers in processes.
+And each probe is forked from a process that imported vLLM once (chunkstore.testing.probe_forks:
+~17 s of CPU less per probe); the benches the tests run (through the ``chunkstore`` command)
+start theirs as users do.
 """
 
 from __future__ import annotations
@@ -20,13 +23,16 @@ from typing import Any
 import pytest
 
 from chunkstore.models import model_dir
+from chunkstore.processes import vllm_probe
 from chunkstore.processes.daemon import RunningDaemon, start_daemon
+from chunkstore.testing import probe_forks
 
 
 @pytest.fixture(scope="session", autouse=True)
 def vllm_engine_in_process() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        patch.setattr(vllm_probe, "runner", probe_forks.run)
         yield
 
 

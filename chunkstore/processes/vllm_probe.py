@@ -17,13 +17,14 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 MARKER = "VLLM_PROBE "
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("model_dir")
     parser.add_argument("prompts", help="JSON file: a list of token-ID lists")
@@ -87,7 +88,7 @@ def main() -> None:
     )
     parser.add_argument("--touch", default="", help="create this file before prompt --touch-before")
     parser.add_argument("--touch-before", type=int, default=-1)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from vllm import LLM, SamplingParams
 
@@ -205,15 +206,9 @@ def run_probe(
 ) -> list[dict[str, Any]]:
     """Run this module in a subprocess over ``prompts``; one result dict per prompt (with
     ``stats``, each holds its connector counters under ``connector``)."""
-    import subprocess
-    import sys
-
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "prompts.json").write_text(json.dumps(prompts))
     command = [
-        sys.executable,
-        "-m",
-        "chunkstore.processes.vllm_probe",
         str(model),
         str(workdir / "prompts.json"),
         "--max-model-len",
@@ -233,15 +228,28 @@ def run_probe(
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"),
     }
-    run = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
-    (workdir / "vllm.log").write_text(run.stdout + run.stderr)
+    code, stdout, stderr = runner(command, env, timeout)
+    (workdir / "vllm.log").write_text(stdout + stderr)
     results = [
         json.loads(line.removeprefix(MARKER))
-        for line in run.stdout.splitlines()
+        for line in stdout.splitlines()
         if line.startswith(MARKER)
     ]
-    if run.returncode != 0 or len(results) != len(prompts):
-        raise RuntimeError(
-            f"vLLM probe failed (log: {workdir / 'vllm.log'}):\n{run.stderr[-4000:]}"
-        )
+    if code != 0 or len(results) != len(prompts):
+        raise RuntimeError(f"vLLM probe failed (log: {workdir / 'vllm.log'}):\n{stderr[-4000:]}")
     return results
+
+
+def run_subprocess(args: list[str], env: dict[str, str], timeout: float) -> tuple[int, str, str]:
+    """This module as ``python -m`` with ``args``: (exit code, stdout, stderr)."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "chunkstore.processes.vllm_probe", *args]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    return run.returncode, run.stdout, run.stderr
+
+
+# How run_probe starts a probe: a fresh interpreter. The tests swap in one that forks it from a
+# process that imported vLLM once (chunkstore.testing.probe_forks); the benches never do.
+runner: Callable[[list[str], dict[str, str], float], tuple[int, str, str]] = run_subprocess
