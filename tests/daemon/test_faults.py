@@ -375,7 +375,9 @@ def test_a_malformed_peer_answer_fails_one_fetch_and_the_fetcher_goes_on(
 ) -> None:
     armed = tmp_path / "armed"
     with RedisServer(tmp_path / "redis") as redis_server:
-        cluster = ("--redis", redis_server.url, "--directory-ttl-s", "2")
+        # A failed pull leaves its leases on the bad peer until their TTL: stopping, it need
+        # not wait the default 10 s drain for them.
+        cluster = ("--redis", redis_server.url, "--directory-ttl-s", "2", "--drain-timeout-s", "1")
         bad = serve(*cluster, name="bad", launcher=faulty(armed, "--bad-acquire", malformed))
         good = serve(*cluster, name="good")
         here = serve(*cluster, name="here")
