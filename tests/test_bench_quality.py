@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 
@@ -23,6 +24,7 @@ def test_cases_are_seeded_and_every_answer_is_in_the_documents() -> None:
         for answer in case.answers:
             assert answer in text
         assert len(case.answers) == (2 if case.kind == "two" else 1)
+        assert len(case.relevant) == len(set(case.relevant)) == len(case.answers)
         assert case.correct(" and ".join(case.answers).upper())
         assert not case.correct("I do not know")
     # Documents recur across cases, so a store warmed by earlier cases serves later ones.
@@ -52,6 +54,22 @@ def test_a_distracted_case_holds_a_look_alike_of_its_fact() -> None:
         word = {"live": "lives in", "job": "works as", "cost": "costs"}[shape.group(1)]
         holders = [d for d in case.documents if word in d]
         assert len(holders) >= 2
+
+
+def test_the_answer_stands_at_any_slot_and_relevant_names_it() -> None:
+    cases = generate(300, seed=5, docs_per_case=5, filler=4)
+    # 300 cases ask 400 facts: 80 a slot if the slot is uniform.
+    slots = Counter(slot for case in cases for slot in case.relevant)
+    assert sorted(slots) == [0, 1, 2, 3, 4] and min(slots.values()) >= 55
+    for case in cases:
+        for slot, answer in zip(case.relevant, case.answers, strict=True):
+            assert answer in case.documents[slot]
+        if case.kind != "two":
+            # Only the relevant document names the one asked about.
+            subject = re.search(r"[A-Z][a-z]+ [A-Z][a-z]+|the \w+ \w+", case.question)
+            assert subject is not None
+            holders = [i for i, d in enumerate(case.documents) if subject[0].lower() in d.lower()]
+            assert holders == list(case.relevant)
 
 
 def test_wilson_interval_matches_known_values() -> None:

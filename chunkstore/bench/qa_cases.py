@@ -8,7 +8,10 @@ question:
 - ``one``: a fact stated in one of its documents;
 - ``two``: two facts stated in two different documents, both needed in the answer;
 - ``distracted``: a fact whose look-alike about another entity is also in the case.
-Cases share documents, so a store warmed by earlier cases serves later ones.
+The documents holding the answer stand at uniformly random slots of the case, and the case
+says which (``Case.relevant``), so a bench can rank chunks by position, by relevance to the
+question, or by that oracle. Cases share documents, so a store warmed by earlier cases
+serves later ones.
 """
 
 from __future__ import annotations
@@ -98,6 +101,7 @@ class Case:
     documents: tuple[str, ...]
     question: str
     answers: tuple[str, ...]  # every one must appear in the generated answer
+    relevant: tuple[int, ...]  # the indices in documents holding the answers, in their order
 
     def correct(self, generated: str) -> bool:
         text = generated.lower()
@@ -158,14 +162,16 @@ def generate(
         picked = rng.sample(range(pool_docs), docs_per_case)
         docs = tuple(texts[i] for i in picked)
         if kind == "two":
-            a, b = (rng.choice(by_doc[i]) for i in picked[:2])
+            slots = tuple(rng.sample(range(docs_per_case), 2))
+            a, b = (rng.choice(by_doc[picked[slot]]) for slot in slots)
             question = f"{a.question} And {b.question[0].lower()}{b.question[1:]}"
-            out.append(Case(kind, docs, question, (a.answer, b.answer)))
+            out.append(Case(kind, docs, question, (a.answer, b.answer), slots))
             continue
-        target = rng.choice(by_doc[picked[0]])
+        slot = rng.randrange(docs_per_case)
+        target = rng.choice(by_doc[picked[slot]])
         if kind == "distracted":
-            look_alikes = [f for i in picked[1:] for f in by_doc[i] if f.kind == target.kind]
-            if not look_alikes:
+            others = [i for s, i in enumerate(picked) if s != slot]
+            if not any(f.kind == target.kind for i in others for f in by_doc[i]):
                 continue  # no distractor among these documents: draw again
-        out.append(Case(kind, docs, target.question, (target.answer,)))
+        out.append(Case(kind, docs, target.question, (target.answer,), (slot,)))
     return out
