@@ -7,9 +7,11 @@ import re
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
+from chunkstore.bench import qa_cases
 from chunkstore.bench.qa_cases import generate
 from chunkstore.bench.quality import parse_method, wilson
 
@@ -56,8 +58,9 @@ def test_a_distracted_case_holds_a_look_alike_of_its_fact() -> None:
         assert len(holders) >= 2
 
 
-def test_the_answer_stands_at_any_slot_and_relevant_names_it() -> None:
-    cases = generate(300, seed=5, docs_per_case=5, filler=4)
+@pytest.mark.parametrize("prose", [False, True], ids=["templated", "prose"])
+def test_the_answer_stands_at_any_slot_and_relevant_names_it(prose: bool) -> None:
+    cases = generate(300, seed=5, docs_per_case=5, filler=4, prose=prose)
     # 300 cases ask 400 facts: 80 a slot if the slot is uniform.
     slots = Counter(slot for case in cases for slot in case.relevant)
     assert sorted(slots) == [0, 1, 2, 3, 4] and min(slots.values()) >= 55
@@ -70,6 +73,39 @@ def test_the_answer_stands_at_any_slot_and_relevant_names_it() -> None:
             assert subject is not None
             holders = [i for i, d in enumerate(case.documents) if subject[0].lower() in d.lower()]
             assert holders == list(case.relevant)
+
+
+SENTENCE_BREAK = re.compile(r"(?:(?<=[.!?])|(?<=[.!?][\"')])) (?=[A-Z\"(])")
+
+
+def test_prose_documents_are_license_sentences_around_their_two_facts() -> None:
+    cases = generate(30, seed=2, filler=16, prose=True)
+    assert cases == generate(30, seed=2, filler=16, prose=True)
+    texts = [" ".join((qa_cases.PROSE_DIR / f).read_text().split()) for f in qa_cases.PROSE_FILES]
+    corpus = " ".join(texts)
+    fact = re.compile(r"[A-Z][\w ]+ (lives in|works as a|costs) \w+( dollars)?\. ?")
+    confusing = re.compile(
+        r"\b(" + "|".join(qa_cases.CITIES + qa_cases.JOBS) + r"|1[1-9]|[2-9]\d|dollars?)\b", re.I
+    )
+    for document in {d for case in cases for d in case.documents}:
+        assert len(fact.findall(document)) == 2
+        rest = fact.sub("", document)
+        assert not confusing.search(rest)
+        sentences = [s for line in rest.splitlines() for s in SENTENCE_BREAK.split(line)]
+        # filler counts sentences (of 6 to 50 words), as for templated documents
+        assert len(re.findall(r"[.!?][\"')]?(?: |\n|$)", rest)) >= 16
+        assert 16 * 6 <= len(rest.split()) <= 16 * 50
+        for sentence in sentences:
+            assert sentence.strip() in corpus
+
+
+def test_prose_without_its_files_names_the_file_and_package(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(qa_cases, "PROSE_DIR", tmp_path)
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path}/GPL-3.*base-files"):
+        generate(3, prose=True)
+    assert len(generate(3)) == 3  # the templated filler needs no file
 
 
 def test_wilson_interval_matches_known_values() -> None:

@@ -1,10 +1,18 @@
 """Generated multi-document QA cases for ``chunkstore bench quality``: seeded, so runs compare.
 
-A pool of short documents, each stating two facts about people or things among filler
-sentences; every fact is unique in the pool, and every document's facts have look-alikes in
-other documents (the same kind of fact about someone else: distractors). A case puts
-``docs_per_case`` documents of the pool in random order and asks one of three kinds of
-question:
+A pool of documents, each stating two facts about people or things among ``filler``
+sentences that answer nothing; every fact is unique in the pool, and every document's facts
+have look-alikes in other documents (the same kind of fact about someone else: distractors).
+The filler is either eight templated sentences (about 9 words each, repeated as needed) or,
+with ``prose=True``, consecutive sentences of real English prose (about 25 words each), the
+facts inserted between them at random places: the license texts Debian's ``base-files``
+package (Essential, so on every Debian machine; slim container images drop /usr/share/doc,
+not these) installs under ``/usr/share/common-licenses``. Sentences that are headings,
+shouting, markup, or that name anything a question asks about (a city, a job, a person, a
+price-like number) are left out.
+
+A case puts ``docs_per_case`` documents of the pool in random order and asks one of three
+kinds of question:
 - ``one``: a fact stated in one of its documents;
 - ``two``: two facts stated in two different documents, both needed in the answer;
 - ``distracted``: a fact whose look-alike about another entity is also in the case.
@@ -16,8 +24,12 @@ serves later ones.
 
 from __future__ import annotations
 
+import errno
+import functools
 import random
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 SYS = "Read the documents, then answer the question in a few words."
 FIRST = [
@@ -84,6 +96,26 @@ FILLER = [
     "Most visitors came by train and left before dark.",
     "The committee met twice but decided nothing new.",
 ]
+PROSE_DIR = Path("/usr/share/common-licenses")
+PROSE_PACKAGE = "base-files"
+# The prose-rich texts (Debian Policy 12.5 keeps them all in base-files), in a fixed order so
+# that a seed draws the same cases anywhere; sentences repeated across them (GPL-2 and
+# LGPL-2.1 share many) are kept once.
+PROSE_FILES = (
+    "GPL-3",
+    "GPL-2",
+    "LGPL-2.1",
+    "LGPL-3",
+    "GFDL-1.3",
+    "MPL-2.0",
+    "MPL-1.1",
+    "Apache-2.0",
+    "Artistic",
+    "CC0-1.0",
+)
+# Legal sentences run long (25 words at the median); the longest would make one document
+# twice the length of another at the same sentence count.
+PROSE_MAX_WORDS = 50
 
 
 @dataclass(frozen=True)
@@ -146,15 +178,107 @@ def _document(rng: random.Random, facts: list[Fact], filler: int) -> str:
     return " ".join(sentences)
 
 
+_PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
+_NUMBERING = re.compile(r"^(\d+(\.\d+)*\.?|\([a-z0-9]+\)|[a-z0-9]\))\s+")
+_SENTENCE_BREAK = re.compile(r"(?:(?<=[.!?])|(?<=[.!?][\"')]))\s+(?=[A-Z\"(])")
+_SENTENCE_START = re.compile(r"[\"(]?[A-Z]")
+_SENTENCE_END = re.compile(r"[.!?][\"')]?$")
+_MARKUP = re.compile(r"[<>@`_|{}\[\]=\\*]|-{3,}|https?:|www\.|\(C\)")
+_PRICE_LIKE = re.compile(r"\b(1[1-9]|[2-9]\d)\b")  # a number that could answer "how many dollars"
+# Whatever a question asks about or a fact says: prose naming it would confuse a case.
+_FACT_WORDS = re.compile(
+    r"\b("
+    + "|".join([*CITIES, *JOBS, *FIRST, *LAST, *COLORS, *THINGS])
+    + r"|city|job|lives in|works as|costs?|dollars?)\b",
+    re.IGNORECASE,
+)
+
+
+def _is_prose(sentence: str) -> bool:
+    words = sentence.split()
+    letters = [c for c in sentence if c.isalpha()]
+    return (
+        _SENTENCE_START.match(sentence) is not None  # not the tail of a list item
+        and 6 <= len(words) <= PROSE_MAX_WORDS  # headings ("Source Code.") are shorter
+        and sum(w[0].isupper() for w in words) < 0.6 * len(words)  # Title Case: a heading
+        and sum(c.isupper() for c in letters) < 0.3 * len(letters)  # no warranty shouting
+        and _SENTENCE_END.search(sentence) is not None
+        and not _MARKUP.search(sentence)
+        and not _PRICE_LIKE.search(sentence)
+        and not _FACT_WORDS.search(sentence)
+    )
+
+
+@functools.cache
+def _prose(directory: Path) -> tuple[tuple[str, bool], ...]:
+    """The prose's sentences in reading order, each with whether it ends its paragraph."""
+    sentences: list[tuple[str, bool]] = []
+    seen: set[str] = set()
+    for name in PROSE_FILES:
+        path = directory / name
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                errno.ENOENT,
+                f"prose filler needs {path}, which Debian's {PROSE_PACKAGE} package installs "
+                f"(apt-get install --reinstall {PROSE_PACKAGE})",
+                str(path),
+            ) from None
+        for block in _PARAGRAPH_BREAK.split(text):
+            paragraph = _NUMBERING.sub("", " ".join(block.split()))
+            kept = [s for s in _SENTENCE_BREAK.split(paragraph) if _is_prose(s) and s not in seen]
+            seen.update(kept)
+            sentences += [(s, i == len(kept) - 1) for i, s in enumerate(kept)]
+    return tuple(sentences)
+
+
+def _prose_document(
+    rng: random.Random,
+    facts: list[Fact],
+    filler: int,
+    prose: tuple[tuple[str, bool], ...],
+    start: int,
+) -> str:
+    """``filler`` consecutive sentences of the prose from ``start`` (wrapping round), the
+    facts inserted between them at random places; paragraphs stay one a line."""
+    window = [prose[(start + i) % len(prose)] for i in range(filler)]
+    for fact in facts:
+        window.insert(rng.randint(0, len(window)), (fact.sentence, False))
+    return "".join(s + ("\n" if ends else " ") for s, ends in window).strip()
+
+
 def generate(
-    cases: int, seed: int = 0, pool_docs: int = 40, docs_per_case: int = 5, filler: int = 2
+    cases: int,
+    seed: int = 0,
+    pool_docs: int = 40,
+    docs_per_case: int = 5,
+    filler: int = 2,
+    prose: bool = False,
 ) -> list[Case]:
     """``cases`` cases over a pool of ``pool_docs`` documents (two facts and ``filler``
-    sentences that answer nothing each)."""
+    sentences that answer nothing each: templated ones, or real prose with ``prose``).
+    A document of ~500 tokens takes ``filler=48`` templated sentences, or 16 of prose.
+
+    Raises ``FileNotFoundError`` naming the file and its package where ``prose`` is asked
+    for and the prose is not on this machine."""
     rng = random.Random(seed)
     facts = _facts(rng, 2 * pool_docs)
     by_doc = [facts[2 * i : 2 * i + 2] for i in range(pool_docs)]
-    texts = [_document(rng, doc_facts, filler) for doc_facts in by_doc]
+    if prose:
+        sentences = _prose(PROSE_DIR)
+        # Evenly spaced starts: documents share no prose while the pool's windows fit in it.
+        base = rng.randrange(len(sentences))
+        starts = [
+            (base + i * len(sentences) // pool_docs) % len(sentences) for i in range(pool_docs)
+        ]
+        rng.shuffle(starts)
+        texts = [
+            _prose_document(rng, doc_facts, filler, sentences, start)
+            for doc_facts, start in zip(by_doc, starts, strict=True)
+        ]
+    else:
+        texts = [_document(rng, doc_facts, filler) for doc_facts in by_doc]
     out: list[Case] = []
     kinds = ("one", "two", "distracted")
     while len(out) < cases:
