@@ -9,6 +9,8 @@ from typing import Any
 from chunkstore.client import default_address
 from chunkstore.kv.keys import Isolation
 
+from .selection import RECOMPUTE_BY
+
 
 @dataclass(frozen=True)
 class ConnectorConfig:
@@ -28,7 +30,9 @@ class ConnectorConfig:
     # Answer quality under isolation (each needs in-band isolation; docs/connector.md,
     # "Answer quality"):
     virtual_gap: int = 0  # chunks computed as if standing this many tokens after sys
-    recompute_chunks: int = 0  # a question's last N chunks computed seeing all before them
+    recompute_chunks: int = 0  # N chunks recomputed whole, seeing everything before them
+    recompute_by: str = "position"  # which: position (the last N) | relevance (BM25)
+    recompute_max_tokens: int = 0  # at most this many chunk tokens recomputed (0: no cap)
     recompute_tokens: int = 0  # each chunk's first N tokens recomputed seeing all before them
     question_temperature: float = 1.0  # APE: question's scores against chunk keys / this
     question_scale: float = 1.0  # APE: the chunks' share of its attention times this
@@ -46,8 +50,21 @@ class ConnectorConfig:
         Isolation(config.isolation)  # raises on a bad mode
         if config.transport not in ("auto", "shm", "stream"):
             raise ValueError(f"transport must be auto, shm or stream, not {config.transport!r}")
-        if min(config.virtual_gap, config.recompute_chunks, config.recompute_tokens) < 0:
-            raise ValueError("virtual_gap, recompute_chunks and recompute_tokens are counts >= 0")
+        counts = (
+            config.virtual_gap,
+            config.recompute_chunks,
+            config.recompute_tokens,
+            config.recompute_max_tokens,
+        )
+        if min(counts) < 0:
+            raise ValueError(
+                "virtual_gap, recompute_chunks, recompute_tokens and recompute_max_tokens are "
+                "counts >= 0"
+            )
+        if config.recompute_by not in RECOMPUTE_BY:
+            raise ValueError(
+                f"recompute_by must be {' or '.join(RECOMPUTE_BY)}, not {config.recompute_by!r}"
+            )
         if config.load_threads < 1:
             raise ValueError(f"load_threads must be >= 1, not {config.load_threads}")
         load_cpus(config.load_cpus)  # raises on a bad list

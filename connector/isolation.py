@@ -125,7 +125,7 @@ class IsolationHook:
         self.temperature = config.question_temperature
         self.log_scale = math.log(config.question_scale)
         self.on_miss = on_miss  # a planned request not found in the batch (computed causally)
-        self.recompute_tokens = config.recompute_tokens
+        self.recomputes = bool(config.recompute_tokens or config.recompute_chunks)
         self.recomputer: Recomputer | None = None
         self._plans: list[RequestPlan] = []
         self._splits: dict[int, tuple[Any, StepSplit | None]] = {}
@@ -142,12 +142,13 @@ class IsolationHook:
             why = unsupported(layer.impl, layer)
             if why:
                 return f"{name}: {why}"
-        if self.recompute_tokens:
-            found = Recomputer.find(vllm_config, self.layout, layer_names)
-            if isinstance(found, str):
-                log.error("chunkstore: recompute_tokens is off: %s", found)
-            else:
-                self.recomputer = found
+        found = Recomputer.find(vllm_config, self.layout, layer_names)
+        if isinstance(found, str):
+            # Chunks then stay isolated: the answer the semantics give without recovery.
+            report = log.error if self.recomputes else log.info
+            report("chunkstore: no chunk or token is recomputed for answer quality: %s", found)
+        else:
+            self.recomputer = found
         for index, layer in enumerate(layers):
             layer.impl.forward = self._wrap(layer.impl.forward, layer.impl, index)
         return None
@@ -446,12 +447,16 @@ class IsolationHook:
         return sub_output
 
     def _blend_batch(self, blend: Blend, impl: Any, layer: Any) -> KernelBatch:
-        """The recomputed tokens' attention as a batch for vLLM's kernel: each one a query of
-        its own over the request's cache up to its position (where its recomputed KV
-        already stands)."""
-        count = blend.positions.shape[0]
-        query_start_loc = torch.arange(count + 1, dtype=torch.int32)
-        seq_lens = (blend.positions + 1).to(torch.int32)
-        table = blend.block_table[None].expand(count, -1).contiguous()
+        """The recomputed tokens' attention as a batch for vLLM's kernel: each run of
+        consecutive positions (a chunk recomputed whole, a chunk's first tokens) one
+        sub-request over the request's cache up to its last position, causally (where the
+        run's recomputed KV already stands)."""
+        positions = blend.positions
+        breaks = (torch.nonzero(positions[1:] != positions[:-1] + 1).flatten() + 1).tolist()
+        bounds = [0, *breaks, positions.shape[0]]
+        query_start_loc = torch.tensor(bounds, dtype=torch.int32)
+        seq_lens = (positions[torch.tensor(bounds[1:]) - 1] + 1).to(torch.int32)
+        table = blend.block_table[None].expand(len(bounds) - 1, -1).contiguous()
         metadata = self._scheduler_metadata(query_start_loc, seq_lens, impl, layer)
-        return KernelBatch(torch.arange(count), query_start_loc, seq_lens, table, metadata)
+        rows = torch.arange(positions.shape[0])
+        return KernelBatch(rows, query_start_loc, seq_lens, table, metadata)

@@ -29,6 +29,10 @@ FIELDS = {
     "up nor stored).",
     "lookup_seconds": "Time spent looking chunked prompts up: segmenting, keying and the "
     "daemon's Acquire.",
+    "recomputed_chunks": "Chunks chosen to be recomputed whole for answer quality "
+    "(recompute_chunks, or the request's kv_transfer_params).",
+    "bad_transfer_params": "Requests whose kv_transfer_params named chunks wrongly (ignored: "
+    "the connector's own choice was used).",
     "daemon_unreachable": "Lookups skipped because the daemon could not be reached (computed).",
     "sessions_reopened": "Daemon sessions lost (the daemon restarted, or this process was paused "
     "past the lease TTL) and reopened by the client (scheduler and workers).",
@@ -50,7 +54,7 @@ FIELDS = {
     "save_seconds": "Time spent saving.",
     "isolated_tokens": "Chunk tokens vLLM computed under the isolation mask (in-band).",
     "recomputed_tokens": "Chunk tokens whose KV was recomputed seeing everything before them "
-    "(recompute_tokens).",
+    "(recompute_chunks, recompute_tokens).",
     "isolation_misses": "Chunked requests the isolation hook could not find in a batch "
     "(computed causally, their chunks not stored).",
 }

@@ -4,10 +4,9 @@ vLLM reuses a cached block when the tokens up to its end are the same, which ass
 token's KV depends only on the tokens before it. Under the isolation mask it also depends on
 the token's role, and the role of a prompt's last segments is decided by what follows them:
 in ``sys##c1##X`` X is the question (it sees c1), in ``sys##c1##X##Y`` X is a chunk (it
-must not); with ``recompute_chunks`` the last chunks before a question see everything too.
-A chunked prompt's tokens are sys tokens (before the first separator), chunk tokens under
-the mask, and, from its causal start on, tokens that attend causally to everything (the
-recomputed chunks, the question, what is generated).
+must not). A chunked prompt's tokens are sys tokens (before the first separator), chunk
+tokens under the mask, and, from its causal start on, tokens that attend causally to
+everything (the question, what is generated).
 
 The rule: a block that ends after the prompt's causal start is cached under its own hash:
 vLLM's, salted with that causal start (the chain under it stays vLLM's, so the hash depends
@@ -19,11 +18,12 @@ blocks are shared across questions. vLLM computes a request's block hashes with 
 per-request hasher as the request grows; it is wrapped once, when the request arrives,
 before any lookup.
 
-With ``recompute_tokens`` the cache's chunk blocks hold a mix: after the question's first
-step, the selected tokens' recomputed KV, the rest isolated. A request that computes the
-rest of a chunk needs its first tokens' isolated KV, and the store must never get the mix,
-so blocks holding chunk tokens are private to their request (salted with a nonce): chunks
-come back from the store instead, and sys blocks are still shared.
+With ``recompute_tokens`` or ``recompute_chunks`` the cache's chunk blocks hold a mix:
+after the question's first step, the selected tokens' recomputed KV, the rest isolated. A
+request that computes the rest of a chunk needs its isolated KV, and the store must never
+get the mix, so blocks from the first recomputed token on are private to their request
+(salted with a nonce): chunks come back from the store instead, and the blocks before it
+(sys, chunks before the first recomputed one) are still shared.
 """
 
 from __future__ import annotations

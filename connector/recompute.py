@@ -1,8 +1,8 @@
 """Recomputing selected chunk tokens in the isolation hook (worker process): the connector's
-``recompute_tokens``, EPIC's choice of tokens (each chunk's first ones, where isolation
-leaves attention sinks the question over-weights) with CacheBlend's way of blending them
-(their KV recomputed layer by layer, seeing everything before them; every other chunk
-token keeps its isolated KV).
+``recompute_chunks`` and ``recompute_tokens``, EPIC's choice of tokens (each chunk's first
+ones, where isolation leaves attention sinks the question over-weights) with CacheBlend's
+way of blending them (their KV recomputed layer by layer, seeing everything before them;
+every other chunk token keeps its isolated KV).
 
 vLLM computes only a suffix of a request, and the chunks are the prefix the store loads,
 so the selected tokens cannot be scheduled. The hook runs them itself, beside vLLM's batch:
@@ -14,9 +14,13 @@ causally), and writes their new KV over the isolated one. The causal rows, this 
 every later one (decode), then read the blend from vLLM's cache with vLLM's kernel, and the
 same happens whether the chunks were loaded or computed in the request.
 
+The same machinery recomputes whole chunks (``recompute_chunks``, chosen by ``selection``),
+wherever they stand among the chunks: each selected token sees the cache before it, the
+other selected tokens before it recomputed.
+
 The isolated KV it overwrites is kept for the step's saves (the store holds chunks as
-computed in isolation). Only Llama-architecture models are served; anything else is
-refused at load, with the reason.
+computed in isolation). Llama and Qwen2 models are served; anything else is refused at
+load, with the reason (chunks then stay isolated).
 """
 
 from __future__ import annotations
@@ -67,12 +71,24 @@ class IsolatedCopy:
             values[:, rows] = self.values[:, inside].to(values.dtype)
 
 
-def _llama_classes() -> tuple[type, type] | None:
+def _decoder_classes() -> dict[type, type]:
+    """Decoder layer class -> its attention class, for the architectures the recomputer
+    drives: pre-norm residual blocks with a fused QKV projection, rotary, a gated MLP
+    (Llama; Qwen2, whose projections carry a bias and which may normalize q and k)."""
+    classes: dict[type, type] = {}
     try:
         from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer
+
+        classes[LlamaDecoderLayer] = LlamaAttention
     except ImportError:
-        return None
-    return LlamaDecoderLayer, LlamaAttention
+        pass
+    try:
+        from vllm.model_executor.models.qwen2 import Qwen2Attention, Qwen2DecoderLayer
+
+        classes[Qwen2DecoderLayer] = Qwen2Attention
+    except ImportError:
+        pass
+    return classes
 
 
 def _find_decoder(first_attention: Any) -> Any | None:
@@ -106,21 +122,22 @@ class Recomputer:
 
         if get_tensor_model_parallel_world_size() > 1:
             return "tensor parallelism is not supported"
-        classes = _llama_classes()
-        if classes is None:
-            return "vLLM's Llama modules are not importable"
+        classes = _decoder_classes()
+        if not classes:
+            return "vLLM's Llama and Qwen2 modules are not importable"
         context = vllm_config.compilation_config.static_forward_context
         decoder = _find_decoder(context[layer_names[0]])
         if decoder is None:
             return "the model's decoder (embed_tokens, layers) was not found"
         layers: list[Any] = list(decoder.layers)
-        decoder_layer, attention = classes
         if len(layers) != len(layer_names):
             return f"{len(layers)} decoder layers for {len(layer_names)} attention layers"
         for index, (layer, name) in enumerate(zip(layers, layer_names, strict=True)):
             attn: Any = getattr(layer, "self_attn", None)
-            if type(layer) is not decoder_layer or type(attn) is not attention:
-                return f"{type(layer).__name__} is not a Llama decoder layer"
+            if classes.get(type(layer)) is not type(attn):
+                return f"{type(layer).__name__} is not a Llama or Qwen2 decoder layer"
+            if getattr(attn, "dual_chunk_attention_config", None):
+                return "dual chunk attention is not supported"
             if getattr(attn, "attn", None) is not context[name]:
                 return f"{name} is not the attention of decoder layer {index}"
         return cls(decoder, layout, layer_names)
@@ -153,6 +170,9 @@ class Recomputer:
         count = blend.positions.shape[0]
         qkv, _ = attn.qkv_proj(layer.input_layernorm(hidden))
         q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        if getattr(attn, "qk_norm", False):  # per head, before rotary (Qwen2 with qk_norm)
+            q = attn.q_norm(q.reshape(count, attn.num_heads, attn.head_dim)).reshape(count, -1)
+            k = attn.k_norm(k.reshape(count, attn.num_kv_heads, attn.head_dim)).reshape(count, -1)
         q, k = attn.rotary_emb(blend.positions, q, k)
         q = q.reshape(count, attn.num_heads, attn.head_dim)
         k = k.reshape(count, attn.num_kv_heads, attn.head_dim)

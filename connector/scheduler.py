@@ -31,6 +31,7 @@ from .config import ConnectorConfig, unsupported_parallelism
 from .keys import ModelKeys, SegmentPlan
 from .metrics import ConnectorStats
 from .prefix_cache import keep_roles_apart
+from .selection import BadTransferParams, select
 
 log = logging.getLogger("chunkstore.connector")
 
@@ -41,8 +42,10 @@ class Tracked:
 
     Its tokens' roles: sys (before the first separator), chunk tokens under the isolation
     mask, and from ``causal_start`` on tokens that attend causally to everything before
-    them: the chunks recomputed for answer quality (``recompute_chunks``: the last ones
-    before a question), the question, what is generated."""
+    them: the question, what is generated. ``recomputed``: the chunks (segment indices)
+    whose KV the workers recompute whole, seeing everything before them, in the step that
+    computes the question (``selection``); they are looked up, loaded and stored as
+    isolated chunks all the same."""
 
     segments: list[Segment]  # every segment, the question's included
     cacheable: list[SegmentPlan]  # sys and isolated chunks of at least min_chunk_tokens, keyed
@@ -51,6 +54,7 @@ class Tracked:
     local_computed: int = 0  # tokens vLLM's own prefix cache had
     block_ids: list[int] = field(default_factory=list)  # its block table, once scheduled
     saving: set[int] = field(default_factory=set)  # cacheable segments whose save is planned
+    recomputed: frozenset[int] = frozenset()  # segment indices of chunks recomputed whole
 
     @property
     def sys_end(self) -> int:
@@ -66,24 +70,29 @@ class Tracked:
         return tuple((s.start, s.end) for s in self._isolated_segments())
 
     def blended_tokens(self, per_chunk: int) -> tuple[tuple[int, int], ...]:
-        """(position, token id) of the first ``per_chunk`` tokens of each isolated chunk."""
+        """(position, token id) of the tokens the workers recompute: every token of the
+        ``recomputed`` chunks, the first ``per_chunk`` of each other chunk."""
         return tuple(
             (seg.start + i, token)
-            for seg in self._isolated_segments()
-            for i, token in enumerate(seg.token_ids[:per_chunk])
+            for index, seg in enumerate(self.segments)
+            if seg.kind is SegmentKind.CHUNK and seg.end <= self.causal_start
+            for i, token in enumerate(
+                seg.token_ids if index in self.recomputed else seg.token_ids[:per_chunk]
+            )
         )
 
+    @property
+    def first_recomputed(self) -> int | None:
+        """The first position whose KV in the cache may be recomputed (not isolated)."""
+        starts = [self.segments[i].start for i in self.recomputed]
+        return min(starts) if starts else None
 
-def causal_start(segments: list[Segment], recompute_chunks: int) -> int:
-    """Where a chunked prompt's causal tokens begin: after its last separator, or at its
-    ``recompute_chunks``-th last chunk when it has a question (a prompt without one, as
-    ingest sends, has nothing to answer and keeps every chunk isolated)."""
+
+def causal_start(segments: list[Segment]) -> int:
+    """Where a chunked prompt's causal tokens begin: after its last separator, the question
+    (a prompt without one, as ingest sends, has nothing to answer: every chunk isolated)."""
     last = segments[-1]
-    if last.kind is not SegmentKind.QUESTION:
-        return last.end
-    chunks = [s for s in segments if s.kind is SegmentKind.CHUNK]
-    recomputed = chunks[len(chunks) - min(recompute_chunks, len(chunks)) :]
-    return recomputed[0].start if recomputed else last.start
+    return last.start if last.kind is SegmentKind.QUESTION else last.end
 
 
 @dataclass
@@ -124,7 +133,7 @@ class SchedulerSide:
             tracked = None
             if segments and segments[0].kind is SegmentKind.SYS:  # a separator: chunked
                 self.stats.add("chunked_prompts")
-                causal = causal_start(segments, self.config.recompute_chunks)
+                causal = causal_start(segments)
                 plans = self.keys.plan(segments)
                 cacheable = [
                     plan
@@ -134,11 +143,50 @@ class SchedulerSide:
                 ]
                 short = sum(len(p.segment) < self.config.min_chunk_tokens for p in plans)
                 self.stats.add("short_segments", short)
-                tracked = Tracked(segments, cacheable, causal)
+                recomputed = self._select(request, segments)
+                tracked = Tracked(segments, cacheable, causal, recomputed=recomputed)
             else:
                 self.stats.add("unchunked_prompts")
             self._tracked[req_id] = tracked
         return self._tracked[req_id]
+
+    def _select(self, request: Any, segments: list[Segment]) -> frozenset[int]:
+        """The chunks (segment indices) to recompute whole (``selection``); none without a
+        question, or without in-band isolation (the workers' hook recomputes them)."""
+        if segments[-1].kind is not SegmentKind.QUESTION or not self.config.inband_isolation:
+            return frozenset()
+        chunks = [i for i, s in enumerate(segments) if s.kind is SegmentKind.CHUNK]
+        if not chunks:
+            return frozenset()
+        question = segments[-1].token_ids
+        bodies = [segments[i].token_ids for i in chunks]
+        config = self.config
+        params = getattr(request, "kv_transfer_params", None)
+        try:
+            chosen = select(
+                question,
+                bodies,
+                config.recompute_by,
+                config.recompute_chunks,
+                config.recompute_max_tokens,
+                params,
+            )
+        except BadTransferParams as err:
+            log.warning(
+                "chunkstore: request %s: kv_transfer_params ignored: %s",
+                request.request_id,
+                err,
+            )
+            self.stats.add("bad_transfer_params")
+            chosen = select(
+                question,
+                bodies,
+                config.recompute_by,
+                config.recompute_chunks,
+                config.recompute_max_tokens,
+            )
+        self.stats.add("recomputed_chunks", len(chosen))
+        return frozenset(chunks[i] for i in chosen)
 
     def on_new_request(self, request: Any) -> None:
         """With in-band isolation, keep vLLM's prefix cache from sharing blocks between
@@ -146,7 +194,9 @@ class SchedulerSide:
         if self.off or not self.config.inband_isolation:
             return
         tracked = self._track(request)
-        private = tracked.sys_end if tracked and self.config.recompute_tokens else None
+        private = None
+        if tracked is not None:
+            private = tracked.sys_end if self.config.recompute_tokens else tracked.first_recomputed
         if tracked is None or keep_roles_apart(
             request, tracked.causal_start, self.block_size, private
         ):
@@ -319,7 +369,8 @@ class SchedulerSide:
             return None
         computes_chunks = any(lo < end and hi > start for lo, hi in chunks)
         reweights = self.config.reweights_questions and end > tracked.causal_start
-        blends = self.config.recompute_tokens and start <= tracked.causal_start < end
+        recomputes = self.config.recompute_tokens or tracked.recomputed
+        blends = bool(recomputes) and start <= tracked.causal_start < end
         if not (computes_chunks or reweights or blends):
             return None
         recompute = tracked.blended_tokens(self.config.recompute_tokens) if blends else ()

@@ -6,8 +6,10 @@ guard, and its start-up cost and global state stay out of the caller.
     python -m chunkstore.processes.vllm_probe MODEL_DIR PROMPTS.json [--connector CONFIG.json]
 
 PROMPTS.json is a list of prompts, run one after another (so later ones see what earlier
-ones stored): each a token-ID list, or ``{"prompt_token_ids": [...], "max_tokens": N}`` to
-generate N tokens for that prompt alone. Each result is one line: MARKER + JSON.
+ones stored): each a token-ID list, or ``{"prompt_token_ids": [...], "max_tokens": N,
+"kv_transfer_params": {...}}`` to generate N tokens for that prompt alone and pass the
+connector the request's own parameters (as the request body's ``kv_transfer_params`` does in
+``vllm serve``), either key optional. Each result is one line: MARKER + JSON.
 """
 
 from __future__ import annotations
@@ -138,9 +140,13 @@ def main(argv: list[str] | None = None) -> None:
         if args.touch and index == args.touch_before:
             Path(args.touch).touch()
         own = params
-        if isinstance(entry, dict) and "max_tokens" in entry:
+        if isinstance(entry, dict) and ("max_tokens" in entry or "kv_transfer_params" in entry):
+            transfer = entry.get("kv_transfer_params")
             own = SamplingParams(
-                max_tokens=entry["max_tokens"], logprobs=args.logprobs, temperature=0.0
+                max_tokens=entry.get("max_tokens", args.max_tokens),
+                logprobs=args.logprobs,
+                temperature=0.0,
+                extra_args={"kv_transfer_params": transfer} if transfer is not None else None,
             )
         ids = entry["prompt_token_ids"] if isinstance(entry, dict) else entry
         counted = _counters() if args.stats else {}

@@ -171,10 +171,12 @@ class HFReference:
         isolation: Isolation,
         recompute_tokens: int,
         virtual_gap: int = 0,
+        recompute_chunks: Sequence[int] = (),
     ) -> Forward:
-        """The assembled cache with the first ``recompute_tokens`` tokens of each chunk
-        recomputed seeing everything before them (EPIC's selection, CacheBlend's blend), the
-        question on top: the connector's ``recompute_tokens``.
+        """The assembled cache with the first ``recompute_tokens`` tokens of each chunk, and
+        every token of the chunks ``recompute_chunks`` (segment indices), recomputed seeing
+        everything before them (EPIC's selection, CacheBlend's blend), the question on top:
+        the connector's ``recompute_tokens`` and ``recompute_chunks``.
 
         One forward pass over the selected tokens, again at their positions, and the
         question, on top of the assembled (isolated) cache: a selected token sees the
@@ -189,9 +191,14 @@ class HFReference:
         cache = self.assembled_cache(stored, isolation, virtual_gap=virtual_gap).kv
         selected = [
             p
-            for seg in stored
+            for index, seg in enumerate(stored)
             if seg.kind is SegmentKind.CHUNK
-            for p in range(seg.start, seg.start + min(recompute_tokens, len(seg)))
+            for p in range(
+                seg.start,
+                seg.end
+                if index in recompute_chunks
+                else seg.start + min(recompute_tokens, len(seg)),
+            )
         ]
         positions = [*selected, *range(question.start, question.end)]
         ids = [t for seg in stored for t in seg.token_ids]

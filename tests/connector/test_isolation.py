@@ -54,14 +54,18 @@ def cold_half_warm(
     isolation: Isolation,
     extra=(),
     settings: dict | None = None,
+    transfer: dict | None = None,
 ) -> tuple[ChunkedPrompt, list[dict]]:
     """One vLLM process: the prompt cold (an empty store), warm, then with the store emptied
-    and only sys and the first two chunks stored (ingested), half warm."""
+    and only sys and the first two chunks stored (ingested), half warm; ``transfer``: the
+    prompt's kv_transfer_params."""
     s = Scenario(model)
     docs = DOCS + MORE_DOCS[:1]
     prompt = s.prompt(SYS, docs, QUESTIONS[0])
     half = s.prompt(SYS, docs[:2], None)  # sys ## d1 ## d2 ##
-    ids = list(prompt.token_ids)
+    ids: list[int] | dict = list(prompt.token_ids)
+    if transfer is not None:
+        ids = {"prompt_token_ids": ids, "kv_transfer_params": transfer}
     settings = settings or {}
     results = run_probe(
         model,
@@ -71,10 +75,9 @@ def cold_half_warm(
         extra=("--max-tokens", "32", "--clear-before", "2", *extra),
     )
     cold, warm, _, half_warm = results
-    # Loaded when warm: all but the question, and the chunks recomputed for quality.
-    recomputed = settings.get("recompute_chunks", 0)
+    # Loaded when warm: all but the question (recomputed chunks too: loaded, then recomputed).
     assert cold["cached_tokens"] == 0
-    assert warm["cached_tokens"] == prompt.segments[-1 - recomputed].start
+    assert warm["cached_tokens"] == prompt.segments[-1].start
     assert half_warm["cached_tokens"] == prompt.segments[2].end  # sys and two chunks
     return prompt, [cold, warm, half_warm]
 
@@ -118,37 +121,65 @@ def test_cold_equals_warm_under_chunked_prefill_and_tensor_parallelism(
         assert_logprobs_match(served, logits)
 
 
+# The chunks (segment indices) each recompute_chunks case recomputes: the last one (by
+# position), the one about the Eiffel Tower the question asks about (by relevance, BM25),
+# the second and third (named by the request's kv_transfer_params).
+RECOMPUTED = {"recompute": [4], "relevant": [1], "requested": [2, 3]}
+
+
 @pytest.mark.parametrize(
     "settings",
     [
         {"virtual_gap": 100},
         {"recompute_chunks": 1},
+        {"recompute_chunks": 1, "recompute_by": "relevance"},
+        {},
         {"recompute_tokens": 3},
         {"recompute_tokens": 1000, "virtual_gap": 100},
         {"question_temperature": 0.8, "question_scale": 0.7},
     ],
-    ids=["virtual-gap", "recompute", "blend", "blend-all", "question-reweighting"],
+    ids=[
+        "virtual-gap",
+        "recompute",
+        "relevant",
+        "requested",
+        "blend",
+        "blend-all",
+        "question-reweighting",
+    ],
 )
 def test_quality_recovery_acts_the_same_on_loaded_and_computed_chunks(
-    settings, tiny_model_dir, daemon, tmp_path
+    settings, tiny_model_dir, daemon, tmp_path, request
 ) -> None:
     """Each way of winning back answer quality gives the same answer cold, half warm and
     warm (32 greedy tokens, decode included), and the answer its semantics define: chunks
-    computed ``virtual_gap`` past sys (the assembled cache at that virtual start); the last
-    chunk computed seeing everything before it (the assembled cache of sys and the other
-    chunks, the last chunk and the question on top, causally); each chunk's first tokens
-    recomputed seeing everything before them (the blend; with every token recomputed it
-    is the causal prompt, whatever the gap, as a vLLM without the connector answers) and the
-    isolated chunks still stored as computed in isolation. Re-weighting has no HF
-    reference (its math: tests/kv/test_attention.py); it must change the answer."""
+    computed ``virtual_gap`` past sys (the assembled cache at that virtual start); chunks
+    recomputed whole seeing everything before them, wherever they stand (the blend of their
+    tokens, the question on top: the last chunk by position, the chunk the question names
+    by relevance, the chunks the request names); each chunk's first tokens recomputed
+    seeing everything before them (the blend; with every token recomputed it is the causal
+    prompt, whatever the gap, as a vLLM without the connector answers) and the isolated
+    chunks still stored as computed in isolation. Re-weighting has no HF reference (its
+    math: tests/kv/test_attention.py); it must change the answer."""
+    case = request.node.callspec.id
+    transfer = {"recompute_chunks": [1, 2]} if case == "requested" else None
     prompt, (cold, warm, half) = cold_half_warm(
-        tiny_model_dir, daemon, tmp_path, Isolation.SYS, settings=settings
+        tiny_model_dir, daemon, tmp_path, Isolation.SYS, settings=settings, transfer=transfer
     )
     assert_same_answer(warm, cold)
     assert_same_answer(half, cold)
     ref = HFReference.load(tiny_model_dir)
     segments = prompt.segments
-    if "recompute_tokens" in settings:
+    if case in RECOMPUTED:
+        chosen = RECOMPUTED[case]
+        if case == "relevant":  # the chunk BM25 ranks first is the one the question names
+            assert "Eiffel" in Scenario(tiny_model_dir).tok.decode(segments[1].token_ids)
+        logits = ref.blended_cache(segments, Isolation.SYS, 0, recompute_chunks=chosen).logits[-1]
+        with ChunkStoreClient(daemon.unix) as client:  # stored as computed in isolation
+            stored = client.get(chunk_key(tiny_model_dir, prompt, chosen[-1], 0))
+        assert stored is not None
+        assert_stored_as_isolated(ref, stored, segments, chosen[-1], 0)
+    elif "recompute_tokens" in settings:
         gap = settings.get("virtual_gap", 0)
         blended = ref.blended_cache(segments, Isolation.SYS, settings["recompute_tokens"], gap)
         logits = blended.logits[-1]
@@ -160,10 +191,6 @@ def test_quality_recovery_acts_the_same_on_loaded_and_computed_chunks(
         assert_stored_as_isolated(ref, stored, segments, 3, gap)
     elif "virtual_gap" in settings:
         logits = ref.assembled_cache(segments, Isolation.SYS, virtual_gap=100).logits[-1]
-    elif "recompute_chunks" in settings:
-        isolated = ref.assembled_cache(segments[:-2], Isolation.SYS).kv
-        tail = [*segments[-2].token_ids, *segments[-1].token_ids]
-        logits = ref.forward(tail, segments[-2].start, past=isolated).logits[-1]
     else:
         plain = ref.assembled_cache(segments, Isolation.SYS).logits[-1]
         with pytest.raises(AssertionError):

@@ -1,0 +1,135 @@
+"""Which chunks of a chunked prompt the connector recomputes whole (scheduler process).
+
+Under isolation a real model answers from the wrong document; recomputing the chunk that
+holds the answer, seeing everything before it, brings the answer back (docs/connector.md,
+"Answer quality"). Which chunk that is, the question's own attention does not tell: it
+follows recency. Relevance does. The choice, in order:
+
+- the application's, per request: ``kv_transfer_params`` in the request body (the openai
+  client's ``extra_body``) with ``recompute_chunks``, the indices of the chunks to recompute
+  (0 = the first chunk after sys), or ``chunk_scores``, a score per chunk (its retriever's,
+  higher = more relevant) from which the highest ``recompute_chunks`` of the connector's
+  settings are taken;
+- else the connector's ``recompute_by``: ``relevance`` ranks chunks by BM25 of the question's
+  token IDs against each chunk's (the prompt's chunks are the collection), ``position`` takes
+  the last ones (the chunks nearest the question);
+- within a budget: at most ``recompute_chunks`` chunks and, with ``recompute_max_tokens``,
+  at most that many chunk tokens (a chunk that does not fit is passed over).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+POSITION, RELEVANCE = "position", "relevance"
+RECOMPUTE_BY = (POSITION, RELEVANCE)
+# BM25's usual constants: term-frequency saturation and length normalization.
+K1, B = 1.2, 0.75
+
+
+class BadTransferParams(ValueError):
+    """A request's ``kv_transfer_params`` name chunks it does not have, or are malformed."""
+
+
+def bm25_scores(question: Sequence[int], chunks: Sequence[Sequence[int]]) -> list[float]:
+    """BM25 of the question's tokens against each chunk, the chunks as the collection. Token
+    IDs stand for words: a name, a number or a rare word of the question that a chunk
+    repeats scores; tokens every chunk has (articles, punctuation) score almost nothing."""
+    if not chunks:
+        return []
+    counts = [Counter(chunk) for chunk in chunks]
+    average = sum(len(chunk) for chunk in chunks) / len(chunks)
+    holding = Counter(token for count in counts for token in count)
+    terms = set(question)
+    scores = []
+    for chunk, count in zip(chunks, counts, strict=True):
+        norm = K1 * (1 - B + B * len(chunk) / max(average, 1))
+        score = 0.0
+        for token in terms & count.keys():
+            n = holding[token]
+            idf = math.log(1 + (len(chunks) - n + 0.5) / (n + 0.5))
+            tf = count[token]
+            score += idf * tf * (K1 + 1) / (tf + norm)
+        scores.append(score)
+    return scores
+
+
+def requested(params: Any, chunks: int) -> tuple[list[int] | None, list[float] | None]:
+    """The request's own choice: (chunk indices, None), (None, a score per chunk), or
+    (None, None) when it makes none. Raises BadTransferParams on a malformed one."""
+    if not isinstance(params, dict):
+        return None, None
+    indices, scores = params.get("recompute_chunks"), params.get("chunk_scores")
+    if indices is not None and scores is not None:
+        raise BadTransferParams("give recompute_chunks or chunk_scores, not both")
+    if indices is not None:
+        if not isinstance(indices, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in indices
+        ):
+            raise BadTransferParams(f"recompute_chunks must be a list of indices: {indices!r}")
+        wrong = [i for i in indices if not 0 <= i < chunks]
+        if wrong:
+            raise BadTransferParams(
+                f"recompute_chunks {wrong} out of range: the prompt has {chunks} chunks (0-based)"
+            )
+        return sorted(set(indices)), None
+    if scores is not None:
+        if (
+            not isinstance(scores, list)
+            or len(scores) != chunks
+            or not all(isinstance(s, int | float) and math.isfinite(s) for s in scores)
+        ):
+            raise BadTransferParams(
+                f"chunk_scores must be {chunks} finite numbers, one per chunk: {scores!r}"
+            )
+        return None, [float(s) for s in scores]
+    return None, None
+
+
+def choose(
+    preference: Sequence[int], lengths: Sequence[int], max_chunks: int, max_tokens: int = 0
+) -> list[int]:
+    """The chunks to recompute, in prompt order: the first of ``preference`` (most wanted
+    first) within ``max_chunks`` chunks and, if > 0, ``max_tokens`` tokens."""
+    chosen: list[int] = []
+    tokens = 0
+    for index in preference:
+        if len(chosen) >= max_chunks:
+            break
+        if max_tokens and tokens + lengths[index] > max_tokens:
+            continue
+        chosen.append(index)
+        tokens += lengths[index]
+    return sorted(chosen)
+
+
+def by_score(scores: Sequence[float]) -> list[int]:
+    """Indices from the highest score down; ties go to the later chunk (nearer the
+    question, as position would choose)."""
+    return sorted(range(len(scores)), key=lambda i: (-scores[i], -i))
+
+
+def select(
+    question: Sequence[int],
+    chunks: Sequence[Sequence[int]],
+    recompute_by: str,
+    max_chunks: int,
+    max_tokens: int = 0,
+    params: Any = None,
+) -> list[int]:
+    """The indices (into ``chunks``) of the chunks to recompute. Raises BadTransferParams
+    when the request's own choice is malformed (the caller falls back to ``select`` without
+    it)."""
+    lengths = [len(chunk) for chunk in chunks]
+    indices, scores = requested(params, len(chunks))
+    if indices is not None:
+        return indices  # the application named them: no budget applies
+    if scores is None:
+        if recompute_by == RELEVANCE:
+            scores = bm25_scores(question, chunks)
+        else:
+            scores = [float(i) for i in range(len(chunks))]
+    return choose(by_score(scores), lengths, max_chunks, max_tokens)

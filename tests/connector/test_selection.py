@@ -1,0 +1,83 @@
+"""Which chunks the connector recomputes whole: by position, by relevance (BM25 over token
+IDs), or as the request's kv_transfer_params name them, within a budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from chunkstore.bench.qa_cases import generate
+from chunkstore.models import model_dir
+from chunkstore_vllm.config import ConnectorConfig
+from chunkstore_vllm.selection import (
+    BadTransferParams,
+    bm25_scores,
+    choose,
+    requested,
+    select,
+)
+
+
+def test_bm25_ranks_the_chunk_sharing_the_questions_rare_tokens_first() -> None:
+    # Token 7 is in every chunk (an article): it ranks nothing; 42 is the question's name.
+    chunks = [[7, 1, 2, 3], [7, 42, 5, 42], [7, 9, 9, 9, 9, 9], [7, 8]]
+    scores = bm25_scores([7, 42, 100], chunks)
+    assert max(range(4), key=scores.__getitem__) == 1
+    assert scores[1] > 5 * max(scores[0], scores[2], scores[3])
+    assert bm25_scores([1], []) == []
+
+
+def test_position_takes_the_last_chunks_and_budgets_bound_the_choice() -> None:
+    chunks = [[1] * 10, [2] * 50, [3] * 10, [4] * 10]
+    assert select([9], chunks, "position", 2) == [2, 3]
+    assert select([9], chunks, "position", 0) == []
+    assert select([9], chunks, "position", 9) == [0, 1, 2, 3]
+    # 25 tokens: the last two chunks fit, the 50-token one is passed over, the first fits.
+    assert select([9], chunks, "position", 3, max_tokens=30) == [0, 2, 3]
+    assert choose([1, 0], [10, 50], 2, max_tokens=20) == [0]
+
+
+def test_the_requests_choice_comes_first_and_a_malformed_one_is_refused() -> None:
+    chunks = [[1], [2], [3]]
+    assert select([3], chunks, "relevance", 1) == [2]
+    # Indices are the application's: no budget applies; scores rank within the budget.
+    assert select([3], chunks, "relevance", 1, params={"recompute_chunks": [1, 0, 1]}) == [0, 1]
+    assert select([3], chunks, "relevance", 1, params={"chunk_scores": [0.9, 0.1, 0.2]}) == [0]
+    assert select([3], chunks, "position", 2, params={"other_connector": 1}) == [1, 2]
+    assert requested(None, 3) == (None, None)
+    bad = [
+        {"recompute_chunks": [3]},
+        {"recompute_chunks": [-1]},
+        {"recompute_chunks": "0"},
+        {"recompute_chunks": [True]},
+        {"chunk_scores": [1.0, 2.0]},
+        {"chunk_scores": [1.0, float("nan"), 0.0]},
+        {"recompute_chunks": [0], "chunk_scores": [1, 2, 3]},
+    ]
+    for params in bad:
+        with pytest.raises(BadTransferParams):
+            select([3], chunks, "relevance", 1, params=params)
+
+
+def test_settings_are_checked() -> None:
+    assert ConnectorConfig.from_extra({"recompute_by": "relevance"}).recompute_by == "relevance"
+    with pytest.raises(ValueError, match="recompute_by must be position or relevance"):
+        ConnectorConfig.from_extra({"recompute_by": "attention"})
+    with pytest.raises(ValueError, match="counts >= 0"):
+        ConnectorConfig.from_extra({"recompute_max_tokens": -1})
+
+
+def test_bm25_finds_the_document_that_answers_in_the_quality_bench() -> None:
+    """On the bench's one-fact questions (the answer's document among 8 of ~500 tokens, in a
+    real tokenizer), BM25 over token IDs ranks the document holding the answer first in
+    most cases: the relevance signal ``recompute_by: relevance`` relies on."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir("smollm2"))
+    cases = [c for c in generate(60, seed=0, docs_per_case=8, filler=48) if c.kind == "one"]
+    found = 0
+    for case in cases:
+        chunks = [tok.encode(d, add_special_tokens=False) for d in case.documents]
+        answer = case.relevant[0]
+        scores = bm25_scores(tok.encode(case.question, add_special_tokens=False), chunks)
+        found += max(range(len(chunks)), key=scores.__getitem__) == answer
+    assert found >= 0.8 * len(cases), f"{found} of {len(cases)}"
