@@ -55,13 +55,14 @@ def cold_half_warm(
     extra=(),
     settings: dict | None = None,
     transfer: dict | None = None,
+    question: str = QUESTIONS[0],
 ) -> tuple[ChunkedPrompt, list[dict]]:
     """One vLLM process: the prompt cold (an empty store), warm, then with the store emptied
     and only sys and the first two chunks stored (ingested), half warm; ``transfer``: the
     prompt's kv_transfer_params."""
     s = Scenario(model)
     docs = DOCS + MORE_DOCS[:1]
-    prompt = s.prompt(SYS, docs, QUESTIONS[0])
+    prompt = s.prompt(SYS, docs, question)
     half = s.prompt(SYS, docs[:2], None)  # sys ## d1 ## d2 ##
     ids: list[int] | dict = list(prompt.token_ids)
     if transfer is not None:
@@ -83,11 +84,19 @@ def cold_half_warm(
 
 
 @pytest.mark.parametrize("isolation", list(Isolation))
-@pytest.mark.parametrize("model_name", ["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "model_name",
+    [
+        "tiny",
+        pytest.param("smollm2", marks=pytest.mark.slow),
+        pytest.param("qwen2.5-0.5b", marks=pytest.mark.slow),  # QKV bias, rope_theta 1e6
+    ],
+)
 def test_cold_half_warm_and_warm_answer_the_same(
     model_name, isolation, daemon, tmp_path, request
 ) -> None:
-    model = request.getfixturevalue("tiny_model_dir" if model_name == "tiny" else "smollm2_dir")
+    fixtures = {"tiny": "tiny_model_dir", "smollm2": "smollm2_dir", "qwen2.5-0.5b": "qwen05_dir"}
+    model = request.getfixturevalue(fixtures[model_name])
     prompt, (cold, warm, half) = cold_half_warm(model, daemon, tmp_path, isolation)
     assert_same_answer(warm, cold)
     assert_same_answer(half, cold)
@@ -97,6 +106,72 @@ def test_cold_half_warm_and_warm_answer_the_same(
     with ChunkStoreClient(daemon.unix) as client:
         # The cold request stored sys and every chunk; the half-warm one the two computed.
         assert client.stats().entries == len(prompt.segments) - 1
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2_dir(tiny_model_dir: Path, tmp_path_factory) -> Path:
+    """A random-weight Qwen2 on the tiny model's tokenizer: QKV projections with a bias
+    (random, not HF's zeros), rope_theta 1e6, untied output, as Qwen2.5 has them."""
+    import json
+
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-qwen2")
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
+    llama = json.loads((tiny_model_dir / "config.json").read_text())
+    config = Qwen2Config(
+        vocab_size=llama["vocab_size"],
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        bos_token_id=llama["bos_token_id"],
+        eos_token_id=llama["eos_token_id"],
+        tie_word_embeddings=False,
+        initializer_range=0.1,  # HF's 0.02 leaves attention near uniform: little to recompute
+    )
+    torch.manual_seed(1)
+    model = Qwen2ForCausalLM(config).float()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+                proj.bias.normal_(0.0, 0.5)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"recompute_chunks": 1, "recompute_by": "relevance"}, {"recompute_tokens": 3}],
+    ids=["isolated", "relevant", "blend"],
+)
+def test_qwen2_chunks_and_their_recomputation_are_the_references(
+    settings, tiny_qwen2_dir, daemon, tmp_path
+) -> None:
+    """On a Qwen2 (QKV bias, rope_theta 1e6) the hook and its recomputer give the HF
+    reference's answer cold, half warm and warm: isolated chunks (the assembled cache),
+    the chunk the question names recomputed whole, each chunk's first tokens recomputed."""
+    prompt, (cold, warm, half) = cold_half_warm(
+        tiny_qwen2_dir, daemon, tmp_path, Isolation.SYS, settings=settings, question=QUESTIONS[1]
+    )
+    assert_same_answer(warm, cold)
+    assert_same_answer(half, cold)
+    ref = HFReference.load(tiny_qwen2_dir)
+    segments = prompt.segments
+    chosen = [3] if settings.get("recompute_chunks") else []  # Everest's, as BM25 ranks it
+    per_chunk = settings.get("recompute_tokens", 0)
+    logits = ref.blended_cache(segments, Isolation.SYS, per_chunk, recompute_chunks=chosen)
+    isolated = ref.assembled_cache(segments, Isolation.SYS).logits[-1]
+    for served in (cold, warm, half):
+        assert_logprobs_match(served, logits.logits[-1])
+        if settings:  # the recomputation changed the answer's logprobs
+            with pytest.raises(AssertionError):
+                assert_logprobs_match(served, isolated)
 
 
 @pytest.mark.parametrize(
@@ -122,9 +197,10 @@ def test_cold_equals_warm_under_chunked_prefill_and_tensor_parallelism(
 
 
 # The chunks (segment indices) each recompute_chunks case recomputes: the last one (by
-# position), the one about the Eiffel Tower the question asks about (by relevance, BM25),
-# the second and third (named by the request's kv_transfer_params).
-RECOMPUTED = {"recompute": [4], "relevant": [1], "requested": [2, 3]}
+# position), the one about Mount Everest the question asks about (by relevance, BM25),
+# the second and third (named by the request's kv_transfer_params). Not the first chunk:
+# it follows sys, so its isolated KV is its causal KV already.
+RECOMPUTED = {"recompute": [4], "relevant": [3], "requested": [2, 3]}
 
 
 @pytest.mark.parametrize(
@@ -164,7 +240,13 @@ def test_quality_recovery_acts_the_same_on_loaded_and_computed_chunks(
     case = request.node.callspec.id
     transfer = {"recompute_chunks": [1, 2]} if case == "requested" else None
     prompt, (cold, warm, half) = cold_half_warm(
-        tiny_model_dir, daemon, tmp_path, Isolation.SYS, settings=settings, transfer=transfer
+        tiny_model_dir,
+        daemon,
+        tmp_path,
+        Isolation.SYS,
+        settings=settings,
+        transfer=transfer,
+        question=QUESTIONS[1],  # the highest mountain: the third chunk
     )
     assert_same_answer(warm, cold)
     assert_same_answer(half, cold)
@@ -173,8 +255,11 @@ def test_quality_recovery_acts_the_same_on_loaded_and_computed_chunks(
     if case in RECOMPUTED:
         chosen = RECOMPUTED[case]
         if case == "relevant":  # the chunk BM25 ranks first is the one the question names
-            assert "Eiffel" in Scenario(tiny_model_dir).tok.decode(segments[1].token_ids)
+            assert "Everest" in Scenario(tiny_model_dir).tok.decode(segments[3].token_ids)
         logits = ref.blended_cache(segments, Isolation.SYS, 0, recompute_chunks=chosen).logits[-1]
+        isolated = ref.assembled_cache(segments, Isolation.SYS).logits[-1]
+        with pytest.raises(AssertionError):  # recomputing changed the answer's logprobs
+            assert_logprobs_match(cold, isolated)
         with ChunkStoreClient(daemon.unix) as client:  # stored as computed in isolation
             stored = client.get(chunk_key(tiny_model_dir, prompt, chosen[-1], 0))
         assert stored is not None
