@@ -7,6 +7,7 @@ workers report the loads ended or the request ends."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -162,29 +163,24 @@ class SchedulerSide:
         bodies = [segments[i].token_ids for i in chunks]
         config = self.config
         params = getattr(request, "kv_transfer_params", None)
+        first_is_causal = config.isolation_mode is Isolation.SYS and not config.virtual_gap
+        choice = functools.partial(
+            select,
+            question,
+            bodies,
+            config.recompute_by,
+            config.recompute_chunks,
+            config.recompute_max_tokens,
+            first_is_causal=first_is_causal,
+        )
         try:
-            chosen = select(
-                question,
-                bodies,
-                config.recompute_by,
-                config.recompute_chunks,
-                config.recompute_max_tokens,
-                params,
-            )
+            chosen = choice(params=params)
         except BadTransferParams as err:
             log.warning(
-                "chunkstore: request %s: kv_transfer_params ignored: %s",
-                request.request_id,
-                err,
+                "chunkstore: request %s: kv_transfer_params ignored: %s", request.request_id, err
             )
             self.stats.add("bad_transfer_params")
-            chosen = select(
-                question,
-                bodies,
-                config.recompute_by,
-                config.recompute_chunks,
-                config.recompute_max_tokens,
-            )
+            chosen = choice()
         self.stats.add("recomputed_chunks", len(chosen))
         return frozenset(chunks[i] for i in chosen)
 

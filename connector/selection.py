@@ -15,6 +15,9 @@ follows recency. Relevance does. The choice, in order:
   the last ones (the chunks nearest the question);
 - within a budget: at most ``recompute_chunks`` chunks and, with ``recompute_max_tokens``,
   at most that many chunk tokens (a chunk that does not fit is passed over).
+
+The first chunk, chosen, is not recomputed when its isolated KV is its causal KV already
+(``isolation: sys`` with no ``virtual_gap``: it sees sys and itself either way).
 """
 
 from __future__ import annotations
@@ -119,17 +122,20 @@ def select(
     max_chunks: int,
     max_tokens: int = 0,
     params: Any = None,
+    first_is_causal: bool = False,
 ) -> list[int]:
-    """The indices (into ``chunks``) of the chunks to recompute. Raises BadTransferParams
-    when the request's own choice is malformed (the caller falls back to ``select`` without
-    it)."""
+    """The indices (into ``chunks``) of the chunks to recompute; ``first_is_causal``: the
+    first chunk's isolated KV is its causal KV (it is left out, chosen or not). Raises
+    BadTransferParams when the request's own choice is malformed (the caller falls back to
+    ``select`` without it)."""
     lengths = [len(chunk) for chunk in chunks]
     indices, scores = requested(params, len(chunks))
-    if indices is not None:
-        return indices  # the application named them: no budget applies
-    if scores is None:
-        if recompute_by == RELEVANCE:
-            scores = bm25_scores(question, chunks)
-        else:
-            scores = [float(i) for i in range(len(chunks))]
-    return choose(by_score(scores), lengths, max_chunks, max_tokens)
+    if indices is None:
+        if scores is None:
+            if recompute_by == RELEVANCE:
+                scores = bm25_scores(question, chunks)
+            else:
+                scores = [float(i) for i in range(len(chunks))]
+        indices = choose(by_score(scores), lengths, max_chunks, max_tokens)
+    # (the application named them: no budget applies)
+    return [i for i in indices if not (first_is_causal and i == 0)]

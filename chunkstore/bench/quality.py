@@ -124,7 +124,8 @@ def oracle_ranking(relevant: tuple[int, ...], chunks: int) -> list[int]:
 def recomputed_chunks(
     settings: dict[str, Any], prompt: list[int], sep: list[int], ranking: list[int]
 ) -> list[int]:
-    """The chunks (indices among the prompt's chunks) a method recomputes whole."""
+    """The chunks (indices among the prompt's chunks) a method chooses to recompute whole
+    (the first one among them, with no ``virtual_gap``, is causal without recomputing)."""
     segments = split_prompt(prompt, sep)
     chunks = [s.token_ids for s in segments if s.kind is SegmentKind.CHUNK]
     if settings.get(REQUEST):
@@ -161,7 +162,9 @@ def recomputed_share(
     per_chunk = settings.get("recompute_tokens", 0)
     total = recomputed = 0
     for prompt, ranking in zip(prompts, rankings, strict=True):
-        whole = recomputed_chunks(settings, prompt, sep, ranking)
+        whole = set(recomputed_chunks(settings, prompt, sep, ranking))
+        if not settings.get("virtual_gap"):
+            whole.discard(0)  # causal already: the connector leaves it be
         chunks = [s for s in split_prompt(prompt, sep) if s.kind is SegmentKind.CHUNK]
         for index, seg in enumerate(chunks):
             total += len(seg)
@@ -195,7 +198,7 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     ingest, measured = e2e.shape_prompts(encode, sep, args.chunks, args.chunk_tokens, args.repeats)
     # The TTFT prompts' "retriever" ranks the middle chunks first: recomputing chunk i costs
     # attention over the i chunks before it, so the middle is the average cost.
-    middle = sorted(range(args.chunks), key=lambda i: abs(i - (args.chunks - 1) / 2))
+    middle = sorted(range(args.chunks), key=lambda i: (abs(i - (args.chunks - 1) / 2), -i))
     measured_rankings = [middle] * len(measured)
     warmup = encode("Hello, how are you today?")
     longest = max(len(p) for p in [*measured, *qa_ids])

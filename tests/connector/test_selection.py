@@ -44,6 +44,11 @@ def test_the_requests_choice_comes_first_and_a_malformed_one_is_refused() -> Non
     assert select([3], chunks, "relevance", 1, params={"chunk_scores": [0.9, 0.1, 0.2]}) == [0]
     assert select([3], chunks, "position", 2, params={"other_connector": 1}) == [1, 2]
     assert requested(None, 3) == (None, None)
+    # The first chunk, when its isolated KV is causal already, is never recomputed.
+    assert select([1], chunks, "relevance", 1, first_is_causal=True) == []
+    assert select([1], chunks, "position", 3, first_is_causal=True) == [1, 2]
+    params = {"recompute_chunks": [0, 2]}
+    assert select([1], chunks, "position", 0, params=params, first_is_causal=True) == [2]
     bad = [
         {"recompute_chunks": [3]},
         {"recompute_chunks": [-1]},
