@@ -11,12 +11,14 @@ across two, a fact with look-alikes in other documents), each a chat prompt
   quality: chunkstore bench quality --json"); ``request=N``: each prompt's
   kv_transfer_params name the first N chunks of an oracle retriever's ranking (the
   documents holding the answer first), as an application passes its own.
-Each method runs in its own vLLM process against its own empty daemon; cases share documents,
-so most chunks are loaded from the store and the rest computed in the request (the methods
-act the same on both). Accuracy comes with its 95% Wilson interval; ``gap_closed`` is the
-share of the accuracy lost by ``isolated`` that the method wins back; ``recomputed_share``
-the share of chunk tokens it recomputes; ``answer_chunks_recomputed`` the share of cases in
-which every document holding the answer was among the chunks recomputed whole.
+Each method runs in its own vLLM process; methods whose chunks have the same keys (the same
+``virtual_gap``) share one daemon, so the first of them computes and stores the documents
+and later ones load them (the methods act the same on loaded and computed chunks: cold ==
+warm, tests/connector/test_isolation.py). Accuracy comes with its 95% Wilson interval;
+``gap_closed`` is the share of the accuracy lost by ``isolated`` that the method wins back;
+``recomputed_share`` the share of chunk tokens it recomputes; ``answer_chunks_recomputed``
+the share of cases in which every document holding the answer was among the chunks chosen
+to be recomputed whole.
 
 TTFT is measured in the same process on the ``bench e2e`` prompt shape (sys + 8 x 512-token
 chunks + a question, every chunk ingested first), the median of ``--repeats`` reordered
@@ -26,6 +28,7 @@ prompts; ``ttft_vs_full`` is the full-prefill TTFT over the method's (higher is 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import statistics
 import sys
@@ -204,7 +207,24 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     longest = max(len(p) for p in [*measured, *qa_ids])
     max_len = max(4096, 1 << (longest + args.max_tokens + 64).bit_length())
     results: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(prefix="chunkstore-quality-") as tmp:
+    with (
+        tempfile.TemporaryDirectory(prefix="chunkstore-quality-") as tmp,
+        contextlib.ExitStack() as daemons,
+    ):
+        # One daemon per chunk key (virtual_gap is part of it): the first method to run
+        # computes and stores the chunks, later ones load them (cold == warm, tested).
+        by_gap: dict[int, Any] = {}
+
+        def daemon_for(settings: dict[str, Any]) -> Any:
+            gap = settings.get("virtual_gap", 0)
+            if gap not in by_gap:
+                by_gap[gap] = daemons.enter_context(
+                    start_daemon(
+                        Path(tmp) / f"daemon-gap-{gap}", pool_bytes=4 << 30, block_size=1 << 20
+                    )
+                )
+            return by_gap[gap]
+
         for index, (spec, settings) in enumerate(methods):
             print(
                 f"bench quality: [{index + 1}/{len(methods)}] {spec}: {len(cases)} cases ...",
@@ -226,15 +246,15 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                     model, [warmup, *qa, *timed_prompts], work, max_model_len=max_len, timeout=7200
                 )[1:]
             else:
-                with start_daemon(work / "daemon", pool_bytes=2 << 30, block_size=1 << 20) as d:
-                    rows = run_probe(
-                        model,
-                        [warmup, *qa, *ingest, *timed_prompts],
-                        work,
-                        {"address": d.unix, "separator": SEPARATOR, **connector_settings(settings)},
-                        max_model_len=max_len,
-                        timeout=7200,
-                    )[1:]
+                address = daemon_for(settings).unix
+                rows = run_probe(
+                    model,
+                    [warmup, *qa, *ingest, *timed_prompts],
+                    work,
+                    {"address": address, "separator": SEPARATOR, **connector_settings(settings)},
+                    max_model_len=max_len,
+                    timeout=7200,
+                )[1:]
             answers = [str(tok.decode(r["generated"])) for r in rows[: len(qa)]]
             timed = rows[-len(measured) :]
             by_kind: dict[str, list[int]] = {}
