@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from chunkstore.models import MODELS, model_dir
+from chunkstore.models import DEFAULT_MODELS, MODELS, SUMMARIES, ModelBuildError, model_dir
 
 # Bench name -> what it measures. Each is the module chunkstore.bench.NAME, with
 # add_arguments(parser) and run(args) -> rows; imported only by `chunkstore bench` (the benches
@@ -59,8 +59,13 @@ def _models(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    for name in args.names or MODELS:
-        print(model_dir(name, args.cache_dir), flush=True)
+    for name in args.names or DEFAULT_MODELS:
+        try:
+            built = model_dir(name, args.cache_dir, log=lambda line: print(line, file=sys.stderr))
+        except ModelBuildError as error:
+            print(f"chunkstore models: {name}: {error}", file=sys.stderr)
+            return 1
+        print(built, flush=True)
     return 0
 
 
@@ -326,12 +331,18 @@ def build_parser(bench_arguments: bool = True) -> argparse.ArgumentParser:
 
     models = commands.add_parser(
         "models",
-        help="build the test models (tiny random Llama, SmolLM2) once and cache them",
-        description="Build the models tests and benches use. A present model is never "
-        "rebuilt. Default location: $CHUNKSTORE_MODEL_CACHE or "
-        "~/.cache/chunkstore/models.",
+        help="build the test models (tiny random Llama, SmolLM2, Qwen2.5) once and cache them",
+        description="Build the models tests and benches use, each printed as its folder.\n"
+        "A present model is never rebuilt. Default location: $CHUNKSTORE_MODEL_CACHE or\n"
+        "~/.cache/chunkstore/models.\n\nmodels (size on disk, build time on 2 cores):\n"
+        + "\n".join(f"  {name:14}{summary}" for name, summary in SUMMARIES.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    models.add_argument("names", nargs="*", help=f"any of {', '.join(MODELS)} (default: all)")
+    models.add_argument(
+        "names",
+        nargs="*",
+        help=f"any of {', '.join(MODELS)} (default: {', '.join(DEFAULT_MODELS)})",
+    )
     models.add_argument("--cache-dir", type=Path, default=None)
     models.set_defaults(func=_models)
 

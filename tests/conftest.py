@@ -46,6 +46,13 @@ def smollm2_dir() -> Path:
     return model_dir("smollm2")
 
 
+@pytest.fixture(scope="session")
+def qwen05_dir() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct in fp32 (2.4 GB): a Qwen2, with QKV bias and rope_theta
+    1e6, where SmolLM2 is a Llama."""
+    return model_dir("qwen2.5-0.5b")
+
+
 @pytest.fixture
 def serve(tmp_path: Path) -> Iterator[Callable[..., RunningDaemon]]:
     """``serve(*flags, name="daemon", pool_bytes=..., block_size=..., launcher=...)`` starts a

