@@ -334,7 +334,7 @@ def build_parser(bench_arguments: bool = True) -> argparse.ArgumentParser:
         help="build the test models (tiny random Llama, SmolLM2, Qwen2.5) once and cache them",
         description="Build the models tests and benches use, each printed as its folder.\n"
         "A present model is never rebuilt. Default location: $CHUNKSTORE_MODEL_CACHE or\n"
-        "~/.cache/chunkstore/models.\n\nmodels (size on disk, build time on 2 cores):\n"
+        "~/.cache/chunkstore/models.\n\nmodels (fp32; size on disk, build time on 2 cores):\n"
         + "\n".join(f"  {name:14}{summary}" for name, summary in SUMMARIES.items()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -36,12 +36,13 @@ from pathlib import Path
 MODELS = ("tiny", "smollm2", "qwen2.5-0.5b", "qwen2.5-1.5b")
 # What ``chunkstore models`` builds when no name is given: the models the test suite runs.
 DEFAULT_MODELS = ("tiny", "smollm2", "qwen2.5-0.5b")
-# What ``chunkstore models --help`` says of each: size on disk and build time on 2 cores.
+# What ``chunkstore models --help`` says of each (all fp32): size on disk, build time on 2
+# cores, and what a build downloads and holds in memory.
 SUMMARIES = {
     "tiny": "random-weight Llama, 11 MB, ~5 s",
-    "smollm2": "SmolLM2-135M-Instruct, fp32, 0.5 GB, ~25 s",
-    "qwen2.5-0.5b": "Qwen2.5-Coder-0.5B-Instruct, fp32, 2.4 GB, ~2 min (0.5 GB from PyPI)",
-    "qwen2.5-1.5b": "Qwen2.5-Coder-1.5B-Instruct, fp32, 6.7 GB, ~4.5 min (1.1 GB from PyPI)",
+    "smollm2": "SmolLM2-135M-Instruct, 0.5 GB, ~25 s",
+    "qwen2.5-0.5b": "Qwen2.5-Coder-0.5B-Instruct, 2.4 GB, ~2 min (0.5 GB download, 4 GB RAM)",
+    "qwen2.5-1.5b": "Qwen2.5-Coder-1.5B-Instruct, 6.7 GB, ~3 min (1.1 GB download, 9 GB RAM)",
 }
 _VOCABULARY = """
     the of and to in is was for on that with as by at from his her it an are were which this
