@@ -37,24 +37,32 @@ class BadTransferParams(ValueError):
     """A request's ``kv_transfer_params`` name chunks it does not have, or are malformed."""
 
 
+def _terms(tokens: Sequence[int]) -> list[int | tuple[int, int]]:
+    """A token sequence's terms: its tokens and its pairs of adjacent tokens (a name split
+    into sub-words, "Dara" + " Ivanov", matches as a phrase, not only piece by piece)."""
+    return [*tokens, *zip(tokens, tokens[1:], strict=False)]
+
+
 def bm25_scores(question: Sequence[int], chunks: Sequence[Sequence[int]]) -> list[float]:
-    """BM25 of the question's tokens against each chunk, the chunks as the collection. Token
-    IDs stand for words: a name, a number or a rare word of the question that a chunk
-    repeats scores; tokens every chunk has (articles, punctuation) score almost nothing."""
+    """BM25 of the question's terms (tokens and adjacent pairs) against each chunk's, the
+    chunks as the collection. Token IDs stand for words: a name, a number or a rare word of
+    the question that a chunk repeats scores; tokens every chunk has (articles,
+    punctuation) score almost nothing."""
     if not chunks:
         return []
-    counts = [Counter(chunk) for chunk in chunks]
-    average = sum(len(chunk) for chunk in chunks) / len(chunks)
-    holding = Counter(token for count in counts for token in count)
-    terms = set(question)
+    counts = [Counter(_terms(chunk)) for chunk in chunks]
+    lengths = [sum(count.values()) for count in counts]
+    average = sum(lengths) / len(chunks)
+    holding = Counter(term for count in counts for term in count)
+    terms = set(_terms(question))
     scores = []
-    for chunk, count in zip(chunks, counts, strict=True):
-        norm = K1 * (1 - B + B * len(chunk) / max(average, 1))
+    for length, count in zip(lengths, counts, strict=True):
+        norm = K1 * (1 - B + B * length / max(average, 1))
         score = 0.0
-        for token in terms & count.keys():
-            n = holding[token]
+        for term in terms & count.keys():
+            n = holding[term]
             idf = math.log(1 + (len(chunks) - n + 0.5) / (n + 0.5))
-            tf = count[token]
+            tf = count[term]
             score += idf * tf * (K1 + 1) / (tf + norm)
         scores.append(score)
     return scores

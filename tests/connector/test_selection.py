@@ -11,6 +11,7 @@ from chunkstore_vllm.config import ConnectorConfig
 from chunkstore_vllm.selection import (
     BadTransferParams,
     bm25_scores,
+    by_score,
     choose,
     requested,
     select,
@@ -64,6 +65,11 @@ def test_the_requests_choice_comes_first_and_a_malformed_one_is_refused() -> Non
 
 
 def test_settings_are_checked() -> None:
+    # By default the chunk most relevant to the question is recomputed; without in-band
+    # isolation (no hook to recompute in) that default is no error.
+    default = ConnectorConfig()
+    assert (default.recompute_chunks, default.recompute_by) == (1, "relevance")
+    assert not ConnectorConfig.from_extra({"inband_isolation": False}).quality_recovery
     assert ConnectorConfig.from_extra({"recompute_by": "relevance"}).recompute_by == "relevance"
     with pytest.raises(ValueError, match="recompute_by must be position or relevance"):
         ConnectorConfig.from_extra({"recompute_by": "attention"})
@@ -72,17 +78,20 @@ def test_settings_are_checked() -> None:
 
 
 def test_bm25_finds_the_document_that_answers_in_the_quality_bench() -> None:
-    """On the bench's one-fact questions (the answer's document among 8 of ~500 tokens, in a
-    real tokenizer), BM25 over token IDs ranks the document holding the answer first in
-    most cases: the relevance signal ``recompute_by: relevance`` relies on."""
+    """On the bench's one-fact and distracted questions (the answer's document among 8
+    prose documents of ~500 tokens, with look-alike facts and people sharing last names, in
+    a real tokenizer), BM25 over token IDs ranks the document holding the answer first in
+    most cases: the relevance signal ``recompute_by: relevance`` relies on. Adjacent token
+    pairs count: "Dara Ivanov" beats a document about another Ivanov (measured: 50 of 60
+    with pairs, 48 without)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir("smollm2"))
-    cases = [c for c in generate(60, seed=0, docs_per_case=8, filler=48) if c.kind == "one"]
+    cases = generate(90, seed=0, docs_per_case=8, filler=16, prose=True)
     found = 0
-    for case in cases:
+    single = [c for c in cases if c.kind != "two"]
+    for case in single:
         chunks = [tok.encode(d, add_special_tokens=False) for d in case.documents]
-        answer = case.relevant[0]
         scores = bm25_scores(tok.encode(case.question, add_special_tokens=False), chunks)
-        found += max(range(len(chunks)), key=scores.__getitem__) == answer
-    assert found >= 0.8 * len(cases), f"{found} of {len(cases)}"
+        found += by_score(scores)[0] == case.relevant[0]
+    assert found >= 0.83 * len(single), f"{found} of {len(single)}"
