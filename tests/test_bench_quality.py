@@ -116,7 +116,8 @@ def test_wilson_interval_matches_known_values() -> None:
 
 
 def test_methods_parse_and_bad_ones_say_what_is_allowed() -> None:
-    assert parse_method("full") is None and parse_method("isolated") == {}
+    assert parse_method("full") is None and parse_method("default") == {}
+    assert parse_method("isolated") == {"recompute_chunks": 0}
     assert parse_method("virtual_gap=200+question_temperature=0.8") == {
         "virtual_gap": 200,
         "question_temperature": 0.8,

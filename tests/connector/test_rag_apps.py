@@ -57,7 +57,7 @@ def test_chat_requests_from_the_openai_client_load_every_ingested_document(
 ) -> None:
     daemon = serve(pool_bytes=256 << 20, block_size=1 << 18)
     # min_chunk_tokens 4: every segment here is longer, but for the one-word document below.
-    settings = {"address": daemon.unix, "min_chunk_tokens": 4}
+    settings = {"address": daemon.unix, "min_chunk_tokens": 4, "recompute_chunks": 0}
     server = VllmServer(smollm2_dir, tmp_path / "vllm", settings)
     try:
         corpus = write_corpus(tmp_path / "corpus.jsonl", [*DOCS, MERGES])
@@ -71,9 +71,13 @@ def test_chat_requests_from_the_openai_client_load_every_ingested_document(
         prompts = RagPrompts.for_model(smollm2_dir, SYS, chat=True)
         openai = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
 
-        def ask(docs: list[str], loads: int) -> Any:
-            """The app's chat request; vLLM's counters show ``loads`` tokens loaded for it."""
+        def ask(docs: list[str], loads: int, transfer: dict | None = None) -> Any:
+            """The app's chat request (``transfer``: its kv_transfer_params); vLLM's
+            counters show ``loads`` tokens loaded for it."""
             before = server.counters()["loaded_tokens"]
+            body: dict[str, Any] = {"return_tokens_as_token_ids": True}
+            if transfer is not None:
+                body["kv_transfer_params"] = transfer
             reply = openai.chat.completions.create(
                 model=server.model,
                 messages=prompts.messages(docs, QUESTION),  # type: ignore[arg-type]
@@ -81,7 +85,7 @@ def test_chat_requests_from_the_openai_client_load_every_ingested_document(
                 temperature=0.0,
                 logprobs=True,
                 top_logprobs=20,
-                extra_body={"return_tokens_as_token_ids": True},
+                extra_body=body,
             )
             server.wait_for_counters({"loaded_tokens": before + loads})
             return reply
@@ -96,8 +100,25 @@ def test_chat_requests_from_the_openai_client_load_every_ingested_document(
             reply = ask(docs, loads=segments[-1].start)  # sys and every document loaded
             assert store.stats().hit_tokens - before == segments[-1].start
         assert reply.usage.prompt_tokens == segments[-1].end
-        reference = HFReference.load(smollm2_dir).assembled_cache(segments, Isolation.SYS)
+        ref = HFReference.load(smollm2_dir)
+        reference = ref.assembled_cache(segments, Isolation.SYS)
         assert_logprobs_match(first_token(reply.choices[0]), reference.logits[-1])
+
+        # The app names the chunk to recompute in the request body (its retriever's pick):
+        # chunk 2 is recomputed whole over the isolated ones before it, as the HF blend has
+        # it; a malformed choice is counted and the connector's own (none here) is used.
+        counters = server.counters()
+        reply = ask(docs, loads=segments[-1].start, transfer={"recompute_chunks": [2]})
+        blended = ref.blended_cache(segments, Isolation.SYS, 0, recompute_chunks=[3])
+        assert_logprobs_match(first_token(reply.choices[0]), blended.logits[-1])
+        malformed = ask(docs, loads=segments[-1].start, transfer={"recompute_chunks": [9]})
+        assert_logprobs_match(first_token(malformed.choices[0]), reference.logits[-1])
+        server.wait_for_counters(
+            {
+                "recomputed_chunks": counters["recomputed_chunks"] + 1,
+                "bad_transfer_params": counters["bad_transfer_params"] + 1,
+            }
+        )
 
         # Hits first: a new document in front stops the loaded run at sys; reordered, every
         # stored one loads and only the new one is computed.
