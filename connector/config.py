@@ -30,9 +30,7 @@ class ConnectorConfig:
     # Answer quality under isolation (each needs in-band isolation; docs/connector.md,
     # "Answer quality"):
     virtual_gap: int = 0  # chunks computed as if standing this many tokens after sys
-    # Answer quality by default: the chunk most relevant to the question (BM25) recomputed
-    # whole (docs/connector.md, "Answer quality"; 0 = chunks stay isolated).
-    recompute_chunks: int = 1  # N chunks recomputed whole, seeing everything before them
+    recompute_chunks: int = 0  # N chunks recomputed whole, seeing everything before them
     recompute_by: str = "relevance"  # which: relevance (BM25) | position (the last N)
     recompute_max_tokens: int = 0  # at most this many chunk tokens recomputed (0: no cap)
     recompute_tokens: int = 0  # each chunk's first N tokens recomputed seeing all before them
@@ -74,8 +72,8 @@ class ConnectorConfig:
             raise ValueError("question_temperature and question_scale must be > 0")
         if config.quality_recovery and not config.inband_isolation:
             raise ValueError(
-                "virtual_gap, recompute_tokens, question_temperature and question_scale act in "
-                "the in-band isolation hook: they need inband_isolation"
+                "virtual_gap, recompute_chunks, recompute_tokens, question_temperature and "
+                "question_scale act in the in-band isolation hook: they need inband_isolation"
             )
         return config
 
@@ -93,9 +91,12 @@ class ConnectorConfig:
 
     @property
     def quality_recovery(self) -> bool:
-        """Settings that need the in-band hook (``recompute_chunks`` does too, but is on by
-        default: without the hook nothing is recomputed, as the scheduler logs)."""
-        return bool(self.virtual_gap or self.recompute_tokens or self.reweights_questions)
+        return bool(
+            self.virtual_gap
+            or self.recompute_chunks
+            or self.recompute_tokens
+            or self.reweights_questions
+        )
 
 
 def load_cpus(text: str) -> set[int] | None:

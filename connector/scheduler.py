@@ -125,12 +125,6 @@ class SchedulerSide:
             log.warning(
                 "chunkstore: %s; the connector stays off (every request computed)", self.off
             )
-        if config.recompute_chunks and not config.inband_isolation:
-            log.warning(
-                "chunkstore: without in-band isolation no chunk is recomputed "
-                "(recompute_chunks: %d has no effect)",
-                config.recompute_chunks,
-            )
 
     def _track(self, request: Any) -> Tracked | None:
         """The request's segments, split once; None for a plain prompt (no separator)."""

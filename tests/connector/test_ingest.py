@@ -33,9 +33,7 @@ SYS, DOCS = RAG_SYS, RAG_DOCS
 
 def test_ingest_through_vllm_serve_then_a_rag_request_hits(tiny_model_dir, serve, tmp_path) -> None:
     daemon = serve(pool_bytes=128 << 20, block_size=1 << 18)
-    server = VllmServer(
-        tiny_model_dir, tmp_path / "vllm", {"address": daemon.unix, "recompute_chunks": 0}
-    )
+    server = VllmServer(tiny_model_dir, tmp_path / "vllm", {"address": daemon.unix})
     try:
         corpus = tmp_path / "corpus.jsonl"
         corpus.write_text("\n".join(json.dumps({"text": d}) for d in DOCS) + "\n")

@@ -67,8 +67,7 @@ def cold_half_warm(
     ids: list[int] | dict = list(prompt.token_ids)
     if transfer is not None:
         ids = {"prompt_token_ids": ids, "kv_transfer_params": transfer}
-    # The isolation semantics unless a case asks for recomputation (on by default).
-    settings = {"recompute_chunks": 0, **(settings or {})}
+    settings = settings or {}
     results = run_probe(
         model,
         [ids, ids, list(half.token_ids), ids],
@@ -298,8 +297,9 @@ def test_plain_prompts_batched_with_chunked_ones_answer_as_without_the_connector
     chunked = s.prompt(SYS, DOCS, QUESTIONS[1])
     batch = [plain[0], list(chunked.token_ids), plain[1]]
     decode = ("--batch", "--max-tokens", "16")
-    isolated = {"address": daemon.unix, "recompute_chunks": 0}
-    with_hook = run_probe(tiny_model_dir, batch, tmp_path / "hook", isolated, extra=decode)
+    with_hook = run_probe(
+        tiny_model_dir, batch, tmp_path / "hook", {"address": daemon.unix}, extra=decode
+    )
     without = run_probe(tiny_model_dir, batch, tmp_path / "plain", extra=decode)
     for index in (0, 2):
         assert with_hook[index]["generated"] == without[index]["generated"]
@@ -322,7 +322,7 @@ def test_a_cold_request_stores_every_chunk_and_they_hit_in_any_order(
         tiny_model_dir,
         [list(cold.token_ids), list(reordered.token_ids)],
         tmp_path,
-        {"address": daemon.unix, "recompute_chunks": 0},
+        {"address": daemon.unix},
     )
     assert first["cached_tokens"] == 0
     assert second["cached_tokens"] == reordered.segments[-1].start
@@ -379,9 +379,7 @@ def test_vllm_prefix_cache_never_serves_kv_of_another_role(
     assert asked.segments[-1].end > 2 * 128  # X is in two full cache blocks (CPU: 128)
     turn1 = s.prompt(SYS, DOCS, long_text(220, seed=6))  # a long first question
     cached = ("--prefix-caching", "--max-tokens", "8")
-    # Recomputed chunks make their blocks private to the request (prefix_cache.py): the
-    # roles are the subject here.
-    connector = {"address": daemon.unix, "recompute_chunks": 0}
+    connector = {"address": daemon.unix}
     _, second, chat1 = run_probe(
         tiny_model_dir,
         [list(asked.token_ids), list(chunk.token_ids), list(turn1.token_ids)],

@@ -57,7 +57,7 @@ def test_chat_requests_from_the_openai_client_load_every_ingested_document(
 ) -> None:
     daemon = serve(pool_bytes=256 << 20, block_size=1 << 18)
     # min_chunk_tokens 4: every segment here is longer, but for the one-word document below.
-    settings = {"address": daemon.unix, "min_chunk_tokens": 4, "recompute_chunks": 0}
+    settings = {"address": daemon.unix, "min_chunk_tokens": 4}
     server = VllmServer(smollm2_dir, tmp_path / "vllm", settings)
     try:
         corpus = write_corpus(tmp_path / "corpus.jsonl", [*DOCS, MERGES])

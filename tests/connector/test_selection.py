@@ -65,11 +65,11 @@ def test_the_requests_choice_comes_first_and_a_malformed_one_is_refused() -> Non
 
 
 def test_settings_are_checked() -> None:
-    # By default the chunk most relevant to the question is recomputed; without in-band
-    # isolation (no hook to recompute in) that default is no error.
+    # Nothing is recomputed by default; asked for a count, relevance chooses.
     default = ConnectorConfig()
-    assert (default.recompute_chunks, default.recompute_by) == (1, "relevance")
-    assert not ConnectorConfig.from_extra({"inband_isolation": False}).quality_recovery
+    assert (default.recompute_chunks, default.recompute_by) == (0, "relevance")
+    with pytest.raises(ValueError, match="need inband_isolation"):
+        ConnectorConfig.from_extra({"inband_isolation": False, "recompute_chunks": 1})
     assert ConnectorConfig.from_extra({"recompute_by": "relevance"}).recompute_by == "relevance"
     with pytest.raises(ValueError, match="recompute_by must be position or relevance"):
         ConnectorConfig.from_extra({"recompute_by": "attention"})
