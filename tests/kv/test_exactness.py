@@ -143,11 +143,15 @@ def test_sys_first_chunk_is_exact_and_later_chunks_are_not(smollm2) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", REAL_MODELS)
-def test_sys_assembled_cache_is_what_the_paged_write_builds(real_model, model) -> None:
+def test_sys_assembled_cache_is_what_the_paged_write_builds(smollm2) -> None:
     """The oracle for later end-to-end tests: chunks stored at v = len(sys), written into a
-    paged cache by the product's write path, read back through the slot mapping."""
-    ref, prompt = real_model(model)
+    paged cache by the product's write path, read back through the slot mapping.
+
+    SmolLM2 only: for Qwen2 this is the longest check here (~55 s of CPU), and its write path
+    is checked end to end inside vLLM (test_isolation). Qwen2 passes it with the keys compared
+    at rtol 1e-6: they reach ~200 (SmolLM2's ~20), and the write path and remap_keys round
+    the rotation differently (3.8e-6 apart, one ulp)."""
+    ref, prompt = smollm2
     assembled = ref.assembled_cache(prompt.segments, Isolation.SYS)
     sys_seg = prompt.segments[0]
     sys_kv = ref.segment_kv(sys_seg, None, 0)
@@ -179,9 +183,7 @@ def test_sys_assembled_cache_is_what_the_paged_write_builds(real_model, model) -
         key_cache.view(layers, -1, heads, dim)[:, slots],
         value_cache.view(layers, -1, heads, dim)[:, slots],
     )
-    # Within float32 rounding of the rotation, relative: Qwen2's keys (biased) reach ~200,
-    # SmolLM2's ~20.
-    torch.testing.assert_close(built.keys, assembled.kv.keys[:, :total], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(built.keys, assembled.kv.keys[:, :total], rtol=0, atol=1e-6)
     assert torch.equal(built.values, assembled.kv.values[:, :total])
     top = ref.forward(prompt.segments[-1].token_ids, total, past=built)
     assert logits_error(top.logits, assembled.logits) <= TOLERANCE
