@@ -77,7 +77,9 @@ def test_without_overlap_everything_is_written_before_the_forward(fail_at: int) 
 
 def test_only_the_time_the_model_blocked_counts_as_waited() -> None:
     """``wait_seconds`` (the connector's ``wait_seconds`` counter): a wait on a layer not yet
-    written counts; a wait on a written one adds nothing; it never exceeds the writing."""
+    written counts; a wait on a written one adds nothing; without overlap all of the writing
+    is waited. (Not compared with the writing's time under overlap: the waiter measures its
+    own wake-up too, which on a loaded host can outlast the last layers' writes.)"""
     worker = RecordingWorker()
     loads = LayerLoads(worker, ["a"], overlap=True)  # type: ignore[arg-type]
     waiter = threading.Thread(target=loads.wait, args=(0,))
@@ -88,7 +90,7 @@ def test_only_the_time_the_model_blocked_counts_as_waited() -> None:
     waiter.join()
     assert loads.finish() is None
     blocked = loads.wait_seconds
-    assert 0 < blocked <= loads.seconds
+    assert blocked > 0 and loads.seconds > 0
     for layer in range(1, LAYERS):
         loads.wait(layer)  # written already
     assert loads.wait_seconds == blocked
