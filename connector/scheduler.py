@@ -73,12 +73,12 @@ class Tracked:
     def blended_tokens(self, per_chunk: int) -> tuple[tuple[int, int], ...]:
         """(position, token id) of the tokens the workers recompute: every token of the
         ``recomputed`` chunks, the first ``per_chunk`` of each other chunk."""
+        whole = {self.segments[i].start for i in self.recomputed}
         return tuple(
             (seg.start + i, token)
-            for index, seg in enumerate(self.segments)
-            if seg.kind is SegmentKind.CHUNK and seg.end <= self.causal_start
+            for seg in self._isolated_segments()
             for i, token in enumerate(
-                seg.token_ids if index in self.recomputed else seg.token_ids[:per_chunk]
+                seg.token_ids if seg.start in whole else seg.token_ids[:per_chunk]
             )
         )
 

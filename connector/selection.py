@@ -139,6 +139,8 @@ def select(
     lengths = [len(chunk) for chunk in chunks]
     indices, scores = requested(params, len(chunks))
     if indices is None:
+        if max_chunks <= 0:
+            return []  # nothing to choose: no scoring on the request's path
         if scores is None:
             if recompute_by == RELEVANCE:
                 scores = bm25_scores(question, chunks)
