@@ -53,13 +53,18 @@ class IsolatedStep:
     ``recompute`` ((position, token id) of each token, ``recompute_tokens``): chunk tokens
     whose KV the hook recomputes this step, seeing everything before them, once the
     chunks' isolated KV is in the cache and before the causal rows after the chunks read
-    it; set in the step that computes the first of those rows."""
+    it; set in the step that computes the first of those rows.
+
+    ``moves`` ((start, end, shift) of each chunk, ``relevant_last``): chunks whose keys the
+    hook rotates by ``shift`` positions in the cache in that same step, once their isolated
+    KV is there and before the causal rows read it."""
 
     start: int
     end: int
     sys_end: int
     chunks: tuple[tuple[int, int], ...]
     recompute: tuple[tuple[int, int], ...] = ()
+    moves: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def count(self) -> int:

@@ -36,6 +36,7 @@ class ConnectorConfig:
     recompute_tokens: int = 0  # each chunk's first N tokens recomputed seeing all before them
     question_temperature: float = 1.0  # APE: question's scores against chunk keys / this
     question_scale: float = 1.0  # APE: the chunks' share of its attention times this
+    relevant_last: int = 0  # the N chunks most relevant to the question attended last
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -55,11 +56,17 @@ class ConnectorConfig:
             config.recompute_chunks,
             config.recompute_tokens,
             config.recompute_max_tokens,
+            config.relevant_last,
         )
         if min(counts) < 0:
             raise ValueError(
-                "virtual_gap, recompute_chunks, recompute_tokens and recompute_max_tokens are "
-                "counts >= 0"
+                "virtual_gap, recompute_chunks, recompute_tokens, recompute_max_tokens and "
+                "relevant_last are counts >= 0"
+            )
+        if config.relevant_last and (config.recompute_chunks or config.recompute_tokens):
+            raise ValueError(
+                "relevant_last moves chunks, recompute_chunks and recompute_tokens recompute "
+                "them where they stand: choose one (set relevant_last to 0 to recompute)"
             )
         if config.recompute_by not in RECOMPUTE_BY:
             raise ValueError(
@@ -72,8 +79,9 @@ class ConnectorConfig:
             raise ValueError("question_temperature and question_scale must be > 0")
         if config.quality_recovery and not config.inband_isolation:
             raise ValueError(
-                "virtual_gap, recompute_chunks, recompute_tokens, question_temperature and "
-                "question_scale act in the in-band isolation hook: they need inband_isolation"
+                "virtual_gap, recompute_chunks, recompute_tokens, relevant_last, "
+                "question_temperature and question_scale act in the in-band isolation hook: "
+                "they need inband_isolation"
             )
         return config
 
@@ -95,6 +103,7 @@ class ConnectorConfig:
             self.virtual_gap
             or self.recompute_chunks
             or self.recompute_tokens
+            or self.relevant_last
             or self.reweights_questions
         )
 

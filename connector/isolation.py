@@ -20,6 +20,9 @@ requests whose scheduled tokens include chunk tokens (``IsolatedStep``). Per lay
 - with ``recompute_tokens``, the step that computes the first causal row after the chunks
   first recomputes the chunks' selected tokens (``recompute``), after the chunk rows and
   before the causal ones, so those read the blend.
+- with ``relevant_last``, that same step rotates the keys of the chunks that move to their
+  new positions in the cache (``moves``), after the chunk rows and before the causal rows:
+  from then on the question and what is generated read them there.
 - every other row (plain requests, sys and question tokens, decode) goes to vLLM's own kernel,
   on a batch without the chunk rows, so no row pays for attention twice; a step with no chunk
   rows calls vLLM's forward untouched.
@@ -79,12 +82,24 @@ class KernelBatch:
     scheduler_metadata: torch.Tensor
 
 
+@dataclass(frozen=True)
+class Move:
+    """A chunk's keys rotated by ``shift`` positions where they stand in the cache."""
+
+    req_id: str
+    start: int
+    shift: int
+    slots: torch.Tensor
+    rotation: tuple[torch.Tensor, torch.Tensor]
+
+
 @dataclass
 class StepSplit:
     rows: list[HookRows]
     kernel: KernelBatch | None
     blends: list[tuple[Blend, KernelBatch]] = field(default_factory=list)
     rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    moves: list[Move] = field(default_factory=list)
 
 
 def unsupported(impl: Any, layer: Any) -> str | None:
@@ -130,6 +145,7 @@ class IsolationHook:
         self._plans: list[RequestPlan] = []
         self._splits: dict[int, tuple[Any, StepSplit | None]] = {}
         self.isolated_tokens = 0  # chunk tokens served, since take_isolated_tokens
+        self._layer_names: list[str] = []
 
     # Installation ---------------------------------------------------------------------------
 
@@ -149,6 +165,7 @@ class IsolationHook:
             report("chunkstore: no chunk or token is recomputed for answer quality: %s", found)
         else:
             self.recomputer = found
+        self._layer_names = list(layer_names)
         for index, layer in enumerate(layers):
             layer.impl.forward = self._wrap(layer.impl.forward, layer.impl, index)
         return None
@@ -183,19 +200,26 @@ class IsolationHook:
         self._plans = [plan for plan in plans if plan.isolation is not None]
         self._splits.clear()
 
-    def end_step(self) -> dict[str, IsolatedCopy]:
+    def end_step(self) -> tuple[dict[str, IsolatedCopy], dict[str, dict[int, int]]]:
         """End the step; return, per request whose selected tokens were recomputed in it,
-        the isolated KV they replaced (what saves of this step must store)."""
+        the isolated KV they replaced (what saves of this step must store), and per request
+        whose chunks moved in it, each moved chunk's start and shift (saves of this step
+        read its keys rotated)."""
         copies: dict[str, IsolatedCopy] = {}
-        if self.recomputer is not None:
-            for _, split in self._splits.values():
-                for blend, _ in split.blends if split else ():
-                    copy = self.recomputer.isolated_copy(blend)
-                    if copy is not None:
-                        copies[blend.req_id] = copy
+        shifts: dict[str, dict[int, int]] = {}
+        for _, split in self._splits.values():
+            if split is None:
+                continue
+            for blend, _ in split.blends:
+                assert self.recomputer is not None
+                copy = self.recomputer.isolated_copy(blend)
+                if copy is not None:
+                    copies[blend.req_id] = copy
+            for move in split.moves:
+                shifts.setdefault(move.req_id, {})[move.start] = move.shift
         self._plans = []
         self._splits.clear()
-        return copies
+        return copies, shifts
 
     def take_isolated_tokens(self) -> int:
         taken, self.isolated_tokens = self.isolated_tokens, 0
@@ -220,6 +244,7 @@ class IsolationHook:
         starts, seq_lens = metadata.query_start_loc.tolist(), metadata.seq_lens.tolist()
         hook_rows: list[HookRows] = []
         blends: list[tuple[Blend, KernelBatch]] = []
+        moves: list[Move] = []
         runs: list[tuple[int, int, int, int]] = []  # (request, first row, rows, seq_len)
         for r, seq_len in enumerate(seq_lens):
             first, count = starts[r], starts[r + 1] - starts[r]
@@ -230,14 +255,26 @@ class IsolationHook:
                 continue
             step = plan.isolation
             assert step is not None
-            rows, kernel_runs = self._partition(step, first, metadata.block_table[r].long())
+            table = metadata.block_table[r].long()
+            rows, kernel_runs = self._partition(step, first, table)
             hook_rows += rows
             runs += [(r, *run) for run in kernel_runs]
             if step.recompute and self.recomputer is not None:
                 blend = self.recomputer.start(plan.req_id, metadata.block_table[r], step.recompute)
                 blends.append((blend, self._blend_batch(blend, impl, layer)))
+            moves += [
+                Move(
+                    plan.req_id,
+                    start,
+                    shift,
+                    self.layout.slots(table, start, end - start),
+                    rotation_table(self.rotary, shift, end - start),
+                )
+                for start, end, shift in step.moves
+            ]
         self.isolated_tokens += sum(rows.count for rows in hook_rows if rows.chunks_end == 0)
-        return StepSplit(hook_rows, self._kernel_batch(runs, metadata, impl, layer), blends)
+        kernel = self._kernel_batch(runs, metadata, impl, layer)
+        return StepSplit(hook_rows, kernel, blends, moves=moves)
 
     def _partition(
         self, step: IsolatedStep, first: int, block_ids: torch.Tensor
@@ -348,13 +385,25 @@ class IsolationHook:
         output: torch.Tensor,
     ) -> None:
         """The chunk rows first (they read their chunks' isolated KV), then the recomputed
-        tokens (they overwrite it), then the causal rows (they read the blend)."""
+        tokens (they overwrite it) or the moved chunks (their keys rotated), then the causal
+        rows (they read the blend, or the chunks where they moved)."""
         chunk_rows = [rows for rows in split.rows if rows.chunks_end == 0]
         self._attend_rows(split, chunk_rows, impl, query, kv_cache, output)
         for blend, batch in split.blends:
             assert self.recomputer is not None
             attend = functools.partial(self._paged, batch, impl, layer, kv_cache=kv_cache)
             self.recomputer.layer(blend, index, kv_cache, attend)
+        for move in split.moves:
+            keys, values = self.layout.read(kv_cache, move.slots)
+            self.layout.write_rotated(
+                self._layer_names[index],
+                kv_cache,
+                keys,
+                values,
+                move.slots,
+                move.rotation,
+                self.rotary,
+            )
         if split.kernel is not None:
             self._kernel(split.kernel, impl, layer, query, kv_cache, output)
         after_rows = [rows for rows in split.rows if rows.chunks_end != 0]

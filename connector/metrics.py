@@ -31,6 +31,8 @@ FIELDS = {
     "daemon's Acquire.",
     "recomputed_chunks": "Chunks chosen to be recomputed whole for answer quality "
     "(recompute_chunks, or the request's kv_transfer_params).",
+    "moved_chunks": "Chunks attended as if they stood just before the question, the most "
+    "relevant last (relevant_last; those already there are not counted).",
     "bad_transfer_params": "Requests whose kv_transfer_params named chunks wrongly (ignored: "
     "the connector's own choice was used).",
     "daemon_unreachable": "Lookups skipped because the daemon could not be reached (computed).",

@@ -32,7 +32,7 @@ from .config import ConnectorConfig, unsupported_parallelism
 from .keys import ModelKeys, SegmentPlan
 from .metrics import ConnectorStats
 from .prefix_cache import keep_roles_apart
-from .selection import BadTransferParams, select
+from .selection import BadTransferParams, placement, relevant_last, select
 
 log = logging.getLogger("chunkstore.connector")
 
@@ -46,7 +46,9 @@ class Tracked:
     them: the question, what is generated. ``recomputed``: the chunks (segment indices)
     whose KV the workers recompute whole, seeing everything before them, in the step that
     computes the question (``selection``); they are looked up, loaded and stored as
-    isolated chunks all the same."""
+    isolated chunks all the same. ``shifts``: (start, end, shift) of each chunk the
+    workers attend ``shift`` positions from where it stands, from the step that computes
+    the question on (``relevant_last``: its keys re-rotated in the cache)."""
 
     segments: list[Segment]  # every segment, the question's included
     cacheable: list[SegmentPlan]  # sys and isolated chunks of at least min_chunk_tokens, keyed
@@ -56,6 +58,7 @@ class Tracked:
     block_ids: list[int] = field(default_factory=list)  # its block table, once scheduled
     saving: set[int] = field(default_factory=set)  # cacheable segments whose save is planned
     recomputed: frozenset[int] = frozenset()  # segment indices of chunks recomputed whole
+    shifts: tuple[tuple[int, int, int], ...] = ()  # chunks attended elsewhere: start, end, by
 
     @property
     def sys_end(self) -> int:
@@ -83,9 +86,11 @@ class Tracked:
         )
 
     @property
-    def first_recomputed(self) -> int | None:
-        """The first position whose KV in the cache may be recomputed (not isolated)."""
+    def first_changed(self) -> int | None:
+        """The first position whose KV in the cache may be recomputed or moved (not the
+        isolated KV at its own position)."""
         starts = [self.segments[i].start for i in self.recomputed]
+        starts += [start for start, _, _ in self.shifts]
         return min(starts) if starts else None
 
 
@@ -145,7 +150,8 @@ class SchedulerSide:
                 short = sum(len(p.segment) < self.config.min_chunk_tokens for p in plans)
                 self.stats.add("short_segments", short)
                 recomputed = self._select(request, segments)
-                tracked = Tracked(segments, cacheable, causal, recomputed=recomputed)
+                shifts = self._place(request, segments)
+                tracked = Tracked(segments, cacheable, causal, recomputed=recomputed, shifts=shifts)
             else:
                 self.stats.add("unchunked_prompts")
             self._tracked[req_id] = tracked
@@ -184,6 +190,29 @@ class SchedulerSide:
         self.stats.add("recomputed_chunks", len(chosen))
         return frozenset(chunks[i] for i in chosen)
 
+    def _place(self, request: Any, segments: list[Segment]) -> tuple[tuple[int, int, int], ...]:
+        """``relevant_last``: the chunks attended as if they stood just before the question
+        (``selection``), as (start, end, shift) of each chunk that moves."""
+        count = self.config.relevant_last
+        if not count or segments[-1].kind is not SegmentKind.QUESTION:
+            return ()
+        chunks = [s for s in segments if s.kind is SegmentKind.CHUNK]
+        bodies = [s.token_ids for s in chunks]
+        params = getattr(request, "kv_transfer_params", None)
+        question = segments[-1].token_ids
+        try:
+            last = relevant_last(question, bodies, count, params)
+        except BadTransferParams as err:
+            log.warning(
+                "chunkstore: request %s: kv_transfer_params ignored: %s", request.request_id, err
+            )
+            self.stats.add("bad_transfer_params")
+            last = relevant_last(question, bodies, count)
+        shifts = placement([len(b) for b in bodies], last)
+        moved = tuple((c.start, c.end, d) for c, d in zip(chunks, shifts, strict=True) if d)
+        self.stats.add("moved_chunks", sum(1 for i in last if shifts[i]))
+        return moved
+
     def on_new_request(self, request: Any) -> None:
         """With in-band isolation, keep vLLM's prefix cache from sharing blocks between
         tokens of different roles (``prefix_cache``), before vLLM looks the request up."""
@@ -192,7 +221,7 @@ class SchedulerSide:
         tracked = self._track(request)
         private = None
         if tracked is not None:
-            private = tracked.sys_end if self.config.recompute_tokens else tracked.first_recomputed
+            private = tracked.sys_end if self.config.recompute_tokens else tracked.first_changed
         if tracked is None or keep_roles_apart(
             request, tracked.causal_start, self.block_size, private
         ):
@@ -367,10 +396,11 @@ class SchedulerSide:
         reweights = self.config.reweights_questions and end > tracked.causal_start
         recomputes = self.config.recompute_tokens or tracked.recomputed
         blends = bool(recomputes) and start <= tracked.causal_start < end
-        if not (computes_chunks or reweights or blends):
+        moves = tracked.shifts if start <= tracked.causal_start < end else ()
+        if not (computes_chunks or reweights or blends or moves):
             return None
         recompute = tracked.blended_tokens(self.config.recompute_tokens) if blends else ()
-        return IsolatedStep(start, end, tracked.sys_end, chunks, recompute)
+        return IsolatedStep(start, end, tracked.sys_end, chunks, recompute, moves)
 
     def update_connector_output(self, output: Any) -> None:
         """These requests' loads ended on the workers: their leases can go."""

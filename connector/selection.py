@@ -1,4 +1,5 @@
-"""Which chunks of a chunked prompt the connector recomputes whole (scheduler process).
+"""Which chunks of a chunked prompt the connector recomputes whole, and which it attends as
+if they stood last (scheduler process).
 
 Under isolation a real model answers from the wrong document; recomputing the chunk that
 holds the answer, seeing everything before it, brings the answer back (docs/connector.md,
@@ -18,6 +19,12 @@ follows recency. Relevance does. The choice, in order:
 
 The first chunk, chosen, is not recomputed when its isolated KV is its causal KV already
 (``isolation: sys`` with no ``virtual_gap``: it sees sys and itself either way).
+
+``relevant_last``: the question reads isolated chunks by recency, so the chunks most
+relevant to it (the request's ``chunk_scores``, else BM25) take the positions just before
+the question, the most relevant last, and the others move up in prompt order (``placement``).
+Isolated chunks do not see each other, so that is the same KV as the prompt with those
+documents put last; nothing is recomputed, only their keys re-rotated.
 """
 
 from __future__ import annotations
@@ -149,3 +156,31 @@ def select(
         indices = choose(by_score(scores), lengths, max_chunks, max_tokens)
     # (the application named them: no budget applies)
     return [i for i in indices if not (first_is_causal and i == 0)]
+
+
+def relevant_last(
+    question: Sequence[int], chunks: Sequence[Sequence[int]], count: int, params: Any = None
+) -> list[int]:
+    """The ``count`` chunks most relevant to the question, the most relevant last: by the
+    request's ``chunk_scores`` if it gives them, else by BM25. Raises BadTransferParams on
+    malformed kv_transfer_params (the caller falls back to BM25)."""
+    if count <= 0 or not chunks:
+        return []
+    _, scores = requested(params, len(chunks))
+    if scores is None:
+        scores = bm25_scores(question, chunks)
+    return by_score(scores)[:count][::-1]
+
+
+def placement(lengths: Sequence[int], last: Sequence[int]) -> list[int]:
+    """Each chunk's shift in positions when the chunks ``last`` (indices, in their new order)
+    are placed after the others, which keep their order: a chunk of ``lengths[i]`` tokens
+    starting where the ones before it in the new order end."""
+    order = [i for i in range(len(lengths)) if i not in set(last)] + list(last)
+    old = [sum(lengths[:i]) for i in range(len(lengths))]
+    shifts = [0] * len(lengths)
+    new = 0
+    for i in order:
+        shifts[i] = new - old[i]
+        new += lengths[i]
+    return shifts

@@ -435,8 +435,9 @@ class WorkerSide:
         rank 0 stores the entry, which holds all heads."""
         self._finish_loads()
         blended: dict[str, IsolatedCopy] = {}
+        moved: dict[str, dict[int, int]] = {}
         if self.hook is not None:
-            blended = self.hook.end_step()
+            blended, moved = self.hook.end_step()
             self.stats.add("isolated_tokens", self.hook.take_isolated_tokens())
             self.stats.add("recomputed_tokens", sum(len(c.positions) for c in blended.values()))
         if not self.can_read_cache:
@@ -461,8 +462,10 @@ class WorkerSide:
                 if client is None:
                     continue
                 try:
+                    # Moved this step (relevant_last): its keys stand ``shift`` further on.
+                    virtual_start = item.start + moved.get(plan.req_id, {}).get(item.start, 0)
                     # False: another request stored (or is storing) it first.
-                    if client.put(item.key, keys, values, virtual_start=item.start):
+                    if client.put(item.key, keys, values, virtual_start=virtual_start):
                         self.stats.add("saved_segments")
                         self.stats.add("saved_tokens", item.num_tokens)
                         saved = True

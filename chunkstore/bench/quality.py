@@ -11,7 +11,9 @@ across two, a fact with look-alikes in other documents), each a chat prompt
   BM25 ranks first) or ``virtual_gap=200+recompute_tokens=16`` (docs/benchmarks.md, "Answer
   quality: chunkstore bench quality --json"); ``request=N``: each prompt's
   kv_transfer_params name the first N chunks of an oracle retriever's ranking (the
-  documents holding the answer first), as an application passes its own.
+  documents holding the answer first), as an application passes its own; ``scores=oracle``:
+  they carry that ranking as ``chunk_scores`` (what ``relevant_last`` and
+  ``recompute_chunks`` rank by when a request gives them).
 Each method runs in its own vLLM process; methods whose chunks have the same keys (the same
 ``virtual_gap``) share one daemon, so the first of them computes and stores the documents
 and later ones load them (the methods act the same on loaded and computed chunks: cold ==
@@ -19,7 +21,8 @@ warm, tests/connector/test_isolation.py). Accuracy comes with its 95% Wilson int
 ``gap_closed`` is the share of the accuracy lost by ``isolated`` that the method wins back;
 ``recomputed_share`` the share of chunk tokens it recomputes; ``answer_chunks_recomputed``
 the share of cases in which every document holding the answer was among the chunks chosen
-to be recomputed whole.
+to be recomputed whole; ``answer_chunks_last`` (``relevant_last``) the share in which every
+one of them was among the chunks attended last.
 
 TTFT is measured in the same process on the ``bench e2e`` prompt shape (sys + 8 x 512-token
 chunks + a question, every chunk ingested first), the median of ``--repeats`` reordered
@@ -44,7 +47,7 @@ from chunkstore.models import model_dir
 from chunkstore.processes.daemon import start_daemon
 from chunkstore.processes.vllm_probe import run_probe
 from chunkstore_vllm.config import ConnectorConfig
-from chunkstore_vllm.selection import select
+from chunkstore_vllm.selection import relevant_last, select
 
 FULL, ISOLATED, DEFAULT = "full", "isolated", "default"
 # The curve of each knob, and the combinations worth a row: sized to run in under an hour
@@ -65,6 +68,8 @@ DEFAULT_METHODS = (
 # first N chunks of an oracle ranking (the documents holding the answer, then the others
 # from the question back), as an application's retriever would.
 REQUEST = "request"
+# Not a connector setting either: kv_transfer_params {"chunk_scores": the oracle ranking}.
+SCORES, ORACLE = "scores", "oracle"
 # A chat prompt: the documents are the user's message, the question closes it.
 SYS_TEXT = "<|im_start|>system\n" + qa_cases.SYS + "<|im_end|>\n<|im_start|>user\nDocuments:\n"
 QUESTION_TEXT = "\nQuestion: {}<|im_end|>\n<|im_start|>assistant\n"
@@ -78,17 +83,19 @@ KNOBS: dict[str, type] = {
     "recompute_tokens": int,
     "question_temperature": float,
     "question_scale": float,
+    "relevant_last": int,
     REQUEST: int,
+    SCORES: str,
 }
 
 
 def parse_method(spec: str) -> dict[str, Any] | None:
-    """``full`` -> None (no connector); ``isolated`` -> {recompute_chunks: 0}; ``default``
+    """``full`` -> None (no connector); ``isolated`` -> nothing recovered; ``default``
     -> {}; ``a=1+b=0.5`` -> {a: 1, b: 0.5}."""
     if spec == FULL:
         return None
     if spec == ISOLATED:
-        return {"recompute_chunks": 0}
+        return {"recompute_chunks": 0, "relevant_last": 0}
     if spec == DEFAULT:
         return {}
     settings: dict[str, Any] = {}
@@ -100,6 +107,8 @@ def parse_method(spec: str) -> dict[str, Any] | None:
                 f"with KNOB one of {', '.join(KNOBS)}"
             )
         settings[name] = KNOBS[name](value)
+    if settings.get(SCORES, ORACLE) != ORACLE:
+        raise ValueError(f"bad method {spec!r}: scores=oracle is the one ranking the bench has")
     return settings
 
 
@@ -118,8 +127,8 @@ def _methods(text: str) -> list[tuple[str, dict[str, Any] | None]]:
 
 
 def connector_settings(settings: dict[str, Any]) -> dict[str, Any]:
-    """A method's settings without the bench's own ``request``."""
-    return {k: v for k, v in settings.items() if k != REQUEST}
+    """A method's settings without the bench's own ``request`` and ``scores``."""
+    return {k: v for k, v in settings.items() if k not in (REQUEST, SCORES)}
 
 
 def oracle_ranking(relevant: tuple[int, ...], chunks: int) -> list[int]:
@@ -147,6 +156,19 @@ def recomputed_chunks(
         config.recompute_chunks,
         config.recompute_max_tokens,
     )
+
+
+def last_chunks(
+    settings: dict[str, Any], prompt: list[int], sep: list[int], ranking: list[int]
+) -> list[int]:
+    """The chunks (indices among the prompt's chunks) a method attends last."""
+    segments = split_prompt(prompt, sep)
+    if segments[-1].kind is not SegmentKind.QUESTION:
+        return []
+    chunks = [s.token_ids for s in segments if s.kind is SegmentKind.CHUNK]
+    config = ConnectorConfig.from_extra(connector_settings(settings))
+    params = _transfer_params(ranking, 0, settings.get(SCORES) == ORACLE)
+    return relevant_last(segments[-1].token_ids, chunks, config.relevant_last, params)
 
 
 def wilson(correct: int, total: int, z: float = 1.96) -> tuple[float, float]:
@@ -238,12 +260,13 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             )
             work = Path(tmp) / f"method-{index}"
             requested = (settings or {}).get(REQUEST, 0)
+            scores = (settings or {}).get(SCORES) == ORACLE
             qa = [
-                _entry(p, args.max_tokens, r, requested)
+                _entry(p, args.max_tokens, r, requested, scores)
                 for p, r in zip(qa_ids, qa_rankings, strict=True)
             ]
             timed_prompts = [
-                _entry(p, None, r, requested)
+                _entry(p, None, r, requested, scores)
                 for p, r in zip(measured, measured_rankings, strict=True)
             ]
             if settings is None:
@@ -308,6 +331,12 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                     for case, p, r in zip(cases, qa_ids, qa_rankings, strict=True)
                 )
                 row["answer_chunks_recomputed"] = round(found / len(cases), 3)
+            if ConnectorConfig.from_extra(connector_settings(settings)).relevant_last:
+                found = sum(
+                    set(case.relevant) <= set(last_chunks(settings, p, sep, r))
+                    for case, p, r in zip(cases, qa_ids, qa_rankings, strict=True)
+                )
+                row["answer_chunks_last"] = round(found / len(cases), 3)
         if full is not None:
             row["ttft_vs_full"] = round(full["ttft_s"] / res["ttft_s"], 2)
         if full is not None and isolated is not None and full["correct"] != isolated["correct"]:
@@ -316,16 +345,28 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         yield row
 
 
+def _transfer_params(ranking: list[int], requested: int, scores: bool) -> dict[str, Any] | None:
+    """A prompt's kv_transfer_params: ``request=N`` names the ranking's first N chunks,
+    ``scores=oracle`` gives it as chunk_scores (the first chunk of the ranking highest)."""
+    if requested:
+        return {"recompute_chunks": sorted(ranking[:requested])}
+    if scores:
+        return {
+            "chunk_scores": [float(len(ranking) - ranking.index(i)) for i in range(len(ranking))]
+        }
+    return None
+
+
 def _entry(
-    prompt: list[int], max_tokens: int | None, ranking: list[int], requested: int
+    prompt: list[int], max_tokens: int | None, ranking: list[int], requested: int, scores: bool
 ) -> dict[str, Any]:
-    """A probe prompt; with ``request=N``, its kv_transfer_params name the ranking's first
-    N chunks."""
+    """A probe prompt, with its kv_transfer_params (``_transfer_params``)."""
     entry: dict[str, Any] = {"prompt_token_ids": prompt}
     if max_tokens is not None:
         entry["max_tokens"] = max_tokens
-    if requested:
-        entry["kv_transfer_params"] = {"recompute_chunks": sorted(ranking[:requested])}
+    params = _transfer_params(ranking, requested, scores)
+    if params is not None:
+        entry["kv_transfer_params"] = params
     return entry
 
 
@@ -362,7 +403,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated: full (vLLM alone), isolated (chunks isolated), default (the "
         "connector's defaults), or connector settings KNOB=VALUE joined by '+' "
         f"(KNOB: {', '.join(KNOBS)}; request=N: the request's kv_transfer_params name an "
-        "oracle ranking's first N chunks); default: the curve of each knob",
+        "oracle ranking's first N chunks; scores=oracle: they give that ranking as "
+        "chunk_scores); default: the curve of each knob",
     )
     parser.add_argument("--chunks", type=int, default=8, help="TTFT prompt: chunks (8)")
     parser.add_argument(

@@ -135,18 +135,21 @@ class HFReference:
         isolation: Isolation,
         none_virtual_start: int = 0,
         virtual_gap: int = 0,
+        shifts: dict[int, int] | None = None,
     ) -> Forward:
         """Reused segments put together as chunkstore serves them, the question on top.
 
         Returns the question's logits (empty without a question) and the KV of the whole
         prompt. Chunks are computed at the virtual start their context gives them:
         ``virtual_gap`` tokens past sys in ``isolation: sys``, ``none_virtual_start`` in
-        ``isolation: none``.
+        ``isolation: none``; ``shifts`` (segment index -> positions) attends those chunks
+        that far from where they stand (``relevant_last``: the prompt with them put last).
         """
+        shifts = shifts or {}
         parts: list[KV] = []
         sys_kv: KV | None = None
         question: Segment | None = None
-        for seg in segments:
+        for index, seg in enumerate(segments):
             if seg.kind is SegmentKind.SYS:
                 sys_kv = self.segment_kv(seg, None, 0)
                 parts.append(sys_kv)
@@ -156,7 +159,8 @@ class HFReference:
                 else:
                     context, virtual_start = None, none_virtual_start
                 kv = self.segment_kv(seg, context, virtual_start)
-                parts.append(kv.remapped(seg.start - virtual_start, self.rotary))
+                delta = seg.start + shifts.get(index, 0) - virtual_start
+                parts.append(kv.remapped(delta, self.rotary))
             else:
                 question = seg
         cache = KV.cat(parts)

@@ -214,6 +214,7 @@ RECOMPUTED = {"recompute": [4], "relevant": [3], "requested": [2, 3]}
         {"recompute_tokens": 3},
         {"recompute_tokens": 1000, "virtual_gap": 100},
         {"question_temperature": 0.8, "question_scale": 0.7},
+        {"relevant_last": 1},
     ],
     ids=[
         "virtual-gap",
@@ -223,6 +224,7 @@ RECOMPUTED = {"recompute": [4], "relevant": [3], "requested": [2, 3]}
         "blend",
         "blend-all",
         "question-reweighting",
+        "relevant-last",
     ],
 )
 def test_quality_recovery_acts_the_same_on_loaded_and_computed_chunks(
@@ -236,8 +238,10 @@ def test_quality_recovery_acts_the_same_on_loaded_and_computed_chunks(
     by relevance, the chunks the request names); each chunk's first tokens recomputed
     seeing everything before them (the blend; with every token recomputed it is the causal
     prompt, whatever the gap, as a vLLM without the connector answers) and the isolated
-    chunks still stored as computed in isolation. Re-weighting has no HF reference (its
-    math: tests/kv/test_attention.py); it must change the answer."""
+    chunks still stored as computed in isolation; the chunk the question names attended as
+    if it stood last (the assembled cache with it there; stored as computed in isolation).
+    Re-weighting has no HF reference (its math: tests/kv/test_attention.py); it must change
+    the answer."""
     case = request.node.callspec.id
     transfer = {"recompute_chunks": [1, 2]} if case == "requested" else None
     prompt, (cold, warm, half) = cold_half_warm(
@@ -277,6 +281,17 @@ def test_quality_recovery_acts_the_same_on_loaded_and_computed_chunks(
         assert_stored_as_isolated(ref, stored, segments, 3, gap)
     elif "virtual_gap" in settings:
         logits = ref.assembled_cache(segments, Isolation.SYS, virtual_gap=100).logits[-1]
+    elif case == "relevant-last":
+        # Everest's chunk (segment 3, as BM25 ranks it) after the last one (segment 4).
+        shifts = {3: len(segments[4]), 4: -len(segments[3])}
+        logits = ref.assembled_cache(segments, Isolation.SYS, shifts=shifts).logits[-1]
+        isolated = ref.assembled_cache(segments, Isolation.SYS).logits[-1]
+        with pytest.raises(AssertionError):  # attending it last changed the answer
+            assert_logprobs_match(cold, isolated)
+        with ChunkStoreClient(daemon.unix) as client:  # saved in the step that moved it
+            stored = client.get(chunk_key(tiny_model_dir, prompt, 3))
+        assert stored is not None
+        assert_stored_as_isolated(ref, stored, segments, 3)
     else:
         plain = ref.assembled_cache(segments, Isolation.SYS).logits[-1]
         with pytest.raises(AssertionError):

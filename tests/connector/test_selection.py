@@ -1,5 +1,6 @@
 """Which chunks the connector recomputes whole: by position, by relevance (BM25 over token
-IDs), or as the request's kv_transfer_params name them, within a budget."""
+IDs), or as the request's kv_transfer_params name them, within a budget; and which it
+attends last (``relevant_last``) and where every chunk then stands."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from chunkstore_vllm.selection import (
     bm25_scores,
     by_score,
     choose,
+    placement,
+    relevant_last,
     requested,
     select,
 )
@@ -64,6 +67,22 @@ def test_the_requests_choice_comes_first_and_a_malformed_one_is_refused() -> Non
             select([3], chunks, "relevance", 1, params=params)
 
 
+def test_the_most_relevant_chunks_go_last_the_most_relevant_nearest_the_question() -> None:
+    chunks = [[7, 1, 1], [7, 42, 42, 42], [7, 2, 2, 2, 2], [7, 42, 5]]
+    assert relevant_last([42], chunks, 1) == [1]
+    assert relevant_last([42], chunks, 2) == [3, 1]  # the best one last
+    assert relevant_last([42], chunks, 0) == []
+    # The request's scores rank instead of BM25; malformed ones are refused.
+    assert relevant_last([42], chunks, 2, {"chunk_scores": [9, 0, 5, 1]}) == [2, 0]
+    with pytest.raises(BadTransferParams):
+        relevant_last([42], chunks, 1, {"chunk_scores": [1, 2]})
+    # Lengths 3, 4, 5, 3; chunk 1 placed last: 2 and 3 move up 4, it moves on 8.
+    assert placement([3, 4, 5, 3], [1]) == [0, 8, -4, -4]
+    assert placement([3, 4, 5, 3], [1, 3]) == [0, 5, -4, 0]  # 3 stays last
+    assert placement([3, 4, 5, 3], [2, 3]) == [0, 0, 0, 0]  # already there: nothing moves
+    assert placement([3, 4, 5, 3], []) == [0, 0, 0, 0]
+
+
 def test_settings_are_checked() -> None:
     # Nothing is recomputed by default; asked for a count, relevance chooses.
     default = ConnectorConfig()
@@ -75,6 +94,10 @@ def test_settings_are_checked() -> None:
         ConnectorConfig.from_extra({"recompute_by": "attention"})
     with pytest.raises(ValueError, match="counts >= 0"):
         ConnectorConfig.from_extra({"recompute_max_tokens": -1})
+    with pytest.raises(ValueError, match="choose one"):
+        ConnectorConfig.from_extra({"relevant_last": 2, "recompute_chunks": 1})
+    with pytest.raises(ValueError, match="need inband_isolation"):
+        ConnectorConfig.from_extra({"inband_isolation": False, "relevant_last": 1})
 
 
 def test_bm25_finds_the_document_that_answers_in_the_quality_bench() -> None:
