@@ -11,6 +11,10 @@ from chunkstore.kv.keys import Isolation
 
 from .selection import RECOMPUTE_BY
 
+# On Qwen2.5-Coder with 8 documents, the two BM25 ranks highest (the one-fact and the
+# two-fact questions): docs/benchmarks.md, "Answer quality".
+DEFAULT_RELEVANT_LAST = 2
+
 
 @dataclass(frozen=True)
 class ConnectorConfig:
@@ -36,7 +40,9 @@ class ConnectorConfig:
     recompute_tokens: int = 0  # each chunk's first N tokens recomputed seeing all before them
     question_temperature: float = 1.0  # APE: question's scores against chunk keys / this
     question_scale: float = 1.0  # APE: the chunks' share of its attention times this
-    relevant_last: int = 0  # the N chunks most relevant to the question attended last
+    # The N chunks most relevant to the question attended last (0 where chunks or tokens
+    # are recomputed, or without in-band isolation, unless set).
+    relevant_last: int = DEFAULT_RELEVANT_LAST
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -47,6 +53,11 @@ class ConnectorConfig:
             raise ValueError(
                 f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}"
             )
+        recovers_otherwise = extra.get("recompute_chunks") or extra.get("recompute_tokens")
+        if "relevant_last" not in extra and (
+            recovers_otherwise or not extra.get("inband_isolation", True)
+        ):
+            extra["relevant_last"] = 0  # the default gives way to what was asked for
         config = cls(**extra)
         Isolation(config.isolation)  # raises on a bad mode
         if config.transport not in ("auto", "shm", "stream"):

@@ -150,7 +150,8 @@ class SchedulerSide:
                 short = sum(len(p.segment) < self.config.min_chunk_tokens for p in plans)
                 self.stats.add("short_segments", short)
                 recomputed = self._select(request, segments)
-                shifts = self._place(request, segments)
+                # Chunks recomputed (the request named them) stay where they stand.
+                shifts = () if recomputed else self._place(request, segments)
                 tracked = Tracked(segments, cacheable, causal, recomputed=recomputed, shifts=shifts)
             else:
                 self.stats.add("unchunked_prompts")
@@ -202,11 +203,7 @@ class SchedulerSide:
         question = segments[-1].token_ids
         try:
             last = relevant_last(question, bodies, count, params)
-        except BadTransferParams as err:
-            log.warning(
-                "chunkstore: request %s: kv_transfer_params ignored: %s", request.request_id, err
-            )
-            self.stats.add("bad_transfer_params")
+        except BadTransferParams:  # reported by _select, which read them first
             last = relevant_last(question, bodies, count)
         shifts = placement([len(b) for b in bodies], last)
         moved = tuple((c.start, c.end, d) for c, d in zip(chunks, shifts, strict=True) if d)

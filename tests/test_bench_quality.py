@@ -117,7 +117,10 @@ def test_wilson_interval_matches_known_values() -> None:
 
 def test_methods_parse_and_bad_ones_say_what_is_allowed() -> None:
     assert parse_method("full") is None and parse_method("default") == {}
-    assert parse_method("isolated") == {"recompute_chunks": 0}
+    assert parse_method("isolated") == {"recompute_chunks": 0, "relevant_last": 0}
+    assert parse_method("scores=oracle+relevant_last=1") == {"scores": "oracle", "relevant_last": 1}
+    with pytest.raises(ValueError, match="scores=oracle"):
+        parse_method("scores=bm25")
     assert parse_method("virtual_gap=200+question_temperature=0.8") == {
         "virtual_gap": 200,
         "question_temperature": 0.8,
@@ -144,7 +147,7 @@ def test_bench_quality_json_on_the_tiny_model() -> None:
             "--max-tokens",
             "2",
             "--methods",
-            "full,isolated,request=1",
+            "full,isolated,request=1,scores=oracle",
             "--chunks",
             "2",
             "--chunk-tokens",
@@ -158,8 +161,8 @@ def test_bench_quality_json_on_the_tiny_model() -> None:
     )
     assert run.returncode == 0, run.stderr[-3000:]
     rows = {r["method"]: r for r in map(json.loads, run.stdout.splitlines())}
-    assert list(rows) == ["full", "isolated", "request=1"]
-    assert "[3/3] request=1" in run.stderr  # progress, one line per method
+    assert list(rows) == ["full", "isolated", "request=1", "scores=oracle"]
+    assert "[4/4] scores=oracle" in run.stderr  # progress, one line per method
     for row in rows.values():
         assert row["cases"] == 3 and 0 <= row["correct"] <= 3
         low, high = row["ci95"]
@@ -173,6 +176,11 @@ def test_bench_quality_json_on_the_tiny_model() -> None:
     assert 0.4 < rows["request=1"]["recomputed_share"]["ttft"] < 0.6
     # The oracle ranking recomputes the answer's documents, when it may recompute enough.
     assert rows["request=1"]["answer_chunks_recomputed"] == round(2 / 3, 3)  # "two" needs 2
+    # The defaults attend the two chunks the oracle's scores rank first last: every answer's
+    # documents, which moves them and recomputes nothing; isolated moves none.
+    assert rows["scores=oracle"]["answer_chunks_last"] == 1.0
+    assert rows["scores=oracle"]["recomputed_share"]["qa"] == 0
+    assert "answer_chunks_last" not in rows["isolated"]
 
 
 def test_bench_quality_refuses_a_bad_method_before_running_anything() -> None:

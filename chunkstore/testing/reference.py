@@ -118,11 +118,24 @@ class HFReference:
         values = torch.stack([v[0].transpose(0, 1)[past_len:] for _, v, _ in out.past_key_values])
         return Forward(out.logits[0].float(), KV(keys, values))
 
-    def masked_prompt(self, segments: Sequence[Segment], isolation: Isolation) -> Forward:
-        """The whole prompt in one pass under the isolation mask, at actual positions."""
+    def masked_prompt(
+        self,
+        segments: Sequence[Segment],
+        isolation: Isolation,
+        shifts: dict[int, int] | None = None,
+    ) -> Forward:
+        """The whole prompt in one pass under the isolation mask, at actual positions, or
+        with ``shifts`` (segment index -> positions) those chunks that far on."""
         tokens = [t for s in segments for t in s.token_ids]
         layout = SegmentLayout.from_segments(segments)
-        return self.forward(tokens, 0, allowed=isolation_mask(layout, isolation, MaskForm.BOOL))
+        shifts = shifts or {}
+        positions = [
+            seg.start + i + shifts.get(index, 0)
+            for index, seg in enumerate(segments)
+            for i in range(len(seg))
+        ]
+        allowed = isolation_mask(layout, isolation, MaskForm.BOOL)
+        return self.forward(tokens, 0, allowed=allowed, positions=positions)
 
     def segment_kv(self, segment: Segment, context: KV | None, virtual_start: int) -> KV:
         """A segment's KV as chunkstore stores it: computed after its context, at

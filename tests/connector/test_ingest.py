@@ -25,7 +25,13 @@ from chunkstore.testing.prometheus import (
     rule_problem,
 )
 from chunkstore.testing.reference import HFReference
-from chunkstore.testing.scenario import RAG_DOCS, RAG_SYS, assert_logprobs_match, first_token
+from chunkstore.testing.scenario import (
+    RAG_DOCS,
+    RAG_SYS,
+    assert_logprobs_match,
+    default_shifts,
+    first_token,
+)
 from chunkstore.testing.vllm_server import VllmServer
 
 SYS, DOCS = RAG_SYS, RAG_DOCS
@@ -86,7 +92,8 @@ def test_ingest_through_vllm_serve_then_a_rag_request_hits(tiny_model_dir, serve
             # Every segment but the question was found and loaded.
             loaded = segments[-1].start
             assert client.stats().hit_tokens - before == loaded
-        reference = HFReference.load(tiny_model_dir).assembled_cache(segments, Isolation.SYS)
+        ref = HFReference.load(tiny_model_dir)
+        reference = ref.assembled_cache(segments, Isolation.SYS, shifts=default_shifts(segments))
         assert_logprobs_match(first_token(reply.choices[0]), reference.logits[-1])
         assert reply.usage.prompt_tokens == len(prompts.token_ids(DOCS[::-1], question))
         expected = ingested["loaded_tokens"] + loaded

@@ -24,6 +24,7 @@ from chunkstore.testing.scenario import (
     Scenario,
     assert_logprobs_match,
     assert_same_answer,
+    default_shifts,
 )
 
 MORE_DOCS = [
@@ -41,10 +42,13 @@ def daemon(serve) -> RunningDaemon:
 
 
 def reference_logits(model: Path, prompt: ChunkedPrompt, isolation: Isolation):
+    """The question's logits as the connector's defaults serve it (the chunks BM25 ranks
+    highest attended last: ``default_shifts``)."""
     ref = HFReference.load(model)
+    shifts = default_shifts(prompt.segments)
     if isolation is Isolation.SYS:
-        return ref.assembled_cache(prompt.segments, isolation).logits[-1]
-    return ref.masked_prompt(prompt.segments, isolation).logits[-1]
+        return ref.assembled_cache(prompt.segments, isolation, shifts=shifts).logits[-1]
+    return ref.masked_prompt(prompt.segments, isolation, shifts).logits[-1]
 
 
 def cold_half_warm(
@@ -280,7 +284,9 @@ def test_quality_recovery_acts_the_same_on_loaded_and_computed_chunks(
         assert stored is not None
         assert_stored_as_isolated(ref, stored, segments, 3, gap)
     elif "virtual_gap" in settings:
-        logits = ref.assembled_cache(segments, Isolation.SYS, virtual_gap=100).logits[-1]
+        shifts = default_shifts(segments)
+        logits = ref.assembled_cache(segments, Isolation.SYS, virtual_gap=100, shifts=shifts)
+        logits = logits.logits[-1]
     elif case == "relevant-last":
         # Everest's chunk (segment 3, as BM25 ranks it) after the last one (segment 4).
         shifts = {3: len(segments[4]), 4: -len(segments[3])}
@@ -394,7 +400,10 @@ def test_vllm_prefix_cache_never_serves_kv_of_another_role(
     assert asked.segments[-1].end > 2 * 128  # X is in two full cache blocks (CPU: 128)
     turn1 = s.prompt(SYS, DOCS, long_text(220, seed=6))  # a long first question
     cached = ("--prefix-caching", "--max-tokens", "8")
-    connector = {"address": daemon.unix}
+    # Chunks where they stand: with relevant_last on, a request's blocks from its first
+    # moved chunk on are its own (their keys stand where its question put them), so a
+    # chat's later turn reuses the chunks from the store and recomputes the earlier turns.
+    connector = {"address": daemon.unix, "relevant_last": 0}
     _, second, chat1 = run_probe(
         tiny_model_dir,
         [list(asked.token_ids), list(chunk.token_ids), list(turn1.token_ids)],
