@@ -32,7 +32,7 @@ from .config import ConnectorConfig, unsupported_parallelism
 from .keys import ModelKeys, SegmentPlan
 from .metrics import ConnectorStats
 from .prefix_cache import keep_roles_apart
-from .selection import BadTransferParams, placement, relevant_last, select
+from .selection import BadTransferParams, placed, select
 
 log = logging.getLogger("chunkstore.connector")
 
@@ -195,20 +195,12 @@ class SchedulerSide:
         """``relevant_last``: the chunks attended as if they stood just before the question
         (``selection``), as (start, end, shift) of each chunk that moves."""
         count = self.config.relevant_last
-        if not count or segments[-1].kind is not SegmentKind.QUESTION:
-            return ()
-        chunks = [s for s in segments if s.kind is SegmentKind.CHUNK]
-        bodies = [s.token_ids for s in chunks]
-        params = getattr(request, "kv_transfer_params", None)
-        question = segments[-1].token_ids
         try:
-            last = relevant_last(question, bodies, count, params)
+            last, shifts = placed(segments, count, getattr(request, "kv_transfer_params", None))
         except BadTransferParams:  # reported by _select, which read them first
-            last = relevant_last(question, bodies, count)
-        shifts = placement([len(b) for b in bodies], last)
-        moved = tuple((c.start, c.end, d) for c, d in zip(chunks, shifts, strict=True) if d)
-        self.stats.add("moved_chunks", sum(1 for i in last if shifts[i]))
-        return moved
+            last, shifts = placed(segments, count)
+        self.stats.add("moved_chunks", sum(1 for i in last if i in shifts))
+        return tuple((segments[i].start, segments[i].end, d) for i, d in sorted(shifts.items()))
 
     def on_new_request(self, request: Any) -> None:
         """With in-band isolation, keep vLLM's prefix cache from sharing blocks between

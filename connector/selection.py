@@ -34,6 +34,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+from chunkstore.kv.segments import Segment, SegmentKind
+
 POSITION, RELEVANCE = "position", "relevance"
 RECOMPUTE_BY = (POSITION, RELEVANCE)
 # BM25's usual constants: term-frequency saturation and length normalization.
@@ -184,3 +186,18 @@ def placement(lengths: Sequence[int], last: Sequence[int]) -> list[int]:
         shifts[i] = new - old[i]
         new += lengths[i]
     return shifts
+
+
+def placed(
+    segments: Sequence[Segment], count: int, params: Any = None
+) -> tuple[list[int], dict[int, int]]:
+    """``relevant_last`` for a segmented prompt: the segment indices of the chunks placed
+    last (most relevant last), and segment index -> shift in positions of each chunk that
+    moves (nothing without a question). Raises BadTransferParams as ``relevant_last``."""
+    if not count or not segments or segments[-1].kind is not SegmentKind.QUESTION:
+        return [], {}
+    chunks = [i for i, s in enumerate(segments) if s.kind is SegmentKind.CHUNK]
+    bodies = [segments[i].token_ids for i in chunks]
+    last = relevant_last(segments[-1].token_ids, bodies, count, params)
+    shifts = placement([len(b) for b in bodies], last)
+    return [chunks[i] for i in last], {i: d for i, d in zip(chunks, shifts, strict=True) if d}

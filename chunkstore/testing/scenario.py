@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from chunkstore.kv.segments import ChunkedPrompt, Segment, SegmentKind, build_chunked_prompt
+from chunkstore.kv.segments import ChunkedPrompt, Segment, build_chunked_prompt
 from chunkstore.prompts import AUTO, separator_ids
 
 SYS = "You are a careful assistant. Answer only from the documents below."
@@ -53,15 +53,9 @@ def default_shifts(segments: tuple[Segment, ...] | list[Segment]) -> dict[int, i
     attend each chunk (``relevant_last``: the chunks BM25 ranks highest against the
     question put last), for the HF reference of a prompt served with default settings."""
     from chunkstore_vllm.config import DEFAULT_RELEVANT_LAST
-    from chunkstore_vllm.selection import placement, relevant_last
+    from chunkstore_vllm.selection import placed
 
-    if not segments or segments[-1].kind is not SegmentKind.QUESTION:
-        return {}
-    chunks = [(i, s) for i, s in enumerate(segments) if s.kind is SegmentKind.CHUNK]
-    bodies = [s.token_ids for _, s in chunks]
-    last = relevant_last(segments[-1].token_ids, bodies, DEFAULT_RELEVANT_LAST)
-    shifts = placement([len(b) for b in bodies], last)
-    return {i: d for (i, _), d in zip(chunks, shifts, strict=True) if d}
+    return placed(segments, DEFAULT_RELEVANT_LAST)[1]
 
 
 def assert_logprobs_match(served: dict[str, Any], logits: torch.Tensor) -> float:
