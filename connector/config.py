@@ -14,6 +14,9 @@ from .selection import RECOMPUTE_BY
 # On Qwen2.5-Coder with 8 documents, the two BM25 ranks highest (the one-fact and the
 # two-fact questions): docs/benchmarks.md, "Answer quality".
 DEFAULT_RELEVANT_LAST = 2
+# ... recomputed where they stand instead when they hold at most this many tokens together:
+# on ~40-token documents that answers more than moving them, on ~500-token ones less.
+DEFAULT_RELEVANT_RECOMPUTE_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,9 @@ class ConnectorConfig:
     # The N chunks most relevant to the question attended last (0 where chunks or tokens
     # are recomputed, or without in-band isolation, unless set).
     relevant_last: int = DEFAULT_RELEVANT_LAST
+    # ... recomputed where they stand instead when together they hold at most this many
+    # tokens (0: always attended last).
+    relevant_recompute_tokens: int = DEFAULT_RELEVANT_RECOMPUTE_TOKENS
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -68,11 +74,12 @@ class ConnectorConfig:
             config.recompute_tokens,
             config.recompute_max_tokens,
             config.relevant_last,
+            config.relevant_recompute_tokens,
         )
         if min(counts) < 0:
             raise ValueError(
-                "virtual_gap, recompute_chunks, recompute_tokens, recompute_max_tokens and "
-                "relevant_last are counts >= 0"
+                "virtual_gap, recompute_chunks, recompute_tokens, recompute_max_tokens, "
+                "relevant_last and relevant_recompute_tokens are counts >= 0"
             )
         if config.relevant_last and (config.recompute_chunks or config.recompute_tokens):
             raise ValueError(

@@ -32,7 +32,7 @@ from .config import ConnectorConfig, unsupported_parallelism
 from .keys import ModelKeys, SegmentPlan
 from .metrics import ConnectorStats
 from .prefix_cache import keep_roles_apart
-from .selection import BadTransferParams, placed, select
+from .selection import BadTransferParams, relevant, select
 
 log = logging.getLogger("chunkstore.connector")
 
@@ -150,8 +150,9 @@ class SchedulerSide:
                 short = sum(len(p.segment) < self.config.min_chunk_tokens for p in plans)
                 self.stats.add("short_segments", short)
                 recomputed = self._select(request, segments)
-                # Chunks recomputed (the request named them) stay where they stand.
-                shifts = () if recomputed else self._place(request, segments)
+                shifts: tuple[tuple[int, int, int], ...] = ()
+                if not recomputed:  # chunks recomputed as asked stay where they stand
+                    recomputed, shifts = self._relevant(request, segments)
                 tracked = Tracked(segments, cacheable, causal, recomputed=recomputed, shifts=shifts)
             else:
                 self.stats.add("unchunked_prompts")
@@ -170,7 +171,7 @@ class SchedulerSide:
         bodies = [segments[i].token_ids for i in chunks]
         config = self.config
         params = getattr(request, "kv_transfer_params", None)
-        first_is_causal = config.isolation_mode is Isolation.SYS and not config.virtual_gap
+        first_is_causal = self._first_is_causal
         choice = functools.partial(
             select,
             question,
@@ -191,16 +192,33 @@ class SchedulerSide:
         self.stats.add("recomputed_chunks", len(chosen))
         return frozenset(chunks[i] for i in chosen)
 
-    def _place(self, request: Any, segments: list[Segment]) -> tuple[tuple[int, int, int], ...]:
-        """``relevant_last``: the chunks attended as if they stood just before the question
-        (``selection``), as (start, end, shift) of each chunk that moves."""
-        count = self.config.relevant_last
+    @property
+    def _first_is_causal(self) -> bool:
+        """The first chunk's isolated KV is its causal KV: recomputing it changes nothing."""
+        return self.config.isolation_mode is Isolation.SYS and not self.config.virtual_gap
+
+    def _relevant(
+        self, request: Any, segments: list[Segment]
+    ) -> tuple[frozenset[int], tuple[tuple[int, int, int], ...]]:
+        """``relevant_last``: the chunks most relevant to the question (``selection``),
+        recomputed where they stand when short (their segment indices), else attended as
+        if they stood just before the question ((start, end, shift) of each that moves)."""
+        config = self.config
+        choice = functools.partial(
+            relevant,
+            segments,
+            config.relevant_last,
+            config.relevant_recompute_tokens,
+            first_is_causal=self._first_is_causal,
+        )
         try:
-            last, shifts = placed(segments, count, getattr(request, "kv_transfer_params", None))
+            recomputed, shifts, moved = choice(getattr(request, "kv_transfer_params", None))
         except BadTransferParams:  # reported by _select, which read them first
-            last, shifts = placed(segments, count)
-        self.stats.add("moved_chunks", sum(1 for i in last if i in shifts))
-        return tuple((segments[i].start, segments[i].end, d) for i, d in sorted(shifts.items()))
+            recomputed, shifts, moved = choice()
+        self.stats.add("recomputed_chunks", len(recomputed))
+        self.stats.add("moved_chunks", moved)
+        moves = tuple((segments[i].start, segments[i].end, d) for i, d in sorted(shifts.items()))
+        return frozenset(recomputed), moves
 
     def on_new_request(self, request: Any) -> None:
         """With in-band isolation, keep vLLM's prefix cache from sharing blocks between

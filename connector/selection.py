@@ -24,7 +24,10 @@ The first chunk, chosen, is not recomputed when its isolated KV is its causal KV
 relevant to it (the request's ``chunk_scores``, else BM25) take the positions just before
 the question, the most relevant last, and the others move up in prompt order (``placement``).
 Isolated chunks do not see each other, so that is the same KV as the prompt with those
-documents put last; nothing is recomputed, only their keys re-rotated.
+documents put last; nothing is recomputed, only their keys re-rotated. Short chunks gain more
+from seeing the documents before them than from where they stand, and cost little to
+recompute: when the chosen chunks hold at most ``relevant_recompute_tokens`` together, they
+are recomputed where they stand instead (``relevant``).
 """
 
 from __future__ import annotations
@@ -201,3 +204,22 @@ def placed(
     last = relevant_last(segments[-1].token_ids, bodies, count, params)
     shifts = placement([len(b) for b in bodies], last)
     return [chunks[i] for i in last], {i: d for i, d in zip(chunks, shifts, strict=True) if d}
+
+
+def relevant(
+    segments: Sequence[Segment],
+    count: int,
+    recompute_up_to: int,
+    params: Any = None,
+    first_is_causal: bool = False,
+) -> tuple[list[int], dict[int, int], int]:
+    """What the defaults do with the ``count`` chunks most relevant to the question: recompute
+    them where they stand when together they hold at most ``recompute_up_to`` tokens, else
+    attend them last. Returns the segment indices recomputed (in prompt order; without the
+    first chunk when ``first_is_causal``), ``placed``'s shifts, and how many of the chosen
+    chunks moved. Raises BadTransferParams as ``placed``."""
+    last, shifts = placed(segments, count, params)
+    if last and sum(len(segments[i]) for i in last) <= recompute_up_to:
+        first = next(i for i, s in enumerate(segments) if s.kind is SegmentKind.CHUNK)
+        return sorted(i for i in last if not (first_is_causal and i == first)), {}, 0
+    return [], shifts, sum(1 for i in last if i in shifts)

@@ -13,7 +13,7 @@ import pytest
 
 from chunkstore.bench import qa_cases
 from chunkstore.bench.qa_cases import generate
-from chunkstore.bench.quality import parse_method, wilson
+from chunkstore.bench.quality import parse_method, treatment, wilson
 
 
 def test_cases_are_seeded_and_every_answer_is_in_the_documents() -> None:
@@ -176,11 +176,28 @@ def test_bench_quality_json_on_the_tiny_model() -> None:
     assert 0.4 < rows["request=1"]["recomputed_share"]["ttft"] < 0.6
     # The oracle ranking recomputes the answer's documents, when it may recompute enough.
     assert rows["request=1"]["answer_chunks_recomputed"] == round(2 / 3, 3)  # "two" needs 2
-    # The defaults attend the two chunks the oracle's scores rank first last: every answer's
-    # documents, which moves them and recomputes nothing; isolated moves none.
-    assert rows["scores=oracle"]["answer_chunks_last"] == 1.0
-    assert rows["scores=oracle"]["recomputed_share"]["qa"] == 0
-    assert "answer_chunks_last" not in rows["isolated"]
+    # The defaults take the two chunks the oracle's scores rank first, every answer's
+    # documents, and recompute them where they stand (short: 2 x ~40 tokens; the TTFT
+    # prompt's first chunk is causal already); isolated recomputes none.
+    assert rows["scores=oracle"]["answer_chunks_recomputed"] == 1.0
+    assert "answer_chunks_last" not in rows["scores=oracle"]
+    assert 0.4 < rows["scores=oracle"]["recomputed_share"]["ttft"] < 0.6
+    assert "answer_chunks_recomputed" not in rows["isolated"]
+
+
+def test_the_bench_reads_which_chunks_a_method_recomputes_or_moves_as_the_connector() -> None:
+    sep = [9]
+    # sys, four chunks of 3, 4, 5 and 3 tokens, a question about token 42.
+    prompt = [1, *sep, 7, 1, 1, *sep, 7, 42, 42, 42, *sep, 7, 2, 2, 2, 2, *sep, 7, 42, 5, *sep, 42]
+    ranking = [3, 2, 1, 0]
+    assert treatment({}, prompt, sep, ranking) == ([1, 3], [])  # short: recomputed
+    moved = {"relevant_recompute_tokens": 6}  # 7 tokens over the budget: attended last
+    assert treatment(moved, prompt, sep, ranking) == ([], [3, 1])
+    assert treatment({**moved, "scores": "oracle"}, prompt, sep, ranking) == ([], [2, 3])
+    assert treatment({"recompute_chunks": 1}, prompt, sep, ranking) == ([1], [])
+    assert treatment({"request": 2}, prompt, sep, ranking) == ([2, 3], [])
+    isolated = {"recompute_chunks": 0, "relevant_last": 0}
+    assert treatment(isolated, prompt, sep, ranking) == ([], [])
 
 
 def test_bench_quality_refuses_a_bad_method_before_running_anything() -> None:

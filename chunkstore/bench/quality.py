@@ -47,7 +47,7 @@ from chunkstore.models import model_dir
 from chunkstore.processes.daemon import start_daemon
 from chunkstore.processes.vllm_probe import run_probe
 from chunkstore_vllm.config import ConnectorConfig
-from chunkstore_vllm.selection import relevant_last, select
+from chunkstore_vllm.selection import relevant, relevant_last, select
 
 FULL, ISOLATED, DEFAULT = "full", "isolated", "default"
 # The curve of each knob, and the combinations worth a row: sized to run in under an hour
@@ -84,6 +84,7 @@ KNOBS: dict[str, type] = {
     "question_temperature": float,
     "question_scale": float,
     "relevant_last": int,
+    "relevant_recompute_tokens": int,
     REQUEST: int,
     SCORES: str,
 }
@@ -137,38 +138,43 @@ def oracle_ranking(relevant: tuple[int, ...], chunks: int) -> list[int]:
     return [*relevant, *(i for i in reversed(range(chunks)) if i not in relevant)]
 
 
-def recomputed_chunks(
+def treatment(
     settings: dict[str, Any], prompt: list[int], sep: list[int], ranking: list[int]
-) -> list[int]:
-    """The chunks (indices among the prompt's chunks) a method chooses to recompute whole
-    (the first one among them, with no ``virtual_gap``, is causal without recomputing)."""
+) -> tuple[list[int], list[int]]:
+    """The chunks (indices among the prompt's chunks) a method recomputes whole, and those
+    it attends last, as the scheduler chooses them: the request's or ``recompute_chunks``'
+    choice first, else ``relevant_last``'s (recomputed where they stand when short). The
+    first chunk, recomputed with no ``virtual_gap``, is causal already (``recomputed_share``
+    leaves it out)."""
     segments = split_prompt(prompt, sep)
-    chunks = [s.token_ids for s in segments if s.kind is SegmentKind.CHUNK]
     if settings.get(REQUEST):
-        return sorted(ranking[: settings[REQUEST]])
+        return sorted(ranking[: settings[REQUEST]]), []
     if segments[-1].kind is not SegmentKind.QUESTION:
-        return []
+        return [], []
+    chunk_of = {
+        s: c
+        for c, s in enumerate(i for i, seg in enumerate(segments) if seg.kind is SegmentKind.CHUNK)
+    }
+    chunks = [segments[i].token_ids for i in chunk_of]
     config = ConnectorConfig.from_extra(connector_settings(settings))
-    return select(
+    params = _transfer_params(ranking, 0, settings.get(SCORES) == ORACLE)
+    chosen = select(
         segments[-1].token_ids,
         chunks,
         config.recompute_by,
         config.recompute_chunks,
         config.recompute_max_tokens,
+        params,
     )
-
-
-def last_chunks(
-    settings: dict[str, Any], prompt: list[int], sep: list[int], ranking: list[int]
-) -> list[int]:
-    """The chunks (indices among the prompt's chunks) a method attends last."""
-    segments = split_prompt(prompt, sep)
-    if segments[-1].kind is not SegmentKind.QUESTION:
-        return []
-    chunks = [s.token_ids for s in segments if s.kind is SegmentKind.CHUNK]
-    config = ConnectorConfig.from_extra(connector_settings(settings))
-    params = _transfer_params(ranking, 0, settings.get(SCORES) == ORACLE)
-    return relevant_last(segments[-1].token_ids, chunks, config.relevant_last, params)
+    if chosen:
+        return chosen, []
+    recomputed, shifts, _ = relevant(
+        segments, config.relevant_last, config.relevant_recompute_tokens, params
+    )
+    if recomputed:
+        return [chunk_of[i] for i in recomputed], []
+    last = relevant_last(segments[-1].token_ids, chunks, config.relevant_last, params)
+    return [], last
 
 
 def wilson(correct: int, total: int, z: float = 1.96) -> tuple[float, float]:
@@ -192,7 +198,7 @@ def recomputed_share(
     per_chunk = settings.get("recompute_tokens", 0)
     total = recomputed = 0
     for prompt, ranking in zip(prompts, rankings, strict=True):
-        whole = set(recomputed_chunks(settings, prompt, sep, ranking))
+        whole = set(treatment(settings, prompt, sep, ranking)[0])
         if not settings.get("virtual_gap"):
             whole.discard(0)  # causal already: the connector leaves it be
         chunks = [s for s in split_prompt(prompt, sep) if s.kind is SegmentKind.CHUNK]
@@ -324,19 +330,16 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                 "qa": round(recomputed_share(qa_ids, sep, settings, qa_rankings), 3),
                 "ttft": round(recomputed_share(measured, sep, settings, measured_rankings), 3),
             }
-            pairs = zip(qa_ids, qa_rankings, strict=True)
-            if any(recomputed_chunks(settings, p, sep, r) for p, r in pairs):
-                found = sum(
-                    set(case.relevant) <= set(recomputed_chunks(settings, p, sep, r))
-                    for case, p, r in zip(cases, qa_ids, qa_rankings, strict=True)
-                )
-                row["answer_chunks_recomputed"] = round(found / len(cases), 3)
-            if ConnectorConfig.from_extra(connector_settings(settings)).relevant_last:
-                found = sum(
-                    set(case.relevant) <= set(last_chunks(settings, p, sep, r))
-                    for case, p, r in zip(cases, qa_ids, qa_rankings, strict=True)
-                )
-                row["answer_chunks_last"] = round(found / len(cases), 3)
+            chosen = [
+                treatment(settings, p, sep, r) for p, r in zip(qa_ids, qa_rankings, strict=True)
+            ]
+            for field, which in (("answer_chunks_recomputed", 0), ("answer_chunks_last", 1)):
+                if any(c[which] for c in chosen):
+                    found = sum(
+                        set(case.relevant) <= set(c[which])
+                        for case, c in zip(cases, chosen, strict=True)
+                    )
+                    row[field] = round(found / len(cases), 3)
         if full is not None:
             row["ttft_vs_full"] = round(full["ttft_s"] / res["ttft_s"], 2)
         if full is not None and isolated is not None and full["correct"] != isolated["correct"]:

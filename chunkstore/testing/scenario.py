@@ -4,12 +4,16 @@ answers must pass against the HF reference or another vLLM run."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from chunkstore.kv.keys import Isolation
 from chunkstore.kv.segments import ChunkedPrompt, Segment, build_chunked_prompt
 from chunkstore.prompts import AUTO, separator_ids
+
+if TYPE_CHECKING:
+    from chunkstore.testing.reference import Forward, HFReference
 
 SYS = "You are a careful assistant. Answer only from the documents below."
 OTHER_SYS = "You are a poet. Answer in rhyme."
@@ -48,14 +52,39 @@ class Scenario:
         return build_chunked_prompt(self.encode, sys_text, docs, question, self.sep)
 
 
-def default_shifts(segments: tuple[Segment, ...] | list[Segment]) -> dict[int, int]:
-    """Segment index -> positions: how far from where it stands the connector's defaults
-    attend each chunk (``relevant_last``: the chunks BM25 ranks highest against the
-    question put last), for the HF reference of a prompt served with default settings."""
-    from chunkstore_vllm.config import DEFAULT_RELEVANT_LAST
-    from chunkstore_vllm.selection import placed
+def default_treatment(
+    segments: tuple[Segment, ...] | list[Segment], isolation: Isolation, virtual_gap: int = 0
+) -> tuple[list[int], dict[int, int]]:
+    """What the connector's defaults do with a prompt's chunks (``relevant_last``: the two
+    BM25 ranks highest, recomputed where they stand when short, else attended last): the
+    segment indices recomputed and, segment index -> positions, how far each chunk moves,
+    computed by the connector's own selection for the HF reference of a served prompt."""
+    from chunkstore_vllm.config import DEFAULT_RELEVANT_LAST, DEFAULT_RELEVANT_RECOMPUTE_TOKENS
+    from chunkstore_vllm.selection import relevant
 
-    return placed(segments, DEFAULT_RELEVANT_LAST)[1]
+    first_is_causal = isolation is Isolation.SYS and not virtual_gap
+    recomputed, shifts, _ = relevant(
+        segments,
+        DEFAULT_RELEVANT_LAST,
+        DEFAULT_RELEVANT_RECOMPUTE_TOKENS,
+        first_is_causal=first_is_causal,
+    )
+    return recomputed, shifts
+
+
+def default_reference(
+    ref: HFReference,
+    segments: tuple[Segment, ...] | list[Segment],
+    isolation: Isolation,
+    virtual_gap: int = 0,
+) -> Forward:
+    """The HF reference of a prompt the connector serves with its defaults: the assembled
+    cache with the chunks ``default_treatment`` recomputes blended, or moved where it
+    moves them, the question on top."""
+    recomputed, shifts = default_treatment(segments, isolation, virtual_gap)
+    if recomputed:
+        return ref.blended_cache(segments, isolation, 0, virtual_gap, recompute_chunks=recomputed)
+    return ref.assembled_cache(segments, isolation, virtual_gap=virtual_gap, shifts=shifts)
 
 
 def assert_logprobs_match(served: dict[str, Any], logits: torch.Tensor) -> float:

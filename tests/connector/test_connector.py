@@ -28,8 +28,10 @@ from chunkstore.testing.scenario import (
     SYS,
     Scenario,
     assert_logprobs_match,
-    default_shifts,
+    default_reference,
 )
+from chunkstore_vllm.config import DEFAULT_RELEVANT_LAST
+from chunkstore_vllm.selection import placed
 
 
 def run_vllm(
@@ -74,9 +76,7 @@ def test_isolation_sys_reuses_chunks_in_any_order_exactly(
         question = prompt.segments[-1]
         # Every token but the question's came from the store.
         assert served["cached_tokens"] == question.start
-        expected = ref.assembled_cache(
-            prompt.segments, Isolation.SYS, shifts=default_shifts(prompt.segments)
-        ).logits[-1]
+        expected = default_reference(ref, prompt.segments, Isolation.SYS).logits[-1]
         assert_logprobs_match(served, expected)
     # Another sys prompt: no chunk hits (computed, then its sys and every chunk saved).
     assert served_other["cached_tokens"] == 0
@@ -119,9 +119,7 @@ def test_chunked_prefill_saves_segments_computed_over_several_steps(
         assert client.stats().entries == 1 + len(DOCS)  # sys and every chunk
     served = results[-1]
     assert served["cached_tokens"] == rag.segments[-1].start
-    reference = HFReference.load(tiny_model_dir).assembled_cache(
-        rag.segments, Isolation.SYS, shifts=default_shifts(rag.segments)
-    )
+    reference = default_reference(HFReference.load(tiny_model_dir), rag.segments, Isolation.SYS)
     assert_logprobs_match(served, reference.logits[-1])
 
 
@@ -146,9 +144,7 @@ def test_tensor_parallel_ranks_save_and_load_their_heads(
     with ChunkStoreClient(daemon.unix) as client:
         assert client.stats().entries == 1 + len(DOCS)
     assert served["cached_tokens"] == rag.segments[-1].start
-    reference = HFReference.load(tiny_model_dir).assembled_cache(
-        rag.segments, Isolation.SYS, shifts=default_shifts(rag.segments)
-    )
+    reference = default_reference(HFReference.load(tiny_model_dir), rag.segments, Isolation.SYS)
     assert_logprobs_match(served, reference.logits[-1])
     # A single rank loads what two ranks stored.
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
@@ -255,18 +251,17 @@ def test_isolation_none_matches_the_dense_mask_reference(
         model,
         [*(list(p.token_ids) for p in ingest), list(rag.token_ids)],
         tmp_path,
-        {"address": daemon.unix, "isolation": "none"},
+        # The relevant chunks attended last, not recomputed: the dense mask can say where.
+        {"address": daemon.unix, "isolation": "none", "relevant_recompute_tokens": 0},
     )
     served = results[-1]
     assert served["cached_tokens"] == rag.segments[-1].start
     ref = HFReference.load(model)
-    assembled = ref.assembled_cache(
-        rag.segments, Isolation.NONE, shifts=default_shifts(rag.segments)
-    ).logits[-1]
+    _, shifts = placed(rag.segments, DEFAULT_RELEVANT_LAST)
+    assert shifts  # (else the dense mask would only check plain isolation)
+    assembled = ref.assembled_cache(rag.segments, Isolation.NONE, shifts=shifts).logits[-1]
     assert_logprobs_match(served, assembled)
-    masked = ref.masked_prompt(rag.segments, Isolation.NONE, default_shifts(rag.segments)).logits[
-        -1
-    ]
+    masked = ref.masked_prompt(rag.segments, Isolation.NONE, shifts).logits[-1]
     assert_logprobs_match(served, masked)
 
 
@@ -278,9 +273,7 @@ def test_requests_are_answered_as_cold_ones_when_the_daemon_fails(
     s = Scenario(tiny_model_dir)
     ingest = [s.prompt(SYS, [doc], None) for doc in DOCS]
     rag = s.prompt(SYS, DOCS, QUESTIONS[0])
-    reference = HFReference.load(tiny_model_dir).assembled_cache(
-        rag.segments, Isolation.SYS, shifts=default_shifts(rag.segments)
-    )
+    reference = default_reference(HFReference.load(tiny_model_dir), rag.segments, Isolation.SYS)
     # A stored entry whose bytes went bad: the load fails its checksum, vLLM recomputes.
     warm = run_vllm(
         tiny_model_dir,
@@ -323,9 +316,7 @@ def test_a_daemon_killed_in_the_middle_of_a_request(
     s = Scenario(tiny_model_dir)
     ingest = [s.prompt(SYS, [doc], None) for doc in DOCS]
     rag = s.prompt(SYS, DOCS[::-1], QUESTIONS[0])
-    reference = HFReference.load(tiny_model_dir).assembled_cache(
-        rag.segments, Isolation.SYS, shifts=default_shifts(rag.segments)
-    )
+    reference = default_reference(HFReference.load(tiny_model_dir), rag.segments, Isolation.SYS)
     armed = tmp_path / "armed"
     daemon = serve(
         pool_bytes=256 << 20,

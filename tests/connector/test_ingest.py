@@ -29,7 +29,7 @@ from chunkstore.testing.scenario import (
     RAG_DOCS,
     RAG_SYS,
     assert_logprobs_match,
-    default_shifts,
+    default_reference,
     first_token,
 )
 from chunkstore.testing.vllm_server import VllmServer
@@ -93,7 +93,7 @@ def test_ingest_through_vllm_serve_then_a_rag_request_hits(tiny_model_dir, serve
             loaded = segments[-1].start
             assert client.stats().hit_tokens - before == loaded
         ref = HFReference.load(tiny_model_dir)
-        reference = ref.assembled_cache(segments, Isolation.SYS, shifts=default_shifts(segments))
+        reference = default_reference(ref, segments, Isolation.SYS)
         assert_logprobs_match(first_token(reply.choices[0]), reference.logits[-1])
         assert reply.usage.prompt_tokens == len(prompts.token_ids(DOCS[::-1], question))
         expected = ingested["loaded_tokens"] + loaded

@@ -24,7 +24,7 @@ from chunkstore.testing.scenario import (
     Scenario,
     assert_logprobs_match,
     assert_same_answer,
-    default_shifts,
+    default_reference,
 )
 
 MORE_DOCS = [
@@ -43,12 +43,8 @@ def daemon(serve) -> RunningDaemon:
 
 def reference_logits(model: Path, prompt: ChunkedPrompt, isolation: Isolation):
     """The question's logits as the connector's defaults serve it (the chunks BM25 ranks
-    highest attended last: ``default_shifts``)."""
-    ref = HFReference.load(model)
-    shifts = default_shifts(prompt.segments)
-    if isolation is Isolation.SYS:
-        return ref.assembled_cache(prompt.segments, isolation, shifts=shifts).logits[-1]
-    return ref.masked_prompt(prompt.segments, isolation, shifts).logits[-1]
+    highest recomputed where they stand, these being short: ``default_reference``)."""
+    return default_reference(HFReference.load(model), prompt.segments, isolation).logits[-1]
 
 
 def cold_half_warm(
@@ -201,10 +197,11 @@ def test_cold_equals_warm_under_chunked_prefill_and_tensor_parallelism(
         assert_logprobs_match(served, logits)
 
 
-# The chunks (segment indices) each recompute_chunks case recomputes: the last one (by
-# position), the one about Mount Everest the question asks about (by relevance, BM25),
-# the second and third (named by the request's kv_transfer_params). Not the first chunk:
-# it follows sys, so its isolated KV is its causal KV already.
+# The chunks (segment indices) each recomputing case recomputes: the last one (by
+# position), the one about Mount Everest the question asks about (``relevant_last: 1``,
+# by BM25: short, so recomputed where it stands), the second and third (named by the
+# request's kv_transfer_params). Not the first chunk: it follows sys, so its isolated KV
+# is its causal KV already.
 RECOMPUTED = {"recompute": [4], "relevant": [3], "requested": [2, 3]}
 
 
@@ -213,12 +210,12 @@ RECOMPUTED = {"recompute": [4], "relevant": [3], "requested": [2, 3]}
     [
         {"virtual_gap": 100},
         {"recompute_chunks": 1, "recompute_by": "position"},
-        {"recompute_chunks": 1, "recompute_by": "relevance"},
+        {"relevant_last": 1},
         {},
         {"recompute_tokens": 3},
         {"recompute_tokens": 1000, "virtual_gap": 100},
         {"question_temperature": 0.8, "question_scale": 0.7},
-        {"relevant_last": 1},
+        {"relevant_last": 1, "relevant_recompute_tokens": 0},
     ],
     ids=[
         "virtual-gap",
@@ -284,9 +281,7 @@ def test_quality_recovery_acts_the_same_on_loaded_and_computed_chunks(
         assert stored is not None
         assert_stored_as_isolated(ref, stored, segments, 3, gap)
     elif "virtual_gap" in settings:
-        shifts = default_shifts(segments)
-        logits = ref.assembled_cache(segments, Isolation.SYS, virtual_gap=100, shifts=shifts)
-        logits = logits.logits[-1]
+        logits = default_reference(ref, segments, Isolation.SYS, virtual_gap=100).logits[-1]
     elif case == "relevant-last":
         # Everest's chunk (segment 3, as BM25 ranks it) after the last one (segment 4).
         shifts = {3: len(segments[4]), 4: -len(segments[3])}

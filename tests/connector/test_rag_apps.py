@@ -20,7 +20,7 @@ from chunkstore.testing.scenario import (
     RAG_DOCS,
     RAG_SYS,
     assert_logprobs_match,
-    default_shifts,
+    default_reference,
     first_token,
 )
 from chunkstore.testing.vllm_server import VllmServer
@@ -107,7 +107,7 @@ def test_chat_requests_from_the_openai_client_load_every_ingested_document(
             assert store.stats().hit_tokens - before == segments[-1].start
         assert reply.usage.prompt_tokens == segments[-1].end
         ref = HFReference.load(smollm2_dir)
-        reference = ref.assembled_cache(segments, Isolation.SYS, shifts=default_shifts(segments))
+        reference = default_reference(ref, segments, Isolation.SYS)
         assert_logprobs_match(first_token(reply.choices[0]), reference.logits[-1])
 
         # The app names the chunk to recompute in the request body (its retriever's pick):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from chunkstore.bench.qa_cases import generate
+from chunkstore.kv.segments import Segment, SegmentKind
 from chunkstore.models import model_dir
 from chunkstore_vllm.config import ConnectorConfig
 from chunkstore_vllm.selection import (
@@ -15,6 +16,7 @@ from chunkstore_vllm.selection import (
     by_score,
     choose,
     placement,
+    relevant,
     relevant_last,
     requested,
     select,
@@ -83,6 +85,26 @@ def test_the_most_relevant_chunks_go_last_the_most_relevant_nearest_the_question
     assert placement([3, 4, 5, 3], []) == [0, 0, 0, 0]
 
 
+def test_short_relevant_chunks_are_recomputed_where_they_stand_long_ones_go_last() -> None:
+    bodies = [[1, 1, 1], [42, 42, 42, 42], [2, 2, 2, 2, 2], [42, 5, 5]]
+    segments, start = [Segment(SegmentKind.SYS, 0, (9, 9))], 2
+    for body in [*bodies, [42]]:
+        kind = SegmentKind.QUESTION if body == [42] else SegmentKind.CHUNK
+        segments.append(Segment(kind, start, tuple(body)))
+        start += len(body)
+    # Chunks 1 and 3 (segments 2 and 4) are the two most relevant: 7 tokens together.
+    assert relevant(segments, 2, 7) == ([2, 4], {}, 0)
+    # Over the budget they are attended last instead: segment 2 after segment 4.
+    assert relevant(segments, 2, 6) == ([], {2: 8, 3: -4, 4: -4}, 2)
+    assert relevant(segments, 2, 0)[1] == relevant(segments, 2, 6)[1]
+    # The first chunk follows sys: recomputing it would change nothing, so it is left out.
+    assert relevant(segments[:3] + segments[-1:], 1, 10, first_is_causal=True)[0] == [2]
+    first = [segments[0], segments[1], Segment(SegmentKind.QUESTION, 5, (1,))]
+    assert relevant(first, 1, 10, first_is_causal=True) == ([], {}, 0)
+    assert relevant(first, 1, 10) == ([1], {}, 0)
+    assert relevant(segments, 0, 100) == ([], {}, 0)
+
+
 def test_settings_are_checked() -> None:
     # Nothing is recomputed by default; asked for a count, relevance chooses.
     default = ConnectorConfig()
@@ -98,6 +120,9 @@ def test_settings_are_checked() -> None:
         ConnectorConfig.from_extra({"relevant_last": 2, "recompute_chunks": 1})
     with pytest.raises(ValueError, match="need inband_isolation"):
         ConnectorConfig.from_extra({"inband_isolation": False, "relevant_last": 1})
+    with pytest.raises(ValueError, match="counts >= 0"):
+        ConnectorConfig.from_extra({"relevant_recompute_tokens": -1})
+    assert (default.relevant_last, default.relevant_recompute_tokens) == (2, 256)
 
 
 def test_bm25_finds_the_document_that_answers_in_the_quality_bench() -> None:
