@@ -161,3 +161,19 @@ def unsupported_parallelism(vllm_config: Any) -> str | None:
     if getattr(parallel, "pipeline_parallel_size", 1) > 1:
         return f"pipeline_parallel_size={parallel.pipeline_parallel_size} is not supported"
     return None
+
+
+# The models whose decoder layers the workers' recomputer drives (``recompute``).
+RECOMPUTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+
+
+def unsupported_recompute(vllm_config: Any) -> str | None:
+    """Why the workers cannot recompute chunks for this deployment, as far as its config
+    tells (the scheduler's view; the workers check the loaded model itself), or None."""
+    tensor_parallel = getattr(vllm_config.parallel_config, "tensor_parallel_size", 1)
+    if tensor_parallel > 1:
+        return f"tensor_parallel_size={tensor_parallel} is not supported"
+    architectures = list(getattr(vllm_config.model_config, "architectures", None) or [])
+    if not set(architectures) & set(RECOMPUTED_ARCHITECTURES):
+        return f"{architectures} is not one of {list(RECOMPUTED_ARCHITECTURES)}"
+    return None

@@ -28,7 +28,7 @@ from .common import (
     RequestPlan,
     SaveItem,
 )
-from .config import ConnectorConfig, unsupported_parallelism
+from .config import ConnectorConfig, unsupported_parallelism, unsupported_recompute
 from .keys import ModelKeys, SegmentPlan
 from .metrics import ConnectorStats
 from .prefix_cache import keep_roles_apart
@@ -126,6 +126,15 @@ class SchedulerSide:
         self.link = DaemonLink(config, "chunkstore-scheduler", self.stats)
         self._warned_prefix_cache = False
         self.off = unsupported_parallelism(vllm_config)
+        # Short relevant chunks are recomputed where the workers can, else attended last.
+        self.recompute_up_to = config.relevant_recompute_tokens
+        no_recompute = unsupported_recompute(vllm_config)
+        if self.recompute_up_to and config.relevant_last and no_recompute:
+            log.info(
+                "chunkstore: relevant chunks are attended last, never recomputed: %s",
+                no_recompute,
+            )
+            self.recompute_up_to = 0
         if self.off:
             log.warning(
                 "chunkstore: %s; the connector stays off (every request computed)", self.off
@@ -208,7 +217,7 @@ class SchedulerSide:
             relevant,
             segments,
             config.relevant_last,
-            config.relevant_recompute_tokens,
+            self.recompute_up_to,
             first_is_causal=self._first_is_causal,
         )
         try:

@@ -7,7 +7,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from chunkstore_vllm.config import ConnectorConfig, load_cpus, unsupported_parallelism
+from chunkstore_vllm.config import (
+    ConnectorConfig,
+    load_cpus,
+    unsupported_parallelism,
+    unsupported_recompute,
+)
 
 
 def test_settings_come_from_the_extra_config_and_typos_are_refused() -> None:
@@ -66,3 +71,20 @@ def test_context_and_pipeline_parallelism_keep_the_connector_off() -> None:
     ):
         reason = unsupported_parallelism(parallel(**{name: 2}))
         assert reason is not None and name in reason
+
+
+def test_short_relevant_chunks_are_recomputed_only_where_the_workers_can() -> None:
+    """Llama and Qwen2 without tensor parallelism: elsewhere the scheduler attends the
+    relevant chunks last instead (the workers' recomputer drives those decoders only)."""
+
+    def deployment(architecture: str, **sizes: int) -> SimpleNamespace:
+        config = parallel(**sizes)
+        config.model_config = SimpleNamespace(architectures=[architecture])
+        return config
+
+    assert unsupported_recompute(deployment("Qwen2ForCausalLM")) is None
+    assert unsupported_recompute(deployment("LlamaForCausalLM")) is None
+    reason = unsupported_recompute(deployment("LlamaForCausalLM", tensor_parallel_size=2))
+    assert reason is not None and "tensor_parallel_size=2" in reason
+    reason = unsupported_recompute(deployment("GPT2LMHeadModel"))
+    assert reason is not None and "GPT2LMHeadModel" in reason
