@@ -53,12 +53,16 @@ class Scenario:
 
 
 def default_treatment(
-    segments: tuple[Segment, ...] | list[Segment], isolation: Isolation, virtual_gap: int = 0
+    segments: tuple[Segment, ...] | list[Segment],
+    isolation: Isolation,
+    virtual_gap: int = 0,
+    recompute: bool = True,
 ) -> tuple[list[int], dict[int, int]]:
     """What the connector's defaults do with a prompt's chunks (``relevant_last``: the two
-    BM25 ranks highest, recomputed where they stand when short, else attended last): the
-    segment indices recomputed and, segment index -> positions, how far each chunk moves,
-    computed by the connector's own selection for the HF reference of a served prompt."""
+    BM25 ranks highest, recomputed where they stand when short and the workers can
+    (``recompute``: not under tensor parallelism), else attended last): the segment indices
+    recomputed and, segment index -> positions, how far each chunk moves, computed by the
+    connector's own selection for the HF reference of a served prompt."""
     from chunkstore_vllm.config import DEFAULT_RELEVANT_LAST, DEFAULT_RELEVANT_RECOMPUTE_TOKENS
     from chunkstore_vllm.selection import relevant
 
@@ -66,7 +70,7 @@ def default_treatment(
     recomputed, shifts, _ = relevant(
         segments,
         DEFAULT_RELEVANT_LAST,
-        DEFAULT_RELEVANT_RECOMPUTE_TOKENS,
+        DEFAULT_RELEVANT_RECOMPUTE_TOKENS if recompute else 0,
         first_is_causal=first_is_causal,
     )
     return recomputed, shifts
@@ -77,11 +81,12 @@ def default_reference(
     segments: tuple[Segment, ...] | list[Segment],
     isolation: Isolation,
     virtual_gap: int = 0,
+    recompute: bool = True,
 ) -> Forward:
     """The HF reference of a prompt the connector serves with its defaults: the assembled
     cache with the chunks ``default_treatment`` recomputes blended, or moved where it
     moves them, the question on top."""
-    recomputed, shifts = default_treatment(segments, isolation, virtual_gap)
+    recomputed, shifts = default_treatment(segments, isolation, virtual_gap, recompute)
     if recomputed:
         return ref.blended_cache(segments, isolation, 0, virtual_gap, recompute_chunks=recomputed)
     return ref.assembled_cache(segments, isolation, virtual_gap=virtual_gap, shifts=shifts)
