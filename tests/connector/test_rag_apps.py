@@ -21,6 +21,7 @@ from chunkstore.testing.scenario import (
     RAG_SYS,
     assert_logprobs_match,
     default_reference,
+    default_treatment,
     first_token,
 )
 from chunkstore.testing.vllm_server import VllmServer
@@ -112,8 +113,9 @@ def test_chat_requests_from_the_openai_client_load_every_ingested_document(
 
         # The app names the chunk to recompute in the request body (its retriever's pick):
         # chunk 2 is recomputed whole over the isolated ones before it, as the HF blend has
-        # it; a malformed choice is counted and the connector's own (none here) is used.
+        # it; a malformed choice is counted and the connector's own (its defaults') is used.
         counters = server.counters()
+        own, _ = default_treatment(segments, Isolation.SYS)
         reply = ask(docs, loads=segments[-1].start, transfer={"recompute_chunks": [2]})
         blended = ref.blended_cache(segments, Isolation.SYS, 0, recompute_chunks=[3])
         assert_logprobs_match(first_token(reply.choices[0]), blended.logits[-1])
@@ -121,7 +123,7 @@ def test_chat_requests_from_the_openai_client_load_every_ingested_document(
         assert_logprobs_match(first_token(malformed.choices[0]), reference.logits[-1])
         server.wait_for_counters(
             {
-                "recomputed_chunks": counters["recomputed_chunks"] + 1,
+                "recomputed_chunks": counters["recomputed_chunks"] + 1 + len(own),
                 "bad_transfer_params": counters["bad_transfer_params"] + 1,
             }
         )
