@@ -47,7 +47,7 @@ def test_the_readme_quickstart_runs_as_written(tmp_path: Path) -> None:
         finally:
             if run.poll() is None:
                 run.kill()
-            stop_group(run.pid)  # the daemon removes its pool on SIGTERM
+            stop_group(run)  # the daemon removes its pool on SIGTERM
             corpus.unlink(missing_ok=True)
     out = log.read_text()
     assert run.returncode == 0, out[-6000:]

@@ -114,23 +114,28 @@ class VllmServer:
 
     def stop(self) -> None:
         if self.process.poll() is None:
-            stop_group(self.process.pid)
-            self.process.wait()
+            stop_group(self.process)
         self.log.close()
 
 
-def stop_group(pgid: int, grace: float = 60.0) -> None:
-    """SIGTERM every process of a group (a server started with ``start_new_session``, and
-    what it started), SIGKILL what is still there after ``grace`` seconds."""
+def stop_group(leader: subprocess.Popen[Any], grace: float = 60.0) -> None:
+    """SIGTERM every process of ``leader``'s group (a server started with
+    ``start_new_session``, and what it started), SIGKILL what is still there after ``grace``
+    seconds. The leader is reaped as it exits: its zombie would keep the group alive."""
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
         try:
-            os.killpg(pgid, sig)
+            os.killpg(leader.pid, sig)
         except ProcessLookupError:
-            return
+            break
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
+            leader.poll()
             try:
-                os.killpg(pgid, 0)
+                os.killpg(leader.pid, 0)
             except ProcessLookupError:
-                return
-            time.sleep(0.5)
+                break
+            time.sleep(0.2)
+        else:
+            continue
+        break
+    leader.wait()
