@@ -368,12 +368,17 @@ class ChunkStoreClient:
     # Index --------------------------------------------------------------------------------
 
     def lookup(
-        self, keys: Sequence[bytes], num_tokens: Sequence[int] | None = None
+        self,
+        keys: Sequence[bytes],
+        num_tokens: Sequence[int] | None = None,
+        entry_kind: str = "chunk",
     ) -> list[int | None]:
-        """Token count of each key's committed entry, or None."""
-        reply = self._call(
-            self.stub.Lookup, pb.LookupRequest(keys=list(keys), num_tokens=list(num_tokens or []))
+        """Token count of each key's committed entry, or None (``entry_kind``: what the
+        keys are, for the daemon's metrics by kind)."""
+        request = pb.LookupRequest(
+            keys=list(keys), num_tokens=list(num_tokens or []), entry_kind=entry_kind
         )
+        reply = self._call(self.stub.Lookup, request)
         return [n if p else None for p, n in zip(reply.present, reply.num_tokens, strict=True)]
 
     def stats(self) -> pb.StatsReply:
@@ -420,11 +425,16 @@ class ChunkStoreClient:
     # Writes -------------------------------------------------------------------------------
 
     def put(
-        self, key: bytes, keys: torch.Tensor, values: torch.Tensor | None, virtual_start: int
+        self,
+        key: bytes,
+        keys: torch.Tensor,
+        values: torch.Tensor | None,
+        virtual_start: int,
+        entry_kind: str = "chunk",
     ) -> bool:
         """Store one segment's KV ([layers, tokens, kv_heads, head_dim]; values None for an
         MLA latent). False if the key is stored (or being stored) already."""
-        layout = layout_of(keys, values, virtual_start)
+        layout = layout_of(keys, values, virtual_start, entry_kind)
         tensors = [keys] + ([values] if values is not None else [])
         parts = [as_bytes(t) for t in tensors] if self.device_pool is None else []
         digest = self._digest()
@@ -496,14 +506,18 @@ class ChunkStoreClient:
     # Reads --------------------------------------------------------------------------------
 
     def acquire(
-        self, keys: Sequence[bytes], num_tokens: Sequence[int] = ()
+        self, keys: Sequence[bytes], num_tokens: Sequence[int] = (), entry_kind: str = "chunk"
     ) -> list[LeasedEntry | None]:
         """Leases on the keys' entries (None where absent). Release them when done.
-        ``num_tokens`` (one per key) makes the daemon count this as a lookup too."""
+        ``num_tokens`` (one per key) makes the daemon count this as a lookup too, of
+        ``entry_kind`` entries."""
         reply = self._session_call(
             self.stub.Acquire,
             lambda session: pb.AcquireRequest(
-                session_id=session, keys=list(keys), num_tokens=list(num_tokens)
+                session_id=session,
+                keys=list(keys),
+                num_tokens=list(num_tokens),
+                entry_kind=entry_kind,
             ),
             retry=True,
         )

@@ -35,7 +35,7 @@ from chunkstore.errors import (
     PoolFull,
     WrongState,
 )
-from chunkstore.kv.entry import EntryLayout
+from chunkstore.kv.entry import ENTRY_KINDS, EntryLayout, check_entry_kind
 from chunkstore.kv.keys import KEY_BYTES
 from chunkstore.protocol.wire import MAX_BATCH
 
@@ -104,6 +104,8 @@ class IndexStats:
     evictions: dict[str, int]
     draining: bool
     blocks_quarantined: int
+    # By entry kind (chunk, prefix): lookups, hits, lookup_tokens, hit_tokens, entries, bytes.
+    kinds: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 class Index:
@@ -143,6 +145,7 @@ class Index:
         self._sessions: dict[str, Session] = {}
         self._ids = itertools.count(1)
         self._counts: Counter[str] = Counter()
+        self._kind_counts: dict[str, Counter[str]] = {kind: Counter() for kind in ENTRY_KINDS}
         self.evictions: Counter[str] = Counter()
 
     # Sessions -----------------------------------------------------------------------------
@@ -224,17 +227,22 @@ class Index:
         with self.lock:
             return [self._entries.get(k) for k in keys]
 
-    def count_hits(self, found: Sequence[bool], num_tokens: Sequence[int] = ()) -> None:
-        """Count a client's lookup: chunks looked up and found, and, when the client sent
-        each key's token count, tokens looked up and found (hit rate by tokens)."""
+    def count_hits(
+        self, found: Sequence[bool], num_tokens: Sequence[int] = (), entry_kind: str = "chunk"
+    ) -> None:
+        """Count a client's lookup of ``entry_kind`` entries: keys looked up and found, and,
+        when the client sent each key's token count, tokens looked up and found (hit rate
+        by tokens); in all and by kind."""
+        check_entry_kind(entry_kind)
         with self.lock:
-            self._counts["lookups"] += len(found)
-            self._counts["hits"] += sum(found)
-            if num_tokens:
-                self._counts["lookup_tokens"] += sum(num_tokens)
-                self._counts["hit_tokens"] += sum(
-                    n for n, hit in zip(num_tokens, found, strict=True) if hit
-                )
+            for counts in (self._counts, self._kind_counts[entry_kind]):
+                counts["lookups"] += len(found)
+                counts["hits"] += sum(found)
+                if num_tokens:
+                    counts["lookup_tokens"] += sum(num_tokens)
+                    counts["hit_tokens"] += sum(
+                        n for n, hit in zip(num_tokens, found, strict=True) if hit
+                    )
 
     def acquire(self, session_id: str, keys: Sequence[bytes]) -> list[tuple[Lease, Entry] | None]:
         self._check_keys(keys)
@@ -355,6 +363,7 @@ class Index:
                 claimed_checksum,
             )
             self._entries[entry.key] = entry
+            self._held_by_kind(entry, 1)
             self._place(entry)
             self._evict_to_watermark()
             return entry
@@ -475,6 +484,11 @@ class Index:
     def stats(self) -> IndexStats:
         with self.lock:
             used_blocks = self.pool.num_blocks - self.pool.free_blocks
+            names = ("lookups", "hits", "lookup_tokens", "hit_tokens", "entries", "bytes")
+            kinds = {
+                kind: {name: counts[name] for name in names}
+                for kind, counts in self._kind_counts.items()
+            }
             return IndexStats(
                 entries=len(self._entries),
                 pinned_entries=self._pinned,
@@ -493,6 +507,7 @@ class Index:
                 evictions=dict(self.evictions),
                 draining=self.draining,
                 blocks_quarantined=self._quarantined_blocks,
+                kinds=kinds,
             )
 
     def entries(self) -> list[Entry]:
@@ -568,8 +583,15 @@ class Index:
                 return
             self._evict(victim, "watermark")
 
+    def _held_by_kind(self, entry: Entry, sign: int) -> None:
+        """Entries and bytes by kind, kept as entries come and go (stats never walk them)."""
+        counts = self._kind_counts[entry.layout.entry_kind]
+        counts["entries"] += sign
+        counts["bytes"] += sign * entry.nbytes
+
     def _evict(self, entry: Entry, reason: str) -> None:
         del self._entries[entry.key]
+        self._held_by_kind(entry, -1)
         entry.evicted = True
         self._place(entry)
         if entry.pinned:

@@ -36,6 +36,25 @@ class IndexCollector:
             family = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["node"])
             family.add_metric(node, value)
             yield family
+        # The same by entry kind (chunk: sys and chunk segments; prefix: exact prefix blocks).
+        by_kind = (
+            ("lookup_tokens_by_kind", "Tokens looked up, by entry kind", "lookup_tokens"),
+            ("hit_tokens_by_kind", "Tokens found committed, by entry kind", "hit_tokens"),
+            ("hit_chunks_by_kind", "Entries found committed, by entry kind", "hits"),
+        )
+        for name, doc, field in by_kind:
+            family = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["node", "kind"])
+            for kind, kind_counts in s.kinds.items():
+                family.add_metric([self.node, kind], kind_counts[field])
+            yield family
+        for name, doc, field in (
+            ("entries_by_kind", "Committed entries, by entry kind", "entries"),
+            ("entry_bytes_by_kind", "Bytes of committed entries, by entry kind", "bytes"),
+        ):
+            gauge = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["node", "kind"])
+            for kind, kind_counts in s.kinds.items():
+                gauge.add_metric([self.node, kind], kind_counts[field])
+            yield gauge
         evictions = CounterMetricFamily(
             f"{PREFIX}_evictions", "Entries evicted", labels=["node", "reason"]
         )

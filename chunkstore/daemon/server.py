@@ -34,6 +34,7 @@ from chunkstore.daemon.pool_factory import create_pool
 from chunkstore.daemon.transfer import Endpoint, MooncakeEngine
 from chunkstore.daemon.workers import Workers
 from chunkstore.errors import Busy, InvalidRequest, StoreError, Unavailable
+from chunkstore.kv.entry import check_entry_kind
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol import chunkstore_pb2_grpc as pb_grpc
 from chunkstore.protocol.fast import fast_socket_path
@@ -83,12 +84,15 @@ def _rpc_stream(method: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[
     return streaming
 
 
-def _token_counts(request: pb.LookupRequest | pb.AcquireRequest) -> list[int]:
-    """The optional per-key token counts of a lookup, checked against its keys."""
+def _token_counts(request: pb.LookupRequest | pb.AcquireRequest) -> tuple[list[int], str]:
+    """The optional per-key token counts of a lookup, checked against its keys, and the
+    kind of entry it looks up (checked: before any lease is taken)."""
     tokens = list(request.num_tokens)
     if tokens and len(tokens) != len(request.keys):
         raise InvalidRequest(f"{len(tokens)} token counts for {len(request.keys)} keys")
-    return tokens
+    kind = request.entry_kind or "chunk"
+    check_entry_kind(kind)
+    return tokens, kind
 
 
 class ChunkStoreService(pb_grpc.ChunkStoreServicer):
@@ -174,10 +178,10 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
     @_rpc
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupReply:
         keys = list(request.keys)
-        tokens = _token_counts(request)
+        tokens, kind = _token_counts(request)
         found = self.index.lookup(keys)
         self._missed(keys, found)
-        self.index.count_hits([e is not None for e in found], tokens)
+        self.index.count_hits([e is not None for e in found], tokens, kind)
         return pb.LookupReply(
             present=[e is not None for e in found],
             num_tokens=[e.layout.num_tokens if e else 0 for e in found],
@@ -211,11 +215,11 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
 
     @_rpc
     def Acquire(self, request: pb.AcquireRequest, context: grpc.ServicerContext) -> pb.AcquireReply:
-        tokens = _token_counts(request)
+        tokens, kind = _token_counts(request)
         acquired = self.index.acquire(request.session_id, list(request.keys))
         self._missed(list(request.keys), acquired)
         if tokens:  # an Acquire with token counts is a lookup too (the connector's)
-            self.index.count_hits([got is not None for got in acquired], tokens)
+            self.index.count_hits([got is not None for got in acquired], tokens, kind)
         leases = []
         for got in acquired:
             if got is None:
@@ -311,6 +315,7 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
             evictions=s.evictions,
             draining=s.draining,
             blocks_quarantined=s.blocks_quarantined,
+            kinds={kind: pb.KindStats(**counts) for kind, counts in s.kinds.items()},
         )
 
     @_rpc

@@ -15,6 +15,9 @@ if TYPE_CHECKING:
 # layouts without importing torch (it starts in a fraction of the time).
 ITEMSIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 KINDS = ("kv", "mla")
+# What entries are, for the metrics by kind: position-independent sys and chunk segments,
+# and exact prefix blocks of plain prompts.
+ENTRY_KINDS = ("chunk", "prefix")
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -32,6 +35,7 @@ class EntryLayout:
     kind: str
     num_tokens: int
     virtual_start: int
+    entry_kind: str = "chunk"
 
     def validate(self) -> None:
         if self.dtype not in ITEMSIZES:
@@ -43,6 +47,7 @@ class EntryLayout:
             raise InvalidRequest(f"layout dimensions must be positive: {self}")
         if self.virtual_start < 0:
             raise InvalidRequest("virtual_start must be >= 0")
+        check_entry_kind(self.entry_kind)
 
     @property
     def tensor_shape(self) -> tuple[int, int, int, int]:
@@ -55,7 +60,17 @@ class EntryLayout:
         return count * ITEMSIZES[self.dtype] * (2 if self.kind == "kv" else 1)
 
 
-def layout_of(keys: torch.Tensor, values: torch.Tensor | None, virtual_start: int) -> EntryLayout:
+def check_entry_kind(entry_kind: str) -> None:
+    if entry_kind not in ENTRY_KINDS:
+        raise InvalidRequest(f"entry_kind {entry_kind!r} is not one of {', '.join(ENTRY_KINDS)}")
+
+
+def layout_of(
+    keys: torch.Tensor,
+    values: torch.Tensor | None,
+    virtual_start: int,
+    entry_kind: str = "chunk",
+) -> EntryLayout:
     """The layout of a KV pair [layers, tokens, kv_heads, head_dim] (values None for MLA)."""
     if keys.dim() != 4 or (values is not None and values.shape != keys.shape):
         raise InvalidRequest(
@@ -67,7 +82,9 @@ def layout_of(keys: torch.Tensor, values: torch.Tensor | None, virtual_start: in
         raise InvalidRequest(f"unsupported or mixed dtypes {keys.dtype}")
     layers, tokens, heads, dim = keys.shape
     kind = "kv" if values is not None else "mla"
-    return EntryLayout(layers, heads, dim, names[keys.dtype], kind, tokens, virtual_start)
+    return EntryLayout(
+        layers, heads, dim, names[keys.dtype], kind, tokens, virtual_start, entry_kind
+    )
 
 
 def tensors_of(

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EntryLayout(_message.Message):
-    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "kind", "num_tokens", "virtual_start")
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "kind", "num_tokens", "virtual_start", "entry_kind")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +15,7 @@ class EntryLayout(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VIRTUAL_START_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_KIND_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -22,7 +23,8 @@ class EntryLayout(_message.Message):
     kind: str
     num_tokens: int
     virtual_start: int
-    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., kind: _Optional[str] = ..., num_tokens: _Optional[int] = ..., virtual_start: _Optional[int] = ...) -> None: ...
+    entry_kind: str
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., kind: _Optional[str] = ..., num_tokens: _Optional[int] = ..., virtual_start: _Optional[int] = ..., entry_kind: _Optional[str] = ...) -> None: ...
 
 class HelloRequest(_message.Message):
     __slots__ = ("client_name", "hostname")
@@ -109,12 +111,14 @@ class Pong(_message.Message):
     def __init__(self, server_time_ms: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("keys", "num_tokens")
+    __slots__ = ("keys", "num_tokens", "entry_kind")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_KIND_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     num_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    entry_kind: str
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., entry_kind: _Optional[str] = ...) -> None: ...
 
 class LookupReply(_message.Message):
     __slots__ = ("present", "num_tokens")
@@ -173,14 +177,16 @@ class AbortReply(_message.Message):
     def __init__(self) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("session_id", "keys", "num_tokens")
+    __slots__ = ("session_id", "keys", "num_tokens", "entry_kind")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_KIND_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     num_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    entry_kind: str
+    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., entry_kind: _Optional[str] = ...) -> None: ...
 
 class Lease(_message.Message):
     __slots__ = ("lease_id", "key", "layout", "nbytes", "blocks", "checksum")
@@ -257,7 +263,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("entries", "pinned_entries", "bytes_used", "bytes_capacity", "blocks_free", "blocks_total", "active_leases", "active_reservations", "sessions", "lookups", "hits", "lookup_tokens", "hit_tokens", "evictions", "draining", "blocks_quarantined", "pool_importers")
+    __slots__ = ("entries", "pinned_entries", "bytes_used", "bytes_capacity", "blocks_free", "blocks_total", "active_leases", "active_reservations", "sessions", "lookups", "hits", "lookup_tokens", "hit_tokens", "evictions", "draining", "blocks_quarantined", "pool_importers", "kinds")
     class EvictionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +271,13 @@ class StatsReply(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class KindsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: KindStats
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[KindStats, _Mapping]] = ...) -> None: ...
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     PINNED_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     BYTES_USED_FIELD_NUMBER: _ClassVar[int]
@@ -282,6 +295,7 @@ class StatsReply(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     POOL_IMPORTERS_FIELD_NUMBER: _ClassVar[int]
+    KINDS_FIELD_NUMBER: _ClassVar[int]
     entries: int
     pinned_entries: int
     bytes_used: int
@@ -299,7 +313,24 @@ class StatsReply(_message.Message):
     draining: bool
     blocks_quarantined: int
     pool_importers: int
-    def __init__(self, entries: _Optional[int] = ..., pinned_entries: _Optional[int] = ..., bytes_used: _Optional[int] = ..., bytes_capacity: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_total: _Optional[int] = ..., active_leases: _Optional[int] = ..., active_reservations: _Optional[int] = ..., sessions: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., evictions: _Optional[_Mapping[str, int]] = ..., draining: _Optional[bool] = ..., blocks_quarantined: _Optional[int] = ..., pool_importers: _Optional[int] = ...) -> None: ...
+    kinds: _containers.MessageMap[str, KindStats]
+    def __init__(self, entries: _Optional[int] = ..., pinned_entries: _Optional[int] = ..., bytes_used: _Optional[int] = ..., bytes_capacity: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_total: _Optional[int] = ..., active_leases: _Optional[int] = ..., active_reservations: _Optional[int] = ..., sessions: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., evictions: _Optional[_Mapping[str, int]] = ..., draining: _Optional[bool] = ..., blocks_quarantined: _Optional[int] = ..., pool_importers: _Optional[int] = ..., kinds: _Optional[_Mapping[str, KindStats]] = ...) -> None: ...
+
+class KindStats(_message.Message):
+    __slots__ = ("lookups", "hits", "lookup_tokens", "hit_tokens", "entries", "bytes")
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    lookups: int
+    hits: int
+    lookup_tokens: int
+    hit_tokens: int
+    entries: int
+    bytes: int
+    def __init__(self, lookups: _Optional[int] = ..., hits: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("keys",)

@@ -33,6 +33,7 @@ def layout_from_proto(msg: pb.EntryLayout) -> EntryLayout:
         msg.kind,
         msg.num_tokens,
         msg.virtual_start,
+        msg.entry_kind or "chunk",
     )
 
 
@@ -45,6 +46,7 @@ def layout_to_proto(layout: EntryLayout) -> pb.EntryLayout:
         kind=layout.kind,
         num_tokens=layout.num_tokens,
         virtual_start=layout.virtual_start,
+        entry_kind=layout.entry_kind,
     )
 
 

@@ -317,6 +317,35 @@ def test_metrics_move_exactly_as_the_operations(daemon: RunningDaemon) -> None:
     assert delta['chunkstore_rpc_seconds_count{method="Lookup"}'] == 3
 
 
+def test_lookups_and_entries_are_counted_by_kind(daemon: RunningDaemon) -> None:
+    """Prefix blocks and chunk segments share the pool and are told apart only by the
+    metrics: lookups and hits by the kind the client names, entries and bytes by the kind
+    they were stored as; an unknown kind is refused before anything is leased."""
+    with ChunkStoreClient(daemon.unix) as client:
+        before = daemon.scrape()
+        k, v = random_kv(10)
+        client.put(entry_key(11), k, v, 0, "prefix")
+        client.put(entry_key(12), k, v, 0)
+        client.acquire([entry_key(11), entry_key(13)], [10, 10], "prefix")
+        client.lookup([entry_key(12)], [10])
+        with pytest.raises(InvalidRequest, match="entry_kind"):
+            client.acquire([entry_key(12)], [10], "disk")
+        with pytest.raises(InvalidRequest, match="entry_kind"):
+            client.put(entry_key(14), k, v, 0, "disk")
+        after = daemon.scrape()
+        stats = client.stats()
+    delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
+    for kind, looked_up, hit in (("prefix", 20, 10), ("chunk", 10, 10)):
+        assert delta[f'chunkstore_lookup_tokens_by_kind_total{{kind="{kind}"}}'] == looked_up
+        assert delta[f'chunkstore_hit_tokens_by_kind_total{{kind="{kind}"}}'] == hit
+        assert delta[f'chunkstore_entries_by_kind{{kind="{kind}"}}'] == 1
+        assert delta[f'chunkstore_entry_bytes_by_kind{{kind="{kind}"}}'] == 2 * k.numel() * 4
+        assert stats.kinds[kind].entries >= 1
+    assert delta["chunkstore_lookup_tokens_total"] == 30  # the totals hold every kind
+    assert stats.kinds["prefix"].hit_tokens >= 10
+    assert stats.active_leases == 1  # the refused Acquire took none
+
+
 def test_a_port_in_use_fails_start_up_cleanly(daemon: RunningDaemon, tmp_path: Path) -> None:
     run = serve_tcp_only(daemon.tcp, tmp_path)
     assert run.returncode == 2 and daemon.tcp in run.stderr
