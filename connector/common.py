@@ -27,6 +27,7 @@ class LoadItem:
     num_tokens: int
     lease: LeasedEntry
     session: str
+    prefix: bool = False  # an exact prefix block (counted apart from chunks)
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class SaveItem:
     start: int
     num_tokens: int
     isolated: bool = False
+    prefix: bool = False  # an exact prefix block (counted apart from chunks)
 
 
 @dataclass(frozen=True)

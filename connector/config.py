@@ -17,6 +17,8 @@ DEFAULT_RELEVANT_LAST = 2
 # ... recomputed where they stand instead when they hold at most this many tokens together:
 # on ~40-token documents that answers more than moving them, on ~500-token ones less.
 DEFAULT_RELEVANT_RECOMPUTE_TOKENS = 256
+# LMCache's chunk size: a prefix entry per 256 tokens.
+DEFAULT_PREFIX_BLOCK_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,11 @@ class ConnectorConfig:
     # ... recomputed where they stand instead when together they hold at most this many
     # tokens (0: always attended last).
     relevant_recompute_tokens: int = DEFAULT_RELEVANT_RECOMPUTE_TOKENS
+    # Plain prompts (no separator) share their exact prefix KV through the store in blocks
+    # of this many tokens (rounded up to a multiple of vLLM's block size; 0: off).
+    prefix_block_tokens: int = DEFAULT_PREFIX_BLOCK_TOKENS
+    # ... and store the blocks of what they generate, so a chat's next turn loads this one.
+    save_generated: bool = True
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -75,11 +82,13 @@ class ConnectorConfig:
             config.recompute_max_tokens,
             config.relevant_last,
             config.relevant_recompute_tokens,
+            config.prefix_block_tokens,
         )
         if min(counts) < 0:
             raise ValueError(
                 "virtual_gap, recompute_chunks, recompute_tokens, recompute_max_tokens, "
-                "relevant_last and relevant_recompute_tokens are counts >= 0"
+                "relevant_last, relevant_recompute_tokens and prefix_block_tokens are "
+                "counts >= 0"
             )
         if config.relevant_last and (config.recompute_chunks or config.recompute_tokens):
             raise ValueError(

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from chunkstore.kv.fingerprint import ModelFingerprint, fingerprint
-from chunkstore.kv.keys import KVLayout, segment_keys
+from chunkstore.kv.keys import KVLayout, prefix_keys, prefix_tail_key, segment_keys
 from chunkstore.kv.rope import RotaryConfig
 from chunkstore.kv.segments import Segment, SegmentKind, split_prompt
 from chunkstore.prompts import separator_ids
@@ -67,3 +67,27 @@ class ModelKeys:
             for seg, key in zip(segments, keys, strict=True)
             if key is not None and seg.kind is not SegmentKind.QUESTION
         ]
+
+    def prefix_plan(self, token_ids: list[int], salt: str, block_tokens: int) -> list[SegmentPlan]:
+        """The whole ``block_tokens`` blocks of a plain prompt (or of a prompt and what was
+        generated after it), as exact prefix entries with their chained keys."""
+        keys = prefix_keys(self.model_fp, self.layout_fp, token_ids, block_tokens, salt)
+        return [
+            SegmentPlan(
+                Segment(
+                    SegmentKind.PREFIX,
+                    i * block_tokens,
+                    tuple(token_ids[i * block_tokens : (i + 1) * block_tokens]),
+                ),
+                key,
+            )
+            for i, key in enumerate(keys)
+        ]
+
+    def prefix_tail(self, token_ids: list[int], salt: str, block_tokens: int) -> SegmentPlan | None:
+        """The part block after the whole ones, as an exact prefix entry (None if none)."""
+        key = prefix_tail_key(self.model_fp, self.layout_fp, token_ids, block_tokens, salt)
+        if key is None:
+            return None
+        start = len(token_ids) // block_tokens * block_tokens
+        return SegmentPlan(Segment(SegmentKind.PREFIX, start, tuple(token_ids[start:])), key)

@@ -23,8 +23,13 @@ FIELDS = {
     "lookup_tokens": "Prompt tokens in the segments looked up.",
     "hit_tokens": "Tokens the store supplies beyond vLLM's own prefix cache.",
     "chunked_prompts": "Prompts holding the separator (split into sys, chunks, question).",
-    "unchunked_prompts": "Prompts without the separator: computed as ordinary prompts "
-    "(a RAG app whose prompts land here is not chunking them: check the separator).",
+    "unchunked_prompts": "Prompts without the separator: only their exact prefix blocks are "
+    "shared (a RAG app whose prompts land here is not chunking them: check the separator).",
+    "prefix_lookup_tokens": "Tokens of plain prompts' whole prefix blocks looked up.",
+    "prefix_hit_tokens": "Of hit_tokens, those of exact prefix blocks (plain prompts).",
+    "computed_prompt_tokens": "Prompt tokens of looked-up prompts that neither vLLM's prefix "
+    "cache nor the store supplied (vLLM computes them; on a decode instance behind the "
+    "proxy, only the prefill's first token).",
     "short_segments": "Sys and chunk segments shorter than min_chunk_tokens (neither looked "
     "up nor stored).",
     "lookup_seconds": "Time spent looking chunked prompts up: segmenting, keying and the "
@@ -52,6 +57,9 @@ FIELDS = {
     "saved_segments": "Segments stored after vLLM computed them under their isolation context "
     "(not those another request stored first).",
     "saved_tokens": "Tokens stored.",
+    "prefix_loaded_tokens": "Of loaded_tokens, those of exact prefix blocks.",
+    "prefix_saved_tokens": "Of saved_tokens, those of exact prefix blocks (prompt and "
+    "generated tokens of plain prompts).",
     "save_failures": "Saves that failed (the request is unaffected).",
     "save_seconds": "Time spent saving.",
     "isolated_tokens": "Chunk tokens vLLM computed under the isolation mask (in-band).",

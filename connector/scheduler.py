@@ -39,7 +39,9 @@ log = logging.getLogger("chunkstore.connector")
 
 @dataclass
 class Tracked:
-    """A chunked request (its prompt has a separator), from its arrival to its end.
+    """A request the store serves, from its arrival to its end: a chunked one (its prompt
+    has a separator), or a plain one whose exact prefix blocks are looked up and stored
+    (``cacheable`` holds them; ``request`` is vLLM's, whose tokens grow as it generates).
 
     Its tokens' roles: sys (before the first separator), chunk tokens under the isolation
     mask, and from ``causal_start`` on tokens that attend causally to everything before
@@ -59,6 +61,21 @@ class Tracked:
     saving: set[int] = field(default_factory=set)  # cacheable segments whose save is planned
     recomputed: frozenset[int] = frozenset()  # segment indices of chunks recomputed whole
     shifts: tuple[tuple[int, int, int], ...] = ()  # chunks attended elsewhere: start, end, by
+    request: Any = None  # vLLM's request (plain prompts: its generated blocks are stored)
+    salt: str = ""  # vLLM's cache_salt (plain prompts: part of every prefix key)
+    # kv_consumer: the part block after the whole ones up to the token before the last,
+    # looked up (never stored: a prefill instance stores its prompt's, ``save_tail``, and a
+    # decode instance's prompt is that prompt and the token the prefill answered).
+    tail: SegmentPlan | None = None
+    save_tail: SegmentPlan | None = None  # kv_producer: its whole prompt's part block
+
+    @property
+    def looked_up(self) -> list[SegmentPlan]:
+        return self.cacheable + ([self.tail] if self.tail is not None else [])
+
+    @property
+    def chunked(self) -> bool:
+        return self.segments[0].kind is SegmentKind.SYS
 
     @property
     def sys_end(self) -> int:
@@ -119,7 +136,19 @@ class SchedulerSide:
             self.keys.separator,
         )
         self.block_size = vllm_config.cache_config.block_size
-        self._tracked: dict[str, Tracked | None] = {}  # None: a plain prompt
+        transfer = vllm_config.kv_transfer_config
+        role = getattr(transfer, "kv_role", None)
+        self.producer, self.consumer = role == "kv_producer", role == "kv_consumer"
+        self.prefix_tokens = -(-config.prefix_block_tokens // self.block_size) * self.block_size
+        if self.prefix_tokens != config.prefix_block_tokens:
+            log.info(
+                "chunkstore: prefix blocks of %d tokens (prefix_block_tokens %d rounded up to "
+                "a multiple of vLLM's block size, %d)",
+                self.prefix_tokens,
+                config.prefix_block_tokens,
+                self.block_size,
+            )
+        self._tracked: dict[str, Tracked | None] = {}  # None: nothing to look up
         self._loads: dict[str, list[LoadItem]] = {}
         self._held: dict[str, Held] = {}
         self.stats = ConnectorStats()
@@ -141,10 +170,12 @@ class SchedulerSide:
             )
 
     def _track(self, request: Any) -> Tracked | None:
-        """The request's segments, split once; None for a plain prompt (no separator)."""
+        """The request's segments, split once; for a plain prompt (no separator) its prefix
+        blocks (None with ``prefix_block_tokens`` 0)."""
         req_id = request.request_id
         if req_id not in self._tracked:
-            segments = self.keys.segments(list(request.prompt_token_ids or []))
+            prompt = list(request.prompt_token_ids or [])
+            segments = self.keys.segments(prompt)
             tracked = None
             if segments and segments[0].kind is SegmentKind.SYS:  # a separator: chunked
                 self.stats.add("chunked_prompts")
@@ -165,6 +196,22 @@ class SchedulerSide:
                 tracked = Tracked(segments, cacheable, causal, recomputed=recomputed, shifts=shifts)
             else:
                 self.stats.add("unchunked_prompts")
+                if segments and self.prefix_tokens:
+                    salt = getattr(request, "cache_salt", None) or ""
+                    size = self.prefix_tokens
+                    tracked = Tracked(
+                        segments,
+                        self.keys.prefix_plan(prompt, salt, size),
+                        0,
+                        request=request,
+                        salt=salt,
+                        tail=self.keys.prefix_tail(prompt[:-1], salt, size)
+                        if self.consumer
+                        else None,
+                        save_tail=self.keys.prefix_tail(prompt, salt, size)
+                        if self.producer
+                        else None,
+                    )
             self._tracked[req_id] = tracked
         return self._tracked[req_id]
 
@@ -235,12 +282,10 @@ class SchedulerSide:
         if self.off or not self.config.inband_isolation:
             return
         tracked = self._track(request)
-        private = None
-        if tracked is not None:
-            private = tracked.sys_end if self.config.recompute_tokens else tracked.first_changed
-        if tracked is None or keep_roles_apart(
-            request, tracked.causal_start, self.block_size, private
-        ):
+        if tracked is None or not tracked.chunked:
+            return
+        private = tracked.sys_end if self.config.recompute_tokens else tracked.first_changed
+        if keep_roles_apart(request, tracked.causal_start, self.block_size, private):
             return
         if not self._warned_prefix_cache:
             log.warning(
@@ -263,21 +308,26 @@ class SchedulerSide:
             return 0
         tracked.local_computed = num_computed_tokens
         tracked.present = None
-        segments = tracked.cacheable
+        segments = tracked.looked_up
         if not segments:
+            if not tracked.chunked:
+                tracked.present = []  # nothing to look up: what it generates may fill a block
             return 0
-        held = self._acquire(segments)
+        held = self._acquire(segments, "chunk" if tracked.chunked else "prefix")
         self.stats.add("lookup_seconds", time.perf_counter() - began)
         if not held.session:
             return 0  # no daemon: compute, and plan no saves it could not take either
         hit_end = 0
-        for index, plan in enumerate(segments):
+        for index, plan in enumerate(tracked.cacheable):
             if index not in held.leases or plan.segment.start != hit_end:
                 break
             hit_end = plan.segment.end
+        tail = len(tracked.cacheable)  # the part block's index, if it has one
+        if tail in held.leases and segments[tail].segment.start == hit_end:
+            hit_end = segments[tail].segment.end
         # vLLM must compute at least the last token.
         hit_end = min(hit_end, len(request.prompt_token_ids) - 1)
-        tracked.present = [index in held.leases for index in range(len(segments))]
+        tracked.present = [index in held.leases for index in range(len(tracked.cacheable))]
         self._held[req_id] = held
         self._keep(
             req_id,
@@ -288,14 +338,14 @@ class SchedulerSide:
         )
         return max(0, hit_end - num_computed_tokens)
 
-    def _acquire(self, segments: list[SegmentPlan]) -> Held:
+    def _acquire(self, segments: list[SegmentPlan], kind: str) -> Held:
         client = self.link.get()
         if client is None:
             self.stats.add("daemon_unreachable")
             return Held("")
         try:
             entries = client.acquire(
-                [s.key for s in segments], num_tokens=[len(s.segment) for s in segments]
+                [s.key for s in segments], [len(s.segment) for s in segments], kind
             )
         except ChunkStoreError as err:
             self.link.trouble("lookup", err)
@@ -303,6 +353,8 @@ class SchedulerSide:
             return Held("")
         self.stats.add("lookups")
         self.stats.add("lookup_tokens", sum(len(s.segment) for s in segments))
+        if kind == "prefix":
+            self.stats.add("prefix_lookup_tokens", sum(len(s.segment) for s in segments))
         leases = {i: entry for i, entry in enumerate(entries) if entry is not None}
         return Held(client.session, leases)
 
@@ -341,22 +393,28 @@ class SchedulerSide:
         req_id = request.request_id
         tracked = self._tracked.get(req_id)
         held = self._held.get(req_id)
+        if tracked is not None:
+            supplied = tracked.local_computed + max(num_external_tokens, 0)
+            prompt = len(request.prompt_token_ids or [])
+            self.stats.add("computed_prompt_tokens", max(0, prompt - supplied))
         if tracked is None or held is None or num_external_tokens <= 0:
             self._release(req_id)
             return
         start, end = tracked.local_computed, tracked.local_computed + num_external_tokens
+        prefix = not tracked.chunked
         loads = []
-        for index, plan in enumerate(tracked.cacheable):
+        for index, plan in enumerate(tracked.looked_up):
             lo, hi = max(plan.segment.start, start), min(plan.segment.end, end)
             lease = held.leases.get(index)
             if hi > lo and lease is not None:
-                loads.append(
-                    LoadItem(plan.key, lo - plan.segment.start, lo, hi - lo, lease, held.session)
-                )
+                offset = lo - plan.segment.start
+                loads.append(LoadItem(plan.key, offset, lo, hi - lo, lease, held.session, prefix))
         loaded = {item.key for item in loads}
-        self._keep(req_id, lambda i: tracked.cacheable[i].key in loaded)
+        self._keep(req_id, lambda i: tracked.looked_up[i].key in loaded)
         self._loads[req_id] = loads
         self.stats.add("hit_tokens", num_external_tokens)
+        if prefix:
+            self.stats.add("prefix_hit_tokens", num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> ChunkStoreMetadata:
         """Each scheduled request's loads (first step, or the step that resumes it after a
@@ -393,6 +451,8 @@ class SchedulerSide:
         else:
             tracked.block_ids.extend(blocks)
         end = computed + scheduled
+        if not tracked.chunked and self.config.save_generated:
+            self._grow(tracked, end)
         loads = self._loads.pop(req_id, [])
         saves = self._saves(tracked, end) if self.config.save else []
         isolation = self._isolated_step(tracked, computed, end)
@@ -400,6 +460,17 @@ class SchedulerSide:
             meta.requests.append(
                 RequestPlan(req_id, list(tracked.block_ids), loads, saves, isolation)
             )
+
+    def _grow(self, tracked: Tracked, computed_end: int) -> None:
+        """Past its prompt, a plain request's blocks of generated tokens whose KV is in the
+        cache by the end of this step join its prefix blocks, to be stored as they fill."""
+        have = len(tracked.cacheable)
+        if tracked.present is None or computed_end < (have + 1) * self.prefix_tokens:
+            return
+        tokens = list(tracked.request.all_token_ids[:computed_end])
+        grown = self.keys.prefix_plan(tokens, tracked.salt, self.prefix_tokens)[have:]
+        tracked.cacheable.extend(grown)
+        tracked.present.extend([False] * len(grown))
 
     def _isolated_step(self, tracked: Tracked, start: int, end: int) -> IsolatedStep | None:
         """What the workers' hook needs for this step: the request's isolated chunks, when
@@ -438,7 +509,7 @@ class SchedulerSide:
             seg = plan.segment
             if found or index in tracked.saving or seg.end > computed_end:
                 continue
-            causal_is_isolated = seg.kind is SegmentKind.SYS or (
+            causal_is_isolated = seg.kind in (SegmentKind.SYS, SegmentKind.PREFIX) or (
                 seg.kind is SegmentKind.CHUNK
                 and seg.start == tracked.sys_end
                 and self.config.isolation_mode is Isolation.SYS
@@ -446,7 +517,20 @@ class SchedulerSide:
             )
             if causal_is_isolated or self.config.inband_isolation:
                 tracked.saving.add(index)
-                saves.append(SaveItem(plan.key, seg.start, len(seg), not causal_is_isolated))
+                saves.append(
+                    SaveItem(
+                        plan.key,
+                        seg.start,
+                        len(seg),
+                        not causal_is_isolated,
+                        seg.kind is SegmentKind.PREFIX,
+                    )
+                )
+        tail = tracked.save_tail
+        if tail is not None and tail.segment.end <= computed_end:
+            tracked.save_tail = None  # planned once; a put of a stored key is a no-op
+            seg = tail.segment
+            saves.append(SaveItem(tail.key, seg.start, len(seg), prefix=True))
         return saves
 
     def request_finished(self, request: Any) -> None:

