@@ -69,9 +69,10 @@ class Instance:
         return reply, self._moved(before)
 
     def _moved(self, before: dict[str, float]) -> dict[str, float]:
-        """Counter deltas since ``before``, once vLLM's front end has recorded the request's
-        lookup (its engine stats arrive after the reply)."""
-        self.server.wait_for_counters({"lookups": before["lookups"] + 1})
+        """Counter deltas since ``before``, once vLLM's front end has recorded the request
+        (its engine stats arrive after the reply; a prompt shorter than a block is not
+        looked up, but counted)."""
+        self.server.wait_for_counters({"unchunked_prompts": before["unchunked_prompts"] + 1})
         after = self.server.counters()
         return {k: after[k] - before[k] for k in after}
 
@@ -201,7 +202,8 @@ def test_a_prefill_and_a_decode_instance_behind_the_proxy_answer_as_one(pair, lo
             max_tokens=12,
             temperature=0.0,
         )
-        second.server.wait_for_counters({"lookups": before["lookups"] + len(prompts) + 1})
+        wanted = before["unchunked_prompts"] + len(prompts) + 1
+        second.server.wait_for_counters({"unchunked_prompts": wanted})
         after = second.server.counters()
     finally:
         server.shutdown()
