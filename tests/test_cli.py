@@ -223,6 +223,22 @@ def test_bench_pull_json() -> None:
     assert row["pull_engine_vs_stream"] > 0
 
 
+def test_bench_e2e_prefix_on_the_tiny_model() -> None:
+    """A second vLLM process loads every context token of plain prompts a first one stored,
+    as vLLM's own prefix cache hit has them, and answers as computing them does."""
+    run = chunkstore(
+        "bench", "e2e", "--prefix", "--json", "--model", "tiny",
+        "--prefix-tokens", "512", "--repeats", "1",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    [row] = [json.loads(line) for line in run.stdout.splitlines()]
+    assert row["bench"] == "e2e.prefix" and row["prompt_tokens"] == 513
+    assert row["prefix_store_cached_tokens"] == row["apc_cached_tokens"] == 512
+    assert row["same_tokens_as_computed"] == 1 and row["worst_logprob_diff"] < 1e-3
+    for figure in ("prefix_ttft_speedup", "prefix_hit_vs_apc", "hit_read_ms", "hit_write_ms"):
+        assert row[figure] > 0, figure
+
+
 def test_bench_e2e_json_on_the_tiny_model() -> None:
     run = chunkstore(
         "bench",

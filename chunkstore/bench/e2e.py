@@ -10,8 +10,8 @@ A sys prompt + N chunks of M tokens (default 8 x 512) + a question, in one run:
   stored: every chunk computed under the isolation mask and stored, against the baseline on
   the same prompts (``cold_isolated_vs_baseline``);
 - ``plain``: prompts without a separator through the connector, against the baseline
-  (``plain_overhead``: what the connector and its attention hook cost a prompt they leave
-  alone).
+  (``plain_overhead``: what the connector costs a plain prompt seen for the first time: its
+  lookup and, since exact prefix sharing, storing its prefix blocks).
 A full hit's TTFT is split into where it goes, from the connector's own counters in that
 run (``hit_lookup_ms``: segmenting, keying, the Acquire; ``hit_read_ms``: reading the
 entries out of the pool and checking them, before the forward; ``hit_write_ms``: remap and
@@ -270,6 +270,12 @@ def _prefix(args: argparse.Namespace, model: Path, encode: Any) -> dict[str, Any
     hit_tokens = [int(r["connector"].get("prefix_hit_tokens", 0)) for r in loaded]
     if min(hit_tokens) < args.prefix_tokens:
         raise RuntimeError(f"not every prompt was a full prefix hit: {hit_tokens} tokens")
+
+    def spent(name: str) -> float | None:
+        """A phase of the loaded requests (median ms), as the connector counted it."""
+        seconds = statistics.median(r["connector"].get(f"{name}_seconds", 0.0) for r in loaded)
+        return _scaled(seconds, 1e3)
+
     return {
         "bench": "e2e.prefix",
         "model": model.name,
@@ -281,6 +287,13 @@ def _prefix(args: argparse.Namespace, model: Path, encode: Any) -> dict[str, Any
         "prefix_store_cold_ttft_s": round(ttft(stored), 4),
         "prefix_store_ttft_s": round(ttft(loaded), 4),
         "prefix_store_cached_tokens": min(r["cached_tokens"] for r in loaded),
+        # Where the load goes: the Acquire; reading the blocks out of the pool and checking
+        # them, before the forward; writing them into the paged cache beside it, of which
+        # the forward waited for ``write_wait``.
+        "hit_lookup_ms": spent("lookup"),
+        "hit_read_ms": spent("read"),
+        "hit_write_ms": spent("write"),
+        "hit_write_wait_ms": spent("wait"),
         "prefix_ttft_speedup": round(ttft(computed) / ttft(loaded), 2),
         "prefix_hit_vs_apc": round(ttft(loaded) / ttft(apc), 3),
         "prefix_cold_vs_baseline": round(ttft(stored) / ttft(computed), 3),
