@@ -351,10 +351,11 @@ class SchedulerSide:
             self.link.trouble("lookup", err)
             self.stats.add("daemon_unreachable")
             return Held("")
+        looked_up = sum(len(s.segment) for s in segments)
         self.stats.add("lookups")
-        self.stats.add("lookup_tokens", sum(len(s.segment) for s in segments))
+        self.stats.add("lookup_tokens", looked_up)
         if kind == "prefix":
-            self.stats.add("prefix_lookup_tokens", sum(len(s.segment) for s in segments))
+            self.stats.add("prefix_lookup_tokens", looked_up)
         leases = {i: entry for i, entry in enumerate(entries) if entry is not None}
         return Held(client.session, leases)
 

@@ -117,6 +117,11 @@ def segment_keys(
     return keys
 
 
+def _prefix_root(salt: str) -> bytes:
+    """What the first prefix block chains: the salt, under a tag no segment key has."""
+    return _digest(b"prefix", [salt.encode()])
+
+
 def prefix_keys(
     model_fp: bytes,
     layout_fp: bytes,
@@ -133,7 +138,7 @@ def prefix_keys(
     (``prefix_tail_key``)."""
     if block_tokens < 1:
         raise ValueError(f"block_tokens must be >= 1, not {block_tokens}")
-    context = _digest(b"prefix", [salt.encode()])
+    context = _prefix_root(salt)
     keys: list[bytes] = []
     for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
         context = segment_key(model_fp, layout_fp, context, token_ids[start : start + block_tokens])
@@ -155,5 +160,5 @@ def prefix_tail_key(
     if whole == len(token_ids):
         return None
     keys = prefix_keys(model_fp, layout_fp, token_ids[:whole], block_tokens, salt)
-    context = keys[-1] if keys else _digest(b"prefix", [salt.encode()])
+    context = keys[-1] if keys else _prefix_root(salt)
     return segment_key(model_fp, layout_fp, context, token_ids[whole:])

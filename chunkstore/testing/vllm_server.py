@@ -129,15 +129,19 @@ def stop_group(leader: subprocess.Popen[Any], grace: float = 60.0) -> None:
             os.killpg(leader.pid, sig)
         except ProcessLookupError:
             break
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            leader.poll()
-            try:
-                os.killpg(leader.pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.2)
-        else:
-            continue
-        break
+        if _group_gone(leader, wait):
+            break
     leader.wait()
+
+
+def _group_gone(leader: subprocess.Popen[Any], wait: float) -> bool:
+    """Whether ``leader``'s group is gone within ``wait`` seconds (reaping the leader)."""
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        leader.poll()
+        try:
+            os.killpg(leader.pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
