@@ -17,6 +17,7 @@ import queue
 import socket
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
@@ -564,6 +565,22 @@ class ChunkStoreClient:
         are shared out over ``copy_threads``, so 64 small entries copy side by side as one
         large one does. Every entry is checked; the first that fails raises
         ``ChecksumMismatch`` (the others were copied and checked)."""
+        for failure in self.read_each(entries, outs, session):
+            if failure is not None:
+                raise failure
+
+    def read_each(
+        self,
+        entries: Sequence[LeasedEntry],
+        outs: Sequence[torch.Tensor],
+        session: str | None = None,
+        threads: int | None = None,
+        helper: Executor | None = None,
+    ) -> list[ChecksumMismatch | None]:
+        """``read_many``, with a verdict per entry instead of raising the first: None where
+        the entry was read and checked, the ``ChecksumMismatch`` where it was not (use none
+        of its bytes). ``threads``: this read's copy threads (``copy_threads`` when None);
+        ``helper``: where the second one runs (``shm.gather_many``)."""
         if len(entries) != len(outs):
             raise InvalidRequest(f"{len(entries)} entries to read into {len(outs)} buffers")
         for entry, out in zip(entries, outs, strict=True):
@@ -580,7 +597,14 @@ class ChunkStoreClient:
         elif self.region is not None:
             reads = [(e.blocks, out.numpy()) for e, out in zip(entries, outs, strict=True)]
             stripes = [d for d in digests if isinstance(d, EntryDigest)]
-            gather_many(self.region, self.block_size, reads, stripes, self.copy_threads)
+            gather_many(
+                self.region,
+                self.block_size,
+                reads,
+                stripes,
+                threads or self.copy_threads,
+                helper,
+            )
         if self.transport == "shm" and session is None:  # the daemon's shm byte counter
             for entry in entries:
                 read = self._shm_reads.get(entry.lease_id, 0)
@@ -588,14 +612,20 @@ class ChunkStoreClient:
         if self.transport == "stream":
             for entry, out, digest in zip(entries, outs, digests, strict=True):
                 self._stream_read(entry, out.numpy(), digest, session)
+        verdicts: list[ChecksumMismatch | None] = []
         for entry, digest in zip(entries, digests, strict=True):
             actual = digest.intdigest()
-            if actual != entry.checksum:
-                self._report_corrupt(entry.key)
-                raise ChecksumMismatch(
+            if actual == entry.checksum:
+                verdicts.append(None)
+                continue
+            self._report_corrupt(entry.key)
+            verdicts.append(
+                ChecksumMismatch(
                     f"entry {entry.key.hex()} hashes to {actual:#x}, committed as "
                     f"{entry.checksum:#x}: not used"
                 )
+            )
+        return verdicts
 
     def _stream_read(
         self,

@@ -290,45 +290,54 @@ class WorkerSide:
             self.hook.begin_step(metadata.requests)
 
     def start_load_kv(self, metadata: ChunkStoreMetadata) -> None:
-        """Read and check every entry now; write them into the cache layer by layer on a
-        background thread (``LayerLoads``) while the model computes, or all at once."""
+        """Read and check every entry now, all at once over two threads (the model waits
+        for this step's loads: its cores are idle); write them into the cache layer by layer
+        on a background thread (``LayerLoads``) while the model computes, or all at once."""
         self._finish_loads()  # a previous step's, should vLLM not have asked for its results
+        loads = [(plan, item) for plan in metadata.requests for item in plan.loads]
+        if not loads:
+            return
         began = time.perf_counter()
-        fetched: list[Fetched] = []
-        need = sum(_aligned(item.lease.nbytes) for plan in metadata.requests for item in plan.loads)
+        need = sum(_aligned(item.lease.nbytes) for _, item in loads)
         if need > self._staging.numel():
             self._staging = torch.empty(need, dtype=torch.uint8)
-        offset = 0
-        for plan in metadata.requests:
-            if not plan.loads:
+        buffers, offset = [], 0
+        for _, item in loads:
+            buffers.append(self._staging[offset : offset + item.lease.nbytes])
+            offset += _aligned(item.lease.nbytes)
+        fetched: list[Fetched] = []
+        if self._writers is None:
+            self._writers = ThreadPoolExecutor(
+                max(2, self.config.load_threads),
+                thread_name_prefix="chunkstore-load",
+                initializer=place_thread,
+                initargs=(self.load_cpus,),
+            )
+        failures, via_shm = self._read(loads, buffers)
+        for plan, _ in loads:
+            self._ended.shm_bytes.setdefault(plan.req_id, 0)
+        for (plan, item), buffer, failure in zip(loads, buffers, failures, strict=True):
+            try:
+                if failure is not None:
+                    raise failure
+                fetched.append(self._checked(plan, item, buffer))
+            except ChunkStoreError as err:
+                if not isinstance(err, DaemonDown):
+                    self.link.trouble(f"load of {item.key.hex()[:12]}", err)
+                self._failed(plan, item)
                 continue
-            shm_bytes = 0
-            for item in plan.loads:
-                buffer = self._staging[offset : offset + item.lease.nbytes]
-                offset += _aligned(item.lease.nbytes)
-                try:
-                    entry, nbytes = self._fetch(plan, item, buffer)
-                    fetched.append(entry)
-                    shm_bytes += nbytes
-                except ChunkStoreError as err:
-                    if not isinstance(err, DaemonDown):
-                        self.link.trouble(f"load of {item.key.hex()[:12]}", err)
-                    self._failed(plan, item)
-            self._ended.shm_bytes[plan.req_id] = shm_bytes
-        if any(plan.loads for plan in metadata.requests):
-            read = time.perf_counter() - began
-            self.stats.add("read_seconds", read)
-            self.stats.add("load_seconds", read)
+            if via_shm:
+                self._ended.shm_bytes[plan.req_id] += item.lease.nbytes
+        read = time.perf_counter() - began
+        self.stats.add("read_seconds", read)
+        self.stats.add("load_seconds", read)
         if fetched:
-            if self._writers is None and self.config.load_threads > 1:
-                self._writers = ThreadPoolExecutor(
-                    self.config.load_threads,
-                    thread_name_prefix="chunkstore-write",
-                    initializer=place_thread,
-                    initargs=(self.load_cpus,),
-                )
             self._layer_loads = LayerLoads(
-                self, fetched, self.config.overlap_layers, self._writers, self.load_cpus
+                self,
+                fetched,
+                self.config.overlap_layers,
+                self._writers if self.config.load_threads > 1 else None,
+                self.load_cpus,
             )
 
     def _failed(self, plan: RequestPlan, item: LoadItem) -> None:
@@ -337,19 +346,41 @@ class WorkerSide:
         slots = self._slots(plan, item.actual_start, item.num_tokens)
         self._failed_blocks.update(int(b) for b in torch.unique(slots // self.block_size))
 
-    def _fetch(
-        self, plan: RequestPlan, item: LoadItem, buffer: torch.Tensor
-    ) -> tuple[Fetched, int]:
-        """Copy one leased entry out of the pool into ``buffer`` and check it; returns it
-        ready to write and the bytes read through shared memory."""
+    def _read(
+        self, loads: list[tuple[RequestPlan, LoadItem]], buffers: list[torch.Tensor]
+    ) -> tuple[list[ChunkStoreError | None], bool]:
+        """Copy every leased entry out of the pool into its buffer and check it: what went
+        wrong with each (None: read and checked), and whether they came through shared
+        memory. The scheduler's leases keep the blocks; the checksum catches any torn read."""
         if not self.layers:
-            raise LoadFailed("no usable KV cache layout")
+            return [LoadFailed("no usable KV cache layout")] * len(loads), False
         client = self.link.get()
         if client is None:
-            raise DaemonDown("daemon unreachable")
+            return [DaemonDown("daemon unreachable")] * len(loads), False
+        failures: list[ChunkStoreError | None] = [None] * len(loads)
+        by_session: dict[str, list[int]] = {}
+        for i, (_, item) in enumerate(loads):
+            by_session.setdefault(item.session, []).append(i)
+        for session, picked in by_session.items():
+            try:
+                verdicts: list[ChunkStoreError | None] = list(
+                    client.read_each(
+                        [loads[i][1].lease for i in picked],
+                        [buffers[i] for i in picked],
+                        session=session,
+                        threads=2,
+                        helper=self._writers,  # vLLM binds this thread to its compute cores
+                    )
+                )
+            except ChunkStoreError as err:
+                verdicts = [err] * len(picked)
+            for i, verdict in zip(picked, verdicts, strict=True):
+                failures[i] = verdict
+        return failures, client.transport == "shm"
+
+    def _checked(self, plan: RequestPlan, item: LoadItem, buffer: torch.Tensor) -> Fetched:
+        """One entry read into ``buffer``, ready to write, if its layout is the model's."""
         entry = item.lease
-        # The scheduler's lease keeps the blocks; the checksum catches any torn read.
-        client.read_into(entry, buffer, session=item.session)
         layout, want = entry.layout, self.keys.layout
         if (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype) != (
             want.num_layers,
@@ -363,7 +394,7 @@ class WorkerSide:
         rows = slice(item.entry_offset, item.entry_offset + item.num_tokens)
         heads = self.heads.local_slice()
         delta = item.actual_start - item.entry_offset - layout.virtual_start
-        fetched = Fetched(
+        return Fetched(
             plan,
             item,
             keys[:, rows, heads],
@@ -371,7 +402,6 @@ class WorkerSide:
             rotation_table(self.rotary, delta, item.num_tokens) if delta else None,
             slots=self._slots(plan, item.actual_start, item.num_tokens),
         )
-        return fetched, entry.nbytes if client.transport == "shm" else 0
 
     def _write_layer(self, entry: Fetched, layer: int) -> None:
         name, cache = self.layers[layer]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import mmap
 import os
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -100,18 +100,25 @@ def _gather_stripe(
 _COPIER = ThreadPoolExecutor(1, thread_name_prefix="chunkstore-copy")
 
 
-def _by_stripes(count: int, threads: int, work: Callable[[Sequence[int]], list[int]]) -> list[int]:
+def _by_stripes(
+    count: int,
+    threads: int,
+    work: Callable[[Sequence[int]], list[int]],
+    helper: Executor | None = None,
+) -> list[int]:
     """``work`` over stripes 0..count-1, on one thread or two taking alternate stripes (the
     streaming copy and python-xxhash 4's hashes of over 64 KiB both release the GIL, so both
-    run side by side): the caller's and one helper, so a read wakes one thread, not two; the
-    stripe digests it returns, in stripe order."""
+    run side by side): the caller's and one helper (``helper``'s, or this module's), so a
+    read wakes one thread, not two; the stripe digests it returns, in stripe order. A thread
+    inherits its starter's CPUs: a caller bound to some cores passes a helper of its own
+    that runs elsewhere."""
     if threads <= 1 or count < 2:
         return work(range(count))
-    helper = _COPIER.submit(work, range(1, count, 2))
+    helper_work = (helper or _COPIER).submit(work, range(1, count, 2))
     try:
         even = work(range(0, count, 2))
     finally:
-        odd = helper.result()
+        odd = helper_work.result()
     digests = [d for pair in zip(even, odd, strict=False) for d in pair]
     return digests + even[len(odd) :]
 
@@ -122,6 +129,7 @@ def gather_many(
     reads: Sequence[tuple[Sequence[int], np.ndarray]],
     digests: Sequence[EntryDigest] | None = None,
     threads: int = 1,
+    helper: Executor | None = None,
 ) -> None:
     """Copy entries' bytes out of their blocks: each ``(blocks, out)`` into ``out`` (uint8,
     the entry's length), feeding ``digests`` (one per entry) on the way. The stripes of all
@@ -148,7 +156,7 @@ def gather_many(
                 hashed.append(_stripe_in_place(region, blocks, block_size, lo, hi))
         return hashed
 
-    values = _by_stripes(len(stripes), threads, work)
+    values = _by_stripes(len(stripes), threads, work, helper)
     for (i, _), value in zip(stripes, values, strict=False):
         digests[i].add_stripe(value)  # type: ignore[index]
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -257,6 +258,28 @@ def test_an_entry_that_fails_its_checksum_is_evicted_at_once(daemon: RunningDaem
         assert client.stats().entries == 1  # ...and the new one holds as many
         assert daemon.scrape()['chunkstore_evictions_total{reason="corrupt"}'] == 1
         assert f"entry {entry_key(1).hex()} failed its checksum" in daemon.log()
+
+
+def test_one_rotten_entry_in_a_batch_read_fails_alone(daemon: RunningDaemon) -> None:
+    """A worker reads a step's entries in one call (two threads, its own helper): the one
+    that fails its checksum is reported, the others are read and checked as if alone."""
+    with ChunkStoreClient(daemon.unix) as client, ThreadPoolExecutor(1) as helper:
+        kvs = [random_kv(800, seed=i) for i in range(3)]  # three 1 MiB stripes each
+        for i, (k, v) in enumerate(kvs):
+            assert client.put(entry_key(10 + i), k, v, 0)
+        held = client.acquire([entry_key(10 + i) for i in range(3)])
+        assert all(h is not None for h in held) and client.region is not None
+        entries = [h for h in held if h is not None]
+        client.region[entries[1].blocks[-1] * client.block_size + 7] ^= 0xFF
+        outs = [torch.empty(e.nbytes, dtype=torch.uint8) for e in entries]
+        verdicts = client.read_each(entries, outs, threads=2, helper=helper)
+        assert verdicts[0] is None and verdicts[2] is None
+        assert isinstance(verdicts[1], ChecksumMismatch)
+        for i in (0, 2):
+            k, v = kvs[i]
+            assert outs[i].numpy().tobytes() == as_bytes(k).tobytes() + as_bytes(v).tobytes()
+        with pytest.raises(ChecksumMismatch):  # read_many raises the first failure
+            client.read_many(entries[1:], outs[1:])
 
 
 def commit_unwritten(client: ChunkStoreClient, key: bytes) -> None:
