@@ -339,38 +339,50 @@ PEERS: dict[str, Any] = {
 def _peer(name: str, model: Path, prompts: list[Any], work: Path, max_len: int) -> dict[str, Any]:
     """One peer on the prompts (warm-up first): a process that stores and, for
     ExampleConnector, a second that loads; for the others the same process answers them
-    again. {"stored", "loaded"} result rows, or {"error": the line saying why it failed}."""
+    again. {"stored", "loaded", "loaded_by"} (result rows), or {"error": why it failed}.
+    ExampleConnector finds a prompt stored by the text before its last token (the
+    prefill/decode pattern: the decode prompt is the prefill's and its first token), so the
+    second process is given each prompt and one token more."""
     tmp = work / name
     config = {"kv_connector": name, "kv_role": "kv_both", "kv_connector_extra_config": {}}
     config["kv_connector_extra_config"] = PEERS[name](tmp)
+
+    def probe(rows: list[Any], where: str, *extra: str) -> list[dict[str, Any]]:
+        try:
+            return run_probe(
+                model, rows, tmp / where, max_model_len=max_len, extra=extra, kv_transfer=config
+            )[1:]
+        except RuntimeError as err:
+            log = tmp / where / "vllm.log"
+            raise PeerFailed(_why(log.read_text() if log.exists() else str(err))) from err
+
     try:
         if name == "ExampleConnector":
-            stored = run_probe(
-                model, prompts, tmp / "first", max_model_len=max_len, kv_transfer=config
-            )
-            loaded = run_probe(
-                model, prompts, tmp / "second", max_model_len=max_len, kv_transfer=config
-            )
-            return {"stored": stored[1:], "loaded": loaded[1:], "loaded_by": "second process"}
-        rows = run_probe(
-            model,
-            [*prompts, *prompts[1:]],
-            tmp / "one",
-            max_model_len=max_len,
-            extra=("--prefix-caching",),
-            kv_transfer=config,
-        )[1:]
+            stored = probe(prompts, "first")
+            decode = [prompts[0], *([*p, p[-1]] for p in prompts[1:])]
+            return {"stored": stored, "loaded": probe(decode, "second"), "loaded_by": "second"}
+        rows = probe([*prompts, *prompts[1:]], "one", "--prefix-caching")
         half = len(rows) // 2
-        return {"stored": rows[:half], "loaded": rows[half:], "loaded_by": "same process"}
-    except RuntimeError as err:
-        return {"error": _why(str(err))}
+        return {"stored": rows[:half], "loaded": rows[half:], "loaded_by": "same"}
+    except PeerFailed as err:
+        return {"error": str(err)}
 
 
-def _why(failure: str) -> str:
-    """The line of a failed probe's output that says why (the last exception line)."""
-    lines = [line.strip() for line in failure.splitlines() if line.strip()]
-    said = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b", line)]
-    return (said or lines or ["no output"])[-1][:300]
+class PeerFailed(Exception):
+    """A peer's vLLM did not start or answer; says why."""
+
+
+def _why(log: str) -> str:
+    """The line of a failed vLLM's output that says why: its first error line, less the
+    log prefix, past the generic ones that point at it."""
+    said = []
+    for line in log.splitlines():
+        found = re.search(r"\b[\w.]*(Error|Exception): .*", line)
+        if found and "initialization failed" not in found.group(0):
+            said.append(found.group(0).strip())
+    return (said or [line for line in log.splitlines() if line.strip()][-1:] or ["no output"])[0][
+        :300
+    ]
 
 
 def _peer_figures(
@@ -388,7 +400,8 @@ def _peer_figures(
             "stored_ttft_s": round(ttft(run["stored"]), 4),
             "loaded_ttft_s": round(ttft(loaded), 4),
             "loaded_cached_tokens": min(r["cached_tokens"] for r in loaded),
-            "worst_logprob_diff": worst_diff(loaded),
+            # ExampleConnector's second process answers another prompt (one token more)
+            "worst_logprob_diff": worst_diff(loaded) if run["loaded_by"] == "same" else None,
             "chunkstore_vs_peer": round(ours / ttft(loaded), 3),
         }
     return figures
