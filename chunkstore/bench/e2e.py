@@ -344,8 +344,11 @@ def _peer(name: str, model: Path, prompts: list[Any], work: Path, max_len: int) 
     prefill/decode pattern: the decode prompt is the prefill's and its first token), so the
     second process is given each prompt and one token more."""
     tmp = work / name
-    config = {"kv_connector": name, "kv_role": "kv_both", "kv_connector_extra_config": {}}
-    config["kv_connector_extra_config"] = PEERS[name](tmp)
+    config = {
+        "kv_connector": name,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": PEERS[name](tmp),
+    }
 
     def probe(rows: list[Any], where: str, *extra: str) -> list[dict[str, Any]]:
         try:
@@ -375,14 +378,12 @@ class PeerFailed(Exception):
 def _why(log: str) -> str:
     """The line of a failed vLLM's output that says why: its first error line, less the
     log prefix, past the generic ones that point at it."""
-    said = []
-    for line in log.splitlines():
+    lines = [line for line in log.splitlines() if line.strip()]
+    for line in lines:
         found = re.search(r"\b[\w.]*(Error|Exception): .*", line)
         if found and "initialization failed" not in found.group(0):
-            said.append(found.group(0).strip())
-    return (said or [line for line in log.splitlines() if line.strip()][-1:] or ["no output"])[0][
-        :300
-    ]
+            return found.group(0).strip()[:300]
+    return lines[-1].strip()[:300] if lines else "no output"
 
 
 def _peer_figures(
