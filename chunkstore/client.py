@@ -33,7 +33,7 @@ from chunkstore.errors import (
     StoreError,
     Unavailable,
 )
-from chunkstore.kv.entry import EntryLayout, layout_of, tensors_of
+from chunkstore.kv.entry import EntryLayout, layout_of, tensors_of, torch_dtype
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol import chunkstore_pb2_grpc as pb_grpc
 from chunkstore.protocol.device_ipc import (
@@ -436,7 +436,20 @@ class ChunkStoreClient:
         """Store one segment's KV ([layers, tokens, kv_heads, head_dim]; values None for an
         MLA latent). False if the key is stored (or being stored) already."""
         layout = layout_of(keys, values, virtual_start, entry_kind)
-        tensors = [keys] + ([values] if values is not None else [])
+        return self._put(key, layout, [keys] + ([values] if values is not None else []))
+
+    def put_packed(self, key: bytes, layout: EntryLayout, blocks: torch.Tensor) -> bool:
+        """Store an entry held as a serving engine's cache blocks (``layout.packing`` names
+        their layout; ``blocks``: exactly ``layout.nbytes`` bytes, in the stored dtype)."""
+        if not layout.packing:
+            raise InvalidRequest("put_packed needs a layout with a packing")
+        layout.validate()
+        nbytes = blocks.numel() * blocks.element_size()
+        if blocks.dtype != torch_dtype(layout.dtype) or nbytes != layout.nbytes:
+            raise InvalidRequest(f"{nbytes} bytes of {blocks.dtype} do not hold layout {layout}")
+        return self._put(key, layout, [blocks])
+
+    def _put(self, key: bytes, layout: EntryLayout, tensors: list[torch.Tensor]) -> bool:
         parts = [as_bytes(t) for t in tensors] if self.device_pool is None else []
         digest = self._digest()
         if self.transport == "stream":  # hashed here; through the pool: as it is copied

@@ -135,18 +135,23 @@ class ConnectorConfig:
         )
 
 
-def load_cpus(text: str) -> set[int] | None:
+def load_cpus(text: str, bound: set[int] | None = None) -> set[int] | None:
     """The CPUs the connector's load threads may run on (``load_cpus``); None: where vLLM
     put the thread that starts them.
 
     vLLM's CPU worker binds its thread, and so every thread it starts, to its compute
-    cores, keeping the rest (``VLLM_CPU_NUM_OF_RESERVED_CPU``) for its scheduler. While a
-    layer loads, the forward waits for it: a load confined to the compute cores leaves the
-    reserved ones idle. "all" lets the loads run on every core the process may use."""
+    cores, keeping the rest (``VLLM_CPU_NUM_OF_RESERVED_CPU``) for its scheduler. The loads
+    run beside the forward: on the compute cores they slow it down, while the reserved ones
+    idle. "spare" puts them on the cores the calling thread is not bound to (``bound``, by
+    default its own affinity: vLLM's compute cores), or on all where none is spare (a GPU
+    worker); "all" on every core."""
     if text == "vllm":
         return None
+    everything = set(range(os.cpu_count() or 1))
     if text == "all":
-        return set(range(os.cpu_count() or 1))
+        return everything
+    if text == "spare":
+        return everything - (os.sched_getaffinity(0) if bound is None else bound) or everything
     cpus: set[int] = set()
     try:
         for part in text.split(","):
@@ -155,7 +160,9 @@ def load_cpus(text: str) -> set[int] | None:
     except ValueError:
         cpus = set()
     if not cpus:
-        raise ValueError(f"load_cpus must be all, vllm or a CPU list like 0-3,8, not {text!r}")
+        raise ValueError(
+            f"load_cpus must be spare, all, vllm or a CPU list like 0-3,8, not {text!r}"
+        )
     return cpus
 
 

@@ -8,6 +8,10 @@ of its "vec" kernels (per block and head, K dim-major [head_size, block_size], t
 token-major [block_size, head_size]), and are trusted only after ``probe`` showed the kernel
 writes exactly that; loads then write that layout directly, keys rotated on the way
 (``write_rotated``, one pass instead of remap, copy and vLLM's op).
+
+Exact prefix blocks need none of that: no rotation, and whole cache blocks. They are stored
+as the cache's own blocks (``packing``), read and written as plain block copies, whatever
+the kernel's internal layout; only a cache of the same packing loads them.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 
 import torch
 
+from chunkstore.kv.entry import MAX_PACKING
 from chunkstore.kv.paging import request_slots
 from chunkstore.kv.remap import rotate_keys
 from chunkstore.kv.rope import RotaryConfig
@@ -130,6 +135,32 @@ class CpuKVLayout:
             return False
         finally:
             cache[0].copy_(saved)
+
+    def packing(self, layers: list[tuple[str, torch.Tensor]], kv_dtype: str) -> str:
+        """The name of this cache's block layout, for entries stored as its raw blocks
+        (``EntryLayout.packing``): vLLM's version, the kernel variant and the block size fix
+        what a block's bytes mean; heads, head size and dtype are the entry's own fields.
+        "" where the layers differ or a block is not contiguous (then entries stay plain)."""
+        import vllm
+
+        isas = {self.isa(name) for name, _ in layers}
+        caches = [cache for _, cache in layers]
+        if len(isas) != 1 or not all(cache.is_contiguous() for cache in caches):
+            return ""
+        if any(str(cache.dtype).removeprefix("torch.") != kv_dtype for cache in caches):
+            return ""
+        name = f"vllm-cpu/{vllm.__version__}/{isas.pop()}/{self.block_size}"
+        return name if len(name) <= MAX_PACKING else ""
+
+    @staticmethod
+    def read_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """Copies of whole cache blocks, as they are."""
+        return cache.index_select(0, block_ids)
+
+    @staticmethod
+    def write_blocks(cache: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
+        """Whole cache blocks (from ``read_blocks`` of a cache of the same packing) back in."""
+        cache.index_copy_(0, block_ids, blocks)
 
     def slots(self, block_ids: torch.Tensor, start: int, count: int) -> torch.Tensor:
         """Slots of positions [start, start + count) of a request with this block table."""

@@ -58,6 +58,8 @@ FIELDS = {
     "(not those another request stored first).",
     "saved_tokens": "Tokens stored.",
     "prefix_loaded_tokens": "Of loaded_tokens, those of exact prefix blocks.",
+    "block_copied_tokens": "Of prefix_loaded_tokens, those stored as vLLM's own cache blocks "
+    "and copied in as they are (no per-token write).",
     "prefix_saved_tokens": "Of saved_tokens, those of exact prefix blocks (prompt and "
     "generated tokens of plain prompts).",
     "save_failures": "Saves that failed (the request is unaffected).",

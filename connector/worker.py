@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from chunkstore.errors import ChunkStoreError, LayoutError
-from chunkstore.kv.entry import tensors_of
+from chunkstore.kv.entry import EntryLayout, tensors_of, torch_dtype
 from chunkstore.kv.rope import RotaryConfig, rotation_table
 
 from .client_holder import DaemonLink
@@ -67,6 +67,16 @@ class Fetched:
     slots: torch.Tensor
 
 
+@dataclass
+class FetchedBlocks:
+    """One load of an entry packed as this cache's own blocks: copied in as they are."""
+
+    plan: RequestPlan
+    item: LoadItem
+    blocks: torch.Tensor  # [layers, blocks, *one cache block]
+    block_ids: torch.Tensor  # where they go in the cache
+
+
 def _aligned(nbytes: int) -> int:
     """Room an entry takes in the staging buffer: each starts on a 64-byte boundary, so any
     dtype can view it whatever the entries before it held."""
@@ -94,7 +104,7 @@ class LayerLoads:
     def __init__(
         self,
         worker: WorkerSide,
-        fetched: list[Fetched],
+        fetched: list[Fetched | FetchedBlocks],
         overlap: bool,
         writers: ThreadPoolExecutor | None = None,
         cpus: set[int] | None = None,
@@ -176,9 +186,13 @@ class WorkerSide:
         # fault in every page of it first (~2 GB/s, slower than the copy itself).
         self._staging = torch.empty(0, dtype=torch.uint8)
         self._writers: ThreadPoolExecutor | None = None
-        self.load_cpus = load_cpus(config.load_cpus)
+        self.load_cpus = load_cpus(config.load_cpus)  # again once vLLM bound its threads
+        self.load_threads = config.load_threads
         self._layer_index: dict[str, int] = {}
         self.heads = RankHeads(0, 1, self.keys.layout.num_kv_heads, self.keys.layout.num_kv_heads)
+        # Exact prefix blocks are stored as this cache's own blocks where it has a packing
+        # (``CpuKVLayout.packing``; "": token by token, as chunks are).
+        self.packing = ""
         self._ended = LoadsEnded()
         self.stats = ConnectorStats()
         self.link = DaemonLink(config, "chunkstore-worker", self.stats)
@@ -190,6 +204,16 @@ class WorkerSide:
         if off:
             log.warning("chunkstore: %s; loading and saving are off", off)
             return
+        # vLLM has bound this thread to its compute cores by now: "spare" is the rest.
+        self.load_cpus = load_cpus(self.config.load_cpus)
+        if self.load_cpus is not None:  # more writers than cores only contend
+            self.load_threads = max(1, min(self.config.load_threads, len(self.load_cpus)))
+        log.info(
+            "chunkstore: %d load thread(s) on CPUs %s (vLLM computes on %s)",
+            self.load_threads,
+            "vLLM's" if self.load_cpus is None else sorted(self.load_cpus),
+            sorted(os.sched_getaffinity(0)),
+        )
         self.layers = sorted(kv_caches.items(), key=lambda item: _layer_index(item[0]))
         self._layer_index = {name: i for i, (name, _) in enumerate(self.layers)}
         layout = self.keys.layout
@@ -242,6 +266,8 @@ class WorkerSide:
                 "saving and in-band isolation are off (loads still go through vLLM's own "
                 "write op)"
             )
+        if self.heads.size == 1 and isinstance(self.cache, CpuKVLayout):
+            self.packing = self.cache.packing(self.layers, self.keys.kv_dtype)
         if self.config.inband_isolation:
             self._install_hook()
 
@@ -305,10 +331,10 @@ class WorkerSide:
         for _, item in loads:
             buffers.append(self._staging[offset : offset + item.lease.nbytes])
             offset += _aligned(item.lease.nbytes)
-        fetched: list[Fetched] = []
+        fetched: list[Fetched | FetchedBlocks] = []
         if self._writers is None:
             self._writers = ThreadPoolExecutor(
-                max(2, self.config.load_threads),
+                max(2, self.load_threads),
                 thread_name_prefix="chunkstore-load",
                 initializer=place_thread,
                 initargs=(self.load_cpus,),
@@ -336,7 +362,7 @@ class WorkerSide:
                 self,
                 fetched,
                 self.config.overlap_layers,
-                self._writers if self.config.load_threads > 1 else None,
+                self._writers if self.load_threads > 1 else None,
                 self.load_cpus,
             )
 
@@ -378,7 +404,9 @@ class WorkerSide:
                 failures[i] = verdict
         return failures, client.transport == "shm"
 
-    def _checked(self, plan: RequestPlan, item: LoadItem, buffer: torch.Tensor) -> Fetched:
+    def _checked(
+        self, plan: RequestPlan, item: LoadItem, buffer: torch.Tensor
+    ) -> Fetched | FetchedBlocks:
         """One entry read into ``buffer``, ready to write, if its layout is the model's."""
         entry = item.lease
         layout, want = entry.layout, self.keys.layout
@@ -389,6 +417,8 @@ class WorkerSide:
             self.keys.kv_dtype,
         ):
             raise LoadFailed(f"entry layout {layout} does not match the model's")
+        if layout.packing:
+            return self._checked_blocks(plan, item, buffer)
         keys, values = tensors_of(buffer, layout)
         assert values is not None
         rows = slice(item.entry_offset, item.entry_offset + item.num_tokens)
@@ -403,8 +433,42 @@ class WorkerSide:
             slots=self._slots(plan, item.actual_start, item.num_tokens),
         )
 
-    def _write_layer(self, entry: Fetched, layer: int) -> None:
+    def _checked_blocks(
+        self, plan: RequestPlan, item: LoadItem, buffer: torch.Tensor
+    ) -> FetchedBlocks:
+        """A packed entry (an exact prefix stored as cache blocks): whole blocks at the
+        positions it was computed at, into a cache of the same packing, or not at all. A
+        last block loaded in part is copied whole: the rest of it is this request's own
+        block, which vLLM fills after the load (never a block its prefix cache shares)."""
+        layout, size = item.lease.layout, self.block_size
+        if layout.packing != self.packing:
+            raise LoadFailed(
+                f"entry packed as {layout.packing!r}; this cache's blocks are "
+                f"{self.packing or 'not packable'!r}"
+            )
+        if (
+            item.entry_offset % size
+            or item.actual_start % size
+            or item.actual_start - item.entry_offset != layout.virtual_start
+            or layout.num_tokens % size
+        ):
+            raise LoadFailed("a packed entry loads only whole blocks at its own positions")
+        block_shape = self.layers[0][1].shape[1:]
+        blocks = buffer.view(torch_dtype(layout.dtype)).view(
+            layout.num_layers, layout.num_tokens // size, *block_shape
+        )
+        lo = item.entry_offset // size
+        count = -(-item.num_tokens // size)
+        first = item.actual_start // size
+        block_ids = torch.tensor(plan.block_ids[first : first + count], dtype=torch.int64)
+        return FetchedBlocks(plan, item, blocks[:, lo : lo + count], block_ids)
+
+    def _write_layer(self, entry: Fetched | FetchedBlocks, layer: int) -> None:
         name, cache = self.layers[layer]
+        if isinstance(entry, FetchedBlocks):
+            assert isinstance(self.cache, CpuKVLayout)  # only its caches are packed
+            self.cache.write_blocks(cache, entry.block_ids, entry.blocks[layer])
+            return
         self.cache.write_rotated(
             name,
             cache,
@@ -435,6 +499,8 @@ class WorkerSide:
                 self.stats.add("loaded_tokens", entry.item.num_tokens)
                 if entry.item.prefix:
                     self.stats.add("prefix_loaded_tokens", entry.item.num_tokens)
+                if isinstance(entry, FetchedBlocks):
+                    self.stats.add("block_copied_tokens", entry.item.num_tokens)
             return
         if error is None:
             log.warning(
@@ -480,9 +546,11 @@ class WorkerSide:
             for item in plan.saves:
                 if item.isolated and not self._isolated(plan.req_id):
                     continue  # computed seeing other chunks: never stored
-                keys, values = self._read_segment(plan, item)
-                if plan.req_id in blended:  # the cache holds the blend: put isolation back
-                    try:
+                packed = self._packed(plan, item)
+                if packed is None:
+                    keys, values = self._read_segment(plan, item)
+                if packed is None and plan.req_id in blended:  # the cache holds the blend
+                    try:  # put isolation back
                         blended[plan.req_id].restore(item.start, keys, values)
                     except ValueError as err:
                         log.error("chunkstore: not saving %s: %s", item.key.hex()[:12], err)
@@ -498,7 +566,11 @@ class WorkerSide:
                     virtual_start = item.start + moved.get(plan.req_id, {}).get(item.start, 0)
                     # False: another request stored (or is storing) it first.
                     kind = "prefix" if item.prefix else "chunk"
-                    if client.put(item.key, keys, values, virtual_start, kind):
+                    if packed is not None:
+                        stored = client.put_packed(item.key, *packed)
+                    else:
+                        stored = client.put(item.key, keys, values, virtual_start, kind)
+                    if stored:
                         self.stats.add("saved_segments")
                         self.stats.add("saved_tokens", item.num_tokens)
                         if item.prefix:
@@ -527,6 +599,30 @@ class WorkerSide:
     def _isolated(self, req_id: str) -> bool:
         """Whether every chunk token this request computed was served by the hook."""
         return self.hook is not None and req_id not in self._causal_requests
+
+    def _packed(self, plan: RequestPlan, item: SaveItem) -> tuple[EntryLayout, torch.Tensor] | None:
+        """An exact prefix block of whole cache blocks, as the cache's own blocks (all
+        heads: one rank); None where it is saved token by token."""
+        size = self.block_size
+        if not (self.packing and item.prefix) or item.start % size or item.num_tokens % size:
+            return None
+        first = item.start // size
+        ids = torch.tensor(plan.block_ids[first : first + item.num_tokens // size])
+        assert isinstance(self.cache, CpuKVLayout)  # only its caches are packed
+        blocks = torch.stack([self.cache.read_blocks(cache, ids) for _, cache in self.layers])
+        model = self.keys.layout
+        layout = EntryLayout(
+            model.num_layers,
+            model.num_kv_heads,
+            model.head_dim,
+            self.keys.kv_dtype,
+            "kv",
+            item.num_tokens,
+            item.start,
+            "prefix",
+            self.packing,
+        )
+        return layout, blocks
 
     def _read_segment(self, plan: RequestPlan, item: SaveItem) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of a segment, [layers, tokens, every head, head_dim], from vLLM's cache."""

@@ -1,5 +1,10 @@
 """What an entry holds and how its bytes are laid out: keys [layers, tokens, kv_heads,
-head_dim] then values, each C-contiguous in the stored dtype (MLA: one latent tensor)."""
+head_dim] then values, each C-contiguous in the stored dtype (MLA: one latent tensor).
+
+An entry may instead hold a serving engine's own cache blocks, copied as they are
+(``packing`` names the engine's block layout; see ``connector/cpu_layout.py``): an exact
+prefix block then loads into that engine's cache as plain copies. Only a reader whose cache
+has that same packing can use such an entry; every other reader refuses it."""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ KINDS = ("kv", "mla")
 # What entries are, for the metrics by kind: position-independent sys and chunk segments,
 # and exact prefix blocks of plain prompts.
 ENTRY_KINDS = ("chunk", "prefix")
+MAX_PACKING = 64  # characters in a packing name
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -36,6 +42,7 @@ class EntryLayout:
     num_tokens: int
     virtual_start: int
     entry_kind: str = "chunk"
+    packing: str = ""  # "": the token-major layout above; else an engine's cache blocks
 
     def validate(self) -> None:
         if self.dtype not in ITEMSIZES:
@@ -48,6 +55,10 @@ class EntryLayout:
         if self.virtual_start < 0:
             raise InvalidRequest("virtual_start must be >= 0")
         check_entry_kind(self.entry_kind)
+        if len(self.packing) > MAX_PACKING or not self.packing.isascii():
+            raise InvalidRequest(f"packing must be at most {MAX_PACKING} ASCII characters")
+        if self.packing and self.kind != "kv":
+            raise InvalidRequest("only kv entries may be packed as cache blocks")
 
     @property
     def tensor_shape(self) -> tuple[int, int, int, int]:

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EntryLayout(_message.Message):
-    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "kind", "num_tokens", "virtual_start", "entry_kind")
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "kind", "num_tokens", "virtual_start", "entry_kind", "packing")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class EntryLayout(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VIRTUAL_START_FIELD_NUMBER: _ClassVar[int]
     ENTRY_KIND_FIELD_NUMBER: _ClassVar[int]
+    PACKING_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -24,7 +25,8 @@ class EntryLayout(_message.Message):
     num_tokens: int
     virtual_start: int
     entry_kind: str
-    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., kind: _Optional[str] = ..., num_tokens: _Optional[int] = ..., virtual_start: _Optional[int] = ..., entry_kind: _Optional[str] = ...) -> None: ...
+    packing: str
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., kind: _Optional[str] = ..., num_tokens: _Optional[int] = ..., virtual_start: _Optional[int] = ..., entry_kind: _Optional[str] = ..., packing: _Optional[str] = ...) -> None: ...
 
 class HelloRequest(_message.Message):
     __slots__ = ("client_name", "hostname")

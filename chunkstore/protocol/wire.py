@@ -34,6 +34,7 @@ def layout_from_proto(msg: pb.EntryLayout) -> EntryLayout:
         msg.num_tokens,
         msg.virtual_start,
         msg.entry_kind or "chunk",
+        msg.packing,
     )
 
 
@@ -47,6 +48,7 @@ def layout_to_proto(layout: EntryLayout) -> pb.EntryLayout:
         num_tokens=layout.num_tokens,
         virtual_start=layout.virtual_start,
         entry_kind=layout.entry_kind,
+        packing=layout.packing,
     )
 
 

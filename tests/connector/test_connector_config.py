@@ -45,6 +45,11 @@ def test_load_cpus_name_where_the_load_threads_run() -> None:
     assert ConnectorConfig().load_cpus == "all"
     assert load_cpus("all") == set(range(os.cpu_count() or 1))
     assert load_cpus("vllm") is None  # left on vLLM's compute cores
+    # The cores the calling thread (vLLM's, bound to its compute cores) is not bound to;
+    # all where it may run everywhere (no core is spare).
+    everything = set(range(os.cpu_count() or 1))
+    assert load_cpus("spare", bound={0}) == everything - {0} or everything
+    assert load_cpus("spare", bound=everything) == everything
     assert load_cpus("0-2, 5") == {0, 1, 2, 5}
     for bad in ("", "some", "3-x", "1,,2"):
         with pytest.raises(ValueError, match="load_cpus must be"):

@@ -13,10 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from openai import OpenAI
 from transformers import AutoTokenizer
 
 from chunkstore import proxy
+from chunkstore.client import ChunkStoreClient
+from chunkstore.kv.entry import EntryLayout
+from chunkstore.kv.fingerprint import fingerprint_of_folder
+from chunkstore.kv.keys import prefix_keys
 from chunkstore.processes.daemon import RunningDaemon, start_daemon
 from chunkstore.testing.scenario import DOCS
 from chunkstore.testing.vllm_server import VllmServer
@@ -31,6 +36,7 @@ class Instance:
     """One vllm serve with the connector, asked through the stock openai client."""
 
     def __init__(self, model: Path, workdir: Path, daemon: RunningDaemon, role: str) -> None:
+        self.daemon = daemon
         settings = {"address": daemon.unix, "prefix_block_tokens": BLOCK}
         self.server = VllmServer(model, workdir, settings, max_model_len=8192, kv_role=role)
         self.openai = OpenAI(base_url=f"{self.server.url}/v1", api_key="unused")
@@ -125,8 +131,41 @@ def test_a_second_vllm_loads_a_plain_prompt_whole_and_answers_as_computed(
     loaded = second.complete(long_prompt)
     assert loaded["moved"]["prefix_hit_tokens"] == whole
     assert loaded["moved"]["prefix_loaded_tokens"] == whole
+    assert loaded["moved"]["block_copied_tokens"] == whole  # stored as vLLM's cache blocks
     assert loaded["moved"]["load_failures"] == 0
     assert_same(computed, loaded)
+
+
+def test_an_entry_packed_as_another_caches_blocks_is_refused_and_computed(
+    pair, long_prompt, smollm2_dir
+) -> None:
+    """Exact prefix entries stored as the blocks of some other cache (another vLLM version
+    and kernel) under the very keys a prompt looks up: each load is refused, vLLM computes
+    those tokens, and the answer is the one computed."""
+    first, second = pair
+    prompt = long_prompt[2000 : 2000 + 3 * BLOCK + 10]
+    fp = fingerprint_of_folder(smollm2_dir, "float32")
+    model = fp.layout
+    with ChunkStoreClient(first.daemon.unix) as client:
+        for i, key in enumerate(prefix_keys(fp.model_fp, fp.layout_fp, prompt, BLOCK, "rogue")):
+            layout = EntryLayout(
+                model.num_layers,
+                model.num_kv_heads,
+                model.head_dim,
+                "float32",
+                "kv",
+                BLOCK,
+                i * BLOCK,
+                "prefix",
+                "vllm-cpu/0.0.0/amx/128",
+            )
+            garbage = torch.randn(layout.nbytes // 4)
+            assert client.put_packed(key, layout, garbage)
+    refused = second.complete(prompt, cache_salt="rogue")
+    assert refused["moved"]["prefix_hit_tokens"] == 3 * BLOCK  # found, but not loaded
+    assert refused["moved"]["load_failures"] == 3
+    assert refused["moved"]["prefix_loaded_tokens"] == 0
+    assert_same(first.complete(prompt, cache_salt="clean"), refused)
 
 
 def test_requests_with_different_cache_salts_never_share(pair, long_prompt) -> None:
