@@ -49,7 +49,13 @@ from chunkstore.protocol.device_ipc import (
 from chunkstore.protocol.device_runtime import IpcHandle
 from chunkstore.protocol.endpoints import default_address as default_address  # re-exported
 from chunkstore.protocol.fast import FastChannel
-from chunkstore.protocol.shm import EntryDigest, gather_many, map_shared_pool, scatter_parts
+from chunkstore.protocol.shm import (
+    EntryDigest,
+    Pieces,
+    gather_many,
+    map_shared_pool,
+    scatter_parts,
+)
 from chunkstore.protocol.wire import (
     MAX_BATCH,
     MAX_MESSAGE,
@@ -585,30 +591,51 @@ class ChunkStoreClient:
     def read_each(
         self,
         entries: Sequence[LeasedEntry],
-        outs: Sequence[torch.Tensor],
+        outs: Sequence[torch.Tensor | Pieces],
         session: str | None = None,
         threads: int | None = None,
         helper: Executor | None = None,
     ) -> list[ChecksumMismatch | None]:
         """``read_many``, with a verdict per entry instead of raising the first: None where
         the entry was read and checked, the ``ChecksumMismatch`` where it was not (use none
-        of its bytes). ``threads``: this read's copy threads (``copy_threads`` when None);
-        ``helper``: where the second one runs (``shm.gather_many``)."""
+        of its bytes). An out may be ``Pieces`` (uint8 arrays whose lengths add up to the
+        entry's, in the order of its bytes: a cache's blocks), filled straight from a
+        shared-memory pool (through a buffer otherwise). ``threads``: this read's copy
+        threads (``copy_threads`` when None); ``helper``: where the second one runs
+        (``shm.gather_many``)."""
         if len(entries) != len(outs):
             raise InvalidRequest(f"{len(entries)} entries to read into {len(outs)} buffers")
         for entry, out in zip(entries, outs, strict=True):
-            if out.dtype != torch.uint8 or out.numel() != entry.nbytes or not out.is_contiguous():
+            if isinstance(out, Pieces):
+                fits = out.nbytes == entry.nbytes
+            else:
+                fits = out.dtype == torch.uint8 and out.numel() == entry.nbytes
+                fits = fits and out.is_contiguous()
+            if not fits:
                 raise InvalidRequest(
                     f"entry {entry.key.hex()} is {entry.nbytes} bytes: read it into a contiguous "
-                    f"uint8 tensor of as many, not {out.dtype} of {out.numel()}"
+                    f"uint8 tensor (or pieces) of as many"
                 )
+        if self.region is None and any(isinstance(out, Pieces) for out in outs):
+            whole = [
+                torch.empty(e.nbytes, dtype=torch.uint8) if isinstance(out, Pieces) else out
+                for e, out in zip(entries, outs, strict=True)
+            ]
+            checked = self.read_each(entries, whole, session, threads, helper)
+            for out, buffer in zip(outs, whole, strict=True):
+                if isinstance(out, Pieces):
+                    out.fill(buffer.numpy())
+            return checked
         digests = [self._digest() for _ in entries]
         if self.device_pool is not None:
             for entry, out, digest in zip(entries, outs, digests, strict=True):
-                assert isinstance(digest, TensorDigest)
+                assert isinstance(digest, TensorDigest) and not isinstance(out, Pieces)
                 gather_tensor(self.device_pool, entry.blocks, self.block_size, out, digest)
         elif self.region is not None:
-            reads = [(e.blocks, out.numpy()) for e, out in zip(entries, outs, strict=True)]
+            reads = [
+                (e.blocks, out if isinstance(out, Pieces) else out.numpy())
+                for e, out in zip(entries, outs, strict=True)
+            ]
             stripes = [d for d in digests if isinstance(d, EntryDigest)]
             gather_many(
                 self.region,
@@ -624,6 +651,7 @@ class ChunkStoreClient:
                 self._shm_reads[entry.lease_id] = read + entry.nbytes
         if self.transport == "stream":
             for entry, out, digest in zip(entries, outs, digests, strict=True):
+                assert not isinstance(out, Pieces)
                 self._stream_read(entry, out.numpy(), digest, session)
         verdicts: list[ChecksumMismatch | None] = []
         for entry, digest in zip(entries, digests, strict=True):

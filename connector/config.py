@@ -34,7 +34,7 @@ class ConnectorConfig:
     timeout_s: float = 1.0  # per call: a hung daemon stalls scheduling no longer than this
     overlap_layers: bool = True  # write layer i + 1 while vLLM computes layer i
     load_threads: int = 2  # threads that write a layer's loaded entries side by side
-    load_cpus: str = "all"  # where they run: all | vllm (its compute cores) | a list "0-3,8"
+    load_cpus: str = "spare"  # where: spare (cores vLLM does not compute on) | all | vllm | "0-3"
     inband_isolation: bool = True  # the isolation mask inside vLLM's attention (worker hook)
     # Answer quality under isolation (each needs in-band isolation; docs/connector.md,
     # "Answer quality"):

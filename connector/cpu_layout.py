@@ -10,8 +10,9 @@ writes exactly that; loads then write that layout directly, keys rotated on the 
 (``write_rotated``, one pass instead of remap, copy and vLLM's op).
 
 Exact prefix blocks need none of that: no rotation, and whole cache blocks. They are stored
-as the cache's own blocks (``packing``), read and written as plain block copies, whatever
-the kernel's internal layout; only a cache of the same packing loads them.
+as the cache's own blocks (``packing``), read out as plain block copies and loaded straight
+from the pool into the blocks, whatever the kernel's internal layout; only a cache of the
+same packing loads them.
 """
 
 from __future__ import annotations
@@ -156,11 +157,6 @@ class CpuKVLayout:
     def read_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         """Copies of whole cache blocks, as they are."""
         return cache.index_select(0, block_ids)
-
-    @staticmethod
-    def write_blocks(cache: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
-        """Whole cache blocks (from ``read_blocks`` of a cache of the same packing) back in."""
-        cache.index_copy_(0, block_ids, blocks)
 
     def slots(self, block_ids: torch.Tensor, start: int, count: int) -> torch.Tensor:
         """Slots of positions [start, start + count) of a request with this block table."""

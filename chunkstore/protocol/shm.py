@@ -6,6 +6,7 @@ daemon. Plain functions over a uint8 array, so neither side needs the other's co
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -87,13 +88,51 @@ def extents(blocks: Sequence[int], block_size: int, lo: int, hi: int) -> Iterato
         lo += length
 
 
+class Pieces:
+    """Where an entry's bytes go when not to one array: uint8 arrays (a serving engine's
+    cache blocks, say) whose lengths add up to the entry's, in the order of its bytes."""
+
+    def __init__(self, parts: Sequence[np.ndarray]) -> None:
+        self.parts = list(parts)
+        self.ends = [int(end) for end in np.cumsum([p.shape[0] for p in self.parts])]
+        self.nbytes = self.ends[-1] if self.ends else 0
+
+    def spans(self, lo: int, hi: int) -> Iterator[tuple[np.ndarray, int]]:
+        """(the piece's slice, the entry offset it starts at) covering bytes [lo, hi)."""
+        i = bisect.bisect_right(self.ends, lo)
+        while lo < hi:
+            part = self.parts[i]
+            begin = self.ends[i] - part.shape[0]
+            take = min(self.ends[i], hi) - lo
+            yield part[lo - begin : lo - begin + take], lo
+            lo += take
+            i += 1
+
+    def fill(self, data: np.ndarray) -> None:
+        """The pieces from the entry's bytes in one array."""
+        for piece, offset in self.spans(0, self.nbytes):
+            piece[:] = data[offset : offset + piece.shape[0]]
+
+
+Out = np.ndarray | Pieces  # an entry's destination
+
+
+def _length(out: Out) -> int:
+    return out.nbytes if isinstance(out, Pieces) else out.shape[0]
+
+
 def _gather_stripe(
-    region: np.ndarray, blocks: Sequence[int], block_size: int, out: np.ndarray, stripe: int
+    region: np.ndarray, blocks: Sequence[int], block_size: int, out: Out, stripe: int
 ) -> None:
-    lo, hi = stripe * STRIPE, min((stripe + 1) * STRIPE, out.shape[0])
+    lo, hi = stripe * STRIPE, min((stripe + 1) * STRIPE, _length(out))
     at = lo
     for start, length in extents(blocks, block_size, lo, hi):
-        streamcopy.copy(out[at : at + length], region[start : start + length])
+        if isinstance(out, Pieces):
+            for piece, offset in out.spans(at, at + length):
+                source = start + offset - at
+                streamcopy.copy(piece, region[source : source + piece.shape[0]])
+        else:
+            streamcopy.copy(out[at : at + length], region[start : start + length])
         at += length
 
 
@@ -126,23 +165,24 @@ def _by_stripes(
 def gather_many(
     region: np.ndarray,
     block_size: int,
-    reads: Sequence[tuple[Sequence[int], np.ndarray]],
+    reads: Sequence[tuple[Sequence[int], Out]],
     digests: Sequence[EntryDigest] | None = None,
     threads: int = 1,
     helper: Executor | None = None,
 ) -> None:
     """Copy entries' bytes out of their blocks: each ``(blocks, out)`` into ``out`` (uint8,
-    the entry's length), feeding ``digests`` (one per entry) on the way. The stripes of all
-    the entries are shared out over ``threads`` (1 or 2, ``_by_stripes``), so many small
-    entries read as fast as one large one. Each stripe is hashed from the pool right after
-    its copy: the copy left the source in L2, while a streamed destination is not in any
-    cache (hashing ``out`` after a cached copy made a read 1.3x slower: docs/benchmarks.md,
-    "chunkstore bench store --json"). The pool's bytes are hashed after they were copied, so
-    a change to them before or during the copy shows as a mismatch. One thread is one copy,
-    not torch's: torch splits a copy over its intra-op threads, one per core in every reader
-    process, and readers side by side oversubscribe the cores."""
+    the entry's length, or its ``Pieces``), feeding ``digests`` (one per entry) on the way.
+    The stripes of all the entries are shared out over ``threads`` (1 or 2,
+    ``_by_stripes``), so many small entries read as fast as one large one. Each stripe is
+    hashed from the pool right after its copy: the copy left the source in L2, while a
+    streamed destination is not in any cache (hashing ``out`` after a cached copy made a
+    read 1.3x slower: docs/benchmarks.md, "chunkstore bench store --json"). The pool's bytes
+    are hashed after they were copied, so a change to them before or during the copy shows
+    as a mismatch. One thread is one copy, not torch's: torch splits a copy over its
+    intra-op threads, one per core in every reader process, and readers side by side
+    oversubscribe the cores."""
     stripes = [
-        (i, s) for i, (_, out) in enumerate(reads) for s in range(-(-out.shape[0] // STRIPE))
+        (i, s) for i, (_, out) in enumerate(reads) for s in range(-(-_length(out) // STRIPE))
     ]
 
     def work(picked: Sequence[int]) -> list[int]:
@@ -152,7 +192,7 @@ def gather_many(
             _gather_stripe(region, blocks, block_size, out, stripe)
             if digests is not None:
                 lo = stripe * STRIPE
-                hi = min(lo + STRIPE, out.shape[0])
+                hi = min(lo + STRIPE, _length(out))
                 hashed.append(_stripe_in_place(region, blocks, block_size, lo, hi))
         return hashed
 

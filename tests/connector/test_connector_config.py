@@ -42,7 +42,7 @@ def test_quality_settings_are_checked(extra: dict, error: str) -> None:
 
 
 def test_load_cpus_name_where_the_load_threads_run() -> None:
-    assert ConnectorConfig().load_cpus == "all"
+    assert ConnectorConfig().load_cpus == "spare"
     assert load_cpus("all") == set(range(os.cpu_count() or 1))
     assert load_cpus("vllm") is None  # left on vLLM's compute cores
     # The cores the calling thread (vLLM's, bound to its compute cores) is not bound to;

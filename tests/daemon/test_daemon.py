@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -24,9 +25,10 @@ from chunkstore.errors import (
     Unauthenticated,
     WrongState,
 )
-from chunkstore.kv.entry import layout_of, tensors_of
+from chunkstore.kv.entry import EntryLayout, layout_of, tensors_of
 from chunkstore.processes.daemon import RunningDaemon, serve_command, serve_env
 from chunkstore.protocol import chunkstore_pb2 as pb
+from chunkstore.protocol.shm import Pieces
 from chunkstore.protocol.wire import layout_to_proto
 from chunkstore.testing.entries import entry_key, random_kv, wait_for
 
@@ -53,6 +55,31 @@ def test_put_then_get_returns_the_same_bytes(daemon: RunningDaemon, transport, d
 
 
 @pytest.mark.parametrize("transport", ["shm", "stream"])
+def test_a_packed_entry_read_into_pieces_keeps_every_byte_in_order(
+    daemon: RunningDaemon, transport: str
+) -> None:
+    """An entry held as a cache's raw blocks (``put_packed``) comes back with its packing,
+    and read into pieces of uneven sizes (a cache's blocks; here across the 1 MiB stripes
+    and the pool's blocks) every byte lands where it belongs, checked."""
+    address = daemon.unix if transport == "shm" else daemon.tcp
+    with ChunkStoreClient(address, transport=transport) as client:
+        blocks = torch.randn(4, 40, 4, 16, 128)  # [layers, blocks, heads, block, 2 * dim]
+        layout = EntryLayout(4, 4, 64, "float32", "kv", 40 * 16, 32, "prefix", "test/raw/16")
+        with pytest.raises(InvalidRequest, match="do not hold layout"):
+            client.put_packed(entry_key(1), layout, blocks[:, 1:])
+        assert client.put_packed(entry_key(1), layout, blocks)
+        [entry] = client.acquire([entry_key(1)])
+        assert entry is not None and entry.layout == layout
+        cuts = sorted(torch.randperm(layout.nbytes - 1)[:60].add(1).tolist())
+        sizes = [b - a for a, b in zip([0, *cuts], [*cuts, layout.nbytes], strict=True)]
+        pieces = [np.full(n, 7, dtype=np.uint8) for n in sizes]
+        assert client.read_each([entry], [Pieces(pieces)]) == [None]
+        assert np.array_equal(np.concatenate(pieces), blocks.view(-1).view(torch.uint8).numpy())
+        with pytest.raises(InvalidRequest, match="or pieces"):
+            client.read_each([entry], [Pieces(pieces[1:])])
+
+
+@pytest.mark.parametrize("transport", ["shm", "stream"])
 def test_many_entries_read_in_one_call_are_each_checked(
     daemon: RunningDaemon, transport: str
 ) -> None:
@@ -68,7 +95,7 @@ def test_many_entries_read_in_one_call_are_each_checked(
         for entry, out, (k, v) in zip(entries, outs, stored, strict=True):
             keys, values = tensors_of(out, entry.layout)  # type: ignore[union-attr]
             assert torch.equal(keys, k) and torch.equal(values, v)
-        with pytest.raises(InvalidRequest, match="uint8 tensor of as many"):
+        with pytest.raises(InvalidRequest, match="uint8 tensor"):
             client.read_many(entries[:1], [outs[1]])  # type: ignore[list-item]
         if transport == "shm":  # one bad entry among good ones fails the call, and is evicted
             assert client.region is not None and entries[2] is not None
@@ -220,6 +247,7 @@ import os, torch
 from chunkstore.client import ChunkStoreClient
 from chunkstore.kv.entry import layout_of
 from chunkstore.protocol import chunkstore_pb2 as pb
+from chunkstore.protocol.shm import Pieces
 from chunkstore.protocol.wire import layout_to_proto
 c = ChunkStoreClient({address!r}, transport="stream")
 k = torch.zeros(2, 64, 3, 64)
