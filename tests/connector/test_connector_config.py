@@ -48,7 +48,8 @@ def test_load_cpus_name_where_the_load_threads_run() -> None:
     # The cores the calling thread (vLLM's, bound to its compute cores) is not bound to;
     # all where it may run everywhere (no core is spare).
     everything = set(range(os.cpu_count() or 1))
-    assert load_cpus("spare", bound={0}) == everything - {0} or everything
+    if len(everything) > 1:
+        assert load_cpus("spare", bound={0}) == everything - {0}
     assert load_cpus("spare", bound=everything) == everything
     assert load_cpus("0-2, 5") == {0, 1, 2, 5}
     for bad in ("", "some", "3-x", "1,,2"):
