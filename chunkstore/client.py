@@ -51,10 +51,12 @@ from chunkstore.protocol.endpoints import default_address as default_address  # 
 from chunkstore.protocol.fast import FastChannel
 from chunkstore.protocol.shm import (
     EntryDigest,
-    Pieces,
     gather_many,
     map_shared_pool,
     scatter_parts,
+)
+from chunkstore.protocol.shm import (
+    Pieces as Pieces,  # re-exported: where read_each puts an entry in pieces
 )
 from chunkstore.protocol.wire import (
     MAX_BATCH,

@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from chunkstore.client import Pieces
 from chunkstore.errors import ChunkStoreError, LayoutError
 from chunkstore.kv.entry import EntryLayout, tensors_of
 from chunkstore.kv.rope import RotaryConfig, rotation_table
-from chunkstore.protocol.shm import Pieces
 
 from .client_holder import DaemonLink
 from .common import ChunkStoreMetadata, LoadItem, LoadsEnded, RequestPlan, SaveItem

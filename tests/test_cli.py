@@ -235,8 +235,9 @@ def test_bench_e2e_prefix_on_the_tiny_model() -> None:
     assert row["bench"] == "e2e.prefix" and row["prompt_tokens"] == 513
     assert row["prefix_store_cached_tokens"] == row["apc_cached_tokens"] == 512
     assert row["same_tokens_as_computed"] == 1 and row["worst_logprob_diff"] < 1e-3
-    for figure in ("prefix_ttft_speedup", "prefix_hit_vs_apc", "hit_read_ms", "hit_write_ms"):
+    for figure in ("prefix_ttft_speedup", "prefix_hit_vs_apc", "hit_read_ms"):
         assert row[figure] > 0, figure
+    assert row["hit_write_ms"] == 0  # whole blocks are read straight into vLLM's cache
 
 
 def test_a_peer_that_cannot_start_is_reported_with_its_root_cause() -> None:
