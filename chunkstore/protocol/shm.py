@@ -114,25 +114,15 @@ class Pieces:
             piece[:] = data[offset : offset + piece.shape[0]]
 
 
-Out = np.ndarray | Pieces  # an entry's destination
-
-
-def _length(out: Out) -> int:
-    return out.nbytes if isinstance(out, Pieces) else out.shape[0]
-
-
 def _gather_stripe(
-    region: np.ndarray, blocks: Sequence[int], block_size: int, out: Out, stripe: int
+    region: np.ndarray, blocks: Sequence[int], block_size: int, out: Pieces, stripe: int
 ) -> None:
-    lo, hi = stripe * STRIPE, min((stripe + 1) * STRIPE, _length(out))
+    lo, hi = stripe * STRIPE, min((stripe + 1) * STRIPE, out.nbytes)
     at = lo
     for start, length in extents(blocks, block_size, lo, hi):
-        if isinstance(out, Pieces):
-            for piece, offset in out.spans(at, at + length):
-                source = start + offset - at
-                streamcopy.copy(piece, region[source : source + piece.shape[0]])
-        else:
-            streamcopy.copy(out[at : at + length], region[start : start + length])
+        for piece, offset in out.spans(at, at + length):
+            source = start + offset - at
+            streamcopy.copy(piece, region[source : source + piece.shape[0]])
         at += length
 
 
@@ -165,7 +155,7 @@ def _by_stripes(
 def gather_many(
     region: np.ndarray,
     block_size: int,
-    reads: Sequence[tuple[Sequence[int], Out]],
+    reads: Sequence[tuple[Sequence[int], np.ndarray | Pieces]],
     digests: Sequence[EntryDigest] | None = None,
     threads: int = 1,
     helper: Executor | None = None,
@@ -181,18 +171,17 @@ def gather_many(
     as a mismatch. One thread is one copy, not torch's: torch splits a copy over its
     intra-op threads, one per core in every reader process, and readers side by side
     oversubscribe the cores."""
-    stripes = [
-        (i, s) for i, (_, out) in enumerate(reads) for s in range(-(-_length(out) // STRIPE))
-    ]
+    outs = [out if isinstance(out, Pieces) else Pieces([out]) for _, out in reads]
+    stripes = [(i, s) for i, out in enumerate(outs) for s in range(-(-out.nbytes // STRIPE))]
 
     def work(picked: Sequence[int]) -> list[int]:
         hashed = []
         for i, stripe in (stripes[k] for k in picked):
-            blocks, out = reads[i]
+            blocks, out = reads[i][0], outs[i]
             _gather_stripe(region, blocks, block_size, out, stripe)
             if digests is not None:
                 lo = stripe * STRIPE
-                hi = min(lo + STRIPE, _length(out))
+                hi = min(lo + STRIPE, out.nbytes)
                 hashed.append(_stripe_in_place(region, blocks, block_size, lo, hi))
         return hashed
 
