@@ -47,7 +47,7 @@ from typing import Any
 
 from chunkstore.kv.segments import find_separators
 from chunkstore.models import WORDS, model_dir
-from chunkstore.processes.daemon import start_daemon
+from chunkstore.processes.daemon import memory_dir, start_daemon
 from chunkstore.processes.vllm_probe import run_probe
 from chunkstore.prompts import AUTO, separator_ids
 from chunkstore_vllm.config import ConnectorConfig
@@ -180,7 +180,9 @@ def _slope(args: argparse.Namespace, model: Path, encode: Any, sep: list[int]) -
     max_len = max(4096, 1 << (max(lengths) + 64).bit_length())
     with tempfile.TemporaryDirectory(prefix="chunkstore-e2e-") as tmp:
         work = Path(tmp)
-        with start_daemon(work / "daemon", pool_bytes=3 << 30, block_size=1 << 20) as daemon:
+        with start_daemon(
+            work / "daemon", pool_bytes=3 << 30, block_size=1 << 20, shm_dir=memory_dir(3 << 30)
+        ) as daemon:
             rows = run_probe(
                 model,
                 [warmup, *ingest, *measured],
@@ -252,10 +254,13 @@ def _prefix(args: argparse.Namespace, model: Path, encode: Any) -> dict[str, Any
                 work / "apc",
                 max_model_len=max_len,
                 extra=("--prefix-caching",),
+                stats=True,  # as the loaded run: vLLM's stat logging costs ~5 ms a request
             )[1:],
             args.repeats,
         )
-        with start_daemon(work / "daemon", pool_bytes=3 << 30, block_size=1 << 20) as daemon:
+        with start_daemon(
+            work / "daemon", pool_bytes=3 << 30, block_size=1 << 20, shm_dir=memory_dir(3 << 30)
+        ) as daemon:
             connector = {
                 "address": daemon.unix,
                 "load_threads": args.load_threads,
@@ -472,7 +477,9 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             )[2:],
             args.repeats,
         )
-        with start_daemon(work / "daemon", pool_bytes=2 << 30, block_size=1 << 20) as daemon:
+        with start_daemon(
+            work / "daemon", pool_bytes=2 << 30, block_size=1 << 20, shm_dir=memory_dir(2 << 30)
+        ) as daemon:
             rows = run_probe(
                 model,
                 [warmup, *cold, *plain, *ingest, *measured],

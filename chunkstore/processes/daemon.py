@@ -80,11 +80,12 @@ def serve_command(
     pool_bytes: int = 64 << 20,
     block_size: int = 1 << 16,
     launcher: tuple[str, ...] = ("chunkstore.cli",),
+    shm_dir: Path | None = None,
 ) -> list[str]:
-    """``chunkstore serve`` on free loopback ports with its socket and pool in ``workdir``;
-    ``args`` come last, so they override any of these. ``launcher``: the module (and its own
-    flags) that runs ``serve``, e.g. ``("chunkstore.testing.dying_daemon", "--die-on",
-    "Read", "--armed-by", path)``."""
+    """``chunkstore serve`` on free loopback ports with its socket and pool in ``workdir``
+    (the pool in ``shm_dir`` if given); ``args`` come last, so they override any of these.
+    ``launcher``: the module (and its own flags) that runs ``serve``, e.g.
+    ``("chunkstore.testing.dying_daemon", "--die-on", "Read", "--armed-by", path)``."""
     return [
         sys.executable,
         "-m",
@@ -97,13 +98,25 @@ def serve_command(
         "--metrics",
         "127.0.0.1:0",
         "--shm-dir",
-        str(workdir),
+        str(shm_dir or workdir),
         "--pool-bytes",
         str(pool_bytes),
         "--block-size",
         str(block_size),
         *args,
     ]
+
+
+def memory_dir(nbytes: int) -> Path | None:
+    """/dev/shm when it can hold a pool of ``nbytes``: where a deployed daemon keeps its pool
+    (the default ``--shm-dir``), so a bench reads memory, not a file of a disk's page cache
+    (a test's temporary directory may be either). None where it cannot."""
+    shm = Path("/dev/shm")
+    try:
+        free = os.statvfs(shm)
+    except OSError:
+        return None
+    return shm if os.access(shm, os.W_OK) and free.f_bavail * free.f_frsize > nbytes else None
 
 
 def serve_env() -> dict[str, str]:
@@ -118,12 +131,18 @@ def start_daemon(
     block_size: int = 1 << 16,
     timeout: float = 60.0,
     launcher: tuple[str, ...] = ("chunkstore.cli",),
+    shm_dir: Path | None = None,
 ) -> RunningDaemon:
     """Start ``serve_command`` and wait for its ready line (its log: ``workdir/daemon.log``).
     Tests use the ``serve`` fixture (tests/conftest.py), which stops what it started."""
     workdir.mkdir(parents=True, exist_ok=True)
     command = serve_command(
-        workdir, *args, pool_bytes=pool_bytes, block_size=block_size, launcher=launcher
+        workdir,
+        *args,
+        pool_bytes=pool_bytes,
+        block_size=block_size,
+        launcher=launcher,
+        shm_dir=shm_dir,
     )
     log = (workdir / "daemon.log").open("w")
     process = subprocess.Popen(
