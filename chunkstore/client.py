@@ -16,6 +16,7 @@ import os
 import queue
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ from chunkstore.protocol.shm import (
 from chunkstore.protocol.shm import (
     Pieces as Pieces,  # re-exported: where read_each puts an entry in pieces
 )
+from chunkstore.protocol.shm import populate as populate_pool
 from chunkstore.protocol.wire import (
     MAX_BATCH,
     MAX_MESSAGE,
@@ -121,6 +123,7 @@ class ChunkStoreClient:
         fast: bool = True,
         copy_threads: int = 2,
         pin_for: str = "",
+        populate: bool = False,
     ) -> None:
         """``address``: ``unix:/path/to.sock`` or ``host:port``. ``transport``: "auto" (through
         the pool when this host can reach it: a shared-memory map, or a device pool opened by
@@ -130,7 +133,10 @@ class ChunkStoreClient:
         ``copy_threads``: threads a read or a put copies through the pool with (1 or 2).
         ``pin_for``: "cuda" (or "npu") registers a mapped shared-memory pool with that
         runtime, page-locked, so copies between it and the device run as DMA; where it
-        cannot, a warning says why and the pool is used pageable."""
+        cannot, a warning says why and the pool is used pageable. ``populate``: map every
+        page of a mapped shared-memory pool on a background thread at the lowest priority
+        (``shm.populate``), so that reads do not pay for it on their first touch of a page
+        (a pinned pool is mapped already)."""
         if transport not in ("auto", "shm", "stream"):
             raise InvalidRequest(f"unknown transport {transport!r}: auto, shm or stream")
         self.address = address
@@ -168,10 +174,11 @@ class ChunkStoreClient:
         self._unpin: Callable[[], None] | None = None
         self.device_pool: torch.Tensor | None = None  # a device pool's import
         self._pool_handle: IpcHandle | None = None
+        self.populate = populate
+        self._closed = threading.Event()
         self._open_session()
         self._shm_reads: dict[int, int] = {}  # lease id -> bytes copied out of the pool
         self._pings: queue.Queue[pb.Ping | None] = queue.Queue()
-        self._closed = threading.Event()
         self._attached = threading.Event()  # the first heartbeat stream answered (or failed)
         self._heartbeat = threading.Thread(
             target=self._beat, name="chunkstore-heartbeat", daemon=True
@@ -205,6 +212,10 @@ class ChunkStoreClient:
         self._connect_fast(hello)
         self._pin(region)
         self.region = region
+        if region is not None and self.populate and not self.pinned:
+            threading.Thread(
+                target=self._populate, args=(region,), name="chunkstore-populate", daemon=True
+            ).start()
         self.transport = "stream"
         if region is not None:
             self.transport = "shm"
@@ -247,6 +258,18 @@ class ChunkStoreClient:
         self.pinned = self._unpin is not None
         if why:
             log.warning("chunkstore pool not pinned for %s: %s", self.pin_for, why)
+
+    def _populate(self, region: np.ndarray) -> None:
+        with contextlib.suppress(OSError):  # below vLLM's threads where they share a core
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        began = time.perf_counter()
+        done = populate_pool(region, lambda: self._closed.is_set() or self.region is not region)
+        log.debug(
+            "pool map %s in %.2f s (%d MiB)",
+            "populated" if done else "left to first touch",
+            time.perf_counter() - began,
+            region.nbytes >> 20,
+        )
 
     def _digest(self) -> EntryDigest | TensorDigest:
         """The checksum the daemon's pool keeps: xxh3 stripes, or TensorDigest (device)."""
@@ -597,6 +620,7 @@ class ChunkStoreClient:
         session: str | None = None,
         threads: int | None = None,
         helper: Executor | None = None,
+        progress: Callable[[int], None] | None = None,
     ) -> list[ChecksumMismatch | None]:
         """``read_many``, with a verdict per entry instead of raising the first: None where
         the entry was read and checked, the ``ChecksumMismatch`` where it was not (use none
@@ -604,7 +628,9 @@ class ChunkStoreClient:
         entry's, in the order of its bytes: a cache's blocks), filled straight from a
         shared-memory pool (through a buffer otherwise). ``threads``: this read's copy
         threads (``copy_threads`` when None); ``helper``: where the second one runs
-        (``shm.gather_many``)."""
+        (``shm.gather_many``). ``progress(n)``: every entry's first n bytes are in its out,
+        not yet checked (stripe by stripe from a mapped pool, all at the end otherwise); the
+        verdicts come after the last call."""
         if len(entries) != len(outs):
             raise InvalidRequest(f"{len(entries)} entries to read into {len(outs)} buffers")
         for entry, out in zip(entries, outs, strict=True):
@@ -627,6 +653,8 @@ class ChunkStoreClient:
             for out, buffer in zip(outs, whole, strict=True):
                 if isinstance(out, Pieces):
                     out.fill(buffer.numpy())
+            if progress is not None:
+                progress(max(e.nbytes for e in entries))
             return checked
         digests = [self._digest() for _ in entries]
         if self.device_pool is not None:
@@ -646,6 +674,7 @@ class ChunkStoreClient:
                 stripes,
                 threads or self.copy_threads,
                 helper,
+                progress,
             )
         if self.transport == "shm" and session is None:  # the daemon's shm byte counter
             for entry in entries:
@@ -655,6 +684,8 @@ class ChunkStoreClient:
             for entry, out, digest in zip(entries, outs, digests, strict=True):
                 assert not isinstance(out, Pieces)
                 self._stream_read(entry, out.numpy(), digest, session)
+        if progress is not None and entries:
+            progress(max(e.nbytes for e in entries))
         verdicts: list[ChecksumMismatch | None] = []
         for entry, digest in zip(entries, digests, strict=True):
             actual = digest.intdigest()

@@ -29,6 +29,7 @@ class DaemonLink:
         self._down = False
         self.failures = 0
         self.pin_for = ""  # the worker's device type when its cache is on a GPU / NPU
+        self.populate = False  # map the pool's pages ahead of reads (the worker: populate_pool)
 
     def get(self) -> ChunkStoreClient | None:
         """The client, or None while the daemon is unreachable (then: compute)."""
@@ -49,6 +50,7 @@ class DaemonLink:
                 timeout=self.config.timeout_s,
                 copy_threads=1,  # the load threads read beside vLLM's forward: one core each
                 pin_for=self.pin_for,
+                populate=self.populate,
             )
         except ChunkStoreError as err:
             self.failed(f"cannot reach chunkstore at {self.config.daemon_address}: {err}")

@@ -35,6 +35,7 @@ class ConnectorConfig:
     overlap_layers: bool = True  # write layer i + 1 while vLLM computes layer i
     load_threads: int = 2  # threads that write a layer's loaded entries side by side
     load_cpus: str = "spare"  # where: spare (cores vLLM does not compute on) | all | vllm | "0-3"
+    populate_pool: bool = True  # map the shared pool's pages in the background, not per read
     inband_isolation: bool = True  # the isolation mask inside vLLM's attention (worker hook)
     # Answer quality under isolation (each needs in-band isolation; docs/connector.md,
     # "Answer quality"):

@@ -18,6 +18,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
@@ -86,28 +87,29 @@ def place_thread(cpus: set[int] | None) -> None:
 
 
 class LayerLoads:
-    """Writes fetched entries into vLLM's cache one layer at a time on a background thread,
-    so layer i + 1 is written while the model computes layer i; vLLM calls
-    ``wait_for_layer_load`` before each layer's attention. Without ``overlap`` every layer is
-    written here, before the forward begins. With ``writers`` (a thread pool) a layer's
-    entries are written side by side: the write kernels run without the GIL, and while the
-    model waits for a layer its cores are idle."""
+    """A step's loads made ready in vLLM's cache one layer at a time on a background thread,
+    so the model computes layer i while layer i + 1 loads; vLLM calls ``wait_for_layer_load``
+    before each layer's attention. ``produce(mark)`` does the loading and calls ``mark(n)``
+    once layers 0..n-1 are in the cache. Without ``overlap`` it all happens here, before the
+    forward. ``settle(ok)`` counts the loads at the end of the step: ``ok`` False when the
+    work failed or the model did not wait for every layer (then they are computed)."""
 
     def __init__(
         self,
-        worker: WorkerSide,
-        fetched: list[Fetched],
+        layers: int,
+        produce: Callable[[Callable[[int], None]], None],
+        settle: Callable[[bool], None],
         overlap: bool,
-        writers: ThreadPoolExecutor | None = None,
         cpus: set[int] | None = None,
+        phase: str = "write",
     ) -> None:
-        self.worker = worker
-        self.fetched = fetched
-        self.writers = writers
-        self.ready = [threading.Event() for _ in worker.layers]
+        self.produce = produce
+        self.phase = phase  # the connector's counter of its seconds: write or read
+        self.settle = settle
+        self.ready = [threading.Event() for _ in range(layers)]
         self.waited: set[int] = set()
         self.error: Exception | None = None
-        self.seconds = 0.0  # writing, remap included
+        self.seconds = 0.0  # loading, remap included
         self.wait_seconds = 0.0  # the model blocked in wait()
         self.thread: threading.Thread | None = None
         if overlap:
@@ -118,30 +120,22 @@ class LayerLoads:
         else:
             self._run()
             self.waited = set(range(len(self.ready)))
-            self.wait_seconds = self.seconds  # written before the forward: all of it waited
+            self.wait_seconds = self.seconds  # loaded before the forward: all of it waited
+
+    def _mark(self, layers: int) -> None:
+        for ready in self.ready[:layers]:
+            ready.set()
 
     def _run(self, cpus: set[int] | None = None) -> None:
         began = time.perf_counter()
         place_thread(cpus)
         try:
-            for layer, ready in enumerate(self.ready):
-                if self.writers is None or len(self.fetched) < 2:
-                    for entry in self.fetched:
-                        self.worker._write_layer(entry, layer)
-                else:
-                    writes = [
-                        self.writers.submit(self.worker._write_layer, entry, layer)
-                        for entry in self.fetched
-                    ]
-                    for write in writes:
-                        write.result()  # raises what the write raised
-                ready.set()
+            self.produce(self._mark)
         except Exception as err:  # reported by finish(); those loads are computed
             self.error = err
         finally:
             self.seconds = time.perf_counter() - began
-            for ready in self.ready:
-                ready.set()  # a failure must not leave the model waiting
+            self._mark(len(self.ready))  # a failure must not leave the model waiting
 
     def wait(self, layer: int) -> None:
         self.waited.add(layer)
@@ -190,6 +184,7 @@ class WorkerSide:
         self._ended = LoadsEnded()
         self.stats = ConnectorStats()
         self.link = DaemonLink(config, "chunkstore-worker", self.stats)
+        self.link.populate = config.populate_pool
 
     # Set-up --------------------------------------------------------------------------------
 
@@ -344,11 +339,75 @@ class WorkerSide:
                 initializer=place_thread,
                 initargs=(self.load_cpus,),
             )
+        if pieces and not buffers and self.config.overlap_layers:
+            whole = all(loads[i][1].num_tokens % self.block_size == 0 for i in pieces)
+            if whole:  # a part block would overwrite what vLLM writes into it, layer by layer
+                self._layer_loads = self._packed_loads(loads, pieces, failures)
+                return
         targets: dict[int, torch.Tensor | Pieces] = {**pieces, **buffers}
         readable = sorted(targets)
         verdicts, via_shm = self._read([loads[i] for i in readable], [targets[i] for i in readable])
         for i, verdict in zip(readable, verdicts, strict=True):
             failures[i] = verdict
+        fetched = self._settle(loads, failures, pieces, buffers, via_shm)
+        read = time.perf_counter() - began
+        self.stats.add("read_seconds", read)
+        self.stats.add("load_seconds", read)
+        if fetched:
+            writers = self._writers if self.load_threads > 1 else None
+            self._layer_loads = LayerLoads(
+                len(self.layers),
+                self._writes(fetched, writers),
+                lambda ok: self._settle_writes(fetched, ok),
+                self.config.overlap_layers,
+                self.load_cpus,
+            )
+
+    def _packed_loads(
+        self,
+        loads: list[tuple[RequestPlan, LoadItem]],
+        pieces: dict[int, Pieces],
+        failures: list[ChunkStoreError | None],
+    ) -> LayerLoads:
+        """Packed entries only: read on a background thread, front to back together, so a
+        layer is ready as soon as every entry's blocks of it are in (a packed entry holds
+        its layers one after another). Checked at the end of the step, once read whole: a
+        mismatch fails its blocks then, and vLLM drops this step's token for that request
+        and computes them (as for any load error)."""
+        readable = sorted(pieces)
+        layers = len(self.layers)
+        per_layer = [loads[i][1].lease.nbytes // layers for i in readable]
+        read: dict[str, Any] = {}
+
+        def produce(mark: Callable[[int], None]) -> None:
+            read["verdicts"], read["via_shm"] = self._read(
+                [loads[i] for i in readable],
+                [pieces[i] for i in readable],
+                threads=2 if self.load_threads > 1 else 1,
+                progress=lambda done: mark(min(done // size for size in per_layer)),
+            )
+
+        def settle(ok: bool) -> None:
+            if not ok:
+                for plan, item in loads:
+                    self._failed(plan, item)
+                return
+            for i, verdict in zip(readable, read["verdicts"], strict=True):
+                failures[i] = verdict
+            self._settle(loads, failures, pieces, {}, read["via_shm"])
+
+        return LayerLoads(layers, produce, settle, True, self.load_cpus, phase="read")
+
+    def _settle(
+        self,
+        loads: list[tuple[RequestPlan, LoadItem]],
+        failures: list[ChunkStoreError | None],
+        pieces: dict[int, Pieces],
+        buffers: dict[int, torch.Tensor],
+        via_shm: bool,
+    ) -> list[Fetched]:
+        """Count the loads that were read: a packed one is in the cache and done, the
+        others are to be written (returned); failed ones are computed."""
         fetched: list[Fetched] = []
         for i, (plan, item) in enumerate(loads):
             self._ended.shm_bytes.setdefault(plan.req_id, 0)
@@ -367,17 +426,32 @@ class WorkerSide:
                 continue
             if via_shm:
                 self._ended.shm_bytes[plan.req_id] += item.lease.nbytes
-        read = time.perf_counter() - began
-        self.stats.add("read_seconds", read)
-        self.stats.add("load_seconds", read)
-        if fetched:
-            self._layer_loads = LayerLoads(
-                self,
-                fetched,
-                self.config.overlap_layers,
-                self._writers if self.load_threads > 1 else None,
-                self.load_cpus,
-            )
+        return fetched
+
+    def _writes(
+        self, fetched: list[Fetched], writers: ThreadPoolExecutor | None
+    ) -> Callable[[Callable[[int], None]], None]:
+        """Write the fetched entries layer by layer (a layer's side by side on ``writers``:
+        the write kernels run without the GIL)."""
+
+        def produce(mark: Callable[[int], None]) -> None:
+            for layer in range(len(self.layers)):
+                if writers is None or len(fetched) < 2:
+                    for entry in fetched:
+                        self._write_layer(entry, layer)
+                else:
+                    for write in [writers.submit(self._write_layer, e, layer) for e in fetched]:
+                        write.result()  # raises what the write raised
+                mark(layer + 1)
+
+        return produce
+
+    def _settle_writes(self, fetched: list[Fetched], ok: bool) -> None:
+        for entry in fetched:
+            if ok:
+                self._count_loaded(entry.item)
+            else:
+                self._failed(entry.plan, entry.item)
 
     def _buffers(self, items: list[LoadItem]) -> list[torch.Tensor]:
         """A slice of the staging buffer for each entry, grown if it must be."""
@@ -400,11 +474,13 @@ class WorkerSide:
         self,
         loads: list[tuple[RequestPlan, LoadItem]],
         buffers: list[torch.Tensor | Pieces],
+        threads: int = 2,
+        progress: Callable[[int], None] | None = None,
     ) -> tuple[list[ChunkStoreError | None], bool]:
         """Copy every leased entry out of the pool into its buffer (or its pieces) and check
         it: what went wrong with each (None: read and checked), and whether they came
         through shared memory. The scheduler's leases keep the blocks; the checksum catches
-        any torn read."""
+        any torn read. ``progress``: ``client.read_each``'s (one daemon session only)."""
         if not self.layers:
             return [LoadFailed("no usable KV cache layout")] * len(loads), False
         client = self.link.get()
@@ -414,6 +490,7 @@ class WorkerSide:
         by_session: dict[str, list[int]] = {}
         for i, (_, item) in enumerate(loads):
             by_session.setdefault(item.session, []).append(i)
+        last = next(reversed(by_session), None)  # read after the others: its progress is all
         for session, picked in by_session.items():
             try:
                 verdicts: list[ChunkStoreError | None] = list(
@@ -421,8 +498,9 @@ class WorkerSide:
                         [loads[i][1].lease for i in picked],
                         [buffers[i] for i in picked],
                         session=session,
-                        threads=2,
+                        threads=threads,
                         helper=self._writers,  # vLLM binds this thread to its compute cores
+                        progress=progress if session == last else None,
                     )
                 )
             except ChunkStoreError as err:
@@ -512,21 +590,17 @@ class WorkerSide:
             self._layer_loads.wait(self._layer_index[layer_name])
 
     def _finish_loads(self) -> None:
-        """End of the step: the background writes are done. If the model did not wait for
-        every layer it may have read one before it was written: those loads count as failed
+        """End of the step: the background loads are done. If the model did not wait for
+        every layer it may have read one before it was loaded: those loads count as failed
         and vLLM computes them (never wrong KV); overlap is turned off from then on."""
         loads, self._layer_loads = self._layer_loads, None
         if loads is None:
             return
         error = loads.finish()
         self.stats.add("load_seconds", loads.seconds)
-        self.stats.add("write_seconds", loads.seconds)
+        self.stats.add(f"{loads.phase}_seconds", loads.seconds)
         self.stats.add("wait_seconds", loads.wait_seconds)
-        if error is None and loads.all_waited():
-            for entry in loads.fetched:
-                self._count_loaded(entry.item)
-            return
-        if error is None:
+        if error is None and not loads.all_waited():
             log.warning(
                 "chunkstore: vLLM did not wait for every layer's load (waited for %d of %d); "
                 "those loads are computed, and layers load before the forward from now on",
@@ -534,10 +608,9 @@ class WorkerSide:
                 len(self.layers),
             )
             self.config = replace(self.config, overlap_layers=False)
-        else:
-            log.warning("chunkstore: writing loaded KV failed: %s; computing instead", error)
-        for entry in loads.fetched:
-            self._failed(entry.plan, entry.item)
+        elif error is not None:
+            log.warning("chunkstore: loading KV failed: %s; computing instead", error)
+        loads.settle(error is None and loads.all_waited())
 
     def _count_loaded(self, item: LoadItem, block_copied: bool = False) -> None:
         self.stats.add("loaded_tokens", item.num_tokens)

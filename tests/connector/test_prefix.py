@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from openai import OpenAI
@@ -23,6 +24,7 @@ from chunkstore.kv.entry import EntryLayout
 from chunkstore.kv.fingerprint import fingerprint_of_folder
 from chunkstore.kv.keys import prefix_keys
 from chunkstore.processes.daemon import RunningDaemon, start_daemon
+from chunkstore.protocol.shm import extents
 from chunkstore.testing.scenario import DOCS
 from chunkstore.testing.vllm_server import VllmServer
 
@@ -166,6 +168,38 @@ def test_an_entry_packed_as_another_caches_blocks_is_refused_and_computed(
     assert refused["moved"]["load_failures"] == 3
     assert refused["moved"]["prefix_loaded_tokens"] == 0
     assert_same(first.complete(prompt, cache_salt="clean"), refused)
+
+
+def test_a_packed_entry_changed_in_the_pool_is_computed_though_its_layers_were_used(
+    pair, long_prompt, smollm2_dir
+) -> None:
+    """Packed entries are read beside the forward, each layer used as soon as it is in,
+    and checked only once read whole. One entry overwritten in the pool after its commit
+    (garbage: NaNs and huge values, which would change every logprob) is refused by its
+    checksum after the forward has used it: vLLM drops that step's token and computes the
+    entry's tokens, and the answer is the one computed."""
+    first, second = pair
+    prompt = long_prompt[3000 : 3000 + 3 * BLOCK + 10]
+    stored = first.complete(prompt, cache_salt="torn")
+    fp = fingerprint_of_folder(smollm2_dir, "float32")
+    middle = prefix_keys(fp.model_fp, fp.layout_fp, prompt, BLOCK, "torn")[1]
+    with ChunkStoreClient(first.daemon.unix) as client:
+        (entry,) = client.acquire([middle], entry_kind="prefix")
+        assert entry is not None and entry.layout.packing  # stored as cache blocks
+        pool = np.memmap(client.server_info.shm_path, dtype=np.uint8, mode="r+")
+        garbage = np.random.default_rng(5).integers(0, 256, entry.nbytes, dtype=np.uint8)
+        at = 0
+        for start, length in extents(entry.blocks, client.block_size, 0, entry.nbytes):
+            pool[start : start + length] = garbage[at : at + length]
+            at += length
+        pool.flush()
+        del pool
+        client.release([entry.lease_id])
+    torn = second.complete(prompt, cache_salt="torn")
+    assert torn["moved"]["prefix_hit_tokens"] == 3 * BLOCK
+    assert torn["moved"]["load_failures"] == 1
+    assert torn["moved"]["block_copied_tokens"] == 2 * BLOCK  # the two intact entries
+    assert_same(stored, torn)
 
 
 def test_requests_with_different_cache_salts_never_share(pair, long_prompt) -> None:

@@ -17,8 +17,10 @@ from chunkstore.protocol import streamcopy
 from chunkstore.protocol.shm import (
     STRIPE,
     EntryDigest,
+    Pieces,
     checksum,
     gather,
+    gather_many,
     scatter,
     scatter_parts,
 )
@@ -70,6 +72,41 @@ def test_every_path_computes_the_same_checksum(nbytes, block_size, cut, seed) ->
         read = EntryDigest()
         gather(region, blocks, block_size, out, read, threads)
         assert np.array_equal(out, data) and read.intdigest() == expected
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_entries_read_together_report_how_far_every_one_is_read(threads: int) -> None:
+    """``progress(n)``: a cache's layers are used as soon as it says they are in, so at
+    each call every entry's first n bytes must be there already, whatever its size, and
+    the entries' checksums still come out whole at the end."""
+    rng = np.random.default_rng(7)
+    sizes = [3 * STRIPE + 5000, STRIPE, 5 * STRIPE, 1000]
+    block_size = 65536
+    datas = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    counts = [-(-n // block_size) for n in sizes]
+    region = np.zeros((sum(counts) + 1) * block_size, dtype=np.uint8)
+    order = [int(b) for b in rng.permutation(sum(counts))]  # scattered, out of order
+    blockss = [order[sum(counts[:i]) : sum(counts[: i + 1])] for i in range(len(sizes))]
+    for data, blocks in zip(datas, blockss, strict=True):
+        scatter(region, blocks, block_size, data)
+    outs = [np.zeros(n, dtype=np.uint8) for n in sizes[:-1]]
+    cut = sizes[-1] // 3  # the last entry in pieces, as a cache's blocks
+    tail = [np.zeros(cut, dtype=np.uint8), np.zeros(sizes[-1] - cut, dtype=np.uint8)]
+    targets: list[np.ndarray | Pieces] = [*outs, Pieces(tail)]
+    seen: list[int] = []
+
+    def progress(done: int) -> None:
+        seen.append(done)
+        for data, out in zip(datas, [*outs, np.concatenate(tail)], strict=True):
+            lo = min(done, data.shape[0])
+            assert np.array_equal(out[:lo], data[:lo]), f"bytes before {done} not in yet"
+
+    digests = [EntryDigest() for _ in sizes]
+    reads = list(zip(blockss, targets, strict=True))
+    gather_many(region, block_size, reads, digests, threads, progress=progress)
+    assert seen == [STRIPE * k for k in range(1, 6)]  # stripe by stripe, to the longest
+    assert [d.intdigest() for d in digests] == [_reference(d) for d in datas]
+    assert all(np.array_equal(o, d) for o, d in zip(outs, datas, strict=False))
 
 
 @pytest.mark.parametrize("where", [0, STRIPE - 1, STRIPE, 2 * STRIPE + 7])
