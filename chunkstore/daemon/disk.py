@@ -1,0 +1,337 @@
+"""The disk tier's files: one entry per file, under a directory the daemon owns (issue 32).
+
+Not yet wired into the daemon: this module is the on-disk half (format, crash consistency,
+its own LRU and byte budget); the index will spill evicted entries into it and read disk
+hits back into the pool.
+
+A file is a 4 KiB header, then the entry's bytes (at 4 KiB, where a direct read can land):
+
+    magic "CSDISK01" | header length u32 | key | nbytes u64 | checksum u64 |
+    layout (EntryLayout protobuf) | xxh3-64 of everything before it
+
+``checksum`` is the pool's (``shm.EntryDigest``) of the entry's bytes, so an entry read back
+is checked exactly as a pool read is. A file appears under its name only once whole: it is
+written as ``<name>.tmp-<random>``, flushed to the device, then renamed. So after a kill -9
+at any moment, what ``DiskTier`` finds at start is either a whole entry or a leftover to
+remove (a temporary file; a header that does not check out; a size that is not header +
+nbytes); a body changed after that fails its checksum on the read that finds it, and the
+file goes then. An I/O error is raised as ``DiskError`` and leaves the tier as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from chunkstore.errors import ChecksumMismatch, ChunkStoreError, InvalidRequest, NotFound
+from chunkstore.kv.entry import EntryLayout
+from chunkstore.kv.keys import KEY_BYTES
+from chunkstore.protocol import chunkstore_pb2 as pb
+from chunkstore.protocol.shm import EntryDigest, Pieces
+from chunkstore.protocol.wire import layout_from_proto, layout_to_proto
+
+MAGIC = b"CSDISK01"
+HEADER = 4096  # the body starts here: aligned for direct I/O
+_FIXED = struct.Struct(f"<8sI{KEY_BYTES}sQQ")  # magic, header length, key, nbytes, checksum
+_IOV_MAX = 512  # buffers per preadv / pwritev call (Linux allows 1024)
+SUFFIX = ".entry"
+
+
+class DiskError(ChunkStoreError):
+    """The disk tier could not write or read a file (disk full, read-only, gone, I/O
+    error): ``errno`` says which. Nothing else in the tier changed."""
+
+    def __init__(self, what: str, err: OSError) -> None:
+        self.errno = err.errno
+        super().__init__(f"disk tier: {what}: {err.strerror or err}")
+
+
+@dataclass
+class DiskEntry:
+    key: bytes
+    layout: EntryLayout
+    nbytes: int
+    checksum: int
+    path: Path
+
+    @property
+    def file_bytes(self) -> int:
+        return HEADER + self.nbytes
+
+
+def encode_header(key: bytes, layout: EntryLayout, nbytes: int, checksum: int) -> bytes:
+    body = layout_to_proto(layout).SerializeToString()
+    length = _FIXED.size + 4 + len(body) + 8
+    if length > HEADER:
+        raise InvalidRequest(f"an entry layout of {len(body)} bytes does not fit a disk header")
+    head = _FIXED.pack(MAGIC, length, key, nbytes, checksum) + struct.pack("<I", len(body)) + body
+    return (head + xxhash.xxh3_64_digest(head)).ljust(HEADER, b"\0")
+
+
+def decode_header(data: bytes) -> tuple[bytes, EntryLayout, int, int] | None:
+    """(key, layout, nbytes, checksum), or None where the header is not a whole one."""
+    if len(data) < _FIXED.size + 12 or not data.startswith(MAGIC):
+        return None
+    _, length, key, nbytes, checksum = _FIXED.unpack_from(data)
+    if length > HEADER or length > len(data):
+        return None
+    head, digest = data[: length - 8], data[length - 8 : length]
+    if xxhash.xxh3_64_digest(head) != digest:
+        return None
+    (size,) = struct.unpack_from("<I", data, _FIXED.size)
+    if _FIXED.size + 4 + size != len(head):
+        return None
+    msg = pb.EntryLayout()
+    msg.ParseFromString(head[_FIXED.size + 4 :])
+    return key, layout_from_proto(msg), nbytes, checksum
+
+
+class DiskTier:
+    """Entries on disk, by key, with an LRU of their own within ``capacity`` bytes (file
+    bytes, headers included; a write takes its room before it starts). At start it finds
+    what a previous daemon left (oldest first in the LRU, by modification time) and removes
+    what cannot be read. The lock guards the index only: files are written and read outside
+    it, so a lookup never waits for the disk; a write blocks its caller, so one that must
+    not wait (a Reserve) hands it to a thread of its own."""
+
+    def __init__(self, directory: str | Path, capacity: int) -> None:
+        if capacity < HEADER:
+            raise InvalidRequest(f"a disk tier of {capacity} bytes cannot hold one entry")
+        self.directory = Path(directory)
+        self.capacity = capacity
+        self.used = 0
+        self.removed_at_start: list[Path] = []
+        self._entries: OrderedDict[bytes, DiskEntry] = OrderedDict()
+        self._writing: set[bytes] = set()  # keys whose files are being written
+        self._lock = threading.Lock()
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise DiskError(f"cannot use {self.directory}", err) from err
+        self._scan()
+
+    # Start-up ------------------------------------------------------------------------------
+
+    def _scan(self) -> None:
+        found: list[tuple[float, DiskEntry]] = []
+        for path in self.directory.glob("*/*"):
+            entry = self._open_file(path) if path.name.endswith(SUFFIX) else None
+            if entry is None:
+                self._remove_leftover(path)
+                continue
+            found.append((path.stat().st_mtime, entry))
+        for _, entry in sorted(found, key=lambda pair: pair[0]):
+            if entry.key in self._entries:  # two names for one key: keep the first
+                self._remove_leftover(entry.path)
+                continue
+            self._entries[entry.key] = entry
+            self.used += entry.file_bytes
+        while self.used > self.capacity and self._entries:  # the budget shrank since
+            self._drop(next(iter(self._entries.values())))
+
+    def _open_file(self, path: Path) -> DiskEntry | None:
+        try:
+            with path.open("rb") as f:
+                header = f.read(HEADER)
+                size = os.fstat(f.fileno()).st_size
+        except OSError:
+            return None
+        decoded = decode_header(header)
+        if decoded is None:
+            return None
+        key, layout, nbytes, checksum = decoded
+        if size != HEADER + nbytes or path.name != _name(key):
+            return None
+        return DiskEntry(key, layout, nbytes, checksum, path)
+
+    def _remove_leftover(self, path: Path) -> None:
+        try:
+            if path.is_file():
+                path.unlink()
+                self.removed_at_start.append(path)
+        except OSError:
+            pass  # a file we cannot remove is left alone; it is not in the index
+
+    # Queries -------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._entries
+
+    def lookup(self, key: bytes) -> DiskEntry | None:
+        """The entry, made the most recently used; None where the tier lacks it."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+            return entry
+
+    def lru_order(self) -> list[bytes]:
+        """The keys held, least recently used first."""
+        with self._lock:
+            return list(self._entries)
+
+    # Writes --------------------------------------------------------------------------------
+
+    def write(
+        self,
+        key: bytes,
+        layout: EntryLayout,
+        parts: Sequence[np.ndarray],
+        checksum: int,
+    ) -> list[bytes]:
+        """Store an entry whose bytes are ``parts`` (uint8 arrays, in order: e.g. its pool
+        blocks), evicting this tier's least recently used entries for room first; the keys
+        it evicted. The bytes are not hashed here: ``checksum`` is the pool's, checked on
+        every read. An entry the tier holds, or is writing, is left as it is. The file is
+        written outside the lock: lookups and reads of other entries go on meanwhile."""
+        nbytes = sum(int(part.nbytes) for part in parts)
+        size = HEADER + nbytes
+        if len(key) != KEY_BYTES:
+            raise InvalidRequest(f"keys are {KEY_BYTES} bytes, not {len(key)}")
+        if size > self.capacity:
+            raise InvalidRequest(f"an entry of {nbytes} bytes is larger than the disk tier")
+        with self._lock:
+            if key in self._entries or key in self._writing:
+                return []
+            evicted = []
+            while self.used + size > self.capacity and self._entries:
+                victim = next(iter(self._entries.values()))
+                self._drop(victim)
+                evicted.append(victim.key)
+            if self.used + size > self.capacity:  # the rest is being written
+                raise DiskError("no room", OSError(errno.ENOSPC, "the tier is full of writes"))
+            self.used += size
+            self._writing.add(key)
+        path = self.directory / _name(key)[:2] / _name(key)
+        temporary = path.with_name(f"{path.name}.tmp-{secrets.token_hex(4)}")
+        try:
+            path.parent.mkdir(exist_ok=True)
+            _write_file(temporary, encode_header(key, layout, nbytes, checksum), parts)
+            os.rename(temporary, path)
+        except OSError as err:
+            with contextlib.suppress(OSError):
+                temporary.unlink(missing_ok=True)
+            with self._lock:
+                self.used -= size
+                self._writing.discard(key)
+            raise DiskError(f"cannot write {path.name}", err) from err
+        with self._lock:
+            self._writing.discard(key)
+            self._entries[key] = DiskEntry(key, layout, nbytes, checksum, path)
+        return evicted
+
+    def remove(self, key: bytes) -> bool:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._drop(entry)
+            return entry is not None
+
+    def _drop(self, entry: DiskEntry) -> None:
+        """Out of the index and off the disk (a read that has the file open finishes it)."""
+        del self._entries[entry.key]
+        self.used -= entry.file_bytes
+        with contextlib.suppress(OSError):
+            entry.path.unlink(missing_ok=True)
+
+    def _drop_if_current(self, entry: DiskEntry) -> None:
+        with self._lock:
+            if self._entries.get(entry.key) is entry:
+                self._drop(entry)
+
+    # Reads ---------------------------------------------------------------------------------
+
+    def read_into(self, key: bytes, out: np.ndarray | Pieces) -> DiskEntry:
+        """Copy the entry's bytes into ``out`` (uint8, its length, or its Pieces) and check
+        them: ``NotFound`` where the tier lacks it (or its file went: evicted meanwhile);
+        ``ChecksumMismatch`` where its bytes changed on disk or the file was cut short (the
+        entry is removed; ``out`` holds garbage); ``DiskError`` for an I/O error (the entry
+        stays: the next read may succeed). Read outside the lock."""
+        entry = self.lookup(key)
+        if entry is None:
+            raise NotFound(f"no entry {key.hex()} on disk")
+        parts = out.parts if isinstance(out, Pieces) else [out]
+        if sum(int(part.nbytes) for part in parts) != entry.nbytes:
+            raise InvalidRequest(f"entry {key.hex()} is {entry.nbytes} bytes")
+        try:
+            whole = _read_file(entry.path, parts)
+        except FileNotFoundError:
+            self._drop_if_current(entry)
+            raise NotFound(f"entry {key.hex()}'s file is gone") from None
+        except OSError as err:
+            raise DiskError(f"cannot read {entry.path.name}", err) from err
+        digest = EntryDigest()
+        for part in parts:
+            digest.update(part)
+        if not whole or digest.intdigest() != entry.checksum:
+            self._drop_if_current(entry)
+            raise ChecksumMismatch(f"entry {key.hex()} changed on disk; removed")
+        return entry
+
+
+def _name(key: bytes) -> str:
+    return key.hex() + SUFFIX
+
+
+def _write_file(path: Path, header: bytes, parts: Sequence[np.ndarray]) -> None:
+    """Write the file whole and flush it to the device before it is renamed into view: a
+    crash leaves a temporary file or a whole one, never a named torn one. Its pages leave
+    the page cache (entries are read back into the pool, never from the cache twice)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        views = [memoryview(header), *(part.data.cast("B") for part in parts)]
+        offset = 0
+        for at in range(0, len(views), _IOV_MAX):
+            batch = views[at : at + _IOV_MAX]
+            while batch:
+                done = os.pwritev(fd, batch, offset)
+                offset += done
+                batch = _advance(batch, done)
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _read_file(path: Path, parts: Sequence[np.ndarray]) -> bool:
+    """Fill ``parts`` from the file's body; False where the file ends before they are full."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        views = [part.data.cast("B") for part in parts]
+        offset = HEADER
+        for at in range(0, len(views), _IOV_MAX):
+            batch = views[at : at + _IOV_MAX]
+            while batch:
+                done = os.preadv(fd, batch, offset)
+                if done == 0:
+                    return False
+                offset += done
+                batch = _advance(batch, done)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return True
+
+
+def _advance(views: list[memoryview], done: int) -> list[memoryview]:
+    """The buffers left after a short read or write of ``done`` bytes."""
+    while views and done >= len(views[0]):
+        done -= len(views[0])
+        views = views[1:]
+    if views and done:
+        views = [views[0][done:], *views[1:]]
+    return views
