@@ -132,10 +132,7 @@ class DiskTier:
                 continue
             found.append((path.stat().st_mtime, entry))
         for _, entry in sorted(found, key=lambda pair: pair[0]):
-            if entry.key in self._entries:  # two names for one key: keep the first
-                self._remove_leftover(entry.path)
-                continue
-            self._entries[entry.key] = entry
+            self._entries[entry.key] = entry  # one path per key: no two files for one
             self.used += entry.file_bytes
         while self.used > self.capacity and self._entries:  # the budget shrank since
             self._drop(next(iter(self._entries.values())))
@@ -151,7 +148,7 @@ class DiskTier:
         if decoded is None:
             return None
         key, layout, nbytes, checksum = decoded
-        if size != HEADER + nbytes or path.name != _name(key):
+        if size != HEADER + nbytes or path != self._path(key):
             return None
         return DiskEntry(key, layout, nbytes, checksum, path)
 
@@ -162,6 +159,9 @@ class DiskTier:
                 self.removed_at_start.append(path)
         except OSError:
             pass  # a file we cannot remove is left alone; it is not in the index
+
+    def _path(self, key: bytes) -> Path:
+        return self.directory / key.hex()[:2] / _name(key)
 
     # Queries -------------------------------------------------------------------------------
 
@@ -216,7 +216,7 @@ class DiskTier:
                 raise DiskError("no room", OSError(errno.ENOSPC, "the tier is full of writes"))
             self.used += size
             self._writing.add(key)
-        path = self.directory / _name(key)[:2] / _name(key)
+        path = self._path(key)
         temporary = path.with_name(f"{path.name}.tmp-{secrets.token_hex(4)}")
         try:
             path.parent.mkdir(exist_ok=True)

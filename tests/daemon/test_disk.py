@@ -109,11 +109,21 @@ def test_torn_and_stray_files_are_removed_at_start(tmp_path) -> None:
         f.seek(20)
         f.write(b"\xff")  # header changed
     paths[4].rename(paths[4].with_name(key_of(99).hex() + ".entry"))  # a name not its key's
+    misplaced = tmp_path / "zz" / paths[5].name  # its key's name, in another folder
+    misplaced.parent.mkdir()
+    misplaced.write_bytes(paths[5].read_bytes())
     again = DiskTier(tmp_path, 64 << 20)
     assert sorted(again.lru_order()) == [key_of(0), key_of(5)]  # 0's own file is whole
     assert again.used == 2 * (HEADER + 50_000)
     assert sorted(p.name for p in again.removed_at_start) == sorted(
-        [leftover.name, paths[1].name, paths[2].name, paths[3].name, key_of(99).hex() + ".entry"]
+        [
+            leftover.name,
+            paths[1].name,
+            paths[2].name,
+            paths[3].name,
+            key_of(99).hex() + ".entry",
+            misplaced.name,
+        ]
     )
     assert sorted(p.name for p in tmp_path.glob("*/*")) == sorted([paths[0].name, paths[5].name])
 
