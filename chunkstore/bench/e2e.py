@@ -47,7 +47,7 @@ from typing import Any
 
 from chunkstore.kv.segments import find_separators
 from chunkstore.models import WORDS, model_dir
-from chunkstore.processes.daemon import memory_dir, start_daemon
+from chunkstore.processes.daemon import RunningDaemon, memory_dir, start_daemon
 from chunkstore.processes.vllm_probe import run_probe
 from chunkstore.prompts import AUTO, separator_ids
 from chunkstore_vllm.config import ConnectorConfig
@@ -180,9 +180,7 @@ def _slope(args: argparse.Namespace, model: Path, encode: Any, sep: list[int]) -
     max_len = max(4096, 1 << (max(lengths) + 64).bit_length())
     with tempfile.TemporaryDirectory(prefix="chunkstore-e2e-") as tmp:
         work = Path(tmp)
-        with start_daemon(
-            work / "daemon", pool_bytes=3 << 30, block_size=1 << 20, shm_dir=memory_dir(3 << 30)
-        ) as daemon:
+        with _daemon(work, 3 << 30) as daemon:
             rows = run_probe(
                 model,
                 [warmup, *ingest, *measured],
@@ -227,6 +225,14 @@ def _slope(args: argparse.Namespace, model: Path, encode: Any, sep: list[int]) -
     }
 
 
+def _daemon(work: Path, pool_bytes: int) -> RunningDaemon:
+    """The bench's daemon: 1 MiB blocks, its pool in /dev/shm as a deployed daemon's (a
+    temporary directory may be a disk's page cache) where that can hold it."""
+    return start_daemon(
+        work / "daemon", pool_bytes=pool_bytes, block_size=1 << 20, shm_dir=memory_dir(pool_bytes)
+    )
+
+
 def _prefix(args: argparse.Namespace, model: Path, encode: Any) -> dict[str, Any]:
     """Plain prompts, each a different text: computed by vLLM alone and then, in the same
     process with its prefix caching on, answered again (its own hit); through the
@@ -258,9 +264,7 @@ def _prefix(args: argparse.Namespace, model: Path, encode: Any) -> dict[str, Any
             )[1:],
             args.repeats,
         )
-        with start_daemon(
-            work / "daemon", pool_bytes=3 << 30, block_size=1 << 20, shm_dir=memory_dir(3 << 30)
-        ) as daemon:
+        with _daemon(work, 3 << 30) as daemon:
             connector = {
                 "address": daemon.unix,
                 "load_threads": args.load_threads,
@@ -498,9 +502,7 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             )[2:],
             args.repeats,
         )
-        with start_daemon(
-            work / "daemon", pool_bytes=2 << 30, block_size=1 << 20, shm_dir=memory_dir(2 << 30)
-        ) as daemon:
+        with _daemon(work, 2 << 30) as daemon:
             rows = run_probe(
                 model,
                 [warmup, *cold, *plain, *ingest, *measured],
