@@ -43,6 +43,10 @@ class ServeConfig:
     low_watermark: float = 0.85
     verify_commits: bool = False  # every read checks; this refuses a bad write earlier
     drain_timeout_s: float = 10.0
+    disk_dir: str = ""  # the disk tier's directory ("" = memory only)
+    disk_size: int = 0  # 0: half the free space of disk_dir's filesystem at start
+    spill_queue_bytes: int = 0  # 0: half the pool
+    persist_on_stop: bool = True  # with a disk tier: write memory entries to it on a clean stop
     max_sessions: int = 1024  # clients at once (each holds a heartbeat stream)
     max_transfers: int = 64  # Read / Write streams at once (clients that cannot map the pool)
     node: str = dataclasses.field(default_factory=gethostname)
@@ -100,6 +104,15 @@ class ServeConfig:
             raise InvalidRequest("--directory-ttl-s must be positive")
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
             raise InvalidRequest("watermarks need 0 < low <= high <= 1")
+        if self.disk_size < 0 or self.spill_queue_bytes < 0:
+            raise InvalidRequest("--disk-size and --spill-queue-bytes must be >= 0")
+        if self.disk_size and not self.disk_dir:
+            raise InvalidRequest("--disk-size sizes the disk tier: set --disk-dir too")
+        if self.disk_dir and self.device != "cpu":
+            raise InvalidRequest(
+                f"the disk tier reads and writes host memory; a --device {self.device} pool has "
+                "none yet: leave --disk-dir unset (docs/whats-left.md, the disk tier)"
+            )
         from chunkstore.protocol.device_ipc import parse_device  # torch: not for --help
 
         parse_device(self.device)
@@ -135,6 +148,18 @@ class ServeConfig:
             return self.pool_bytes
         return int(available_memory() * self.pool_fraction)
 
+    def resolved_disk_size(self) -> int:
+        if self.disk_size or not self.disk_dir:
+            return self.disk_size
+        probe = Path(self.disk_dir)
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        free = os.statvfs(probe)
+        return free.f_bavail * free.f_frsize // 2
+
+    def resolved_spill_queue_bytes(self, pool_bytes: int) -> int:
+        return self.spill_queue_bytes or max(1, pool_bytes // 2)
+
     def describe(self) -> str:
         shown = dataclasses.asdict(self)
         if shown["token"]:
@@ -152,6 +177,19 @@ def available_memory() -> int:
     return 4 << 30
 
 
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """An integer, or a byte size with a binary unit: 4096, 512M, 64G, 2T (also 64GiB)."""
+    raw = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = raw[-1:] if raw[-1:] in _UNITS else ""
+    try:
+        return int(raw[: len(raw) - len(unit)]) * _UNITS[unit]
+    except ValueError:
+        raise InvalidRequest(f"not a whole number or size (like 512M, 64G): {text!r}") from None
+
+
 def _is_loopback(address: str) -> bool:
     host = address.rsplit(":", 1)[0].strip("[]")
     return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
@@ -167,6 +205,8 @@ def _coerce(value: Any, kind: Any) -> Any:
         if text in ("0", "false", "no", "off", ""):
             return False
         raise InvalidRequest(f"not a boolean: {value!r}")
+    if kind in (int, "int") and isinstance(value, str):
+        return parse_size(value)
     caster = {"int": int, "float": float, "str": str}.get(kind, kind)
     try:
         return caster(value)
@@ -210,7 +250,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "device": "pool device: cpu (a shared-memory file), cuda[:N] or npu[:N] (one device "
         "allocation same-node workers open by IPC), fake[:N] (a CPU stand-in for a device, "
         "for tests)",
-        "pool_bytes": "pool size in bytes (default: pool_fraction of available memory)",
+        "pool_bytes": "pool size in bytes, e.g. 8G (default: pool_fraction of available memory)",
         "pool_fraction": "share of available memory for the pool when pool_bytes is 0 (0.25)",
         "block_size": "pool block size in bytes (default 1 MiB)",
         "shm_dir": "where the shared-memory pool file lives (default /dev/shm)",
@@ -233,7 +273,19 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "(false: every read checks the bytes, and a bad entry is evicted at its first read; "
         "true catches a faulty writer before anyone reads, at ~30%% of a put's time; pulls "
         "from peers are always checked)",
-        "drain_timeout_s": "on SIGTERM, how long to wait for leases to end (10)",
+        "drain_timeout_s": "on SIGTERM, how long to wait for leases to end (10); with a disk "
+        "tier, as long again at most for memory entries to reach the disk",
+        "disk_dir": "directory of the disk tier (default: none, memory only): every committed "
+        "entry is also written there in the background, a memory miss it holds is read back "
+        "into the pool, and what it holds is served again after a restart or a crash. CPU "
+        "pools only, for now",
+        "disk_size": "bytes the disk tier may use, e.g. 500G (default: half the free space of "
+        "--disk-dir's filesystem at start); its least recently used entries go first",
+        "spill_queue_bytes": "bytes of committed entries waiting for the disk at most (default: "
+        "half the pool); beyond it an entry stays in memory only (counted as dropped), so a "
+        "put never waits for the disk",
+        "persist_on_stop": "with --disk-dir: on a clean stop, write the memory entries the disk "
+        "lacks (default true)",
         "max_sessions": "client sessions served at once; Hello beyond it is refused with "
         "RESOURCE_EXHAUSTED (1024; each holds a heartbeat stream and one server thread)",
         "max_transfers": "Read / Write streams at once, beyond them refused with "

@@ -83,7 +83,7 @@ class Directory:
 
     def publish(self) -> None:
         """Claim every entry held here for another ttl; withdraw the ones gone since."""
-        held = {entry.key for entry in self.index.entries()}
+        held = self.index.held_keys()
         expires = time.time() + self.ttl_s
         pipe = self.redis.pipeline(transaction=False)
         for key in held:

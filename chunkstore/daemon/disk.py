@@ -1,8 +1,8 @@
 """The disk tier's files: one entry per file, under a directory the daemon owns (issue 32).
 
-Not yet wired into the daemon: this module is the on-disk half (format, crash consistency,
-its own LRU and byte budget); the index will spill evicted entries into it and read disk
-hits back into the pool.
+The on-disk half (format, crash consistency, its own LRU and byte budget). The index
+queues every committed entry for the daemon's spill thread, which writes it here; a memory
+miss this tier holds is read back into the pool (``Index.acquire``).
 
 A file is a 4 KiB header, then the entry's bytes (at 4 KiB, where a direct read can land):
 
@@ -178,6 +178,10 @@ class DiskTier:
             if entry is not None:
                 self._entries.move_to_end(key)
             return entry
+
+    def keys(self) -> set[bytes]:
+        with self._lock:
+            return set(self._entries)
 
     def lru_order(self) -> list[bytes]:
         """The keys held, least recently used first."""

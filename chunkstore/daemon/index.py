@@ -16,6 +16,7 @@ a Prometheus scrape does not hold lookups up at 100k entries.
 from __future__ import annotations
 
 import itertools
+import logging
 import secrets
 import threading
 import time
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from chunkstore.daemon.disk import DiskEntry, DiskError, DiskTier
 from chunkstore.daemon.pool import Pool
 from chunkstore.errors import (
     AlreadyExists,
@@ -37,7 +39,10 @@ from chunkstore.errors import (
 )
 from chunkstore.kv.entry import ENTRY_KINDS, EntryLayout, check_entry_kind
 from chunkstore.kv.keys import KEY_BYTES
+from chunkstore.protocol.shm import Pieces
 from chunkstore.protocol.wire import MAX_BATCH
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,6 +55,7 @@ class Entry:
     pinned: bool = False
     leases: int = 0
     evicted: bool = False  # out of the index; its blocks go when its last lease does
+    spill: str = ""  # "queued" or "writing" to the disk tier; while writing, blocks stay
 
 
 @dataclass
@@ -106,6 +112,22 @@ class IndexStats:
     blocks_quarantined: int
     # By entry kind (chunk, prefix): lookups, hits, lookup_tokens, hit_tokens, entries, bytes.
     kinds: dict[str, dict[str, int]] = field(default_factory=dict)
+    disk: DiskStats | None = None  # None: no disk tier
+
+
+@dataclass
+class DiskStats:
+    directory: str
+    entries: int
+    bytes_used: int  # file bytes, headers included
+    bytes_capacity: int
+    spill_queue_bytes: int  # committed entries waiting to be written
+    spills_writing: int
+    removed_at_start: int  # torn and stray files a previous daemon left
+    last_error: str  # the last failure, "" if none since start
+    # spills, spill_bytes, promotions, promoted_bytes, dropped_<why>, errors_<op>: counts
+    counts: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)  # spent writing, reading
 
 
 class Index:
@@ -119,6 +141,8 @@ class Index:
         max_sessions: int = 1 << 30,
         clock: Callable[[], float] = time.monotonic,
         on_evict: Callable[[str, int], None] | None = None,
+        disk: DiskTier | None = None,
+        spill_queue_bytes: int = 1 << 30,
     ) -> None:
         if not 0 < low_watermark <= high_watermark <= 1:
             raise InvalidRequest("watermarks need 0 < low <= high <= 1")
@@ -147,6 +171,17 @@ class Index:
         self._counts: Counter[str] = Counter()
         self._kind_counts: dict[str, Counter[str]] = {kind: Counter() for kind in ENTRY_KINDS}
         self.evictions: Counter[str] = Counter()
+        # The disk tier: committed entries queued (bounded, in bytes) for the spill thread.
+        self.disk = disk
+        self.spill_queue_bytes = spill_queue_bytes
+        self._spills: OrderedDict[bytes, Entry] = OrderedDict()
+        self._spill_bytes = 0
+        self._spills_writing = 0
+        self._spill_moved = threading.Condition(self.lock)
+        self._promoting: dict[bytes, threading.Event] = {}  # disk hits being read in
+        self.disk_counts: Counter[str] = Counter()
+        self.disk_seconds: dict[str, float] = {"write": 0.0, "read": 0.0}
+        self.disk_error = ""
 
     # Sessions -----------------------------------------------------------------------------
 
@@ -222,10 +257,16 @@ class Index:
 
     # Reads --------------------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[bytes]) -> list[Entry | None]:
+    def lookup(self, keys: Sequence[bytes]) -> list[Entry | DiskEntry | None]:
+        """What each key finds: its entry in memory, else in the disk tier, else None."""
         self._check_keys(keys)
         with self.lock:
-            return [self._entries.get(k) for k in keys]
+            found: list[Entry | DiskEntry | None] = [self._entries.get(k) for k in keys]
+        if self.disk is not None:
+            found = [
+                self.disk.lookup(k) if e is None else e for k, e in zip(keys, found, strict=True)
+            ]
+        return found
 
     def count_hits(
         self, found: Sequence[bool], num_tokens: Sequence[int] = (), entry_kind: str = "chunk"
@@ -245,24 +286,80 @@ class Index:
                     )
 
     def acquire(self, session_id: str, keys: Sequence[bytes]) -> list[tuple[Lease, Entry] | None]:
+        """A lease on each key's entry, None where it has none. A key only the disk tier
+        holds is read back into the pool first (``_acquire_from_disk``)."""
         self._check_keys(keys)
         with self.lock:
             self._refuse_if_draining()
-            session = self._session(session_id)
-            now = self.clock()
-            out: list[tuple[Lease, Entry] | None] = []
-            for key in keys:
+            self._session(session_id)
+            out = [
+                self._lease(session_id, entry) if (entry := self._entries.get(key)) else None
+                for key in keys
+            ]
+        if self.disk is not None:
+            for i, key in enumerate(keys):
+                if out[i] is None and key in self.disk:
+                    out[i] = self._acquire_from_disk(session_id, key)
+        return out
+
+    def _acquire_from_disk(self, session_id: str, key: bytes) -> tuple[Lease, Entry] | None:
+        """Promote a disk entry: take blocks for it, read it into them outside the lock
+        (lookups and other acquires go on meanwhile; a second acquire of the same key waits
+        for this one), then commit it (its checksum checked by the read) and lease it. None
+        where that fails: the file went bad or away (it is removed), or the pool has no room
+        (everything leased or pinned); counted, never served."""
+        assert self.disk is not None
+        while True:
+            with self.lock:
+                self._refuse_if_draining()
                 entry = self._entries.get(key)
-                if entry is None:
-                    out.append(None)
-                    continue
-                lease = Lease(next(self._ids), entry, session_id, now + self.lease_ttl)
-                self._leases[lease.id] = lease
-                session.leases.add(lease.id)
-                entry.leases += 1
-                self._place(entry)  # out of the eviction order; back as the newest when free
-                out.append((lease, entry))
-            return out
+                if entry is not None:
+                    return self._lease(session_id, entry)
+                pending = self._promoting.get(key)
+                if pending is None:
+                    found = self.disk.lookup(key)
+                    if found is None or key in self._reserved_keys:
+                        return None
+                    try:
+                        blocks = self._allocate(self.pool.blocks_for(found.nbytes))
+                    except PoolFull as err:
+                        self._disk_failed("promote", err)
+                        return None
+                    done = self._promoting[key] = threading.Event()
+                    break
+            pending.wait()
+        began = time.perf_counter()
+        failure: Exception | None = None
+        try:
+            self.disk.read_into(key, Pieces(self.pool.views(blocks, found.nbytes)))
+        except (NotFound, ChecksumMismatch, DiskError) as err:
+            failure = err
+        with self.lock:
+            del self._promoting[key]
+            done.set()
+            if failure is not None:
+                self.pool.free(blocks)
+                self._disk_failed("read", failure)
+                return None
+            self.disk_seconds["read"] += time.perf_counter() - began
+            self.disk_counts["promotions"] += 1
+            self.disk_counts["promoted_bytes"] += found.nbytes
+            entry = Entry(key, found.layout, found.nbytes, blocks, found.checksum)
+            self._entries[key] = entry
+            self._held_by_kind(entry, 1)
+            self._place(entry)
+            leased = self._lease(session_id, entry)
+            self._evict_to_watermark()
+            return leased
+
+    def _lease(self, session_id: str, entry: Entry) -> tuple[Lease, Entry]:
+        session = self._session(session_id)
+        lease = Lease(next(self._ids), entry, session_id, self.clock() + self.lease_ttl)
+        self._leases[lease.id] = lease
+        session.leases.add(lease.id)
+        entry.leases += 1
+        self._place(entry)  # out of the eviction order; back as the newest when free
+        return lease, entry
 
     def release(self, session_id: str, lease_ids: Sequence[int]) -> None:
         with self.lock:
@@ -296,7 +393,7 @@ class Index:
             session = self._session(session_id)
             if key in self._entries:
                 raise AlreadyExists(f"{key.hex()} is committed already")
-            if key in self._reserved_keys:
+            if key in self._reserved_keys or key in self._promoting:
                 raise AlreadyExists(f"{key.hex()} is being written by another reservation")
             blocks = self._allocate(self.pool.blocks_for(nbytes))
             reservation = Reservation(
@@ -365,6 +462,7 @@ class Index:
             self._entries[entry.key] = entry
             self._held_by_kind(entry, 1)
             self._place(entry)
+            self._queue_spill(entry)
             self._evict_to_watermark()
             return entry
 
@@ -416,28 +514,32 @@ class Index:
     # Admin --------------------------------------------------------------------------------
 
     def evict(self, keys: Sequence[bytes], reason: str = "admin") -> tuple[int, int]:
-        """Evict these entries; leased or pinned ones stay. Returns (evicted, busy)."""
+        """Evict these entries, from both tiers; leased, pinned or spilling ones stay.
+        Returns (evicted, busy)."""
         self._check_keys(keys)
         with self.lock:
             evicted = busy = 0
             for key in keys:
                 entry = self._entries.get(key)
-                if entry is None:
-                    continue
-                if entry.leases or entry.pinned:
+                if entry is not None and (entry.leases or entry.pinned or entry.spill):
                     busy += 1
-                    continue
-                self._evict(entry, reason)
-                evicted += 1
+                elif entry is not None:
+                    self._evict(entry, reason)
+                    evicted += 1
+                elif self.disk is not None and self.disk.remove(key):
+                    evicted += 1
             return evicted, busy
 
     def clear(self) -> tuple[int, int]:
-        """Evict every evictable entry, however many (no batch limit: nothing crosses the
-        wire). Returns (evicted, busy)."""
+        """Evict every evictable entry, and empty the disk tier of what memory does not
+        hold, however many (no batch limit: nothing crosses the wire). Returns (evicted,
+        busy)."""
         with self.lock:
             evicted = len(self._lru)
             while self._lru:
                 self._evict(next(iter(self._lru.values())), "clear")
+            if self.disk is not None:
+                evicted += sum(self.disk.remove(k) for k in self.disk.keys() - self._entries.keys())
             return evicted, len(self._entries)
 
     def set_pinned(self, keys: Sequence[bytes], pinned: bool) -> int:
@@ -481,7 +583,120 @@ class Index:
             was, self.draining = self.draining, False
             return was
 
+    # The disk tier (the daemon's spill thread and its stop) -------------------------------
+
+    def spill_one(self, timeout: float = 0.2) -> bool:
+        """One step of the spill thread: write the oldest queued entry to the disk tier,
+        outside the lock. False if nothing was queued within ``timeout`` seconds."""
+        assert self.disk is not None
+        got = self.next_spill(timeout)
+        if got is None:
+            return False
+        entry, parts = got
+        began = time.perf_counter()
+        failure, evicted = None, []
+        try:
+            evicted = self.disk.write(entry.key, entry.layout, parts, entry.checksum)
+        except DiskError as err:
+            failure = err
+        self.spilled(entry, time.perf_counter() - began, failure, len(evicted))
+        return True
+
+    def next_spill(self, timeout: float) -> tuple[Entry, list[np.ndarray]] | None:
+        """The oldest queued entry and its pool bytes, held for the spill thread (kept out
+        of eviction, blocks kept) until it calls ``spilled``; None if none came within
+        ``timeout`` seconds."""
+        assert self.disk is not None
+        with self.lock:
+            if not self._spills and not self._spill_moved.wait(timeout):
+                return None
+            while self._spills:
+                _, entry = self._spills.popitem(last=False)
+                self._spill_bytes -= entry.nbytes
+                entry.spill = ""
+                if entry.key in self.disk:
+                    continue
+                entry.spill = "writing"
+                self._spills_writing += 1
+                self._place(entry)
+                return entry, self.pool.views(entry.blocks, entry.nbytes)
+            return None
+
+    def spilled(
+        self, entry: Entry, seconds: float, failure: DiskError | None, evicted: int = 0
+    ) -> None:
+        """The spill thread is done with ``entry`` (``evicted``: disk entries it displaced):
+        its blocks go back to the index's rules."""
+        with self.lock:
+            self.disk_counts["evictions"] += evicted
+            entry.spill = ""
+            self._spills_writing -= 1
+            self._place(entry)
+            self._free_if_unheld(entry)
+            self._spill_moved.notify_all()
+            if failure is not None:
+                self._disk_failed("write", failure)
+                return
+            self.disk_seconds["write"] += seconds
+            self.disk_counts["spills"] += 1
+            self.disk_counts["spill_bytes"] += entry.nbytes
+
+    def persist(self, timeout: float) -> int:
+        """Queue every memory entry the disk tier lacks, whatever the queue's bound, and wait
+        up to ``timeout`` seconds for the spill thread to write them (a clean stop: called
+        once when draining begins with no wait, then again to wait). Returns how many were
+        left unwritten."""
+        if self.disk is None:
+            return 0
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            for entry in self._entries.values():
+                self._queue_spill(entry, bounded=False)
+            while self._spills or self._spills_writing:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._spill_moved.wait(left)
+            return len(self._spills) + self._spills_writing
+
+    def _queue_spill(self, entry: Entry, bounded: bool = True) -> None:
+        """Queue a committed entry for the disk tier (lock held). A full queue drops it (it
+        stays in memory, counted): a Reserve never waits for the disk."""
+        if self.disk is None or entry.spill or entry.key in self.disk:
+            return
+        if bounded and self._spill_bytes + entry.nbytes > self.spill_queue_bytes:
+            self.disk_counts["dropped_queue_full"] += 1
+            return
+        entry.spill = "queued"
+        self._spills[entry.key] = entry
+        self._spill_bytes += entry.nbytes
+        self._spill_moved.notify_all()
+
+    def _disk_failed(self, op: str, err: Exception) -> None:
+        self.disk_counts[f"errors_{op}"] += 1
+        self.disk_error = f"{op}: {err}"
+        log.warning("disk tier: %s failed: %s", op, err)
+
+    def disk_stats(self) -> DiskStats | None:
+        disk = self.disk
+        if disk is None:
+            return None
+        with self.lock:
+            return DiskStats(
+                directory=str(disk.directory),
+                entries=len(disk),
+                bytes_used=disk.used,
+                bytes_capacity=disk.capacity,
+                spill_queue_bytes=self._spill_bytes,
+                spills_writing=self._spills_writing,
+                removed_at_start=len(disk.removed_at_start),
+                last_error=self.disk_error,
+                counts=dict(self.disk_counts),
+                seconds=dict(self.disk_seconds),
+            )
+
     def stats(self) -> IndexStats:
+        disk = self.disk_stats()
         with self.lock:
             used_blocks = self.pool.num_blocks - self.pool.free_blocks
             names = ("lookups", "hits", "lookup_tokens", "hit_tokens", "entries", "bytes")
@@ -508,11 +723,18 @@ class Index:
                 draining=self.draining,
                 blocks_quarantined=self._quarantined_blocks,
                 kinds=kinds,
+                disk=disk,
             )
 
     def entries(self) -> list[Entry]:
         with self.lock:
             return list(self._entries.values())
+
+    def held_keys(self) -> set[bytes]:
+        """Every key a lookup finds, in either tier (what the cluster directory claims)."""
+        with self.lock:
+            keys = set(self._entries)
+        return keys | self.disk.keys() if self.disk is not None else keys
 
     def sessions(self) -> list[Session]:
         with self.lock:
@@ -563,7 +785,7 @@ class Index:
         """Keep the eviction order to the evictable entries: after any change to an entry's
         pins or leases, in it (as the newest) exactly when it is committed, unpinned and
         unleased."""
-        evictable = not (entry.leases or entry.pinned or entry.evicted)
+        evictable = not (entry.leases or entry.pinned or entry.evicted or entry.spill == "writing")
         if evictable and entry.key not in self._lru:
             self._lru[entry.key] = entry
             self._evictable_blocks += len(entry.blocks)
@@ -596,8 +818,14 @@ class Index:
         self._place(entry)
         if entry.pinned:
             self._pinned -= 1
-        if not entry.leases:
-            self.pool.free(entry.blocks)
+        if entry.spill == "queued":  # gone before the spill thread got to it
+            del self._spills[entry.key]
+            self._spill_bytes -= entry.nbytes
+            entry.spill = ""
+            self.disk_counts["dropped_evicted"] += 1
+        if self.disk is not None and reason in ("admin", "clear", "corrupt"):
+            self.disk.remove(entry.key)  # forgotten, not moved down a tier
+        self._free_if_unheld(entry)
         self.evictions[reason] += 1
         if self.on_evict:
             self.on_evict(reason, entry.nbytes)
@@ -629,8 +857,12 @@ class Index:
         del self._leases[lease.id]
         lease.entry.leases -= 1
         self._place(lease.entry)
-        if lease.entry.evicted and not lease.entry.leases:
-            self.pool.free(lease.entry.blocks)
+        self._free_if_unheld(lease.entry)
         session = self._sessions.get(lease.session)
         if session:
             session.leases.discard(lease.id)
+
+    def _free_if_unheld(self, entry: Entry) -> None:
+        """An evicted entry's blocks go once no lease reads them and no spill writes them."""
+        if entry.evicted and not entry.leases and entry.spill != "writing":
+            self.pool.free(entry.blocks)

@@ -13,7 +13,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from chunkstore.daemon.index import Index
+from chunkstore.daemon.index import DiskStats, Index
 
 PREFIX = "chunkstore"
 
@@ -80,6 +80,65 @@ class IndexCollector:
             gauge = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["node"])
             gauge.add_metric(node, value)
             yield gauge
+        if s.disk is not None:
+            yield from self._disk(s.disk)
+
+    def _disk(self, d: DiskStats) -> Iterator[Metric]:
+        """The disk tier's series (present only with one)."""
+        node = [self.node]
+        gauges = {
+            "disk_entries": ("Entries in the disk tier", d.entries),
+            "disk_bytes_used": ("Disk tier file bytes, headers included", d.bytes_used),
+            "disk_bytes_capacity": ("Disk tier size in bytes (--disk-size)", d.bytes_capacity),
+            "disk_spill_queue_bytes": (
+                "Bytes of committed entries waiting to be written to disk",
+                d.spill_queue_bytes,
+            ),
+            "disk_removed_at_start": (
+                "Torn or stray files removed when this daemon started",
+                d.removed_at_start,
+            ),
+        }
+        for name, (doc, value) in gauges.items():
+            gauge = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["node"])
+            gauge.add_metric(node, value)
+            yield gauge
+        counts = {
+            "disk_spills": ("Entries written to the disk tier", "spills"),
+            "disk_spill_bytes": ("Entry bytes written to the disk tier", "spill_bytes"),
+            "disk_promotions": ("Disk hits read back into the pool", "promotions"),
+            "disk_promoted_bytes": ("Entry bytes read back from disk", "promoted_bytes"),
+            "disk_evictions": ("Entries the disk tier evicted for room", "evictions"),
+        }
+        for name, (doc, field) in counts.items():
+            family = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["node"])
+            family.add_metric(node, d.counts.get(field, 0))
+            yield family
+        dropped = CounterMetricFamily(
+            f"{PREFIX}_disk_spills_dropped",
+            "Entries never written to disk: the queue was full, or they left memory first",
+            labels=["node", "reason"],
+        )
+        for reason in ("queue_full", "evicted"):
+            dropped.add_metric([self.node, reason], d.counts.get(f"dropped_{reason}", 0))
+        yield dropped
+        errors = CounterMetricFamily(
+            f"{PREFIX}_disk_errors",
+            "Disk tier failures: write (disk full, read-only, I/O), read (checksum, I/O, "
+            "file gone), promote (no room in the pool for a disk hit)",
+            labels=["node", "op"],
+        )
+        for op in ("write", "read", "promote"):
+            errors.add_metric([self.node, op], d.counts.get(f"errors_{op}", 0))
+        yield errors
+        seconds = CounterMetricFamily(
+            f"{PREFIX}_disk_seconds",
+            "Seconds spent writing and reading the disk tier",
+            labels=["node", "op"],
+        )
+        for op in ("write", "read"):
+            seconds.add_metric([self.node, op], d.seconds.get(op, 0.0))
+        yield seconds
 
 
 class _Bound:

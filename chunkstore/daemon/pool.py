@@ -81,6 +81,13 @@ class Pool(ABC):
     def region(self) -> np.ndarray:
         """The whole pool as host uint8 (a transfer engine registers it)."""
 
+    def views(self, blocks: Sequence[int], nbytes: int) -> list[np.ndarray]:
+        """An entry's bytes as arrays over the host region, in order, consecutive blocks
+        as one (no copy): what the disk tier writes from and reads into."""
+        region = self.region()
+        extents = shm.extents(blocks, self.block_size, 0, nbytes)
+        return [region[start : start + length] for start, length in extents]
+
     @abstractmethod
     def checksum(self, blocks: Sequence[int], nbytes: int) -> int:
         """An entry's checksum, computed from its pool bytes the way its writers compute it."""

@@ -4,6 +4,7 @@ and the index and pool: requests become index calls, typed errors become status 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -25,6 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from chunkstore import __version__
 from chunkstore.daemon.config import ServeConfig
 from chunkstore.daemon.directory import Directory
+from chunkstore.daemon.disk import DiskTier
 from chunkstore.daemon.fastpath import FastPath
 from chunkstore.daemon.index import Entry, Index
 from chunkstore.daemon.metrics import Metrics
@@ -316,6 +318,7 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
             draining=s.draining,
             blocks_quarantined=s.blocks_quarantined,
             kinds={kind: pb.KindStats(**counts) for kind, counts in s.kinds.items()},
+            disk=pb.DiskStats(**dataclasses.asdict(s.disk)) if s.disk else None,
         )
 
     @_rpc
@@ -550,6 +553,7 @@ class Daemon:
         self.pool = create_pool(
             config.device, config.block_size, num_blocks, config.shm_dir, config.group_access
         )
+        self.disk = self._open_disk() if config.disk_dir else None
         self.index = Index(
             self.pool,
             config.lease_ttl_s,
@@ -557,6 +561,8 @@ class Daemon:
             config.low_watermark,
             config.verify_commits,
             config.max_sessions,
+            disk=self.disk,
+            spill_queue_bytes=config.resolved_spill_queue_bytes(self.pool.capacity),
         )
         self.metrics = Metrics(self.index, config.node)
         guarded = config.token or config.admin_token
@@ -593,6 +599,26 @@ class Daemon:
         self.addresses: dict[str, str] = {}
         self._serving = False
 
+    def _open_disk(self) -> DiskTier:
+        """The disk tier, with what a previous daemon left in it found again."""
+        began = time.monotonic()
+        disk = DiskTier(self.config.disk_dir, self.config.resolved_disk_size())
+        log.info(
+            "disk tier %s: %d entries, %d of %d bytes, found in %.2f s",
+            disk.directory,
+            len(disk),
+            disk.used,
+            disk.capacity,
+            time.monotonic() - began,
+        )
+        if disk.removed_at_start:
+            log.warning(
+                "disk tier: removed %d torn or stray files a previous daemon left (e.g. %s)",
+                len(disk.removed_at_start),
+                disk.removed_at_start[0],
+            )
+        return disk
+
     def start(self) -> dict[str, str]:
         config = self.config
         if config.socket:
@@ -628,6 +654,8 @@ class Daemon:
             self.directory.start(self.workers)
         reap_every = max(0.05, min(1.0, self.config.lease_ttl_s / 4))
         self.workers.start("reap", self.index.expire, interval=reap_every)
+        if self.disk is not None:
+            self.workers.start("spill", self.index.spill_one)
         self._set_health(True)
         self.addresses["shm_path"] = self.pool.shm_path
         return self.addresses
@@ -703,9 +731,19 @@ class Daemon:
     def stop(self, drain_timeout: float | None = None) -> int:
         """Drain (bounded), stop serving, free the pool. Returns the leases left behind."""
         self._set_health(False)
-        left = drain(
-            self.index, self.config.drain_timeout_s if drain_timeout is None else drain_timeout
-        )
+        timeout = self.config.drain_timeout_s if drain_timeout is None else drain_timeout
+        persist = self.disk is not None and self.config.persist_on_stop
+        if persist:
+            self.index.persist(0)  # queued now, written while leases drain
+        left = drain(self.index, timeout)
+        if persist:
+            unwritten = self.index.persist(timeout)
+            log.log(
+                logging.WARNING if unwritten else logging.INFO,
+                "disk tier: %d entries on disk, %d memory entries left unwritten at stop",
+                len(self.disk) if self.disk else 0,
+                unwritten,
+            )
         self.workers.join()
         if self.fast is not None:
             self.fast.stop()

@@ -265,7 +265,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("entries", "pinned_entries", "bytes_used", "bytes_capacity", "blocks_free", "blocks_total", "active_leases", "active_reservations", "sessions", "lookups", "hits", "lookup_tokens", "hit_tokens", "evictions", "draining", "blocks_quarantined", "pool_importers", "kinds")
+    __slots__ = ("entries", "pinned_entries", "bytes_used", "bytes_capacity", "blocks_free", "blocks_total", "active_leases", "active_reservations", "sessions", "lookups", "hits", "lookup_tokens", "hit_tokens", "evictions", "draining", "blocks_quarantined", "pool_importers", "kinds", "disk")
     class EvictionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -298,6 +298,7 @@ class StatsReply(_message.Message):
     BLOCKS_QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     POOL_IMPORTERS_FIELD_NUMBER: _ClassVar[int]
     KINDS_FIELD_NUMBER: _ClassVar[int]
+    DISK_FIELD_NUMBER: _ClassVar[int]
     entries: int
     pinned_entries: int
     bytes_used: int
@@ -316,7 +317,46 @@ class StatsReply(_message.Message):
     blocks_quarantined: int
     pool_importers: int
     kinds: _containers.MessageMap[str, KindStats]
-    def __init__(self, entries: _Optional[int] = ..., pinned_entries: _Optional[int] = ..., bytes_used: _Optional[int] = ..., bytes_capacity: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_total: _Optional[int] = ..., active_leases: _Optional[int] = ..., active_reservations: _Optional[int] = ..., sessions: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., evictions: _Optional[_Mapping[str, int]] = ..., draining: _Optional[bool] = ..., blocks_quarantined: _Optional[int] = ..., pool_importers: _Optional[int] = ..., kinds: _Optional[_Mapping[str, KindStats]] = ...) -> None: ...
+    disk: DiskStats
+    def __init__(self, entries: _Optional[int] = ..., pinned_entries: _Optional[int] = ..., bytes_used: _Optional[int] = ..., bytes_capacity: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_total: _Optional[int] = ..., active_leases: _Optional[int] = ..., active_reservations: _Optional[int] = ..., sessions: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., evictions: _Optional[_Mapping[str, int]] = ..., draining: _Optional[bool] = ..., blocks_quarantined: _Optional[int] = ..., pool_importers: _Optional[int] = ..., kinds: _Optional[_Mapping[str, KindStats]] = ..., disk: _Optional[_Union[DiskStats, _Mapping]] = ...) -> None: ...
+
+class DiskStats(_message.Message):
+    __slots__ = ("directory", "entries", "bytes_used", "bytes_capacity", "spill_queue_bytes", "spills_writing", "removed_at_start", "last_error", "counts", "seconds")
+    class CountsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class SecondsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    SPILL_QUEUE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SPILLS_WRITING_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_AT_START_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    entries: int
+    bytes_used: int
+    bytes_capacity: int
+    spill_queue_bytes: int
+    spills_writing: int
+    removed_at_start: int
+    last_error: str
+    counts: _containers.ScalarMap[str, int]
+    seconds: _containers.ScalarMap[str, float]
+    def __init__(self, directory: _Optional[str] = ..., entries: _Optional[int] = ..., bytes_used: _Optional[int] = ..., bytes_capacity: _Optional[int] = ..., spill_queue_bytes: _Optional[int] = ..., spills_writing: _Optional[int] = ..., removed_at_start: _Optional[int] = ..., last_error: _Optional[str] = ..., counts: _Optional[_Mapping[str, int]] = ..., seconds: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class KindStats(_message.Message):
     __slots__ = ("lookups", "hits", "lookup_tokens", "hit_tokens", "entries", "bytes")

@@ -38,8 +38,14 @@ def test_the_config_file_can_come_from_the_environment(tmp_path: Path) -> None:
 def test_bad_settings_are_refused_with_the_reason(tmp_path: Path) -> None:
     with pytest.raises(InvalidRequest, match="unknown setting 'pool_size'"):
         load(environ={}, flags={"pool_size": 1})
-    with pytest.raises(InvalidRequest, match="not a int"):
+    with pytest.raises(InvalidRequest, match="not a whole number or size"):
         load(environ={"CHUNKSTORE_BLOCK_SIZE": "big"})
+    sizes = load(environ={"CHUNKSTORE_POOL_BYTES": "2G"}, flags={"block_size": "512KiB"})
+    assert (sizes.pool_bytes, sizes.block_size) == (2 << 30, 512 << 10)
+    with pytest.raises(InvalidRequest, match="set --disk-dir too"):
+        load(environ={}, flags={"disk_size": "10G"})
+    with pytest.raises(InvalidRequest, match="host memory"):
+        load(environ={}, flags={"disk_dir": str(tmp_path), "device": "fake:0"})
     with pytest.raises(InvalidRequest, match="without a token"):
         load(environ={}, flags={"tcp": "10.1.2.3:50551"})
     assert load(environ={}, flags={"tcp": "10.1.2.3:50551", "token": "t"}).token == "t"
