@@ -168,20 +168,6 @@ def test_the_least_recently_used_entries_make_room(tmp_path) -> None:
     assert tier.used == 3 * size
 
 
-@pytest.fixture
-def small_disk(tmp_path) -> Path:
-    """A real 1 MiB file system (tmpfs), to fill."""
-    where = tmp_path / "small"
-    where.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)], capture_output=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.decode()}")
-    yield where
-    subprocess.run(["umount", str(where)], check=True)
-
-
 def test_a_full_disk_is_a_typed_error_and_leaves_the_tier_as_it_was(small_disk) -> None:
     tier = DiskTier(small_disk, 64 << 20)  # a budget larger than the device
     data = put(tier, 1, 400_000)

@@ -1,0 +1,184 @@
+"""The disk tier in a running daemon (``serve --disk-dir``): entries that outlive a SIGTERM and
+a SIGKILL, a working set four times the pool served from both tiers, a flipped byte on disk
+refused, a full disk that leaves memory puts working, and repeated kill -9 during spills
+that never serves a wrong byte. Every read is checked against what its key must hold."""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from chunkstore.client import ChunkStoreClient
+from chunkstore.daemon.disk import HEADER, SUFFIX
+from chunkstore.errors import StoreError
+from chunkstore.processes.daemon import RunningDaemon
+from chunkstore.testing.entries import entry_key, random_kv, wait_for
+
+
+def content(i: int, tokens: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    """What key ``i`` must hold (``tokens`` x 3 KiB)."""
+    return random_kv(tokens, seed=i)
+
+
+def holds(client: ChunkStoreClient, i: int, tokens: int = 10) -> bool:
+    """Key ``i`` is served, byte-exact (a wrong byte fails the test, not just this check)."""
+    got = client.get(entry_key(i))
+    if got is None:
+        return False
+    k, v = content(i, tokens)
+    assert torch.equal(got.keys, k) and torch.equal(got.values, v), f"key {i} read wrong"
+    return True
+
+
+def spilled(client: ChunkStoreClient) -> bool:
+    """Every committed entry is on disk (none queued or being written)."""
+    disk = client.stats().disk
+    return disk.spill_queue_bytes == 0 and disk.spills_writing == 0
+
+
+def kill_9(daemon: RunningDaemon) -> None:
+    daemon.process.send_signal(signal.SIGKILL)
+    daemon.process.wait()
+
+
+def test_200_entries_survive_a_sigterm_and_a_sigkill(serve, tmp_path: Path) -> None:
+    disk = str(tmp_path / "disk")
+    first = serve("--disk-dir", disk, name="first")
+    with ChunkStoreClient(first.unix) as client:
+        for i in range(200):
+            assert client.put(entry_key(i), *content(i), virtual_start=0)
+    assert first.stop() == 0  # a clean stop writes what the spill thread had not yet
+    assert "0 memory entries left unwritten" in first.log()
+
+    began = time.monotonic()
+    second = serve("--disk-dir", disk, name="second")
+    with ChunkStoreClient(second.unix) as client:
+        assert client.lookup([entry_key(i) for i in range(200)]) == [10] * 200
+        assert all(holds(client, i) for i in range(200))
+        served_again = time.monotonic() - began
+        disk_stats = client.stats().disk
+        assert disk_stats.entries == 200 and disk_stats.counts["promotions"] == 200
+        for i in range(200, 400):  # these 200 reach the disk only through the spill thread
+            assert client.put(entry_key(i), *content(i), virtual_start=0)
+        wait_for(lambda: spilled(client), timeout=30)
+    kill_9(second)
+
+    third = serve("--disk-dir", disk, name="third")
+    with ChunkStoreClient(third.unix) as client:
+        assert all(holds(client, i) for i in range(400))
+        assert client.stats().disk.removed_at_start == 0
+    print(f"disk tier: 200 entries served again {served_again:.2f} s after a restart began")
+
+
+def test_a_working_set_four_times_the_pool_all_hits_in_a_second_pass(serve, tmp_path) -> None:
+    """64 entries of 256 KiB through a 4 MiB pool, each put once the disk has the last
+    (puts faster than the disk are dropped from the spill, by design: counted)."""
+    daemon = serve("--disk-dir", str(tmp_path / "disk"), pool_bytes=4 << 20)
+    tokens = 85  # 255 KiB
+    with ChunkStoreClient(daemon.unix) as client:
+        for i in range(64):
+            assert client.put(entry_key(i), *content(i, tokens), virtual_start=0)
+            wait_for(lambda: spilled(client), timeout=30)
+        for i in range(64):
+            assert holds(client, i, tokens), f"key {i} missed on the second pass"
+        stats = client.stats()
+        assert stats.evictions["capacity"] + stats.evictions["watermark"] > 100
+        assert stats.disk.counts["promotions"] >= 48  # at most 16 fit in memory at once
+        assert stats.disk.counts.get("dropped_queue_full", 0) == 0
+        assert stats.disk.counts.get("dropped_evicted", 0) == 0
+    metrics = daemon.scrape()
+    assert metrics["chunkstore_disk_promotions_total"] == stats.disk.counts["promotions"]
+    assert metrics["chunkstore_disk_entries"] == 64
+
+
+def test_a_flipped_byte_on_disk_is_refused_and_the_entry_removed(serve, tmp_path) -> None:
+    disk = tmp_path / "disk"
+    first = serve("--disk-dir", str(disk), name="first")
+    with ChunkStoreClient(first.unix) as client:
+        for i in range(3):
+            assert client.put(entry_key(i), *content(i), virtual_start=0)
+    assert first.stop() == 0
+    [victim] = disk.glob(f"*/{entry_key(1).hex()}{SUFFIX}")
+    with victim.open("r+b") as f:
+        f.seek(HEADER + 5000)
+        byte = f.read(1)[0]
+        f.seek(HEADER + 5000)
+        f.write(bytes([byte ^ 1]))
+
+    second = serve("--disk-dir", str(disk), name="second")
+    with ChunkStoreClient(second.unix) as client:
+        assert client.get(entry_key(1)) is None  # refused: a miss, never the changed bytes
+        assert holds(client, 0) and holds(client, 2)
+        disk_stats = client.stats().disk
+        assert disk_stats.counts["errors_read"] == 1 and "changed on disk" in disk_stats.last_error
+        assert client.lookup([entry_key(1)]) == [None] and not victim.exists()
+        assert client.put(entry_key(1), *content(1), virtual_start=0)  # stored again
+        assert holds(client, 1)
+    assert "changed on disk" in second.log()
+
+
+def test_a_full_disk_keeps_memory_puts_working(serve, small_disk: Path) -> None:
+    daemon = serve("--disk-dir", str(small_disk), "--disk-size", "64M")  # the tmpfs has 1 MiB
+    with ChunkStoreClient(daemon.unix) as client:
+        for i in range(20):  # 600 KiB each: the second cannot fit
+            assert client.put(entry_key(i), *content(i, 200), virtual_start=0)
+        wait_for(lambda: spilled(client), timeout=30)
+        assert all(holds(client, i, 200) for i in range(20))
+        disk_stats = client.stats().disk
+        assert disk_stats.counts["errors_write"] >= 19
+        assert "No space left on device" in disk_stats.last_error
+        assert disk_stats.entries <= 1
+    assert not list(small_disk.glob("*/*.tmp-*"))  # a failed write leaves no file behind
+    assert daemon.scrape()['chunkstore_disk_errors_total{op="write"}'] >= 19
+    with grpc.insecure_channel(daemon.tcp) as channel:  # still serving, and saying so
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def put_until(address: str, stop: threading.Event, rng: random.Random) -> None:
+    """Put random keys of 300 as fast as one client can, until ``stop`` or the daemon dies."""
+    try:
+        with ChunkStoreClient(address) as writer:
+            while not stop.is_set():
+                i = rng.randrange(300)
+                writer.put(entry_key(i), *content(i, 20), virtual_start=0)
+    except (StoreError, OSError, ValueError):
+        return  # the daemon died under it
+
+
+def test_kill_9_during_spills_again_and_again_serves_nothing_wrong(serve, tmp_path) -> None:
+    """Five rounds: a writer puts as fast as it can while the daemon is SIGKILLed at a random
+    moment (mid-spill, mid-promotion), then a new daemon on the same directory serves every
+    key it finds byte-exact, and has swept what the kill tore."""
+    disk = str(tmp_path / "disk")
+    rng = random.Random(32)
+    served = swept = 0
+    for round_ in range(5):
+        daemon = serve("--disk-dir", disk, "--spill-queue-bytes", "64M", name=f"round{round_}")
+        with ChunkStoreClient(daemon.unix) as client:
+            present = [
+                i for i, n in enumerate(client.lookup([entry_key(i) for i in range(300)])) if n
+            ]
+            assert all(holds(client, i, 20) for i in present)
+            served += len(present)
+            swept += client.stats().disk.removed_at_start
+        stop = threading.Event()
+        writer = threading.Thread(target=put_until, args=(daemon.unix, stop, rng))
+        writer.start()
+        time.sleep(rng.uniform(0.3, 1.5))
+        kill_9(daemon)
+        stop.set()
+        writer.join(timeout=30)
+    final = serve("--disk-dir", disk, name="final")
+    with ChunkStoreClient(final.unix) as client:
+        present = [i for i, n in enumerate(client.lookup([entry_key(i) for i in range(300)])) if n]
+        assert len(present) > 50 and all(holds(client, i, 20) for i in present)
+    assert not list(Path(disk).glob("*/*.tmp-*"))
+    print(f"kill -9 x5: {served} entries served after the kills, {swept} torn files swept")
