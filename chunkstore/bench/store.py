@@ -13,6 +13,8 @@ It starts a real daemon (and a real redis-server) on loopback and reports:
   acquire, one ``read_many``, one release);
 - with ``--readers``: the aggregate bandwidth of N reader processes reading the chunk.
 
+``--tier disk`` runs the disk tier's bench instead (``bench/disk.py``).
+
 ``--peers`` also runs Mooncake Store in daemon mode (``bench/mooncake.py``: its master and
 store process, this process as its client, zero-copy calls into its registered buffer) and
 Redis through the same steps, and reports ``get_vs_mooncake``, ``put_vs_mooncake``,
@@ -69,6 +71,11 @@ def chunk_kv(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor, int]
 
 
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    if args.tier == "disk":
+        from chunkstore.bench import disk
+
+        yield from disk.run(args)
+        return
     keys, values, nbytes = chunk_kv(args)
     small_bytes = args.small_bytes
     pool_bytes = max(4 * nbytes + 2 * SMALL * small_bytes, 256 << 20)
@@ -400,6 +407,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--readers", default="", help="reader process counts for aggregate bandwidth, e.g. 1,2,4"
     )
     parser.add_argument("--reader-seconds", type=float, default=3.0, help="seconds per count")
+    parser.add_argument(
+        "--tier",
+        choices=["memory", "disk"],
+        default="memory",
+        help="memory (default): the pool, against memcpy, Redis and (--peers) Mooncake; disk: "
+        "the disk tier's spill and disk hit against dd with O_DIRECT on the same file system "
+        "(bench/disk.py)",
+    )
+    parser.add_argument(
+        "--disk-dir",
+        default="/var/tmp",
+        help="with --tier disk: where the tier's files and dd's go (default /var/tmp; a tmpfs "
+        "measures memory, not a disk)",
+    )
     parser.add_argument(
         "--peers",
         action="store_true",

@@ -15,6 +15,7 @@ a Prometheus scrape does not hold lookups up at 100k entries.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import secrets
@@ -599,6 +600,9 @@ class Index:
             evicted = self.disk.write(entry.key, entry.layout, parts, entry.checksum)
         except DiskError as err:
             failure = err
+        except Exception as err:  # a bug, not the disk: still hand the blocks back
+            failure = DiskError("unexpected failure", OSError(errno.EIO, repr(err)))
+            log.exception("disk tier: writing %s failed", entry.key.hex())
         self.spilled(entry, time.perf_counter() - began, failure, len(evicted))
         return True
 
@@ -664,7 +668,8 @@ class Index:
         stays in memory, counted): a Reserve never waits for the disk."""
         if self.disk is None or entry.spill or entry.key in self.disk:
             return
-        if bounded and self._spill_bytes + entry.nbytes > self.spill_queue_bytes:
+        full = self._spills and self._spill_bytes + entry.nbytes > self.spill_queue_bytes
+        if bounded and full:  # an empty queue takes any entry: a big one spills too
             self.disk_counts["dropped_queue_full"] += 1
             return
         entry.spill = "queued"
