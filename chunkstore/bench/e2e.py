@@ -29,7 +29,9 @@ With ``--prefix`` it times exact prefix sharing of plain prompts (no separator) 
 ``--prefix-tokens`` tokens of context and one more: a second vLLM process loading what a
 first stored (``prefix_store_ttft_s``) against vLLM computing the prompt
 (``prefix_ttft_speedup``) and against vLLM's own prefix cache hit in one process
-(``prefix_hit_vs_apc``: 1 is as fast as a hit that never leaves the process).
+(``prefix_hit_vs_apc``: 1 is as fast as a hit that never leaves the process). With
+``--disk`` too, the daemon keeps a disk tier and is restarted on it after the second process;
+a third loads every prompt from disk (``prefix_disk_ttft_s``, ``disk_hit_speedup``).
 TTFT is the wall time of a one-token generate; each figure is the median over ``--repeats``
 prompts (a different one each, reordered or, for cold ones, with documents not seen before).
 """
@@ -41,10 +43,12 @@ import random
 import re
 import statistics
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from chunkstore.client import ChunkStoreClient
 from chunkstore.kv.segments import find_separators
 from chunkstore.models import WORDS, model_dir
 from chunkstore.processes.daemon import RunningDaemon, memory_dir, start_daemon
@@ -225,11 +229,15 @@ def _slope(args: argparse.Namespace, model: Path, encode: Any, sep: list[int]) -
     }
 
 
-def _daemon(work: Path, pool_bytes: int) -> RunningDaemon:
+def _daemon(work: Path, pool_bytes: int, *flags: str, name: str = "daemon") -> RunningDaemon:
     """The bench's daemon: 1 MiB blocks, its pool in /dev/shm as a deployed daemon's (a
     temporary directory may be a disk's page cache) where that can hold it."""
     return start_daemon(
-        work / "daemon", pool_bytes=pool_bytes, block_size=1 << 20, shm_dir=memory_dir(pool_bytes)
+        work / name,
+        *flags,
+        pool_bytes=pool_bytes,
+        block_size=1 << 20,
+        shm_dir=memory_dir(pool_bytes),
     )
 
 
@@ -264,7 +272,8 @@ def _prefix(args: argparse.Namespace, model: Path, encode: Any) -> dict[str, Any
             )[1:],
             args.repeats,
         )
-        with _daemon(work, 3 << 30) as daemon:
+        tier = ("--disk-dir", str(Path(args.disk_dir or work) / f"tier-{work.name}"))
+        with _daemon(work, 3 << 30, *(tier if args.disk else ())) as daemon:
             connector = {
                 "address": daemon.unix,
                 "load_threads": args.load_threads,
@@ -281,6 +290,11 @@ def _prefix(args: argparse.Namespace, model: Path, encode: Any) -> dict[str, Any
                 max_model_len=max_len,
                 stats=True,
             )[1:]
+        disk = (
+            _from_disk(work, model, [warmup, *prompts], connector, max_len, tier)
+            if args.disk
+            else {}
+        )
         peers = (
             {name: _peer(name, model, [warmup, *prompts], work, max_len) for name in PEERS}
             if args.peers
@@ -333,6 +347,60 @@ def _prefix(args: argparse.Namespace, model: Path, encode: Any) -> dict[str, Any
             a["generated"] == b["generated"] for a, b in zip(loaded, computed, strict=True)
         ),
         **({"peers": _peer_figures(peers, ttft, worst_diff, ttft(loaded))} if peers else {}),
+        **_disk_figures(disk, ttft, worst_diff, ttft(computed), ttft(loaded)),
+    }
+
+
+def _from_disk(
+    work: Path,
+    model: Path,
+    prompts: list[Any],
+    connector: dict[str, Any],
+    max_len: int,
+    tier: tuple[str, str],
+) -> dict[str, Any]:
+    """The daemon stopped (its memory entries written to its disk tier) and started again
+    on the same tier, an empty pool: a third vLLM process loads every prompt from disk."""
+    began = time.monotonic()
+    with _daemon(work, 3 << 30, *tier, name="restarted") as daemon:
+        ready_s = time.monotonic() - began
+        rows = run_probe(
+            model,
+            prompts,
+            work / "third",
+            {**connector, "address": daemon.unix},
+            max_model_len=max_len,
+            stats=True,
+        )[1:]
+        with ChunkStoreClient(daemon.unix) as client:
+            disk = client.stats().disk
+    return {"rows": rows, "ready_s": ready_s, "disk": disk}
+
+
+def _disk_figures(
+    disk: dict[str, Any],
+    ttft: Callable[[list[dict[str, Any]]], float],
+    worst_diff: Callable[[list[dict[str, Any]]], float],
+    computed: float,
+    loaded: float,
+) -> dict[str, Any]:
+    """What ``--disk`` measured: full hits read back from the disk tier after a restart."""
+    if not disk:
+        return {}
+    rows, stats = disk["rows"], disk["disk"]
+    hit_tokens = [int(r["connector"].get("prefix_hit_tokens", 0)) for r in rows]
+    return {
+        "restart_ready_s": round(disk["ready_s"], 2),
+        "disk_entries_at_restart": stats.entries,
+        "disk_promotions": stats.counts["promotions"],
+        "disk_read_gb_s": round(
+            stats.counts["promoted_bytes"] / max(stats.seconds["read"], 1e-9) / 1e9, 2
+        ),
+        "disk_hit_tokens_min": min(hit_tokens),
+        "prefix_disk_ttft_s": round(ttft(rows), 4),
+        "disk_hit_speedup": round(computed / ttft(rows), 2),
+        "disk_vs_memory_hit": round(ttft(rows) / loaded, 3),
+        "disk_worst_logprob_diff": worst_diff(rows),
     }
 
 
@@ -615,6 +683,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=4096,
         help="--prefix: tokens of context each plain prompt holds (4096; whole 256 blocks)",
+    )
+    parser.add_argument(
+        "--disk",
+        action="store_true",
+        help="--prefix: the daemon has a disk tier; after the second process, it is "
+        "restarted on it (memory empty) and a third process loads every prompt from disk "
+        "(disk_hit_speedup: computing over that)",
+    )
+    parser.add_argument(
+        "--disk-dir",
+        default="",
+        help="--disk: where the tier goes (default: the bench's temporary directory)",
     )
     parser.add_argument(
         "--peers",
