@@ -14,10 +14,10 @@ install: $(STAMP) system-deps
 # Programs the tests and benches run for real, from Debian's packages: redis-server,
 # prometheus (with promtool), openssl, systemd-analyze; and the libraries Mooncake's Transfer
 # Engine (the mooncake extra) loads: libibverbs1, libfabric1.
-SYSTEM_PACKAGES := redis-server prometheus openssl systemd libibverbs1 libfabric1
+SYSTEM_PACKAGES := redis-server prometheus openssl systemd libibverbs1 libfabric1 fio
 system-deps:
 	@command -v redis-server >/dev/null && command -v prometheus >/dev/null \
-	  && command -v openssl >/dev/null && command -v systemd-analyze >/dev/null \
+	  && command -v openssl >/dev/null && command -v systemd-analyze >/dev/null && command -v fio >/dev/null \
 	  && /sbin/ldconfig -p | grep -q 'libibverbs.so.1 ' && /sbin/ldconfig -p | grep -q 'libfabric.so.1 ' || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive \

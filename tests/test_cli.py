@@ -165,6 +165,21 @@ def test_bench_store_json(tmp_path: Path) -> None:
     assert rows["store.put"]["shm_ms_p50"] > 0 and rows["store.small_get"]["batch_ms_p50"] > 0
 
 
+def test_bench_store_tier_disk_json(tmp_path: Path) -> None:
+    """The disk tier's bench on a small chunk: every round a disk hit, against the device."""
+    args = ("--tokens", "64", "--layers", "2", "--repeats", "2", "--block-size", "65536")
+    run = chunkstore(
+        "bench", "store", "--json", "--tier", "disk", "--disk-dir", str(tmp_path), *args
+    )
+    assert run.returncode == 0, run.stderr
+    [row] = map(json.loads, run.stdout.splitlines())
+    assert row["bench"] == "store.disk" and row["rounds"] == 2
+    for figure in ("spill_write_gb_s", "disk_hit_read_gb_s", "device_read_gb_s"):
+        assert row[figure] > 0
+    assert row["disk_read_vs_device"] > 0 and row["disk_write_vs_device"] > 0
+    assert not list(tmp_path.iterdir())  # its files went with it
+
+
 def test_bench_store_against_mooncake_store_and_redis() -> None:
     """--peers runs Mooncake Store (its master and store process, for real) and Redis through
     the same steps; every step reports chunkstore's time over Mooncake's."""

@@ -42,7 +42,14 @@ CHUNK_HIT_RATE = PRESENT / len(TOKENS)  # 0.75
 def scraped(tmp_path_factory):
     """A daemon under known traffic, scraped every second by Prometheus with our rules."""
     workdir = tmp_path_factory.mktemp("deploy")
-    daemon = start_daemon(workdir / "daemon", "--node", "node-a", pool_bytes=1 << 20)
+    daemon = start_daemon(
+        workdir / "daemon",
+        "--node",
+        "node-a",
+        "--disk-dir",
+        str(workdir / "disk"),
+        pool_bytes=1 << 20,
+    )
     prometheus = PrometheusServer(workdir / "prometheus", [daemon.ready["metrics"]])
     began = time.time()
     try:

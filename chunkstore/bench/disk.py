@@ -51,14 +51,18 @@ def _device(op: str, path: Path, nbytes: int) -> float:
     """Seconds the device took to ``op`` ("write" or "read") ``nbytes`` at ``path``, by fio
     where it is installed, else dd; direct I/O either way."""
     if shutil.which("fio"):
-        out = subprocess.run(
-            ["fio", f"--name={op}", f"--filename={path}", f"--rw={op}", "--bs=1M",
-             f"--size={nbytes}", "--direct=1", "--ioengine=libaio", "--iodepth=16",
-             "--output-format=json", *(["--end_fsync=1"] if op == "write" else [])],
-            check=True, capture_output=True, text=True,
-        ).stdout  # fmt: skip
-        job = json.loads(out[out.index("{") :])["jobs"][0][op]
-        return float(nbytes / job["bw_bytes"])
+        size = -(-nbytes // 4096) * 4096
+        run = subprocess.run(
+            ["fio", f"--name={op}", f"--filename={path}", f"--rw={op}",
+             f"--bs={min(size, 1 << 20)}", f"--size={size}", "--direct=1", "--ioengine=libaio",
+             "--iodepth=16", "--output-format=json",
+             *(["--end_fsync=1"] if op == "write" else [])],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        if run.returncode:
+            raise RuntimeError(f"fio failed: {run.stderr.strip() or run.stdout.strip()}")
+        job = json.loads(run.stdout[run.stdout.index("{") :])["jobs"][0][op]
+        return float(nbytes / job["bw_bytes"])  # the time the chunk takes at that bandwidth
     count = -(-nbytes // DD_BLOCK)
     if op == "write":
         args = ["if=/dev/zero", f"of={path}", f"count={count}", "oflag=direct", "conv=fdatasync"]
@@ -104,8 +108,15 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     keys, values, nbytes = chunk_kv(args)
     base = Path(args.disk_dir)
     base.mkdir(parents=True, exist_ok=True)
-    # The pool holds one chunk at 90% (under the 95% watermark), never two.
-    pool_bytes = -(-int(nbytes / 0.9) // args.block_size) * args.block_size
+    # The pool holds one chunk at 90% at most (under the 95% watermark), never two.
+    blocks = -(-nbytes // args.block_size)
+    pool_blocks = -(-blocks * 10 // 9)
+    if pool_blocks >= 2 * blocks:
+        raise ValueError(
+            f"a chunk of {blocks} pool block(s) cannot evict another from a pool that holds "
+            "it under the watermark: lower --block-size"
+        )
+    pool_bytes = pool_blocks * args.block_size
     names = ("write", "device_write", "read", "get", "device_read")
     rows: dict[str, list[float]] = {name: [] for name in names}
     dropped = True

@@ -23,6 +23,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,6 +45,8 @@ from chunkstore.protocol.shm import Pieces
 from chunkstore.protocol.wire import MAX_BATCH
 
 log = logging.getLogger(__name__)
+
+DISK_READERS = 4  # disk hits of one Acquire read at once
 
 
 @dataclass
@@ -180,6 +183,7 @@ class Index:
         self._spills_writing = 0
         self._spill_moved = threading.Condition(self.lock)
         self._promoting: dict[bytes, threading.Event] = {}  # disk hits being read in
+        self._disk_readers = ThreadPoolExecutor(DISK_READERS, thread_name_prefix="disk-read")
         self.disk_counts: Counter[str] = Counter()
         self.disk_seconds: dict[str, float] = {"write": 0.0, "read": 0.0}
         self.disk_error = ""
@@ -297,10 +301,16 @@ class Index:
                 self._lease(session_id, entry) if (entry := self._entries.get(key)) else None
                 for key in keys
             ]
-        if self.disk is not None:
-            for i, key in enumerate(keys):
-                if out[i] is None and key in self.disk:
-                    out[i] = self._acquire_from_disk(session_id, key)
+        on_disk = [i for i, key in enumerate(keys) if out[i] is None and key in (self.disk or ())]
+        if len(on_disk) == 1:
+            out[on_disk[0]] = self._acquire_from_disk(session_id, keys[on_disk[0]])
+        elif on_disk:  # several files read at once: the device's queue kept full
+            reads = [
+                self._disk_readers.submit(self._acquire_from_disk, session_id, keys[i])
+                for i in on_disk
+            ]
+            for i, read in zip(on_disk, reads, strict=True):
+                out[i] = read.result()
         return out
 
     def _acquire_from_disk(self, session_id: str, key: bytes) -> tuple[Lease, Entry] | None:

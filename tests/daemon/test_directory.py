@@ -103,3 +103,28 @@ def test_without_redis_the_daemon_serves_alone(serve) -> None:
         assert stored is not None and torch.equal(stored.keys, k)
     eventually(lambda: daemon.scrape()["chunkstore_directory_errors_total"] > 0)
     assert "serving on alone" in daemon.log()
+
+
+def test_an_entry_only_on_a_peers_disk_is_advertised_and_pulled(serve, tmp_path: Path) -> None:
+    """Node a stores a chunk, stops (its pool gone, the entry on its disk tier) and starts
+    again: it still claims the chunk in Redis, and b's pull makes a read it back from disk."""
+    with RedisServer(tmp_path / "redis") as server:
+        cluster = ("--redis", server.url, "--directory-ttl-s", TTL)
+        tier = ("--disk-dir", str(tmp_path / "disk-a"))
+        a = serve("--node", "node-a", *cluster, *tier, name="a-first")
+        k, v = random_kv(12)
+        with ChunkStoreClient(a.unix) as on_a:
+            assert on_a.put(entry_key(1), k, v, virtual_start=5)
+        assert a.stop() == 0
+        a = serve("--node", "node-a", *cluster, *tier, name="a-again")
+        b = serve("--node", "node-b", *cluster, name="node-b")
+        directory = redis.Redis.from_url(server.url, decode_responses=True)
+        eventually(lambda: directory.zscore(directory_key(entry_key(1)), a.tcp) is not None)
+        with ChunkStoreClient(a.unix) as on_a, ChunkStoreClient(b.unix) as on_b:
+            assert on_a.stats().entries == 0  # in a's disk tier only
+            assert on_b.lookup([entry_key(1)]) == [None]  # queues the pull
+            eventually(lambda: on_b.lookup([entry_key(1)])[0] is not None)
+            stored = on_b.get(entry_key(1))
+            assert stored is not None and stored.layout.virtual_start == 5
+            assert torch.equal(stored.keys, k) and torch.equal(stored.values, v)
+            assert on_a.stats().disk.counts["promotions"] == 1
