@@ -240,9 +240,10 @@ def test_bench_pull_json() -> None:
 
 def test_bench_e2e_prefix_on_the_tiny_model() -> None:
     """A second vLLM process loads every context token of plain prompts a first one stored,
-    as vLLM's own prefix cache hit has them, and answers as computing them does."""
+    as vLLM's own prefix cache hit has them, and answers as computing them does; with
+    ``--disk``, a third loads them all from the disk tier of the restarted daemon, alike."""
     run = chunkstore(
-        "bench", "e2e", "--prefix", "--json", "--model", "tiny",
+        "bench", "e2e", "--prefix", "--disk", "--json", "--model", "tiny",
         "--prefix-tokens", "512", "--repeats", "1",
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
@@ -253,6 +254,10 @@ def test_bench_e2e_prefix_on_the_tiny_model() -> None:
     for figure in ("prefix_ttft_speedup", "prefix_hit_vs_apc", "hit_read_ms"):
         assert row[figure] > 0, figure
     assert row["hit_write_ms"] == 0  # whole blocks are read straight into vLLM's cache
+    # Warm-up and timed prompt: 2 x 2 blocks of 256 tokens, all read back from disk.
+    assert row["disk_entries_at_restart"] == row["disk_promotions"] == 4
+    assert row["disk_hit_tokens_min"] == 512 and row["disk_worst_logprob_diff"] < 1e-3
+    assert row["disk_hit_speedup"] > 0
 
 
 def test_a_peer_that_cannot_start_is_reported_with_its_root_cause() -> None:

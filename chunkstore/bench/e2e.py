@@ -393,9 +393,7 @@ def _disk_figures(
         "restart_ready_s": round(disk["ready_s"], 2),
         "disk_entries_at_restart": stats.entries,
         "disk_promotions": stats.counts["promotions"],
-        "disk_read_gb_s": round(
-            stats.counts["promoted_bytes"] / max(stats.seconds["read"], 1e-9) / 1e9, 2
-        ),
+        "disk_promoted_mb": round(stats.counts["promoted_bytes"] / 1e6, 1),
         "disk_hit_tokens_min": min(hit_tokens),
         "prefix_disk_ttft_s": round(ttft(rows), 4),
         "disk_hit_speedup": round(computed / ttft(rows), 2),
