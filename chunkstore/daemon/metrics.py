@@ -76,12 +76,16 @@ class IndexCollector:
             ),
             "draining": ("1 while draining", int(s.draining)),
         }
-        for name, (doc, value) in gauges.items():
-            gauge = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["node"])
-            gauge.add_metric(node, value)
-            yield gauge
+        yield from self._gauges(gauges)
         if s.disk is not None:
             yield from self._disk(s.disk)
+
+    def _gauges(self, gauges: dict[str, tuple[str, int]]) -> Iterator[Metric]:
+        """One gauge per name: (help, value), labelled with the node."""
+        for name, (doc, value) in gauges.items():
+            gauge = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["node"])
+            gauge.add_metric([self.node], value)
+            yield gauge
 
     def _disk(self, d: DiskStats) -> Iterator[Metric]:
         """The disk tier's series (present only with one)."""
@@ -99,10 +103,7 @@ class IndexCollector:
                 d.removed_at_start,
             ),
         }
-        for name, (doc, value) in gauges.items():
-            gauge = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["node"])
-            gauge.add_metric(node, value)
-            yield gauge
+        yield from self._gauges(gauges)
         counts = {
             "disk_spills": ("Entries written to the disk tier", "spills"),
             "disk_spill_bytes": ("Entry bytes written to the disk tier", "spill_bytes"),
@@ -114,31 +115,32 @@ class IndexCollector:
             family = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["node"])
             family.add_metric(node, d.counts.get(field, 0))
             yield family
-        dropped = CounterMetricFamily(
-            f"{PREFIX}_disk_spills_dropped",
-            "Entries never written to disk: the queue was full, or they left memory first",
-            labels=["node", "reason"],
+        labelled: tuple[tuple[str, str, str, dict[str, float]], ...] = (
+            (
+                "disk_spills_dropped",
+                "Entries never written to disk: the queue was full, or they left memory first",
+                "reason",
+                {r: d.counts.get(f"dropped_{r}", 0) for r in ("queue_full", "evicted")},
+            ),
+            (
+                "disk_errors",
+                "Disk tier failures: write (disk full, read-only, I/O), read (checksum, I/O, "
+                "file gone), promote (no room in the pool for a disk hit)",
+                "op",
+                {op: d.counts.get(f"errors_{op}", 0) for op in ("write", "read", "promote")},
+            ),
+            (
+                "disk_seconds",
+                "Seconds spent writing and reading the disk tier (summed over reads at once)",
+                "op",
+                {op: d.seconds.get(op, 0.0) for op in ("write", "read")},
+            ),
         )
-        for reason in ("queue_full", "evicted"):
-            dropped.add_metric([self.node, reason], d.counts.get(f"dropped_{reason}", 0))
-        yield dropped
-        errors = CounterMetricFamily(
-            f"{PREFIX}_disk_errors",
-            "Disk tier failures: write (disk full, read-only, I/O), read (checksum, I/O, "
-            "file gone), promote (no room in the pool for a disk hit)",
-            labels=["node", "op"],
-        )
-        for op in ("write", "read", "promote"):
-            errors.add_metric([self.node, op], d.counts.get(f"errors_{op}", 0))
-        yield errors
-        seconds = CounterMetricFamily(
-            f"{PREFIX}_disk_seconds",
-            "Seconds spent writing and reading the disk tier",
-            labels=["node", "op"],
-        )
-        for op in ("write", "read"):
-            seconds.add_metric([self.node, op], d.seconds.get(op, 0.0))
-        yield seconds
+        for name, doc, label, values in labelled:
+            family = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["node", label])
+            for value_label, value in values.items():
+                family.add_metric([self.node, value_label], value)
+            yield family
 
 
 class _Bound:

@@ -123,10 +123,13 @@ class IndexMachine(RuleBasedStateMachine):
         if got is None:
             return None
         lease, entry = got
+        assert self.bytes_of(entry) == self.written[key]  # every byte read is what was written
+        return lease.id
+
+    def bytes_of(self, entry: Entry) -> bytes:
         out = np.empty(entry.nbytes, np.uint8)
         gather(self.pool.region(), entry.blocks, BLOCK, out)
-        assert out.tobytes() == self.written[key]  # every byte read is what was written
-        return lease.id
+        return out.tobytes()
 
     @rule(lease=consumes(leases))
     def release(self, lease):
@@ -258,13 +261,11 @@ class TieredIndexMachine(IndexMachine):
         if got is None:
             return None
         lease, entry = got
-        out = np.empty(entry.nbytes, np.uint8)
-        gather(self.pool.region(), entry.blocks, BLOCK, out)
         if in_memory:
-            assert out.tobytes() == self.written[key]
+            assert self.bytes_of(entry) == self.written[key]
         else:  # read back from disk: a payload committed for this key, checked
-            assert out.tobytes() in self.history[key]
-            self.written[key] = out.tobytes()
+            assert self.bytes_of(entry) in self.history[key]
+            self.written[key] = self.bytes_of(entry)
         return lease.id
 
     @rule()
