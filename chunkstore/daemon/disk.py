@@ -100,17 +100,28 @@ def decode_header(data: bytes) -> tuple[bytes, EntryLayout, int, int] | None:
 
 class DiskTier:
     """Entries on disk, by key, with an LRU of their own within ``capacity`` bytes (file
-    bytes, headers included; a write takes its room before it starts). At start it finds
+    bytes, headers included; a write takes its room before it starts, and one that leaves
+    the tier past ``high_watermark`` of it evicts down to ``low_watermark``). At start it finds
     what a previous daemon left (oldest first in the LRU, by modification time) and removes
     what cannot be read. The lock guards the index only: files are written and read outside
     it, so a lookup never waits for the disk; a write blocks its caller, so one that must
     not wait (a Reserve) hands it to a thread of its own."""
 
-    def __init__(self, directory: str | Path, capacity: int) -> None:
+    def __init__(
+        self,
+        directory: str | Path,
+        capacity: int,
+        high_watermark: float = 1.0,
+        low_watermark: float = 1.0,
+    ) -> None:
         if capacity < HEADER:
             raise InvalidRequest(f"a disk tier of {capacity} bytes cannot hold one entry")
+        if not 0 < low_watermark <= high_watermark <= 1:
+            raise InvalidRequest("watermarks need 0 < low <= high <= 1")
         self.directory = Path(directory)
         self.capacity = capacity
+        self.high_watermark = high_watermark
+        self.low_watermark = low_watermark
         self.used = 0
         self.removed_at_start: list[Path] = []
         self._entries: OrderedDict[bytes, DiskEntry] = OrderedDict()
@@ -237,6 +248,11 @@ class DiskTier:
         with self._lock:
             self._writing.discard(key)
             self._entries[key] = DiskEntry(key, layout, nbytes, checksum, path)
+            if self.used > self.high_watermark * self.capacity:  # room ahead of the next writes
+                while self.used > self.low_watermark * self.capacity and len(self._entries) > 1:
+                    victim = next(iter(self._entries.values()))
+                    self._drop(victim)
+                    evicted.append(victim.key)
         return evicted
 
     def remove(self, key: bytes) -> bool:

@@ -602,7 +602,13 @@ class Daemon:
     def _open_disk(self) -> DiskTier:
         """The disk tier, with what a previous daemon left in it found again."""
         began = time.monotonic()
-        disk = DiskTier(self.config.disk_dir, self.config.resolved_disk_size())
+        config = self.config
+        disk = DiskTier(
+            config.disk_dir,
+            config.resolved_disk_size(),
+            config.high_watermark,
+            config.low_watermark,
+        )
         log.info(
             "disk tier %s: %d entries, %d of %d bytes, found in %.2f s",
             disk.directory,

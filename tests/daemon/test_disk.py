@@ -220,3 +220,16 @@ def test_a_kill_in_the_middle_of_writes_leaves_nothing_that_reads_wrong(tmp_path
             assert np.array_equal(read(tier, i), body_of(i, 200_000 + 7919 * (i % 50)))
         start = max([start, *written]) + 10
     assert len(tier) > 0
+
+
+def test_past_the_high_watermark_a_write_evicts_down_to_the_low_one(tmp_path) -> None:
+    size = HEADER + 1000
+    tier = DiskTier(tmp_path, 10 * size, high_watermark=0.8, low_watermark=0.5)
+    for i in range(8):
+        assert put(tier, i, 1000) is not None
+    assert len(tier) == 8  # at 80%: not past it
+    put(tier, 8, 1000)  # 90%: down to 50%, the newest kept
+    assert tier.lru_order() == [key_of(i) for i in range(4, 9)] and tier.used == 5 * size
+    assert sorted(p.name for p in tmp_path.glob("*/*")) == sorted(
+        key_of(i).hex() + ".entry" for i in range(4, 9)
+    )

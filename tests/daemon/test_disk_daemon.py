@@ -6,6 +6,7 @@ that never serves a wrong byte. Every read is checked against what its key must 
 from __future__ import annotations
 
 import random
+import shutil
 import signal
 import threading
 import time
@@ -182,3 +183,31 @@ def test_kill_9_during_spills_again_and_again_serves_nothing_wrong(serve, tmp_pa
         assert len(present) > 50 and all(holds(client, i, 20) for i in present)
     assert not list(Path(disk).glob("*/*.tmp-*"))
     print(f"kill -9 x5: {served} entries served after the kills, {swept} torn files swept")
+
+
+def test_a_vanished_disk_directory_leaves_memory_serving(serve, tmp_path) -> None:
+    """The tier's directory is deleted under the daemon (an unmounted or wiped disk): puts
+    and memory hits go on, spills fail and are counted, and an entry whose file went is a
+    miss, never bytes from nowhere."""
+    disk = tmp_path / "disk"
+    daemon = serve("--disk-dir", str(disk), pool_bytes=4 << 20)
+    with ChunkStoreClient(daemon.unix) as client:
+        for i in range(3):
+            assert client.put(entry_key(i), *content(i, 200), virtual_start=0)
+        wait_for(lambda: spilled(client), timeout=30)
+        shutil.rmtree(disk)
+        for i in range(3, 9):  # 600 KiB each: 0, 1 and 2 leave memory
+            assert client.put(entry_key(i), *content(i, 200), virtual_start=0)
+        wait_for(lambda: spilled(client), timeout=30)
+        assert all(holds(client, i, 200) for i in range(6, 9))
+        assert client.lookup([entry_key(0)]) == [200]  # the tier's index still lists it
+        assert client.get(entry_key(0)) is None  # its file is gone: a miss
+        assert client.lookup([entry_key(0)]) == [None]
+        disk_stats = client.stats().disk
+        assert disk_stats.counts["errors_write"] >= 6 and disk_stats.counts["errors_read"] == 1
+        assert (
+            "No such file or directory" in disk_stats.last_error or "gone" in disk_stats.last_error
+        )
+    with grpc.insecure_channel(daemon.tcp) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
