@@ -267,8 +267,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "tls_client_ca": "CA (PEM) that client certificates must chain to: mutual TLS",
         "allow_insecure_remote": "allow a non-loopback TCP address without a token",
         "lease_ttl_s": "seconds a silent client keeps its leases and reservations (30)",
-        "high_watermark": "evict LRU entries once the pool (or the disk tier) is this full "
-        "(0.95)",
+        "high_watermark": "evict LRU entries once the pool (or the disk tier) is this full (0.95)",
         "low_watermark": "... down to this fill (0.85)",
         "verify_commits": "also hash an entry's pool bytes at commit and refuse a mismatch "
         "(false: every read checks the bytes, and a bad entry is evicted at its first read; "
