@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from chunkstore.bench.chunk import chunk_kv
 from chunkstore.client import ChunkStoreClient
 from chunkstore.processes.daemon import start_daemon
 
@@ -103,8 +104,6 @@ def _spilled(client: ChunkStoreClient, count: int, timeout: float = 120.0) -> fl
 
 
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
-    from chunkstore.bench.store import chunk_kv
-
     keys, values, nbytes = chunk_kv(args)
     base = Path(args.disk_dir)
     base.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from chunkstore.bench.store import add_chunk_arguments, chunk_kv
+from chunkstore.bench.chunk import add_chunk_arguments, chunk_kv
 from chunkstore.bench.timing import timed
 from chunkstore.client import ChunkStoreClient
 from chunkstore.daemon.index import Index

@@ -37,6 +37,7 @@ import numpy as np
 import redis
 import torch
 
+from chunkstore.bench.chunk import add_chunk_arguments, chunk_kv
 from chunkstore.bench.scale import read_bandwidth
 from chunkstore.bench.timing import timed
 from chunkstore.client import ChunkStoreClient, as_bytes
@@ -57,17 +58,6 @@ def _percentile(values: list[float], q: float) -> float:
 
 SMALL = 64  # entries of --small-bytes read one at a time, and in one call
 SETTLE_S = 0.01  # the pause before each timed call (_rounds)
-
-
-def chunk_kv(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Seeded keys and values of one chunk in the shape ``add_chunk_arguments`` sets, and
-    their bytes."""
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    shape = (args.layers, args.tokens, args.kv_heads, args.head_dim)
-    generator = torch.Generator().manual_seed(0)
-    keys = torch.randn(shape, generator=generator).to(dtype)
-    values = torch.randn(shape, generator=generator).to(dtype)
-    return keys, values, 2 * keys.numel() * keys.element_size()
 
 
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
@@ -383,16 +373,6 @@ def _readers(daemon: RunningDaemon, args: argparse.Namespace, nbytes: int) -> di
             for n in counts
         },
     }
-
-
-def add_chunk_arguments(parser: argparse.ArgumentParser) -> None:
-    """The chunk a bench moves: SmolLM2's KV shape by default, and the pool's block size."""
-    parser.add_argument("--tokens", type=int, default=4096, help="chunk length (default 4096)")
-    parser.add_argument("--layers", type=int, default=30, help="layers (SmolLM2: 30)")
-    parser.add_argument("--kv-heads", type=int, default=3, help="KV heads (SmolLM2: 3)")
-    parser.add_argument("--head-dim", type=int, default=64, help="head dim (SmolLM2: 64)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--block-size", type=int, default=1 << 20, help="pool block size")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

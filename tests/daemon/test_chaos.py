@@ -146,10 +146,13 @@ def test_chaos_returns_only_right_bytes_and_every_resource(serve, tmp_path: Path
             return held == (0, 0, 0, 1) and not spilling  # 1: the checker's own session
 
         wait_for(settled, timeout=30)
-        present = [i for i in range(KEYS) if checker.lookup([entry_key(i)])[0] is not None]
-        for i in present:
+        for i in range(KEYS):
+            # Looked up and read at once: reading a disk entry back evicts memory ones, and
+            # one the disk lacks (its spill dropped: the queue was full) is then gone.
+            if checker.lookup([entry_key(i)])[0] is None:
+                continue
             got = checker.get(entry_key(i))  # from memory, or read back from disk
-            assert got is not None
+            assert got is not None, i
             k, v = content(i)
             assert torch.equal(got.keys, k) and torch.equal(got.values, v), i
         stats = checker.stats()
