@@ -145,6 +145,7 @@ def _prompts(args: argparse.Namespace, sys_text: str | None) -> Any:
         separator=args.separator,
         isolation=Isolation(getattr(args, "isolation", "sys")),
         virtual_gap=getattr(args, "virtual_gap", 0),
+        cache_salt=getattr(args, "cache_salt", ""),
         chat_template=Path(args.chat_template).read_text() if args.chat_template else None,
     )
 
@@ -431,6 +432,13 @@ def build_parser(bench_arguments: bool = True) -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="as the connector's virtual_gap (default 0): it is part of the chunks' keys",
+    )
+    ingest.add_argument(
+        "--cache-salt",
+        default="",
+        help="vLLM's cache_salt, as the app's requests will carry it: part of every key, so "
+        "only requests with the same salt load these chunks (default: none, the shared "
+        "namespace)",
     )
     ingest.add_argument("--batch-size", type=int, default=8, help="chunks per request (8)")
     ingest.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -24,8 +24,8 @@ from chunkstore.prompts import RagPrompts
 
 
 class Backend(Protocol):
-    def prefill(self, prompts: list[list[int]]) -> None:
-        """Run the prompts through vLLM (one generated token each)."""
+    def prefill(self, prompts: list[list[int]], cache_salt: str = "") -> None:
+        """Run the prompts through vLLM (one generated token each), with ``cache_salt``."""
 
 
 class ServerBackend:
@@ -36,9 +36,15 @@ class ServerBackend:
         self.model = model
         self.timeout = timeout
 
-    def prefill(self, prompts: list[list[int]]) -> None:
+    def prefill(self, prompts: list[list[int]], cache_salt: str = "") -> None:
         body = json.dumps(
-            {"model": self.model, "prompt": prompts, "max_tokens": 1, "temperature": 0.0}
+            {
+                "model": self.model,
+                "prompt": prompts,
+                "max_tokens": 1,
+                "temperature": 0.0,
+                **({"cache_salt": cache_salt} if cache_salt else {}),
+            }
         ).encode()
         request = urllib.request.Request(
             self.url, data=body, headers={"Content-Type": "application/json"}
@@ -53,10 +59,11 @@ class LLMBackend:
     def __init__(self, llm: Any) -> None:
         self.llm = llm
 
-    def prefill(self, prompts: list[list[int]]) -> None:
+    def prefill(self, prompts: list[list[int]], cache_salt: str = "") -> None:
         from vllm import SamplingParams
 
-        batch: Any = [{"prompt_token_ids": p} for p in prompts]
+        salted = {"cache_salt": cache_salt} if cache_salt else {}
+        batch: Any = [{"prompt_token_ids": p, **salted} for p in prompts]
         self.llm.generate(batch, SamplingParams(max_tokens=1), use_tqdm=False)
 
 
@@ -86,10 +93,10 @@ def ingest(
     progress: Callable[[int, int], None] | None = None,
     refused: Callable[[Refused], None] | None = None,
 ) -> IngestSummary:
-    """Store each chunk as ``prompts`` builds it (shape, separator, sys, isolation and gap
-    as the connector and the app see them: they make the keys). A chunk whose tokens would
-    differ in a request (``RagPrompts.check``) is not sent: it counts as failed and
-    ``refused`` hears why."""
+    """Store each chunk as ``prompts`` builds it (shape, separator, sys, isolation, gap and
+    cache salt as the connector and the app see them: they make the keys). A chunk whose
+    tokens would differ in a request (``RagPrompts.check``) is not sent: it counts as failed
+    and ``refused`` hears why."""
     work: list[tuple[bytes, list[int]]] = []  # chunk key, ingest prompt
     summary = IngestSummary(chunks=len(chunks))
     for index, text in enumerate(chunks):
@@ -110,9 +117,9 @@ def ingest(
         sys_ids = prompts.sys_prompt()
         sys_key = prompts.keys(split_prompt(sys_ids, prompts.sep_ids))[0]
         if sys_key is not None and not _present(client, [sys_key])[0]:
-            backend.prefill([sys_ids])
+            backend.prefill([sys_ids], prompts.cache_salt)
     for start in range(0, len(todo), batch_size):
-        backend.prefill([p for _, p in todo[start : start + batch_size]])
+        backend.prefill([p for _, p in todo[start : start + batch_size]], prompts.cache_salt)
         if progress:
             progress(min(start + batch_size, len(todo)), len(todo))
     stored = _present(client, [k for k, _ in todo])

@@ -75,8 +75,8 @@ class RagPrompts:
     ``sys_text`` None in a chat: no system message (the template's default one, if any, is
     the sys segment). ``chat_template``: the template vLLM was started with
     (``--chat-template``), if not the model's own. ``fingerprint``, ``isolation`` and
-    ``virtual_gap`` are the connector's: they key the entries (needed for ``keys`` and
-    ``hits_first`` only).
+    ``virtual_gap`` are the connector's, ``cache_salt`` the requests' (vLLM's): they key the
+    entries (needed for ``keys`` and ``hits_first`` only).
     """
 
     tokenizer: Any
@@ -87,6 +87,7 @@ class RagPrompts:
     isolation: Isolation = Isolation.SYS
     virtual_gap: int = 0
     chat_template: str | None = None  # as vLLM's --chat-template; None: the tokenizer's own
+    cache_salt: str = ""  # the requests' cache_salt: part of every key ("" = shared)
     sep_text: str = field(init=False)  # the separator as text goes in a prompt
     sep_ids: list[int] = field(init=False)
 
@@ -172,7 +173,9 @@ class RagPrompts:
         if self.fingerprint is None:
             raise ValueError("keys need the model's fingerprint (RagPrompts.for_model)")
         fp = self.fingerprint
-        return segment_keys(segments, fp.model_fp, fp.layout_fp, self.isolation, self.virtual_gap)
+        return segment_keys(
+            segments, fp.model_fp, fp.layout_fp, self.isolation, self.virtual_gap, self.cache_salt
+        )
 
     def doc_keys(self, docs: Sequence[str]) -> list[bytes | None]:
         """Each document's entry key as a request holds it (None: it does not segment)."""

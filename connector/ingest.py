@@ -6,7 +6,8 @@ address, separator, isolation mode and model fingerprint come from the LLM's own
     summary = ingest_with_llm(llm, chunks, sys_text="You answer from the documents.")
 
 ``chat=True`` stores the chunks as chat requests hold them (the model's chat template, the
-chunks in the user message: ``chunkstore.prompts``).
+chunks in the user message: ``chunkstore.prompts``); ``cache_salt`` stores them for the
+requests that carry that salt, and for no other.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def ingest_with_llm(
     batch_size: int = 8,
     progress: Callable[[int, int], None] | None = None,
     chat: bool = False,
+    cache_salt: str = "",
 ) -> IngestSummary:
     vllm_config = llm.llm_engine.vllm_config
     transfer = vllm_config.kv_transfer_config
@@ -44,6 +46,7 @@ def ingest_with_llm(
         fingerprint=keys.fingerprint,
         isolation=config.isolation_mode,
         virtual_gap=config.virtual_gap,
+        cache_salt=cache_salt,
     )
     with ChunkStoreClient(config.daemon_address, token=config.token or None) as client:
         return ingest(LLMBackend(llm), client, prompts, chunks, batch_size, progress)

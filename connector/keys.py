@@ -53,14 +53,16 @@ class ModelKeys:
     def segments(self, token_ids: list[int]) -> list[Segment]:
         return split_prompt(token_ids, self.separator)
 
-    def plan(self, segments: list[Segment]) -> list[SegmentPlan]:
-        """The cacheable segments of a prompt (sys and chunks), with their keys, in order."""
+    def plan(self, segments: list[Segment], salt: str = "") -> list[SegmentPlan]:
+        """The cacheable segments of a prompt (sys and chunks), with their keys, in order
+        (``salt``: the request's ``cache_salt``, part of every key)."""
         keys = segment_keys(
             segments,
             self.model_fp,
             self.layout_fp,
             self.config.isolation_mode,
             self.config.virtual_gap,
+            salt,
         )
         return [
             SegmentPlan(seg, key)

@@ -177,10 +177,11 @@ class SchedulerSide:
             prompt = list(request.prompt_token_ids or [])
             segments = self.keys.segments(prompt)
             tracked = None
+            salt = getattr(request, "cache_salt", None) or ""
             if segments and segments[0].kind is SegmentKind.SYS:  # a separator: chunked
                 self.stats.add("chunked_prompts")
                 causal = causal_start(segments)
-                plans = self.keys.plan(segments)
+                plans = self.keys.plan(segments, salt)
                 cacheable = [
                     plan
                     for plan in plans
@@ -197,7 +198,6 @@ class SchedulerSide:
             else:
                 self.stats.add("unchunked_prompts")
                 if segments and self.prefix_tokens:
-                    salt = getattr(request, "cache_salt", None) or ""
                     size = self.prefix_tokens
                     tracked = Tracked(
                         segments,

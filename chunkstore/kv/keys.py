@@ -85,19 +85,30 @@ def chunk_context_key(sys_key: bytes, virtual_gap: int) -> bytes:
     return _digest(b"gap", [sys_key, str(virtual_gap).encode()])
 
 
+def salt_context(salt: str) -> bytes:
+    """The context key of what attends to nothing before it (sys; a chunk in ``isolation:
+    none``): empty, the shared namespace, without a salt; a key of the salt with one
+    (vLLM's per-request ``cache_salt``: requests with different salts never share)."""
+    return _digest(b"salt", [salt.encode()]) if salt else b""
+
+
 def segment_keys(
     segments: Sequence[Segment],
     model_fp: bytes,
     layout_fp: bytes,
     isolation: Isolation,
     virtual_gap: int = 0,
+    salt: str = "",
 ) -> list[bytes | None]:
     """Keys of a prompt's segments, in order; None for the question, which is never cached.
 
     The sys segment attends to nothing before it. A chunk's context is the sys segment in
     ``isolation: sys`` (a chunk computed under one system prompt, or at another distance from
-    it, is never served under another) and nothing in ``isolation: none``.
+    it, is never served under another) and nothing in ``isolation: none``. ``salt`` is part
+    of every key (through sys's, or a chunk's own in ``isolation: none``); "" keys as before
+    salts existed.
     """
+    root = salt_context(salt)
     sys_key = b""
     keys: list[bytes | None] = []
     for seg in segments:
@@ -105,11 +116,11 @@ def segment_keys(
             keys.append(None)
             continue
         if seg.kind is SegmentKind.SYS:
-            context = b""
+            context = root
         elif isolation is Isolation.SYS:
             context = chunk_context_key(sys_key, virtual_gap)
         else:
-            context = b""
+            context = root
         key = segment_key(model_fp, layout_fp, context, seg.token_ids)
         if seg.kind is SegmentKind.SYS:
             sys_key = key

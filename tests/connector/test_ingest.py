@@ -105,10 +105,41 @@ def test_ingest_through_vllm_serve_then_a_rag_request_hits(tiny_model_dir, serve
         openai.completions.create(model=server.model, prompt="No separator here", max_tokens=1)
         server.wait_for_counters({"chunked_prompts": 5, "unchunked_prompts": 1})
         assert after["load_seconds"] > ingested["load_seconds"]
+        check_cache_salts(server, daemon, corpus, tiny_model_dir, DOCS[::-1], question)
         rag = prompts.token_ids(DOCS[::-1], question)
         check_connector_dashboard_and_rules(tmp_path, server, daemon, rag)
     finally:
         server.stop()
+
+
+def check_cache_salts(server, daemon, corpus, model, docs: list[str], question: str) -> None:
+    """vLLM's cache_salt keys every entry: chunks ingested with --cache-salt alice are
+    loaded by alice's request and by no other's: bob's finds nothing (its hits are a cold
+    request's), though the same chunks are stored unsalted too, and what bob's request
+    stored is bob's alone (carol finds nothing either)."""
+    run = chunkstore(
+        "ingest", corpus, "--model", model, "--server", server.url, "--sys", SYS,
+        "--address", daemon.unix, "--cache-salt", "alice", "--quiet", timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["stored"] == len(docs)  # new keys: nothing was present
+    prompts = RagPrompts.for_model(model, SYS)
+    text = prompts.text(docs, question)
+    context = prompts.segments(docs, question)[-1].start  # every token but the question's
+    openai = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    with ChunkStoreClient(daemon.unix) as client:
+        for salt, hit in (("bob", 0), ("alice", context), ("carol", 0)):
+            before = client.stats().hit_tokens
+            openai.completions.create(
+                model=server.model,
+                prompt=text,
+                max_tokens=1,
+                temperature=0.0,
+                extra_body={"cache_salt": salt},
+            )
+            assert client.stats().hit_tokens - before == hit, salt
+        alice = RagPrompts.for_model(model, SYS, cache_salt="alice")
+        assert all(n is not None for n in client.lookup(alice.doc_keys(docs)))  # type: ignore[arg-type]
 
 
 LLM_INGEST = """

@@ -55,6 +55,24 @@ def test_different_sys_context_gives_different_chunk_keys() -> None:
     assert a[(5, 5, 0)] == b[(5, 5, 0)]
 
 
+def test_a_cache_salt_is_part_of_every_chunk_and_sys_key() -> None:
+    """vLLM's cache_salt: no key of one salt is a key of another, or of the shared
+    namespace; the same salt gives the same keys; no salt gives the keys of before salts."""
+    prompt = [1, 2, 0, 5, 5, 0, 7, 0, 9]
+    segs = split_prompt(prompt, SEP)
+    for isolation in Isolation:
+
+        def salted(salt: str) -> set[bytes]:
+            keys = segment_keys(segs, MODEL, LAYOUT, isolation, 0, salt)  # noqa: B023
+            return {k for k in keys if k}
+
+        shared, alice, bob = salted(""), salted("alice"), salted("bob")
+        assert len(shared) == len(alice) == len(bob) == 3  # sys and two chunks
+        assert not (shared & alice or shared & bob or alice & bob)
+        assert salted("alice") == alice
+        assert shared == {k for k in keys_of(prompt, isolation).values() if k}
+
+
 def test_isolation_mode_model_and_layout_change_the_key() -> None:
     prompt = [1, 2, 0, 5, 5, 0, 9]
     base = keys_of(prompt)[(5, 5, 0)]
