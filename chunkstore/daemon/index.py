@@ -7,6 +7,11 @@ LRU by bytes: on demand when a reservation needs room, and down to the low water
 usage passes the high one. The index owns entries; the pool owns bytes and free blocks; one
 lock serializes both.
 
+With a disk tier (``disk.py``) every commit also queues the entry for the daemon's spill
+thread (``spill_one``), which holds its blocks while it writes them (an entry being written
+is not evictable, as a leased one); a memory miss the tier holds is read back into new
+blocks and committed (``_acquire_from_disk``). Disk I/O never runs under the lock.
+
 Every operation costs the same whatever the index holds: the eviction order holds only
 evictable entries (pinned and leased ones leave it, and return when they become evictable
 again), and what ``stats`` reports is counted as it changes, never by walking the entries, so
@@ -301,7 +306,9 @@ class Index:
                 self._lease(session_id, entry) if (entry := self._entries.get(key)) else None
                 for key in keys
             ]
-        on_disk = [i for i, key in enumerate(keys) if out[i] is None and key in (self.disk or ())]
+        disk = self.disk
+        missed = [i for i, got in enumerate(out) if got is None]
+        on_disk = [i for i in missed if keys[i] in disk] if disk is not None else []
         if len(on_disk) == 1:
             out[on_disk[0]] = self._acquire_from_disk(session_id, keys[on_disk[0]])
         elif on_disk:  # several files read at once: the device's queue kept full
