@@ -363,9 +363,7 @@ class Index:
             self.disk_counts["promotions"] += 1
             self.disk_counts["promoted_bytes"] += found.nbytes
             entry = Entry(key, found.layout, found.nbytes, blocks, found.checksum)
-            self._entries[key] = entry
-            self._held_by_kind(entry, 1)
-            self._place(entry)
+            self._add(entry)
             leased = self._lease(session_id, entry)
             self._evict_to_watermark()
             return leased
@@ -477,10 +475,7 @@ class Index:
                 reservation.blocks,
                 claimed_checksum,
             )
-            self._entries[entry.key] = entry
-            self._held_by_kind(entry, 1)
-            self._place(entry)
-            self._queue_spill(entry)
+            self._add(entry)
             self._evict_to_watermark()
             return entry
 
@@ -826,6 +821,14 @@ class Index:
             if victim is None:
                 return
             self._evict(victim, "watermark")
+
+    def _add(self, entry: Entry) -> None:
+        """A committed entry into the index, the eviction order and (if the disk tier lacks
+        it) the spill queue."""
+        self._entries[entry.key] = entry
+        self._held_by_kind(entry, 1)
+        self._place(entry)
+        self._queue_spill(entry)
 
     def _held_by_kind(self, entry: Entry, sign: int) -> None:
         """Entries and bytes by kind, kept as entries come and go (stats never walk them)."""
