@@ -102,6 +102,17 @@ def _keys(hex_keys: list[str]) -> list[bytes]:
         raise SystemExit(f"keys are hex strings: {err}") from None
 
 
+def _hash_token(args: argparse.Namespace) -> int:
+    from chunkstore.daemon.tenants import hash_token
+
+    token = sys.stdin.readline().strip()
+    if not token:
+        print("chunkstore hash-token: no token on stdin", file=sys.stderr)
+        return 2
+    print(hash_token(token))
+    return 0
+
+
 def _admin(args: argparse.Namespace) -> int:
     from google.protobuf.json_format import MessageToDict
 
@@ -112,11 +123,11 @@ def _admin(args: argparse.Namespace) -> int:
             if args.command == "stats":
                 reply: Any = client.stats()
             elif args.command == "evict":
-                reply = client.evict(_keys(args.keys))
+                reply = client.evict(_keys(args.keys), args.tenant)
             elif args.command == "clear":
                 reply = client.clear()
             elif args.command in ("pin", "unpin"):
-                changed = getattr(client, args.command)(_keys(args.keys))
+                changed = getattr(client, args.command)(_keys(args.keys), args.tenant)
                 reply = {"changed": changed}
             elif args.command == "undrain":
                 reply = {"was_draining": client.undrain()}
@@ -396,6 +407,11 @@ def build_parser(bench_arguments: bool = True) -> argparse.ArgumentParser:
         sub.add_argument("--json", action="store_true", help="one line of JSON")
         if verb in ("evict", "pin", "unpin"):
             sub.add_argument("keys", nargs="+", help="entry keys, hex")
+            sub.add_argument(
+                "--tenant",
+                default="",
+                help="whose keys, as the tenants file names them (default: the shared namespace)",
+            )
         if verb == "drain":
             sub.add_argument(
                 "--timeout", type=float, default=10.0, help="seconds to wait for leases"
@@ -443,6 +459,14 @@ def build_parser(bench_arguments: bool = True) -> argparse.ArgumentParser:
     ingest.add_argument("--batch-size", type=int, default=8, help="chunks per request (8)")
     ingest.add_argument("--quiet", action="store_true", help="no progress bar")
     ingest.set_defaults(func=_ingest)
+
+    hashed = commands.add_parser(
+        "hash-token",
+        help="print the sha256 a tenants file holds for a bearer token (read from stdin)",
+        description="Read a bearer token from stdin (one line) and print the token_sha256 "
+        "a tenants file (serve --tenants) holds for it: the file never holds the token.",
+    )
+    hashed.set_defaults(func=_hash_token)
 
     check = commands.add_parser(
         "check-separator",

@@ -418,10 +418,12 @@ class ChunkStoreClient:
 
     # Admin calls take any number of keys: they go in calls of MAX_BATCH keys each.
 
-    def evict(self, keys: Sequence[bytes]) -> pb.EvictReply:
+    # ``tenant``: whose keys they are ("": the shared namespace's; tenants.py).
+
+    def evict(self, keys: Sequence[bytes], tenant: str = "") -> pb.EvictReply:
         total = pb.EvictReply()
         for batch in _batches(keys):
-            reply = self._call(self.stub.Evict, pb.EvictRequest(keys=batch))
+            reply = self._call(self.stub.Evict, pb.EvictRequest(keys=batch, tenant=tenant))
             total.evicted += reply.evicted
             total.busy += reply.busy
         return total
@@ -429,17 +431,18 @@ class ChunkStoreClient:
     def clear(self) -> pb.ClearReply:
         return self._call(self.stub.Clear, pb.ClearRequest())
 
-    def pin(self, keys: Sequence[bytes]) -> int:
+    def pin(self, keys: Sequence[bytes], tenant: str = "") -> int:
         """Pin entries; each call of MAX_BATCH keys is all or nothing (NotFound)."""
-        return self._set_pinned(self.stub.Pin, keys)
+        return self._set_pinned(self.stub.Pin, keys, tenant)
 
-    def unpin(self, keys: Sequence[bytes]) -> int:
-        return self._set_pinned(self.stub.Unpin, keys)
+    def unpin(self, keys: Sequence[bytes], tenant: str = "") -> int:
+        return self._set_pinned(self.stub.Unpin, keys, tenant)
 
-    def _set_pinned(self, method: Any, keys: Sequence[bytes]) -> int:
+    def _set_pinned(self, method: Any, keys: Sequence[bytes], tenant: str) -> int:
         """Entries whose pin changed, over calls of MAX_BATCH keys."""
         return sum(
-            int(self._call(method, pb.PinRequest(keys=batch)).changed) for batch in _batches(keys)
+            int(self._call(method, pb.PinRequest(keys=batch, tenant=tenant)).changed)
+            for batch in _batches(keys)
         )
 
     def undrain(self) -> bool:

@@ -34,6 +34,7 @@ class ServeConfig:
     group_access: bool = False  # socket and pool readable by the daemon's group too
     token: str = ""  # bearer token every client must send
     admin_token: str = ""  # bearer token admin calls need (Evict, Clear, Pin, Drain, ...)
+    tenants: str = ""  # tenants file (tenants.py): a token per tenant, quotas, reserved shares
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""  # set: clients must present a certificate it signed (mutual TLS)
@@ -64,7 +65,8 @@ class ServeConfig:
 
     def validate(self) -> None:
         remote = self.tcp and not _is_loopback(self.tcp)
-        if remote and not self.token and not self.allow_insecure_remote:
+        guarded = self.token or self.tenants
+        if remote and not guarded and not self.allow_insecure_remote:
             raise InvalidRequest(
                 f"refusing to listen on {self.tcp} without a token: anyone who reaches "
                 "it could read and write KV. Set --token (and TLS), or pass "
@@ -72,9 +74,14 @@ class ServeConfig:
             )
         if self.max_sessions < 1 or self.max_transfers < 1:
             raise InvalidRequest("--max-sessions and --max-transfers must be at least 1")
-        if self.redis and self.token and not self.peer_token:
+        if self.tenants and self.peer_token and self.peer_token in (self.token, self.admin_token):
             raise InvalidRequest(
-                "the cluster directory (--redis) with --token needs --peer-token: the "
+                "with --tenants, --peer-token must differ from --token and --admin-token: a "
+                "peer reads every tenant's namespace, a client only the shared one"
+            )
+        if self.redis and guarded and not self.peer_token:
+            raise InvalidRequest(
+                "the cluster directory (--redis) with --token or --tenants needs --peer-token: the "
                 "credential daemons pull from each other with (read calls only). The client "
                 "token is never sent to peers."
             )
@@ -258,7 +265,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "tcp": "TCP address ('' disables; default 127.0.0.1:50551; port 0 picks one)",
         "metrics": "Prometheus /metrics address ('' disables; default 127.0.0.1:9477)",
         "group_access": "let the daemon's group use the socket and the pool (default: user only)",
-        "token": "bearer token clients must send (required beyond loopback)",
+        "token": "bearer token clients must send (required beyond loopback, unless --tenants)",
+        "tenants": "a TOML file of tenants: each one's token (sha256), byte quota, reserved "
+        "share and access to the shared namespace (docs/tenants.md). A tenant's token reads and "
+        "writes its own namespace only; --token's clients use the shared one. Reloaded on SIGHUP",
         "admin_token": "bearer token the admin calls (evict, clear, pin, unpin, drain, undrain) "
         "need; it is good for every other call too. With --token set and no admin token, admin "
         "calls are refused",

@@ -57,7 +57,8 @@ class Directory:
         self.index = index
         self.metrics = metrics
         self._published: set[bytes] = set()
-        self._wanted: queue.Queue[bytes] = queue.Queue(QUEUE_LIMIT)
+        # Keys missed here, with the tenant whose namespace each is in.
+        self._wanted: queue.Queue[tuple[bytes, str]] = queue.Queue(QUEUE_LIMIT)
         self._queued: set[bytes] = set()
         self._lock = threading.Lock()
         self._down = False
@@ -110,26 +111,27 @@ class Directory:
 
     # Fetching --------------------------------------------------------------------------
 
-    def want(self, keys: Sequence[bytes]) -> None:
-        """Local misses: pull them from a peer in the background if the directory knows one."""
+    def want(self, keys: Sequence[bytes], tenant: str = "") -> None:
+        """Local misses of ``tenant``'s keys: pull them from a peer in the background if the
+        directory knows one."""
         with self._lock:
             for key in keys:
                 if key in self._queued:
                     continue
                 try:
-                    self._wanted.put_nowait(key)
+                    self._wanted.put_nowait((key, tenant))
                 except queue.Full:
                     return
                 self._queued.add(key)
 
     def _fetch_step(self) -> None:
         try:
-            key = self._wanted.get(timeout=0.2)
+            key, tenant = self._wanted.get(timeout=0.2)
         except queue.Empty:
             return
         result = "failed"  # unless it ends otherwise: an unexpected error is a failed fetch
         try:
-            result = self._fetch(key)
+            result = self._fetch(key, tenant)
         except (ChunkStoreError, redis.RedisError) as err:
             self._trouble(f"fetching {key.hex()[:12]} failed: {err}")
         finally:
@@ -137,7 +139,7 @@ class Directory:
             with self._lock:
                 self._queued.discard(key)
 
-    def _fetch(self, key: bytes) -> str:
+    def _fetch(self, key: bytes, tenant: str) -> str:
         """Pull one key from a peer that claims it: "ok", "present" (stored here meanwhile),
         "absent" (no live peer has it) or "failed" (peers had it but could not serve it)."""
         if self.index.lookup([key])[0] is not None:
@@ -145,7 +147,7 @@ class Directory:
         result = "absent"
         for peer in self.holders(key):
             try:
-                pulled = self.peers.pull(peer, key, self.index)  # checksum-verified
+                pulled = self.peers.pull(peer, key, self.index, tenant)  # checksum-verified
             except ChunkStoreError as err:
                 log.warning("pulling %s from %s failed: %s", key.hex()[:12], peer, err)
                 result = "failed"

@@ -65,23 +65,34 @@ class DiskEntry:
     nbytes: int
     checksum: int
     path: Path
+    tenant: str = ""  # whose namespace (tenants.py); "" shared
 
     @property
     def file_bytes(self) -> int:
         return HEADER + self.nbytes
 
 
-def encode_header(key: bytes, layout: EntryLayout, nbytes: int, checksum: int) -> bytes:
+def encode_header(
+    key: bytes, layout: EntryLayout, nbytes: int, checksum: int, tenant: str = ""
+) -> bytes:
+    """The fixed fields, the layout (length-prefixed), the tenant's name where it has one
+    (length-prefixed: a header without it is the shared namespace's), and their digest."""
     body = layout_to_proto(layout).SerializeToString()
-    length = _FIXED.size + 4 + len(body) + 8
+    if tenant:
+        name = tenant.encode()
+        body = struct.pack("<I", len(body)) + body + struct.pack("<I", len(name)) + name
+    else:
+        body = struct.pack("<I", len(body)) + body
+    length = _FIXED.size + len(body) + 8
     if length > HEADER:
         raise InvalidRequest(f"an entry layout of {len(body)} bytes does not fit a disk header")
-    head = _FIXED.pack(MAGIC, length, key, nbytes, checksum) + struct.pack("<I", len(body)) + body
+    head = _FIXED.pack(MAGIC, length, key, nbytes, checksum) + body
     return (head + xxhash.xxh3_64_digest(head)).ljust(HEADER, b"\0")
 
 
-def decode_header(data: bytes) -> tuple[bytes, EntryLayout, int, int] | None:
-    """(key, layout, nbytes, checksum), or None where the header is not a whole one."""
+def decode_header(data: bytes) -> tuple[bytes, EntryLayout, int, int, str] | None:
+    """(key, layout, nbytes, checksum, tenant), or None where the header is not a whole
+    one."""
     if len(data) < _FIXED.size + 12 or not data.startswith(MAGIC):
         return None
     _, length, key, nbytes, checksum = _FIXED.unpack_from(data)
@@ -91,11 +102,18 @@ def decode_header(data: bytes) -> tuple[bytes, EntryLayout, int, int] | None:
     if xxhash.xxh3_64_digest(head) != digest:
         return None
     (size,) = struct.unpack_from("<I", data, _FIXED.size)
-    if _FIXED.size + 4 + size != len(head):
+    end = _FIXED.size + 4 + size
+    tenant = ""
+    if end + 4 <= len(head):
+        (name,) = struct.unpack_from("<I", head, end)
+        if end + 4 + name != len(head):
+            return None
+        tenant = head[end + 4 :].decode(errors="replace")
+    elif end != len(head):
         return None
     msg = pb.EntryLayout()
-    msg.ParseFromString(head[_FIXED.size + 4 :])
-    return key, layout_from_proto(msg), nbytes, checksum
+    msg.ParseFromString(head[_FIXED.size + 4 : end])
+    return key, layout_from_proto(msg), nbytes, checksum, tenant
 
 
 class DiskTier:
@@ -159,10 +177,10 @@ class DiskTier:
         decoded = decode_header(header)
         if decoded is None:
             return None
-        key, layout, nbytes, checksum = decoded
+        key, layout, nbytes, checksum, tenant = decoded
         if size != HEADER + nbytes or path != self._path(key):
             return None
-        return DiskEntry(key, layout, nbytes, checksum, path)
+        return DiskEntry(key, layout, nbytes, checksum, path, tenant)
 
     def _remove_leftover(self, path: Path) -> None:
         try:
@@ -208,8 +226,9 @@ class DiskTier:
         layout: EntryLayout,
         parts: Sequence[np.ndarray],
         checksum: int,
+        tenant: str = "",
     ) -> list[bytes]:
-        """Store an entry whose bytes are ``parts`` (uint8 arrays, in order: e.g. its pool
+        """Store ``tenant``'s entry whose bytes are ``parts`` (uint8 arrays, in order: e.g. its pool
         blocks), evicting this tier's least recently used entries for room first; the keys
         it evicted. The bytes are not hashed here: ``checksum`` is the pool's, checked on
         every read. An entry the tier holds, or is writing, is left as it is. The file is
@@ -236,7 +255,8 @@ class DiskTier:
         temporary = path.with_name(f"{path.name}.tmp-{secrets.token_hex(4)}")
         try:
             path.parent.mkdir(exist_ok=True)
-            _write_file(temporary, encode_header(key, layout, nbytes, checksum), parts)
+            header = encode_header(key, layout, nbytes, checksum, tenant)
+            _write_file(temporary, header, parts)
             os.rename(temporary, path)
         except OSError as err:
             with contextlib.suppress(OSError):
@@ -247,7 +267,7 @@ class DiskTier:
             raise DiskError(f"cannot write {path.name}", err) from err
         with self._lock:
             self._writing.discard(key)
-            self._entries[key] = DiskEntry(key, layout, nbytes, checksum, path)
+            self._entries[key] = DiskEntry(key, layout, nbytes, checksum, path, tenant)
             if self.used > self.high_watermark * self.capacity:  # room ahead of the next writes
                 while self.used > self.low_watermark * self.capacity and len(self._entries) > 1:
                     victim = next(iter(self._entries.values()))

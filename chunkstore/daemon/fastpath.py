@@ -36,6 +36,12 @@ class _Aborted(Exception):
 class _Context:
     """What the service methods ask of a gRPC context, for a fast-path call."""
 
+    def __init__(self, bearer: str | None) -> None:
+        self.bearer = bearer
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", self.bearer),) if self.bearer else ()
+
     def abort(self, code: grpc.StatusCode, details: str) -> None:
         raise _Aborted(code, details)
 
@@ -130,7 +136,7 @@ class FastPath:
             self._refuse(conn, grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {err}")
             return False
         try:
-            reply = getattr(self.service, name)(request, _Context())
+            reply = getattr(self.service, name)(request, _Context(bearer))
         except _Aborted as err:
             self._reply_error(conn, err.code, err.details)
             return True

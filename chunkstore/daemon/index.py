@@ -65,6 +65,8 @@ class Entry:
     leases: int = 0
     evicted: bool = False  # out of the index; its blocks go when its last lease does
     spill: str = ""  # "queued" or "writing" to the disk tier; while writing, blocks stay
+    tenant: str = ""  # whose namespace it is in ("" shared; tenants.py)
+    age: int = 0  # when it last became evictable: the eviction order across tenants
 
 
 @dataclass
@@ -77,6 +79,7 @@ class Reservation:
     blocks: list[int]
     expires_at: float
     written: int = 0  # bytes streamed in so far (stream writes only)
+    tenant: str = ""
 
 
 @dataclass
@@ -92,6 +95,7 @@ class Session:
     id: str
     name: str
     last_seen: float
+    owner: str = ""  # whose calls may use it (tenants.Caller.owner)
     leases: set[int] = field(default_factory=set)
     reservations: set[int] = field(default_factory=set)
     streams: int = 0  # open heartbeat streams: while one is, the client process lives
@@ -122,6 +126,18 @@ class IndexStats:
     # By entry kind (chunk, prefix): lookups, hits, lookup_tokens, hit_tokens, entries, bytes.
     kinds: dict[str, dict[str, int]] = field(default_factory=dict)
     disk: DiskStats | None = None  # None: no disk tier
+    # By tenant ("" the shared namespace): entries, bytes, held_bytes, quota_bytes,
+    # reserved_bytes, lookups, hits, lookup_tokens, hit_tokens, evictions.
+    tenants: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What one tenant's entries and reservations may hold of the pool (``quota``, 0: no
+    limit), and how much of that is never evicted for another tenant (``reserved``)."""
+
+    quota: int = 0
+    reserved: int = 0
 
 
 @dataclass
@@ -166,9 +182,15 @@ class Index:
         self.lock = threading.RLock()
         self.draining = False
         self._entries: dict[bytes, Entry] = {}
-        # The evictable entries (neither pinned nor leased), least recently used first.
-        self._lru: OrderedDict[bytes, Entry] = OrderedDict()
-        self._evictable_blocks = 0  # blocks of the entries in _lru
+        # The evictable entries (neither pinned nor leased), by tenant, least recently used
+        # first; ``Entry.age`` orders the tenants' oldest against each other.
+        self._lru: dict[str, OrderedDict[bytes, Entry]] = {}
+        self._evictable: Counter[str] = Counter()  # blocks of the entries in _lru, by tenant
+        self._ages = itertools.count(1)
+        # Tenants: blocks held (entries and reservations), budgets, counts (tenants.py).
+        self._held: Counter[str] = Counter()
+        self.budgets: dict[str, Budget] = {}
+        self._tenant_counts: dict[str, Counter[str]] = {"": Counter()}
         self._pinned = 0
         self._quarantined_blocks = 0
         self._reservations: dict[int, Reservation] = {}
@@ -195,7 +217,9 @@ class Index:
 
     # Sessions -----------------------------------------------------------------------------
 
-    def open_session(self, name: str) -> str:
+    def open_session(self, name: str, owner: str = "") -> str:
+        """A new session; only calls whose caller is ``owner`` may use it (the server
+        checks, ``session_owner``)."""
         with self.lock:
             if len(self._sessions) >= self.max_sessions:
                 raise Busy(
@@ -203,8 +227,14 @@ class Index:
                     "close idle clients or raise --max-sessions"
                 )
             session_id = secrets.token_hex(8)
-            self._sessions[session_id] = Session(session_id, name, self.clock())
+            self._sessions[session_id] = Session(session_id, name, self.clock(), owner=owner)
             return session_id
+
+    def session_owner(self, session_id: str) -> str | None:
+        """Who may use the session (None: there is none)."""
+        with self.lock:
+            session = self._sessions.get(session_id)
+            return None if session is None else session.owner
 
     def attach_stream(self, session_id: str, holds_pool: bool = False) -> None:
         """A heartbeat stream opened: the session's process is alive until it closes (then
@@ -279,14 +309,19 @@ class Index:
         return found
 
     def count_hits(
-        self, found: Sequence[bool], num_tokens: Sequence[int] = (), entry_kind: str = "chunk"
+        self,
+        found: Sequence[bool],
+        num_tokens: Sequence[int] = (),
+        entry_kind: str = "chunk",
+        tenant: str = "",
     ) -> None:
         """Count a client's lookup of ``entry_kind`` entries: keys looked up and found, and,
         when the client sent each key's token count, tokens looked up and found (hit rate
-        by tokens); in all and by kind."""
+        by tokens); in all, by kind and by the caller's tenant."""
         check_entry_kind(entry_kind)
         with self.lock:
-            for counts in (self._counts, self._kind_counts[entry_kind]):
+            by_tenant = self._tenant_counts.setdefault(tenant, Counter())
+            for counts in (self._counts, self._kind_counts[entry_kind], by_tenant):
                 counts["lookups"] += len(found)
                 counts["hits"] += sum(found)
                 if num_tokens:
@@ -295,32 +330,39 @@ class Index:
                         n for n, hit in zip(num_tokens, found, strict=True) if hit
                     )
 
-    def acquire(self, session_id: str, keys: Sequence[bytes]) -> list[tuple[Lease, Entry] | None]:
-        """A lease on each key's entry, None where it has none. A key only the disk tier
-        holds is read back into the pool first (``_acquire_from_disk``)."""
+    def acquire(
+        self, session_id: str, keys: Sequence[bytes], tenant: str = ""
+    ) -> list[tuple[Lease, Entry] | None]:
+        """A lease on each key's entry of ``tenant``, None where it has none. A key only the
+        disk tier holds is read back into the pool first (``_acquire_from_disk``), as
+        ``tenant``'s."""
         self._check_keys(keys)
         with self.lock:
             self._refuse_if_draining()
             self._session(session_id)
             out = [
-                self._lease(session_id, entry) if (entry := self._entries.get(key)) else None
+                self._lease(session_id, entry)
+                if (entry := self._entries.get(key)) and entry.tenant == tenant
+                else None
                 for key in keys
             ]
         disk = self.disk
         missed = [i for i, got in enumerate(out) if got is None]
         on_disk = [i for i in missed if keys[i] in disk] if disk is not None else []
         if len(on_disk) == 1:
-            out[on_disk[0]] = self._acquire_from_disk(session_id, keys[on_disk[0]])
+            out[on_disk[0]] = self._acquire_from_disk(session_id, keys[on_disk[0]], tenant)
         elif on_disk:  # several files read at once: the device's queue kept full
             reads = [
-                self._disk_readers.submit(self._acquire_from_disk, session_id, keys[i])
+                self._disk_readers.submit(self._acquire_from_disk, session_id, keys[i], tenant)
                 for i in on_disk
             ]
             for i, read in zip(on_disk, reads, strict=True):
                 out[i] = read.result()
         return out
 
-    def _acquire_from_disk(self, session_id: str, key: bytes) -> tuple[Lease, Entry] | None:
+    def _acquire_from_disk(
+        self, session_id: str, key: bytes, tenant: str
+    ) -> tuple[Lease, Entry] | None:
         """Promote a disk entry: take blocks for it, read it into them outside the lock
         (lookups and other acquires go on meanwhile; a second acquire of the same key waits
         for this one), then commit it (its checksum checked by the read) and lease it. None
@@ -332,14 +374,14 @@ class Index:
                 self._refuse_if_draining()
                 entry = self._entries.get(key)
                 if entry is not None:
-                    return self._lease(session_id, entry)
+                    return self._lease(session_id, entry) if entry.tenant == tenant else None
                 pending = self._promoting.get(key)
                 if pending is None:
                     found = self.disk.lookup(key)
-                    if found is None or key in self._reserved_keys:
+                    if found is None or found.tenant != tenant or key in self._reserved_keys:
                         return None
                     try:
-                        blocks = self._allocate(self.pool.blocks_for(found.nbytes))
+                        blocks = self._allocate(self.pool.blocks_for(found.nbytes), tenant)
                     except PoolFull as err:
                         self._disk_failed("promote", err)
                         return None
@@ -356,13 +398,13 @@ class Index:
             del self._promoting[key]
             done.set()
             if failure is not None:
-                self.pool.free(blocks)
+                self._free_charged(tenant, blocks)
                 self._disk_failed("read", failure)
                 return None
             self.disk_seconds["read"] += time.perf_counter() - began
             self.disk_counts["promotions"] += 1
             self.disk_counts["promoted_bytes"] += found.nbytes
-            entry = Entry(key, found.layout, found.nbytes, blocks, found.checksum)
+            entry = Entry(key, found.layout, found.nbytes, blocks, found.checksum, tenant=tenant)
             self._add(entry)
             leased = self._lease(session_id, entry)
             self._evict_to_watermark()
@@ -395,7 +437,12 @@ class Index:
 
     # Writes -------------------------------------------------------------------------------
 
-    def reserve(self, session_id: str, key: bytes, layout: EntryLayout, nbytes: int) -> Reservation:
+    def reserve(
+        self, session_id: str, key: bytes, layout: EntryLayout, nbytes: int, tenant: str = ""
+    ) -> Reservation:
+        """Blocks for a new entry of ``tenant``'s, evicting for room: first its own least
+        recently used entries while it would pass its quota, then the pool's oldest, save
+        what other tenants' reserved shares keep."""
         self._check_keys([key])
         layout.validate()
         if nbytes != layout.nbytes:
@@ -405,13 +452,18 @@ class Index:
                 f"an entry of {nbytes} bytes can never fit a pool of {self.pool.capacity}"
             )
         with self.lock:
+            quota = self.budgets[tenant].quota if tenant in self.budgets else 0
+            if quota and self.pool.blocks_for(nbytes) * self.pool.block_size > quota:
+                raise InvalidRequest(
+                    f"an entry of {nbytes} bytes can never fit tenant {tenant}'s quota of {quota}"
+                )
             self._refuse_if_draining()
             session = self._session(session_id)
             if key in self._entries:
                 raise AlreadyExists(f"{key.hex()} is committed already")
             if key in self._reserved_keys or key in self._promoting:
                 raise AlreadyExists(f"{key.hex()} is being written by another reservation")
-            blocks = self._allocate(self.pool.blocks_for(nbytes))
+            blocks = self._allocate(self.pool.blocks_for(nbytes), tenant)
             reservation = Reservation(
                 next(self._ids),
                 key,
@@ -420,6 +472,7 @@ class Index:
                 nbytes,
                 blocks,
                 self.clock() + self.lease_ttl,
+                tenant=tenant,
             )
             self._reservations[reservation.id] = reservation
             self._reserved_keys[key] = reservation.id
@@ -474,16 +527,23 @@ class Index:
                 reservation.nbytes,
                 reservation.blocks,
                 claimed_checksum,
+                tenant=reservation.tenant,
             )
             self._add(entry)
             self._evict_to_watermark()
             return entry
 
-    def store(self, key: bytes, layout: EntryLayout, data: np.ndarray, claimed: int) -> bool:
+    def store(
+        self, key: bytes, layout: EntryLayout, data: np.ndarray, claimed: int, tenant: str = ""
+    ) -> bool:
         """Store a whole entry whose bytes are in hand: see ``store_with``."""
         if data.shape[0] != layout.nbytes:
             raise InvalidRequest(f"{data.shape[0]} bytes for a layout of {layout.nbytes}")
-        return self.store_with(key, layout, lambda blocks: self.pool.scatter(blocks, data), claimed)
+
+        def fill(blocks: list[int]) -> None:
+            self.pool.scatter(blocks, data)
+
+        return self.store_with(key, layout, fill, claimed, tenant)
 
     def store_with(
         self,
@@ -491,19 +551,20 @@ class Index:
         layout: EntryLayout,
         fill: Callable[[list[int]], None],
         claimed: int,
+        tenant: str = "",
     ) -> bool:
-        """Store a peer's entry: reserve, ``fill`` the reserved blocks, hash them against the
-        checksum the peer committed (always, whatever ``verify_commits`` says), commit; in a
-        session of its own. False if the key is stored or being stored here already. If
-        ``fill`` raises or the bytes do not hash to ``claimed``, nothing is stored and the
-        blocks go back to the pool."""
+        """Store a peer's entry, as ``tenant``'s: reserve, ``fill`` the reserved blocks, hash
+        them against the checksum the peer committed (always, whatever ``verify_commits``
+        says), commit; in a session of its own. False if the key is stored or being stored
+        here already. If ``fill`` raises or the bytes do not hash to ``claimed``, nothing is
+        stored and the blocks go back to the pool."""
         session = self.open_session("store")
         try:
             # While it is open, an expired reservation's blocks are quarantined, not reused:
             # ``fill`` may still be writing into them.
             self.attach_stream(session)
             try:
-                reservation = self.reserve(session, key, layout, layout.nbytes)
+                reservation = self.reserve(session, key, layout, layout.nbytes, tenant)
             except AlreadyExists:
                 return False
             fill(reservation.blocks)
@@ -548,9 +609,11 @@ class Index:
         hold, however many (no batch limit: nothing crosses the wire). Returns (evicted,
         busy)."""
         with self.lock:
-            evicted = len(self._lru)
-            while self._lru:
-                self._evict(next(iter(self._lru.values())), "clear")
+            evicted = 0
+            for order in self._lru.values():
+                while order:
+                    self._evict(next(iter(order.values())), "clear")
+                    evicted += 1
             if self.disk is not None:
                 evicted += sum(self.disk.remove(k) for k in self.disk.keys() - self._entries.keys())
             return evicted, len(self._entries)
@@ -586,6 +649,18 @@ class Index:
                     corrupt.append(key)
             return corrupt
 
+    def set_budgets(self, budgets: dict[str, Budget]) -> None:
+        """The tenants' budgets from now on (a reload): nothing is evicted now; a tenant past
+        a lowered quota evicts its own entries at its next write."""
+        with self.lock:
+            self.budgets = dict(budgets)
+            for tenant in budgets:
+                self._tenant_counts.setdefault(tenant, Counter())
+            gone = [t for t, c in self._tenant_counts.items() if t and t not in budgets]
+            for tenant in gone:  # a removed tenant's figures go with its last entry
+                if not self._tenant_counts[tenant]["entries"] and not self._held[tenant]:
+                    del self._tenant_counts[tenant]
+
     def start_draining(self) -> None:
         with self.lock:
             self.draining = True
@@ -609,7 +684,7 @@ class Index:
         began = time.perf_counter()
         failure, evicted = None, []
         try:
-            evicted = self.disk.write(entry.key, entry.layout, parts, entry.checksum)
+            evicted = self.disk.write(entry.key, entry.layout, parts, entry.checksum, entry.tenant)
         except DiskError as err:
             failure = err
         except Exception as err:  # a bug, not the disk: still hand the blocks back
@@ -721,6 +796,17 @@ class Index:
                 kind: {name: counts[name] for name in names}
                 for kind, counts in self._kind_counts.items()
             }
+            tenants = {
+                tenant: {
+                    **{name: counts[name] for name in (*names, "evictions")},
+                    "held_bytes": self._held[tenant] * self.pool.block_size,
+                    "quota_bytes": self.budgets[tenant].quota if tenant in self.budgets else 0,
+                    "reserved_bytes": (
+                        self.budgets[tenant].reserved if tenant in self.budgets else 0
+                    ),
+                }
+                for tenant, counts in self._tenant_counts.items()
+            }
             return IndexStats(
                 entries=len(self._entries),
                 pinned_entries=self._pinned,
@@ -741,6 +827,7 @@ class Index:
                 blocks_quarantined=self._quarantined_blocks,
                 kinds=kinds,
                 disk=disk,
+                tenants=tenants,
             )
 
     def entries(self) -> list[Entry]:
@@ -781,43 +868,95 @@ class Index:
         if self.draining:
             raise WrongState("the daemon is draining: no new reads or writes")
 
-    def _allocate(self, count: int) -> list[int]:
+    def _allocate(self, count: int, tenant: str = "") -> list[int]:
+        """``count`` blocks, charged to ``tenant``. Past its quota, its own least recently
+        used entries go first; then, if the pool has too few free, the oldest evictable
+        entry of any tenant that stays within what its reserved share keeps (``_victim``).
+        Nothing is evicted when that could not make room."""
+        bs = self.pool.block_size
+        quota = self.budgets[tenant].quota if tenant in self.budgets else 0
+        if quota and (self._held[tenant] + count) * bs > quota:
+            if (self._held[tenant] - self._evictable[tenant] + count) * bs > quota:
+                raise PoolFull(
+                    f"tenant {tenant} is at its quota of {quota} bytes: it holds "
+                    f"{self._held[tenant] * bs}, {self._evictable[tenant] * bs} of them "
+                    f"evictable, and needs {count * bs} more; the rest are leased, pinned or "
+                    "reserved"
+                )
+            while (self._held[tenant] + count) * bs > quota:
+                self._evict(next(iter(self._lru[tenant].values())), "quota")
         blocks = self.pool.allocate(count)
-        if blocks is not None:
-            return blocks
-        evictable = self._evictable_blocks
-        if self.pool.free_blocks + evictable < count:  # evicting would not make room: keep all
-            raise PoolFull(
-                f"need {count} blocks, {self.pool.free_blocks} free and {evictable} evictable; "
-                "the rest are leased, pinned or reserved"
-            )
-        while blocks is None:
-            victim = self._lru_victim()
-            assert victim is not None  # enough was evictable
-            self._evict(victim, "capacity")
-            blocks = self.pool.allocate(count)
+        if blocks is None:
+            evictable = sum(self._evictable_for(t, tenant) for t in self._lru)
+            if self.pool.free_blocks + evictable < count:  # evicting would not make room
+                raise PoolFull(
+                    f"need {count} blocks, {self.pool.free_blocks} free and {evictable} "
+                    "evictable; the rest are leased, pinned, reserved or other tenants' "
+                    "reserved shares"
+                )
+            while blocks is None:
+                victim = self._victim(tenant)
+                if victim is None:  # an entry straddling a reserved share's edge
+                    raise PoolFull(f"need {count} blocks: other tenants' reserved shares")
+                self._evict(victim, "capacity")
+                blocks = self.pool.allocate(count)
+        self._held[tenant] += count
         return blocks
+
+    def _free_charged(self, tenant: str, blocks: list[int]) -> None:
+        """Blocks ``_allocate`` charged to ``tenant`` back to the pool, unused."""
+        self._held[tenant] -= len(blocks)
+        self.pool.free(blocks)
 
     def _place(self, entry: Entry) -> None:
         """Keep the eviction order to the evictable entries: after any change to an entry's
         pins or leases, in it (as the newest) exactly when it is committed, unpinned and
         unleased."""
         evictable = not (entry.leases or entry.pinned or entry.evicted or entry.spill == "writing")
-        if evictable and entry.key not in self._lru:
-            self._lru[entry.key] = entry
-            self._evictable_blocks += len(entry.blocks)
-        elif not evictable and self._lru.pop(entry.key, None) is not None:
-            self._evictable_blocks -= len(entry.blocks)
+        order = self._lru.get(entry.tenant)
+        if evictable and (order is None or entry.key not in order):
+            if order is None:
+                order = self._lru[entry.tenant] = OrderedDict()
+            order[entry.key] = entry
+            entry.age = next(self._ages)
+            self._evictable[entry.tenant] += len(entry.blocks)
+        elif not evictable and order is not None and order.pop(entry.key, None) is not None:
+            self._evictable[entry.tenant] -= len(entry.blocks)
 
-    def _lru_victim(self) -> Entry | None:
-        return next(iter(self._lru.values()), None)
+    def _keeps(self, tenant: str, blocks: int) -> bool:
+        """Whether ``tenant`` holding ``blocks`` fewer would dip into its reserved share."""
+        reserved = self.budgets[tenant].reserved if tenant in self.budgets else 0
+        return (self._held[tenant] - blocks) * self.pool.block_size < reserved
+
+    def _evictable_for(self, tenant: str, evicting_for: str | None) -> int:
+        """Blocks of ``tenant``'s that may be evicted for ``evicting_for``'s room (None: the
+        watermark's): all its evictable ones for itself, above its reserved share for
+        anyone else."""
+        evictable = self._evictable[tenant]
+        reserved = self.budgets[tenant].reserved if tenant in self.budgets else 0
+        if tenant == evicting_for or not reserved:
+            return evictable
+        kept = (reserved + self.pool.block_size - 1) // self.pool.block_size
+        return max(0, min(evictable, self._held[tenant] - kept))
+
+    def _victim(self, evicting_for: str | None) -> Entry | None:
+        """The oldest evictable entry whose eviction leaves every other tenant's reserved
+        share whole: the heads of the tenants' orders compared (O(tenants))."""
+        best: Entry | None = None
+        for tenant, order in self._lru.items():
+            head = next(iter(order.values()), None)
+            if head is None or (tenant != evicting_for and self._keeps(tenant, len(head.blocks))):
+                continue
+            if best is None or head.age < best.age:
+                best = head
+        return best
 
     def _evict_to_watermark(self) -> None:
         total = self.pool.num_blocks
         if total - self.pool.free_blocks <= self.high_watermark * total:
             return
         while total - self.pool.free_blocks > self.low_watermark * total:
-            victim = self._lru_victim()
+            victim = self._victim(None)
             if victim is None:
                 return
             self._evict(victim, "watermark")
@@ -831,14 +970,18 @@ class Index:
         self._queue_spill(entry)
 
     def _held_by_kind(self, entry: Entry, sign: int) -> None:
-        """Entries and bytes by kind, kept as entries come and go (stats never walk them)."""
-        counts = self._kind_counts[entry.layout.entry_kind]
-        counts["entries"] += sign
-        counts["bytes"] += sign * entry.nbytes
+        """Entries and bytes by kind and by tenant, kept as entries come and go (stats never
+        walk them)."""
+        by_tenant = self._tenant_counts.setdefault(entry.tenant, Counter())
+        for counts in (self._kind_counts[entry.layout.entry_kind], by_tenant):
+            counts["entries"] += sign
+            counts["bytes"] += sign * entry.nbytes
 
     def _evict(self, entry: Entry, reason: str) -> None:
         del self._entries[entry.key]
         self._held_by_kind(entry, -1)
+        self._held[entry.tenant] -= len(entry.blocks)  # its tenant's, even while leases read it
+        self._tenant_counts[entry.tenant]["evictions"] += 1
         entry.evicted = True
         self._place(entry)
         if entry.pinned:
@@ -867,6 +1010,7 @@ class Index:
 
     def _drop_reservation(self, reservation: Reservation, outcome: str = "aborted") -> None:
         self._forget_reservation(reservation, outcome)
+        self._held[reservation.tenant] -= len(reservation.blocks)
         session = self._sessions.get(reservation.session)
         if outcome == "expired" and session is not None and session.streams:
             session.quarantined[reservation.id] = reservation.blocks

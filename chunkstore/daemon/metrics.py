@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from chunkstore.daemon.index import DiskStats, Index
+from chunkstore.daemon.tenants import SHARED_LABEL
 
 PREFIX = "chunkstore"
 
@@ -58,7 +59,7 @@ class IndexCollector:
         evictions = CounterMetricFamily(
             f"{PREFIX}_evictions", "Entries evicted", labels=["node", "reason"]
         )
-        for reason in ("capacity", "watermark", "admin", "clear", "corrupt"):
+        for reason in ("capacity", "quota", "watermark", "admin", "clear", "corrupt"):
             evictions.add_metric([self.node, reason], s.evictions.get(reason, 0))
         yield evictions
         gauges = {
@@ -79,6 +80,38 @@ class IndexCollector:
         yield from self._gauges(gauges)
         if s.disk is not None:
             yield from self._disk(s.disk)
+        yield from self._tenants(s.tenants)
+
+    def _tenants(self, tenants: dict[str, dict[str, int]]) -> Iterator[Metric]:
+        """By tenant ("shared": the shared namespace): as many series as the tenants file
+        names, and a removed tenant's go with its last entry."""
+        families = (
+            (CounterMetricFamily, "tenant_lookup_chunks", "Entries looked up", "lookups"),
+            (CounterMetricFamily, "tenant_hit_chunks", "Entries found committed", "hits"),
+            (CounterMetricFamily, "tenant_lookup_tokens", "Tokens looked up", "lookup_tokens"),
+            (CounterMetricFamily, "tenant_hit_tokens", "Tokens found committed", "hit_tokens"),
+            (CounterMetricFamily, "tenant_evictions", "Entries evicted, any reason", "evictions"),
+            (GaugeMetricFamily, "tenant_entries", "Committed entries", "entries"),
+            (GaugeMetricFamily, "tenant_entry_bytes", "Bytes of committed entries", "bytes"),
+            (
+                GaugeMetricFamily,
+                "tenant_held_bytes",
+                "Pool bytes its entries and reservations hold (what its quota bounds)",
+                "held_bytes",
+            ),
+            (GaugeMetricFamily, "tenant_quota_bytes", "Its quota (0: none)", "quota_bytes"),
+            (
+                GaugeMetricFamily,
+                "tenant_reserved_bytes",
+                "Its reserved share: never evicted for another tenant",
+                "reserved_bytes",
+            ),
+        )
+        for kind, name, doc, field in families:
+            family = kind(f"{PREFIX}_{name}", f"{doc}, by tenant", labels=["node", "tenant"])
+            for tenant, counts in tenants.items():
+                family.add_metric([self.node, tenant or SHARED_LABEL], counts[field])
+            yield family
 
     def _gauges(self, gauges: dict[str, tuple[str, int]]) -> Iterator[Metric]:
         """One gauge per name: (help, value), labelled with the node."""
@@ -222,6 +255,15 @@ class Metrics:
             ["node", "reason"],
             registry=self.registry,
         )
+        tenant_reloads = Counter(
+            f"{PREFIX}_tenant_reloads",
+            "Reloads of the tenants file (SIGHUP), by result: a failed one kept the tenants",
+            ["node", "result"],
+            registry=self.registry,
+        )
+        for result in ("ok", "failed"):
+            tenant_reloads.labels(node, result)
+        self.tenant_reloads = _Bound(tenant_reloads, node)
         for reason in ("engine_unavailable", "peer_without_engine", "read_failed"):
             fallbacks.labels(node, reason)
         self.peer_pull_fallbacks = _Bound(fallbacks, node)

@@ -44,10 +44,10 @@ class Pulled:
 
 
 class PeerSource(Protocol):
-    def pull(self, peer: str, key: bytes, index: Index) -> Pulled | None:
-        """Store the entry ``key`` as ``peer`` holds it in ``index``, checksum-verified; None
-        if the peer does not hold it (any more). Raises a ``StoreError`` if the peer cannot
-        serve it."""
+    def pull(self, peer: str, key: bytes, index: Index, tenant: str = "") -> Pulled | None:
+        """Store the entry ``key`` of ``tenant``'s namespace as ``peer`` holds it in
+        ``index``, checksum-verified; None if the peer does not hold it (any more). Raises a
+        ``StoreError`` if the peer cannot serve it (or does not know ``tenant``)."""
 
     def forget(self, peer: str) -> None:
         """Drop what is kept for ``peer`` (after a failure: the next pull reconnects)."""
@@ -62,6 +62,7 @@ class PeerLease:
     lease: pb.Lease
     layout: EntryLayout
     block_size: int  # the peer's
+    tenant: str  # whose entry: stored here as theirs
 
 
 class _Peer:
@@ -95,11 +96,12 @@ class _Peer:
         self.session = reply.session_id  # type: ignore[attr-defined]
         self.endpoint = Endpoint.from_proto(reply.transfer)  # type: ignore[attr-defined]
 
-    def acquire(self, key: bytes) -> PeerLease | None:
-        """A lease on ``key`` in the peer's daemon, or None if it holds no such entry."""
+    def acquire(self, key: bytes, tenant: str) -> PeerLease | None:
+        """A lease on ``tenant``'s entry ``key`` in the peer's daemon, or None if it holds
+        no such entry."""
         if not self.session:
             self._hello()
-        request = pb.AcquireRequest(session_id=self.session, keys=[key])
+        request = pb.AcquireRequest(session_id=self.session, keys=[key], tenant=tenant)
         try:
             reply = self._call(self.stub.Acquire, request)
         except NotFound:  # the peer reaped our idle session (or restarted)
@@ -119,7 +121,7 @@ class _Peer:
         except BaseException:
             self.release(lease)
             raise
-        return PeerLease(lease, layout, reply.block_size)  # type: ignore[attr-defined]
+        return PeerLease(lease, layout, reply.block_size, tenant)  # type: ignore[attr-defined]
 
     def release(self, lease: pb.Lease) -> None:
         request = pb.ReleaseRequest(session_id=self.session, lease_ids=[lease.lease_id])
@@ -178,11 +180,11 @@ class StreamPeers:
         self.tls = tls
         self._peers: dict[str, _Peer] = {}
 
-    def pull(self, peer: str, key: bytes, index: Index) -> Pulled | None:
+    def pull(self, peer: str, key: bytes, index: Index, tenant: str = "") -> Pulled | None:
         connection = self._peers.get(peer)
         if connection is None:
             connection = self._peers[peer] = _Peer(peer, self.token, self.timeout, self.tls)
-        held = connection.acquire(key)
+        held = connection.acquire(key, tenant)
         if held is None:
             return None
         try:
@@ -192,7 +194,7 @@ class StreamPeers:
 
     def _store(self, connection: _Peer, held: PeerLease, index: Index) -> Pulled:
         data = connection.read(held.lease)
-        stored = index.store(held.lease.key, held.layout, data, held.lease.checksum)
+        stored = index.store(held.lease.key, held.layout, data, held.lease.checksum, held.tenant)
         return Pulled(held.layout.nbytes, "grpc", stored)
 
     def forget(self, peer: str) -> None:
@@ -239,7 +241,7 @@ class EnginePeers(StreamPeers):
                 engine.read(peer, runs)
 
             try:
-                stored = index.store_with(lease.key, held.layout, read, lease.checksum)
+                stored = index.store_with(lease.key, held.layout, read, lease.checksum, held.tenant)
                 return Pulled(lease.nbytes, engine.endpoint.engine, stored)
             except Unavailable as err:
                 log.warning("%s; pulling over the gRPC stream instead", err)

@@ -28,14 +28,25 @@ from chunkstore.daemon.config import ServeConfig
 from chunkstore.daemon.directory import Directory
 from chunkstore.daemon.disk import DiskTier
 from chunkstore.daemon.fastpath import FastPath
-from chunkstore.daemon.index import Entry, Index
+from chunkstore.daemon.index import Budget, Entry, Index
 from chunkstore.daemon.metrics import Metrics
 from chunkstore.daemon.peers import EnginePeers, PeerSource, PeerTLS, StreamPeers
 from chunkstore.daemon.pool import Pool, reclaim_stale_pools
 from chunkstore.daemon.pool_factory import create_pool
+from chunkstore.daemon.tenants import (
+    PEER_CALLER,
+    SHARED,
+    SHARED_CALLER,
+    SHARED_LABEL,
+    Caller,
+    Tenant,
+    Tenants,
+    load_tenants,
+    tenant_key,
+)
 from chunkstore.daemon.transfer import Endpoint, MooncakeEngine
 from chunkstore.daemon.workers import Workers
-from chunkstore.errors import Busy, InvalidRequest, StoreError, Unavailable
+from chunkstore.errors import Busy, Forbidden, InvalidRequest, NotFound, StoreError, Unavailable
 from chunkstore.kv.entry import check_entry_kind
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol import chunkstore_pb2_grpc as pb_grpc
@@ -111,7 +122,10 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
         self.pool = pool
         self.metrics = metrics
         self.on_drain = on_drain
-        self.on_miss: Callable[[list[bytes]], None] | None = None  # the cluster directory's
+        # The cluster directory's: keys missed, and the tenant whose namespace they are in.
+        self.on_miss: Callable[[list[bytes], str], None] | None = None
+        self.tenants: Tenants | None = None  # --tenants: who each token is
+        self.peer_bearer = f"Bearer {config.peer_token}" if config.peer_token else None
         self.transfer: Endpoint | None = None  # where peers read the pool with an engine
         self.fast_socket = ""  # the fast path's socket (protocol/fast.py)
         self._transfers = threading.BoundedSemaphore(config.max_transfers)
@@ -130,9 +144,30 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
         finally:
             self._transfers.release()
 
+    def _caller(self, context: grpc.ServicerContext) -> Caller:
+        """Who the call's bearer token says its caller is (everyone shares one namespace
+        without --tenants)."""
+        if self.tenants is None:
+            return SHARED_CALLER
+        bearer = dict(context.invocation_metadata() or ()).get("authorization")
+        if bearer is not None and bearer == self.peer_bearer:
+            return PEER_CALLER
+        tenant = self.tenants.of(bearer)
+        return Caller(tenant.name, tenant) if tenant is not None else SHARED_CALLER
+
+    def _session_caller(self, context: grpc.ServicerContext, session_id: str) -> Caller:
+        """The caller, if the session is its own: another's is answered as no session at
+        all (the index's own words), so a session id learns nothing."""
+        caller = self._caller(context)
+        owner = self.index.session_owner(session_id)
+        if owner is not None and owner != caller.owner:
+            raise NotFound(f"no session {session_id!r}: call Hello first (or it expired)")
+        return caller
+
     @_rpc
     def Hello(self, request: pb.HelloRequest, context: grpc.ServicerContext) -> pb.HelloReply:
-        session = self.index.open_session(request.client_name or context.peer())
+        caller = self._caller(context)
+        session = self.index.open_session(request.client_name or context.peer(), caller.owner)
         return pb.HelloReply(
             session_id=session,
             version=__version__,
@@ -162,6 +197,7 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
         try:
             for ping in request_iterator:
                 if not session:
+                    self._session_caller(context, ping.session_id)
                     self.index.attach_stream(ping.session_id, ping.holds_pool)
                     session.append(ping.session_id)
                 self.index.renew(ping.session_id)
@@ -171,19 +207,36 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
         finally:
             end()
 
-    def _missed(self, keys: list[bytes], found: Sequence[object | None]) -> None:
+    def _missed(self, keys: list[bytes], found: Sequence[object | None], tenant: str) -> None:
         if self.on_miss is not None:
             missing = [k for k, got in zip(keys, found, strict=True) if got is None]
             if missing:
-                self.on_miss(missing)
+                self.on_miss(missing, tenant)
+
+    def _find(
+        self, caller: Caller, keys: list[bytes], find: Callable[[list[bytes], str], list[Any]]
+    ) -> list[Any]:
+        """``find(keys, tenant)`` in the caller's namespace, then, for what it missed, in the
+        shared one where the caller reads it; the misses wanted from peers in both."""
+        own = caller.own_keys(keys)
+        found = find(own, caller.namespace)
+        self._missed(own, found, caller.namespace)
+        if caller.reads_shared:
+            missed = [i for i, got in enumerate(found) if got is None]
+            shared = [keys[i] for i in missed]
+            if shared:
+                for i, got in zip(missed, find(shared, SHARED), strict=True):
+                    found[i] = got
+                self._missed(shared, [found[i] for i in missed], SHARED)
+        return found
 
     @_rpc
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupReply:
+        caller = self._caller(context)
         keys = list(request.keys)
         tokens, kind = _token_counts(request)
-        found = self.index.lookup(keys)
-        self._missed(keys, found)
-        self.index.count_hits([e is not None for e in found], tokens, kind)
+        found = self._find(caller, keys, lambda ks, tenant: self.index.lookup(ks))
+        self.index.count_hits([e is not None for e in found], tokens, kind, caller.namespace)
         return pb.LookupReply(
             present=[e is not None for e in found],
             num_tokens=[e.layout.num_tokens if e else 0 for e in found],
@@ -191,8 +244,12 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
 
     @_rpc
     def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveReply:
+        caller = self._session_caller(context, request.session_id)
         layout = layout_from_proto(request.layout)
-        reservation = self.index.reserve(request.session_id, request.key, layout, request.nbytes)
+        key = tenant_key(caller.namespace, request.key)
+        reservation = self.index.reserve(
+            request.session_id, key, layout, request.nbytes, caller.namespace
+        )
         return pb.ReserveReply(
             reservation_id=reservation.id,
             blocks=reservation.blocks,
@@ -201,6 +258,7 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
 
     @_rpc
     def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitReply:
+        self._session_caller(context, request.session_id)
         reservation = self.index.reservation(request.session_id, request.reservation_id)
         streamed = reservation.written > 0
         entry = self.index.commit(
@@ -212,18 +270,33 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
 
     @_rpc
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortReply:
+        self._session_caller(context, request.session_id)
         self.index.abort(request.session_id, request.reservation_id)
         return pb.AbortReply()
 
     @_rpc
     def Acquire(self, request: pb.AcquireRequest, context: grpc.ServicerContext) -> pb.AcquireReply:
+        caller = self._session_caller(context, request.session_id)
         tokens, kind = _token_counts(request)
-        acquired = self.index.acquire(request.session_id, list(request.keys))
-        self._missed(list(request.keys), acquired)
+        keys = list(request.keys)
+        session = request.session_id
+        if caller == PEER_CALLER:  # a peer's pull: the keys as this daemon holds them
+            known = self.tenants is not None and self.tenants.knows(request.tenant)
+            if request.tenant and not known:
+                raise Forbidden(f"tenant {request.tenant!r} is unknown here")
+            acquired = self.index.acquire(session, keys, request.tenant)
+            namespace = request.tenant
+        else:
+            if request.tenant:
+                raise Forbidden("only a pulling peer names a tenant: a client's token says it")
+            acquired = self._find(
+                caller, keys, lambda ks, tenant: self.index.acquire(session, ks, tenant)
+            )
+            namespace = caller.namespace
         if tokens:  # an Acquire with token counts is a lookup too (the connector's)
-            self.index.count_hits([got is not None for got in acquired], tokens, kind)
+            self.index.count_hits([got is not None for got in acquired], tokens, kind, namespace)
         leases = []
-        for got in acquired:
+        for key, got in zip(keys, acquired, strict=True):
             if got is None:
                 leases.append(pb.Lease())
                 continue
@@ -231,7 +304,7 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
             leases.append(
                 pb.Lease(
                     lease_id=lease.id,
-                    key=entry.key,
+                    key=key,  # as the caller named it
                     layout=layout_to_proto(entry.layout),
                     nbytes=entry.nbytes,
                     blocks=entry.blocks,
@@ -242,6 +315,7 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
 
     @_rpc
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseReply:
+        self._session_caller(context, request.session_id)
         self.index.release(request.session_id, list(request.lease_ids))
         if request.shm_bytes_read:
             self.metrics.bytes.labels("shm", "read").inc(request.shm_bytes_read)
@@ -252,13 +326,16 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
         self, request_iterator: Iterator[pb.WritePiece], context: grpc.ServicerContext
     ) -> pb.WriteReply:
         with self._transfer_slot():
-            return self._write(request_iterator)
+            return self._write(request_iterator, context)
 
-    def _write(self, request_iterator: Iterator[pb.WritePiece]) -> pb.WriteReply:
+    def _write(
+        self, request_iterator: Iterator[pb.WritePiece], context: grpc.ServicerContext
+    ) -> pb.WriteReply:
         session, reservation_id, total = "", 0, 0
         for piece in request_iterator:
             if not session:
                 session, reservation_id = piece.session_id, piece.reservation_id
+                self._session_caller(context, session)
             data = np.frombuffer(piece.data, dtype=np.uint8)
             with self.index.lock:  # the reservation cannot expire mid-copy
                 reservation = self.index.reservation(session, reservation_id)
@@ -277,6 +354,7 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
     def Read(
         self, request: pb.ReadRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.ReadPiece]:
+        self._session_caller(context, request.session_id)
         with self._transfer_slot():
             yield from self._read(request)
 
@@ -298,7 +376,14 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
 
     @_rpc
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsReply:
+        caller = self._caller(context)
         s = self.index.stats()
+        tenants = {
+            tenant or SHARED_LABEL: pb.TenantStats(**counts) for tenant, counts in s.tenants.items()
+        }
+        if caller.tenant is not None:  # its own figures only: the rest tells what others do
+            name = caller.tenant.name
+            return pb.StatsReply(tenants={name: tenants.get(name, pb.TenantStats())})
         return pb.StatsReply(
             entries=s.entries,
             pinned_entries=s.pinned_entries,
@@ -319,18 +404,21 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
             blocks_quarantined=s.blocks_quarantined,
             kinds={kind: pb.KindStats(**counts) for kind, counts in s.kinds.items()},
             disk=pb.DiskStats(**dataclasses.asdict(s.disk)) if s.disk else None,
+            tenants=tenants,
         )
 
     @_rpc
     def Verify(self, request: pb.VerifyRequest, context: grpc.ServicerContext) -> pb.VerifyReply:
-        corrupt = self.index.verify(list(request.keys))
+        keys = list(request.keys)
+        own = self._caller(context).own_keys(keys)
+        corrupt = set(self.index.verify(own))
         for key in corrupt:
             log.error("entry %s failed its checksum in the pool: evicted", key.hex())
-        return pb.VerifyReply(corrupt=corrupt)
+        return pb.VerifyReply(corrupt=[k for k, o in zip(keys, own, strict=True) if o in corrupt])
 
     @_rpc
     def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictReply:
-        evicted, busy = self.index.evict(list(request.keys))
+        evicted, busy = self.index.evict([tenant_key(request.tenant, k) for k in request.keys])
         return pb.EvictReply(evicted=evicted, busy=busy)
 
     @_rpc
@@ -340,11 +428,13 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
 
     @_rpc
     def Pin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinReply:
-        return pb.PinReply(changed=self.index.set_pinned(list(request.keys), True))
+        keys = [tenant_key(request.tenant, k) for k in request.keys]
+        return pb.PinReply(changed=self.index.set_pinned(keys, True))
 
     @_rpc
     def Unpin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinReply:
-        return pb.PinReply(changed=self.index.set_pinned(list(request.keys), False))
+        keys = [tenant_key(request.tenant, k) for k in request.keys]
+        return pb.PinReply(changed=self.index.set_pinned(keys, False))
 
     @_rpc
     def Drain(self, request: pb.DrainRequest, context: grpc.ServicerContext) -> pb.DrainReply:
@@ -498,10 +588,13 @@ class _TokenCheck(grpc.ServerInterceptor):
     admin token); admin calls need the admin token, and are refused when there is none; the
     peer token admits the read calls a pulling peer makes (``PEER``), nothing else."""
 
-    def __init__(self, token: str, admin_token: str, peer_token: str = "") -> None:
+    def __init__(
+        self, token: str, admin_token: str, peer_token: str = "", tenants: Tenants | None = None
+    ) -> None:
         self.client = {f"Bearer {t}" for t in (token, admin_token) if t}
         self.admin = f"Bearer {admin_token}" if admin_token else None
         self.peer = f"Bearer {peer_token}" if peer_token else None
+        self.tenants = tenants  # a tenant's token is a client's (in its own namespace)
 
     def refusal(self, bearer: str | None, method: str) -> tuple[grpc.StatusCode, str] | None:
         """The status and reason a call of ``method`` with ``bearer`` is refused with, or
@@ -514,6 +607,8 @@ class _TokenCheck(grpc.ServerInterceptor):
             )
             return grpc.StatusCode.PERMISSION_DENIED, why
         if bearer in self.client or (self.peer and bearer == self.peer and method in PEER):
+            return None
+        if self.tenants is not None and self.tenants.of(bearer) is not None:
             return None
         return grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token"
 
@@ -565,9 +660,15 @@ class Daemon:
             spill_queue_bytes=config.resolved_spill_queue_bytes(self.pool.capacity),
         )
         self.metrics = Metrics(self.index, config.node)
-        guarded = config.token or config.admin_token
+        self.tenants: Tenants | None = None
+        if config.tenants:
+            service_tokens = [config.token, config.admin_token, config.peer_token]
+            self.tenants = Tenants(self._load_tenants(), service_tokens)
+        guarded = config.token or config.admin_token or self.tenants
         self.token_check = (
-            _TokenCheck(config.token, config.admin_token, config.peer_token) if guarded else None
+            _TokenCheck(config.token, config.admin_token, config.peer_token, self.tenants)
+            if guarded
+            else None
         )
         interceptors: list[grpc.ServerInterceptor] = [self.token_check] if self.token_check else []
         interceptors.append(_DecodeInHandler())
@@ -590,6 +691,7 @@ class Daemon:
         service = ChunkStoreService(
             config, self.index, self.pool, self.metrics, on_drain=lambda d: self._set_health(not d)
         )
+        service.tenants = self.tenants
         self.service = service
         self.directory: Directory | None = None
         self.engine: MooncakeEngine | None = None
@@ -598,6 +700,31 @@ class Daemon:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.addresses: dict[str, str] = {}
         self._serving = False
+
+    def _load_tenants(self) -> dict[str, Tenant]:
+        """The tenants file's tenants, their budgets handed to the index."""
+        tenants = load_tenants(self.config.tenants, self.pool.capacity)
+        self.index.set_budgets({t.name: Budget(t.quota, t.reserved) for t in tenants.values()})
+        return tenants
+
+    def reload_tenants(self) -> bool:
+        """Read the tenants file again (SIGHUP): new tokens, quotas and shares from the next
+        call on; sessions, leases and entries stay as they are. A file that does not load
+        leaves the tenants in force as they were. Returns whether it loaded."""
+        if self.tenants is None:
+            log.warning("reload: the daemon was started without --tenants; nothing to reload")
+            return False
+        try:
+            tenants = load_tenants(self.config.tenants, self.pool.capacity)
+            self.tenants.replace(tenants)
+        except InvalidRequest as err:
+            self.metrics.tenant_reloads.labels("failed").inc()
+            log.error("reload: %s; the tenants in force stay as they were", err)
+            return False
+        self.index.set_budgets({t.name: Budget(t.quota, t.reserved) for t in tenants.values()})
+        self.metrics.tenant_reloads.labels("ok").inc()
+        log.warning("reload: %d tenants from %s", len(tenants), self.config.tenants)
+        return True
 
     def _open_disk(self) -> DiskTier:
         """The disk tier, with what a previous daemon left in it found again."""
@@ -783,6 +910,8 @@ def serve(config: ServeConfig) -> int:
     # Before anything is created: a SIGTERM during start-up still drains and cleans up.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    reload = threading.Event()  # SIGHUP: read the tenants file again
+    signal.signal(signal.SIGHUP, lambda signum, frame: reload.set())
     daemon = Daemon(config)
     try:
         addresses = daemon.start()
@@ -799,7 +928,10 @@ def serve(config: ServeConfig) -> int:
     }
     print(json.dumps(ready), flush=True)
     log.info("serving %s", ", ".join(f"{k}={v}" for k, v in addresses.items()))
-    stop.wait()
+    while not stop.wait(0.1):
+        if reload.is_set():  # here, not in the handler: it reads a file and takes locks
+            reload.clear()
+            daemon.reload_tenants()
     left = daemon.stop()
     if left:
         log.warning("stopped with %d leases still held after the drain timeout", left)

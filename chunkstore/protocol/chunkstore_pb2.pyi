@@ -179,16 +179,18 @@ class AbortReply(_message.Message):
     def __init__(self) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("session_id", "keys", "num_tokens", "entry_kind")
+    __slots__ = ("session_id", "keys", "num_tokens", "entry_kind", "tenant")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ENTRY_KIND_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     num_tokens: _containers.RepeatedScalarFieldContainer[int]
     entry_kind: str
-    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., entry_kind: _Optional[str] = ...) -> None: ...
+    tenant: str
+    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., entry_kind: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class Lease(_message.Message):
     __slots__ = ("lease_id", "key", "layout", "nbytes", "blocks", "checksum")
@@ -265,7 +267,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("entries", "pinned_entries", "bytes_used", "bytes_capacity", "blocks_free", "blocks_total", "active_leases", "active_reservations", "sessions", "lookups", "hits", "lookup_tokens", "hit_tokens", "evictions", "draining", "blocks_quarantined", "pool_importers", "kinds", "disk")
+    __slots__ = ("entries", "pinned_entries", "bytes_used", "bytes_capacity", "blocks_free", "blocks_total", "active_leases", "active_reservations", "sessions", "lookups", "hits", "lookup_tokens", "hit_tokens", "evictions", "draining", "blocks_quarantined", "pool_importers", "kinds", "disk", "tenants")
     class EvictionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -280,6 +282,13 @@ class StatsReply(_message.Message):
         key: str
         value: KindStats
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[KindStats, _Mapping]] = ...) -> None: ...
+    class TenantsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: TenantStats
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[TenantStats, _Mapping]] = ...) -> None: ...
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     PINNED_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     BYTES_USED_FIELD_NUMBER: _ClassVar[int]
@@ -299,6 +308,7 @@ class StatsReply(_message.Message):
     POOL_IMPORTERS_FIELD_NUMBER: _ClassVar[int]
     KINDS_FIELD_NUMBER: _ClassVar[int]
     DISK_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     entries: int
     pinned_entries: int
     bytes_used: int
@@ -318,7 +328,32 @@ class StatsReply(_message.Message):
     pool_importers: int
     kinds: _containers.MessageMap[str, KindStats]
     disk: DiskStats
-    def __init__(self, entries: _Optional[int] = ..., pinned_entries: _Optional[int] = ..., bytes_used: _Optional[int] = ..., bytes_capacity: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_total: _Optional[int] = ..., active_leases: _Optional[int] = ..., active_reservations: _Optional[int] = ..., sessions: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., evictions: _Optional[_Mapping[str, int]] = ..., draining: _Optional[bool] = ..., blocks_quarantined: _Optional[int] = ..., pool_importers: _Optional[int] = ..., kinds: _Optional[_Mapping[str, KindStats]] = ..., disk: _Optional[_Union[DiskStats, _Mapping]] = ...) -> None: ...
+    tenants: _containers.MessageMap[str, TenantStats]
+    def __init__(self, entries: _Optional[int] = ..., pinned_entries: _Optional[int] = ..., bytes_used: _Optional[int] = ..., bytes_capacity: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_total: _Optional[int] = ..., active_leases: _Optional[int] = ..., active_reservations: _Optional[int] = ..., sessions: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., evictions: _Optional[_Mapping[str, int]] = ..., draining: _Optional[bool] = ..., blocks_quarantined: _Optional[int] = ..., pool_importers: _Optional[int] = ..., kinds: _Optional[_Mapping[str, KindStats]] = ..., disk: _Optional[_Union[DiskStats, _Mapping]] = ..., tenants: _Optional[_Mapping[str, TenantStats]] = ...) -> None: ...
+
+class TenantStats(_message.Message):
+    __slots__ = ("entries", "bytes", "held_bytes", "quota_bytes", "reserved_bytes", "lookups", "hits", "lookup_tokens", "hit_tokens", "evictions")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    entries: int
+    bytes: int
+    held_bytes: int
+    quota_bytes: int
+    reserved_bytes: int
+    lookups: int
+    hits: int
+    lookup_tokens: int
+    hit_tokens: int
+    evictions: int
+    def __init__(self, entries: _Optional[int] = ..., bytes: _Optional[int] = ..., held_bytes: _Optional[int] = ..., quota_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
 
 class DiskStats(_message.Message):
     __slots__ = ("directory", "entries", "bytes_used", "bytes_capacity", "spill_queue_bytes", "spills_writing", "removed_at_start", "last_error", "counts", "seconds")
@@ -387,10 +422,12 @@ class VerifyReply(_message.Message):
     def __init__(self, corrupt: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
-    __slots__ = ("keys",)
+    __slots__ = ("keys", "tenant")
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    tenant: str
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class EvictReply(_message.Message):
     __slots__ = ("evicted", "busy")
@@ -413,10 +450,12 @@ class ClearReply(_message.Message):
     def __init__(self, evicted: _Optional[int] = ..., busy: _Optional[int] = ...) -> None: ...
 
 class PinRequest(_message.Message):
-    __slots__ = ("keys",)
+    __slots__ = ("keys", "tenant")
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    tenant: str
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class PinReply(_message.Message):
     __slots__ = ("changed",)

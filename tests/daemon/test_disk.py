@@ -69,7 +69,9 @@ def test_an_entry_reads_back_byte_exact_into_an_array_or_pieces(tmp_path) -> Non
 def test_the_header_round_trips_and_refuses_any_changed_byte() -> None:
     header = encode_header(key_of(7), LAYOUT, 123, 456)
     assert len(header) == HEADER
-    assert decode_header(header) == (key_of(7), LAYOUT, 123, 456)
+    assert decode_header(header) == (key_of(7), LAYOUT, 123, 456, "")
+    # A tenant's entry keeps its tenant; a header without one is the shared namespace's.
+    assert decode_header(encode_header(key_of(7), LAYOUT, 1, 2, "alice"))[4] == "alice"  # type: ignore[index]
     length = int.from_bytes(header[8:12], "little")
     for at in range(length):  # every byte the header's own checksum covers, and it
         changed = bytearray(header)

@@ -111,12 +111,12 @@ class _DuringRead(Index):
         super().__init__(pool)
         self.during = during
 
-    def store_with(self, key, layout, fill, claimed) -> bool:  # type: ignore[no-untyped-def]
+    def store_with(self, key, layout, fill, claimed, tenant="") -> bool:  # type: ignore[no-untyped-def]
         def then_fill(blocks: list[int]) -> None:
             self.during()
             fill(blocks)
 
-        return super().store_with(key, layout, then_fill, claimed)
+        return super().store_with(key, layout, then_fill, claimed, tenant)
 
 
 def test_the_owner_cannot_evict_what_a_peer_is_reading(serve, tmp_path: Path) -> None:
