@@ -1,6 +1,7 @@
 """The deploy files, proven: a real Prometheus scrapes a real daemon with the project's rules,
 and every dashboard query and rule evaluates and returns series; the hit rate it computes is
-the hit rate the test made. Manifests and the systemd unit pass their validators."""
+the hit rate the test made, overall and per tenant; a tenants file that fails to reload fires
+its alert. Manifests and the systemd unit pass their validators."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -18,6 +20,7 @@ import torch
 import yaml
 
 from chunkstore.client import ChunkStoreClient
+from chunkstore.daemon.tenants import hash_token
 from chunkstore.errors import InvalidRequest
 from chunkstore.processes.daemon import start_daemon
 from chunkstore.testing.prometheus import (
@@ -36,28 +39,57 @@ RULE_FILES = sorted((DEPLOY / "rules").glob("*.yml"))
 TOKENS, PRESENT = [10, 20, 30, 40], 3
 TOKEN_HIT_RATE = sum(TOKENS[:PRESENT]) / sum(TOKENS)  # 0.6
 CHUNK_HIT_RATE = PRESENT / len(TOKENS)  # 0.75
+# serve --tenants: the shared namespace's client holds the admin token (it evicts); alice, a
+# tenant with a quota, makes the same traffic in her own namespace, so both hit rates are 0.6.
+ADMIN_TOKEN, ALICE_TOKEN = "deploy-admin-token", "deploy-alice-token"
+ALICE_QUOTA = 512 << 10
 
 
 @pytest.fixture(scope="module")
 def scraped(tmp_path_factory):
     """A daemon under known traffic, scraped every second by Prometheus with our rules."""
     workdir = tmp_path_factory.mktemp("deploy")
+    tenants = workdir / "tenants.toml"
+    tenants.write_text(
+        "[tenants.alice]\n"
+        f'token_sha256 = "{hash_token(ALICE_TOKEN)}"\n'
+        f'quota = "{ALICE_QUOTA >> 10}K"\n'
+        'reserved = "0"\n'
+        "shared = true\n"
+    )
     daemon = start_daemon(
         workdir / "daemon",
         "--node",
         "node-a",
         "--disk-dir",
         str(workdir / "disk"),
+        "--admin-token",
+        ADMIN_TOKEN,
+        "--tenants",
+        str(tenants),
         pool_bytes=1 << 20,
     )
     prometheus = PrometheusServer(workdir / "prometheus", [daemon.ready["metrics"]])
     began = time.time()
     try:
-        with ChunkStoreClient(daemon.unix) as client:
+        with (
+            ChunkStoreClient(daemon.unix, token=ADMIN_TOKEN) as client,
+            ChunkStoreClient(daemon.unix, token=ALICE_TOKEN) as alice,
+        ):
             keys = [i.to_bytes(16, "little") for i in range(len(TOKENS))]
             for key, tokens in zip(keys[:PRESENT], TOKENS, strict=False):
                 kv = torch.zeros(1, tokens, 1, 8)
                 client.put(key, kv, kv, 0)
+                alice.put(key, kv, kv, 0)  # her namespace: the same keys, other entries
+            # One reload of a file that does not load: alice's tenancy stays in force. After a
+            # scrape that saw no failure, or increase() has nothing to count from.
+            failed = 'chunkstore_tenant_reloads_total{result="failed"}'
+            deadline = time.monotonic() + 30
+            while not prometheus.query(failed):
+                assert time.monotonic() < deadline, "prometheus never scraped the daemon"
+                time.sleep(0.2)
+            tenants.write_text('[tenants.alice]\ntoken_sha256 = "not hex"\n')
+            daemon.process.send_signal(signal.SIGHUP)
             with pytest.raises(InvalidRequest):
                 client.lookup([b"bad"])  # one error, so the errors series exists
             client.evict([keys[0]])  # one admin eviction, then put it back
@@ -65,6 +97,7 @@ def scraped(tmp_path_factory):
             deadline = time.monotonic() + 8
             while time.monotonic() < deadline:  # traffic at a constant hit ratio
                 assert client.lookup(keys, num_tokens=TOKENS)[PRESENT:] == [None]
+                assert alice.lookup(keys, num_tokens=TOKENS)[PRESENT:] == [None]
                 client.get(keys[1])
                 time.sleep(0.05)
             made = client.stats()
@@ -85,6 +118,17 @@ def test_every_dashboard_query_evaluates_and_returns_series(scraped) -> None:
             assert result, f"panel {title!r}: {expr} returned no series"
 
 
+def test_tenant_panels_show_the_tenants_selected(scraped) -> None:
+    prometheus, _, _ = scraped
+    by_tenant = [(t, e) for t, e in dashboard_queries() if "$tenant" in e]
+    assert len(by_tenant) >= 4
+    for title, expr in by_tenant:
+        every = {s["metric"]["tenant"] for s in prometheus.query(concrete(expr))}
+        assert "alice" in every, f"panel {title!r}: {expr} shows {every}"
+        alice = prometheus.query(concrete(expr.replace("$tenant", "alice")))
+        assert {s["metric"]["tenant"] for s in alice} == {"alice"}, (title, expr)
+
+
 def test_template_variables_resolve(scraped) -> None:
     prometheus, _, _ = scraped
     variables = json.loads(DASHBOARD.read_text())["templating"]["list"]
@@ -92,6 +136,11 @@ def test_template_variables_resolve(scraped) -> None:
     metric = re.search(r"label_values\((\w+), node\)", node["definition"])
     assert metric is not None
     assert prometheus.api("label/node/values", **{"match[]": metric.group(1)}) == ["node-a"]
+    tenant = next(v for v in variables if v["name"] == "tenant")
+    metric = re.search(r"label_values\((\w+), tenant\)", tenant["definition"])
+    assert metric is not None
+    values = prometheus.api("label/tenant/values", **{"match[]": metric.group(1)})
+    assert values == ["alice", "shared"]
 
 
 def test_every_rule_evaluates_and_returns_series(scraped) -> None:
@@ -123,6 +172,13 @@ def test_the_hit_rate_prometheus_computes_is_the_hit_rate_made(scraped) -> None:
         ),
         ("sum(chunkstore_lookup_chunks_total)", made.lookups),
         ("sum(chunkstore_hit_chunks_total)", made.hits),
+        ('tenant:chunkstore_hit_rate_tokens:ratio_rate5m{tenant="alice"}', TOKEN_HIT_RATE),
+        ('tenant:chunkstore_hit_rate_tokens:ratio_rate5m{tenant="shared"}', TOKEN_HIT_RATE),
+        (
+            'sum(chunkstore_tenant_lookup_tokens_total{tenant="alice"})',
+            made.tenants["alice"].lookup_tokens,
+        ),
+        ('sum(chunkstore_tenant_quota_bytes{tenant="alice"})', ALICE_QUOTA),
     ]:
         [sample] = prometheus.query(expr)
         assert float(sample["value"][1]) == pytest.approx(expected, rel=1e-9), expr
@@ -206,3 +262,24 @@ def test_systemd_unit_verifies(tmp_path: Path) -> None:
         text=True,
     )
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_a_tenants_file_that_does_not_reload_fires_its_alert(scraped) -> None:
+    prometheus, _, _ = scraped
+    [failed] = prometheus.query('chunkstore_tenant_reloads_total{result="failed"}')
+    assert float(failed["value"][1]) == 1
+    [signal_] = prometheus.query("node:chunkstore_tenant_reload_failures:increase10m")
+    assert signal_["metric"]["node"] == "node-a" and float(signal_["value"][1]) > 0
+    deadline = time.monotonic() + 15
+    while True:
+        firing = [
+            a
+            for a in prometheus.api("alerts")["alerts"]
+            if a["labels"]["alertname"] == "ChunkstoreTenantsReloadFailed"
+            and a["state"] == "firing"
+        ]
+        if firing or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert [a["labels"]["node"] for a in firing] == ["node-a"]
+    assert "previous tenants stay in force" in firing[0]["annotations"]["summary"]

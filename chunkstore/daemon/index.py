@@ -7,6 +7,11 @@ LRU by bytes: on demand when a reservation needs room, and down to the low water
 usage passes the high one. The index owns entries; the pool owns bytes and free blocks; one
 lock serializes both.
 
+Every entry, reservation and block is some tenant's ("" the shared namespace; tenants.py
+maps keys into namespaces before they get here). A tenant past its quota evicts its own
+least recently used entries; the pool's eviction takes the oldest entry among the tenants'
+that leaves each other tenant its reserved share (``_victim``).
+
 With a disk tier (``disk.py``) every commit also queues the entry for the daemon's spill
 thread (``spill_one``), which holds its blocks while it writes them (an entry being written
 is not evictable, as a leased one); a memory miss the tier holds is read back into new

@@ -96,7 +96,7 @@ class _Peer:
         self.session = reply.session_id  # type: ignore[attr-defined]
         self.endpoint = Endpoint.from_proto(reply.transfer)  # type: ignore[attr-defined]
 
-    def acquire(self, key: bytes, tenant: str) -> PeerLease | None:
+    def acquire(self, key: bytes, tenant: str = "") -> PeerLease | None:
         """A lease on ``tenant``'s entry ``key`` in the peer's daemon, or None if it holds
         no such entry."""
         if not self.session:

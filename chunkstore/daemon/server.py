@@ -280,15 +280,15 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
         tokens, kind = _token_counts(request)
         keys = list(request.keys)
         session = request.session_id
-        if caller == PEER_CALLER:  # a peer's pull: the keys as this daemon holds them
-            known = self.tenants is not None and self.tenants.knows(request.tenant)
-            if request.tenant and not known:
+        if request.tenant:  # a peer's pull names the tenant whose entry it wants
+            if self.tenants is None or not self.tenants.knows(request.tenant):
                 raise Forbidden(f"tenant {request.tenant!r} is unknown here")
+            if caller != PEER_CALLER:
+                raise Forbidden("only a pulling peer names a tenant: a client's token says it")
+        if caller == PEER_CALLER:  # the keys as this daemon holds them, of the named tenant
             acquired = self.index.acquire(session, keys, request.tenant)
             namespace = request.tenant
         else:
-            if request.tenant:
-                raise Forbidden("only a pulling peer names a tenant: a client's token says it")
             acquired = self._find(
                 caller, keys, lambda ks, tenant: self.index.acquire(session, ks, tenant)
             )
@@ -635,6 +635,10 @@ def _refusal(handler: Any, code: grpc.StatusCode, message: str) -> Any:
     return make(refuse)
 
 
+def _budgets(tenants: dict[str, Tenant]) -> dict[str, Budget]:
+    return {t.name: Budget(t.quota, t.reserved) for t in tenants.values()}
+
+
 class Daemon:
     """The running daemon: pool, index, gRPC server, metrics endpoint, reaper."""
 
@@ -642,6 +646,13 @@ class Daemon:
         self.config = config
         pool_bytes = config.resolved_pool_bytes()
         num_blocks = max(1, pool_bytes // config.block_size)
+        # Checked before anything is created: a bad file leaves nothing behind.
+        service_tokens = [config.token, config.admin_token, config.peer_token]
+        self.tenants = (
+            Tenants(load_tenants(config.tenants, num_blocks * config.block_size), service_tokens)
+            if config.tenants
+            else None
+        )
         if config.device == "cpu":
             for path, size in reclaim_stale_pools(config.shm_dir):
                 log.warning("removed %s (%d bytes): its daemon died, leaving it", path, size)
@@ -660,10 +671,8 @@ class Daemon:
             spill_queue_bytes=config.resolved_spill_queue_bytes(self.pool.capacity),
         )
         self.metrics = Metrics(self.index, config.node)
-        self.tenants: Tenants | None = None
-        if config.tenants:
-            service_tokens = [config.token, config.admin_token, config.peer_token]
-            self.tenants = Tenants(self._load_tenants(), service_tokens)
+        if self.tenants is not None:
+            self.index.set_budgets(_budgets(self.tenants.by_name))
         guarded = config.token or config.admin_token or self.tenants
         self.token_check = (
             _TokenCheck(config.token, config.admin_token, config.peer_token, self.tenants)
@@ -701,12 +710,6 @@ class Daemon:
         self.addresses: dict[str, str] = {}
         self._serving = False
 
-    def _load_tenants(self) -> dict[str, Tenant]:
-        """The tenants file's tenants, their budgets handed to the index."""
-        tenants = load_tenants(self.config.tenants, self.pool.capacity)
-        self.index.set_budgets({t.name: Budget(t.quota, t.reserved) for t in tenants.values()})
-        return tenants
-
     def reload_tenants(self) -> bool:
         """Read the tenants file again (SIGHUP): new tokens, quotas and shares from the next
         call on; sessions, leases and entries stay as they are. A file that does not load
@@ -721,7 +724,7 @@ class Daemon:
             self.metrics.tenant_reloads.labels("failed").inc()
             log.error("reload: %s; the tenants in force stay as they were", err)
             return False
-        self.index.set_budgets({t.name: Budget(t.quota, t.reserved) for t in tenants.values()})
+        self.index.set_budgets(_budgets(tenants))
         self.metrics.tenant_reloads.labels("ok").inc()
         log.warning("reload: %d tenants from %s", len(tenants), self.config.tenants)
         return True

@@ -29,7 +29,7 @@ def dashboard_queries() -> list[tuple[str, str]]:
 
 def concrete(expr: str) -> str:
     """Grafana's variables as an 'All' selection would fill them in."""
-    for variable in ("$node", "$instance", "$model_name"):
+    for variable in ("$node", "$instance", "$model_name", "$tenant"):
         expr = expr.replace(variable, ".*")
     return expr.replace("$__rate_interval", "30s")
 

@@ -272,3 +272,49 @@ def test_a_peer_pulls_for_a_tenant_it_knows_and_refuses_one_it_does_not(
         raw.Release(
             pb.ReleaseRequest(session_id=session, lease_ids=[lease.lease_id]), metadata=bearer
         )
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("[tenants.Alice]\ntoken_sha256 = '{a}'\n", "a name is 1-63"),
+        ("[tenants.shared]\ntoken_sha256 = '{a}'\n", "not 'shared'"),
+        ("[tenants.alice]\ntoken_sha256 = 'abc'\n", "64 hex digits"),
+        (
+            "[tenants.alice]\ntoken_sha256 = '{a}'\n[tenants.bob]\ntoken_sha256 = '{a}'\n",
+            "same token",
+        ),
+        (
+            "[tenants.alice]\ntoken_sha256 = '{a}'\nquota = '1M'\nreserved = '2M'\n",
+            "more than its quota",
+        ),
+        (
+            "[tenants.alice]\ntoken_sha256 = '{a}'\nreserved = '60%'\n"
+            "[tenants.bob]\ntoken_sha256 = '{b}'\nreserved = '50%'\n",
+            "more than the pool's",
+        ),
+        ("[tenants.alice]\ntoken_sha256 = '{a}'\nquotas = 1\n", "unknown field"),
+        ("[tenants.alice]\ntoken_sha256 = '{a}'\nshared = 'yes'\n", "true or false"),
+        ("[tenant.alice]\n", "unknown section"),
+        ("[tenants.alice\n", "not TOML"),
+    ],
+)
+def test_a_bad_tenants_file_is_refused_with_what_is_wrong(text: str, says: str) -> None:
+    from chunkstore.daemon.tenants import parse_tenants
+    from chunkstore.errors import InvalidRequest
+
+    text = text.format(a=hash_token("a"), b=hash_token("b"))
+    with pytest.raises(InvalidRequest, match=says):
+        parse_tenants(text, 8 << 20)
+
+
+def test_a_daemon_with_a_bad_tenants_file_does_not_start(tmp_path: Path) -> None:
+    from chunkstore.processes.daemon import start_daemon
+
+    path = tenants_file(tmp_path / "tenants.toml", alice={"reserved": "9M"})
+    with pytest.raises(RuntimeError, match="reserve .* more than the pool"):
+        start_daemon(tmp_path / "d", "--tenants", str(path), pool_bytes=4 << 20, timeout=20)
+    # Nor one whose tenant holds the daemon's own token.
+    path = tenants_file(tmp_path / "tenants.toml", alice={})
+    with pytest.raises(RuntimeError, match="use the daemon's --token"):
+        start_daemon(tmp_path / "e", "--token", "alice-secret", "--tenants", str(path), timeout=20)
