@@ -142,7 +142,7 @@ def test_a_tenant_never_sees_another_tenants_entries(three) -> None:  # type: ig
 def test_a_quota_evicts_the_tenants_own_entries_and_a_reserved_share_is_kept(three) -> None:  # type: ignore[no-untyped-def]
     daemon, _ = three
     with (
-        ChunkStoreClient(daemon.tcp, token=TOKEN) as shared,
+        as_tenant(daemon, "carol") as carol,
         as_tenant(daemon, "alice") as alice,
         as_tenant(daemon, "bob") as bob,
     ):
@@ -153,8 +153,8 @@ def test_a_quota_evicts_the_tenants_own_entries_and_a_reserved_share_is_kept(thr
             assert alice.stats().tenants["alice"].held_bytes <= 1 << 20
         alice_has = [i for i in range(100, 140) if alice.lookup([entry_key(i)])[0] is not None]
         assert alice_has == list(range(124, 140))  # her own oldest went, nobody else's
-        for i in range(1000, 1200):  # the shared namespace floods a pool of 64 blocks
-            assert put(shared, i)
+        for i in range(1000, 1200):  # carol, without a quota, floods a pool of 64 blocks
+            assert put(carol, i)
         assert all(holds(bob, i) for i in range(16)), "bob's reserved share was evicted"
         # An entry alice holds leased cannot be evicted for her: at her quota, she is refused.
         leases = alice.acquire([entry_key(i) for i in range(100, 140)])
