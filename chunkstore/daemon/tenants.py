@@ -187,8 +187,12 @@ class Tenants:
                 f"tenant(s) {clash} use the daemon's --token, --admin-token or --peer-token: "
                 "give each tenant a token of its own"
             )
-        self._by_token = {t.token_sha256: t for t in tenants.values()}
-        self.by_name = dict(tenants)
+        # One reference, swapped at once: by token hash, and by name.
+        self._current = ({t.token_sha256: t for t in tenants.values()}, dict(tenants))
+
+    @property
+    def by_name(self) -> dict[str, Tenant]:
+        return self._current[1]
 
     def of(self, bearer: str | None) -> Tenant | None:
         """The tenant whose token ``bearer`` ("Bearer <token>") carries, or None."""
@@ -196,7 +200,7 @@ class Tenants:
             return None
         digest = hash_token(bearer[len("Bearer ") :])
         # Looked up by the token's hash, never compared with the token: nothing to time.
-        return self._by_token.get(digest)
+        return self._current[0].get(digest)
 
     def knows(self, name: str) -> bool:
         return name == SHARED or name in self.by_name

@@ -91,9 +91,14 @@ def test_a_new_tier_on_the_directory_finds_every_entry_oldest_first(tmp_path) ->
     for i, data in written.items():
         assert np.array_equal(read(again, i), data)
     assert again.removed_at_start == []
+    # Whose each entry is survives the restart too (tenants.py): read from its header.
+    data = body_of(99, 5000)
+    tier.write(key_of(99), LAYOUT, [data], checksum(data), tenant="alice")
+    assert [DiskTier(tmp_path, 64 << 20).lookup(key_of(i)).tenant for i in (1, 99)] == ["", "alice"]  # type: ignore[union-attr]
     smaller = DiskTier(tmp_path, 10 * (HEADER + 30_000))  # a budget cut since: oldest go
     assert smaller.used <= smaller.capacity
-    assert smaller.lru_order() == [key_of(i) for i in range(20 - len(smaller), 20)]
+    assert smaller.lru_order()[-1] == key_of(99)  # the newest
+    assert smaller.lru_order()[:-1] == [key_of(i) for i in range(21 - len(smaller), 20)]
 
 
 def test_torn_and_stray_files_are_removed_at_start(tmp_path) -> None:
