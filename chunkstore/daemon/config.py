@@ -14,6 +14,7 @@ from pathlib import Path
 from socket import gethostname
 from typing import Any
 
+from chunkstore.daemon.eviction import POLICIES
 from chunkstore.daemon.transfer import ENGINES, PROTOCOLS
 from chunkstore.errors import InvalidRequest
 from chunkstore.protocol.endpoints import default_socket
@@ -42,6 +43,7 @@ class ServeConfig:
     lease_ttl_s: float = 30.0
     high_watermark: float = 0.95
     low_watermark: float = 0.85
+    eviction: str = "lru"  # which entry goes first: lru, or worth (eviction.py)
     verify_commits: bool = False  # every read checks; this refuses a bad write earlier
     drain_timeout_s: float = 10.0
     disk_dir: str = ""  # the disk tier's directory ("" = memory only)
@@ -126,6 +128,8 @@ class ServeConfig:
         self._validate_transfer()
 
     def _validate_transfer(self) -> None:
+        if self.eviction not in POLICIES:
+            raise InvalidRequest(f"--eviction: one of {', '.join(POLICIES)}")
         if self.transfer_engine not in ENGINES:
             raise InvalidRequest(f"--transfer-engine: one of {', '.join(ENGINES)}")
         if self.transfer_protocol not in PROTOCOLS:
@@ -313,6 +317,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "nothing and plants nothing",
         "allow_insecure_peers": "send --peer-token to peers dialed without TLS (a network and "
         "Redis that are yours alone)",
+        "eviction": "which evictable entry goes first: lru (least recently released, the "
+        "default) or worth (recompute cost saved per byte x reads, aged: GreedyDual-Size-"
+        "Frequency; a prefix block's tail before its head)",
         "transfer_engine": "none (default: peers pull over the gRPC stream) or mooncake: "
         "Mooncake's Transfer Engine reads entries one-sidedly between pools (pip install "
         "'chunkstore[mooncake]'; Debian's libibverbs1 and libfabric1). It does not "

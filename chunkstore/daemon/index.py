@@ -2,9 +2,10 @@
 
 One path (DESIGN.md): reserve -> commit (or abort) -> lease -> release -> evict. An entry is
 unreadable until committed; a leased or pinned entry is never evicted; leases and
-reservations belong to a session and go when it ends or stops renewing them (TTL). Eviction is
-LRU by bytes: on demand when a reservation needs room, and down to the low watermark once
-usage passes the high one. The index owns entries; the pool owns bytes and free blocks; one
+reservations belong to a session and go when it ends or stops renewing them (TTL). Eviction
+takes the lowest ranked entry (``eviction.py``: least recently used, or least worth): on
+demand when a reservation needs room, and down to the low watermark once usage passes the
+high one. The index owns entries; the pool owns bytes and free blocks; one
 lock serializes both.
 
 Every entry, reservation and block is some tenant's ("" the shared namespace; tenants.py
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from chunkstore.daemon.disk import DiskEntry, DiskError, DiskTier
+from chunkstore.daemon.eviction import Order, make_policy
 from chunkstore.daemon.pool import Pool
 from chunkstore.errors import (
     AlreadyExists,
@@ -71,7 +73,8 @@ class Entry:
     evicted: bool = False  # out of the index; its blocks go when its last lease does
     spill: str = ""  # "queued" or "writing" to the disk tier; while writing, blocks stay
     tenant: str = ""  # whose namespace it is in ("" shared; tenants.py)
-    age: int = 0  # when it last became evictable: the eviction order across tenants
+    hits: int = 0  # leases taken on it (the worth policy's frequency)
+    rank: float = 0.0  # its place in the eviction order, set when it became evictable
 
 
 @dataclass
@@ -173,6 +176,7 @@ class Index:
         on_evict: Callable[[str, int], None] | None = None,
         disk: DiskTier | None = None,
         spill_queue_bytes: int = 1 << 30,
+        eviction: str = "lru",
     ) -> None:
         if not 0 < low_watermark <= high_watermark <= 1:
             raise InvalidRequest("watermarks need 0 < low <= high <= 1")
@@ -187,11 +191,11 @@ class Index:
         self.lock = threading.RLock()
         self.draining = False
         self._entries: dict[bytes, Entry] = {}
-        # The evictable entries (neither pinned nor leased), by tenant, least recently used
-        # first; ``Entry.age`` orders the tenants' oldest against each other.
-        self._lru: dict[str, OrderedDict[bytes, Entry]] = {}
-        self._evictable: Counter[str] = Counter()  # blocks of the entries in _lru, by tenant
-        self._ages = itertools.count(1)
+        # The evictable entries (neither pinned nor leased), by tenant, lowest rank first
+        # (eviction.py: least recently used, or least worth); ranks compare across tenants.
+        self.policy = make_policy(eviction)
+        self._orders: dict[str, Order[Entry]] = {}
+        self._evictable: Counter[str] = Counter()  # blocks of the entries in _orders, by tenant
         # Tenants: blocks held (entries and reservations), budgets, counts (tenants.py).
         self._held: Counter[str] = Counter()
         self.budgets: dict[str, Budget] = {}
@@ -421,7 +425,8 @@ class Index:
         self._leases[lease.id] = lease
         session.leases.add(lease.id)
         entry.leases += 1
-        self._place(entry)  # out of the eviction order; back as the newest when free
+        entry.hits += 1
+        self._place(entry)  # out of the eviction order; ranked again when free
         return lease, entry
 
     def release(self, session_id: str, lease_ids: Sequence[int]) -> None:
@@ -615,9 +620,9 @@ class Index:
         busy)."""
         with self.lock:
             evicted = 0
-            for order in self._lru.values():
-                while order:
-                    self._evict(next(iter(order.values())), "clear")
+            for order in self._orders.values():
+                while (head := order.head()) is not None:
+                    self._evict(head, "clear")
                     evicted += 1
             if self.disk is not None:
                 evicted += sum(self.disk.remove(k) for k in self.disk.keys() - self._entries.keys())
@@ -889,10 +894,12 @@ class Index:
                     "reserved"
                 )
             while (self._held[tenant] + count) * bs > quota:
-                self._evict(next(iter(self._lru[tenant].values())), "quota")
+                head = self._orders[tenant].head()
+                assert head is not None  # enough of its own was evictable
+                self._evict(head, "quota")
         blocks = self.pool.allocate(count)
         if blocks is None:
-            evictable = sum(self._evictable_for(t, tenant) for t in self._lru)
+            evictable = sum(self._evictable_for(t, tenant) for t in self._orders)
             if self.pool.free_blocks + evictable < count:  # evicting would not make room
                 raise PoolFull(
                     f"need {count} blocks, {self.pool.free_blocks} free and {evictable} "
@@ -915,17 +922,17 @@ class Index:
 
     def _place(self, entry: Entry) -> None:
         """Keep the eviction order to the evictable entries: after any change to an entry's
-        pins or leases, in it (as the newest) exactly when it is committed, unpinned and
+        pins or leases, in it (ranked as of now) exactly when it is committed, unpinned and
         unleased."""
         evictable = not (entry.leases or entry.pinned or entry.evicted or entry.spill == "writing")
-        order = self._lru.get(entry.tenant)
+        order = self._orders.get(entry.tenant)
         if evictable and (order is None or entry.key not in order):
             if order is None:
-                order = self._lru[entry.tenant] = OrderedDict()
-            order[entry.key] = entry
-            entry.age = next(self._ages)
+                order = self._orders[entry.tenant] = self.policy.order()
+            entry.rank = self.policy.rank(entry)
+            order.add(entry)
             self._evictable[entry.tenant] += len(entry.blocks)
-        elif not evictable and order is not None and order.pop(entry.key, None) is not None:
+        elif not evictable and order is not None and order.remove(entry):
             self._evictable[entry.tenant] -= len(entry.blocks)
 
     def _keeps(self, tenant: str, blocks: int) -> bool:
@@ -945,14 +952,14 @@ class Index:
         return max(0, min(evictable, self._held[tenant] - kept))
 
     def _victim(self, evicting_for: str | None) -> Entry | None:
-        """The oldest evictable entry whose eviction leaves every other tenant's reserved
-        share whole: the heads of the tenants' orders compared (O(tenants))."""
+        """The lowest ranked evictable entry whose eviction leaves every other tenant's
+        reserved share whole: the heads of the tenants' orders compared (O(tenants))."""
         best: Entry | None = None
-        for tenant, order in self._lru.items():
-            head = next(iter(order.values()), None)
+        for tenant, order in self._orders.items():
+            head = order.head()
             if head is None or (tenant != evicting_for and self._keeps(tenant, len(head.blocks))):
                 continue
-            if best is None or head.age < best.age:
+            if best is None or head.rank < best.rank:
                 best = head
         return best
 
@@ -999,6 +1006,8 @@ class Index:
         if self.disk is not None and reason in ("admin", "clear", "corrupt"):
             self.disk.remove(entry.key)  # forgotten, not moved down a tier
         self._free_if_unheld(entry)
+        if reason in ("capacity", "watermark", "quota"):  # for room: the worth policy ages
+            self.policy.evicted(entry)
         self.evictions[reason] += 1
         if self.on_evict:
             self.on_evict(reason, entry.nbytes)

@@ -669,6 +669,7 @@ class Daemon:
             config.max_sessions,
             disk=self.disk,
             spill_queue_bytes=config.resolved_spill_queue_bytes(self.pool.capacity),
+            eviction=config.eviction,
         )
         self.metrics = Metrics(self.index, config.node)
         if self.tenants is not None:

@@ -47,6 +47,7 @@ class Clock:
 class IndexMachine(RuleBasedStateMachine):
     reservations = Bundle("reservations")
     leases = Bundle("leases")
+    eviction = "lru"  # the policy (eviction.py); every invariant holds under each
 
     def __init__(self) -> None:
         super().__init__()
@@ -59,6 +60,7 @@ class IndexMachine(RuleBasedStateMachine):
             low_watermark=0.6,
             clock=self.clock,
             verify_commits=True,  # a dishonest commit is refused; off, a read would catch it
+            eviction=self.eviction,
         )
         self.index.set_budgets({"a": A_BUDGET})
         self.session = self.index.open_session("machine")
@@ -226,7 +228,7 @@ class IndexMachine(RuleBasedStateMachine):
         evictable = [e for e in entries if not (e.pinned or e.leases or e.spill == "writing")]
         for tenant in ("", "a"):
             mine = [e for e in evictable if e.tenant == tenant]
-            assert set(self.index._lru.get(tenant, {})) == {e.key for e in mine}
+            assert set(self.index._orders.get(tenant, ())) == {e.key for e in mine}
             assert self.index._evictable[tenant] == sum(len(e.blocks) for e in mine)
             held = [b for e in entries if e.tenant == tenant for b in e.blocks]
             held += [b for r in self.index.reservations() if r.tenant == tenant for b in r.blocks]
@@ -340,7 +342,7 @@ class TieredIndexMachine(IndexMachine):
     @invariant()
     def spilling_entries_keep_their_blocks(self):
         for entry, _ in self.writing:
-            assert entry.spill == "writing" and entry.key not in self.index._lru[entry.tenant]
+            assert entry.spill == "writing" and entry.key not in self.index._orders[entry.tenant]
             assert not set(entry.blocks) & set(self.pool._free)
 
     @invariant()
@@ -356,6 +358,17 @@ TieredIndexMachine.TestCase.settings = settings(
     max_examples=100, stateful_step_count=50, deadline=None
 )
 TestTieredIndexStateMachine = TieredIndexMachine.TestCase
+
+
+class WorthTieredIndexMachine(TieredIndexMachine):
+    """Both tiers, two tenants, entries ranked by worth (a heap with stale items) instead of
+    by recency."""
+
+    eviction = "worth"
+
+
+WorthTieredIndexMachine.TestCase.settings = TieredIndexMachine.TestCase.settings
+TestWorthTieredIndexStateMachine = WorthTieredIndexMachine.TestCase
 
 
 def test_a_long_random_walk_over_both_tiers_serves_only_committed_bytes() -> None:
@@ -505,10 +518,10 @@ def test_eviction_takes_the_least_recently_released_and_never_walks_pins(index: 
         index.commit(s, res.id, checksum(index.pool.region(), res.blocks, BLOCK, quarter.nbytes))
     index.set_pinned([KEYS[0]], True)
     [(lease, _)] = index.acquire(s, [KEYS[1]])  # type: ignore[misc]
-    assert list(index._lru[""]) == [KEYS[2], KEYS[3]]  # pinned and leased entries are not in it
+    assert list(index._orders[""]) == [KEYS[2], KEYS[3]]  # pinned and leased entries are not in it
     index.release(s, [lease.id])  # back as the most recently used
     index.set_pinned([KEYS[0]], False)
-    assert list(index._lru[""]) == [KEYS[2], KEYS[3], KEYS[1], KEYS[0]]
+    assert list(index._orders[""]) == [KEYS[2], KEYS[3], KEYS[1], KEYS[0]]
     index.reserve(s, KEYS[4], quarter, quarter.nbytes)
     assert {e.key for e in index.entries()} == {KEYS[0], KEYS[1], KEYS[3]}
     assert index.clear() == (3, 0)
