@@ -23,6 +23,8 @@ BENCHES: dict[str, str] = {
     "quality": "answer accuracy on generated multi-document QA, per recovery method, with TTFT",
     "scale": "the daemon at 1k / 10k / 100k entries, with pinned entries, and with 1-8 readers",
     "store": "daemon lookups, and reads via shared memory against memcpy, Redis and gRPC",
+    "workload": "RAG traffic through vLLM's OpenAI server: its prefix caching alone vs "
+    "chunkstore evicting by LRU and by worth, at pool sizes (throughput_vs_apc)",
 }
 
 

@@ -7,7 +7,7 @@ one Python process instead of three (driver, engine core, worker), each of which
 and vLLM; that is ~30 s of a ~45 s probe on 2 cores, and the suite starts ~60 probes. The
 connector is the same code either way (its scheduler and worker sides are separate objects).
 What the deployed process layout adds, the metadata pickled from the scheduler to the workers,
-stays covered: every ``vllm serve`` the tests start (chunkstore.testing.vllm_server, the
+stays covered: every ``vllm serve`` the tests start (chunkstore.processes.vllm_server, the
 README quickstart) and every tensor-parallel run keeps its engine and workers in processes.
 And each probe is forked from a process that imported vLLM once (chunkstore.testing.probe_forks:
 ~17 s of CPU less per probe); the benches the tests run (through the ``chunkstore`` command)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from chunkstore.testing.vllm_server import stop_group
+from chunkstore.processes.vllm_server import stop_group
 
 ROOT = Path(__file__).resolve().parents[1]
 

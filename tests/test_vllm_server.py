@@ -6,7 +6,7 @@ import subprocess
 import sys
 import threading
 
-from chunkstore.testing.vllm_server import stop_group
+from chunkstore.processes.vllm_server import stop_group
 
 
 def test_stop_group_does_not_wait_out_the_grace_for_an_exited_leader() -> None:

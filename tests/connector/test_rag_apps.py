@@ -13,6 +13,7 @@ from openai import OpenAI
 
 from chunkstore.client import ChunkStoreClient
 from chunkstore.kv.keys import Isolation
+from chunkstore.processes.vllm_server import VllmServer
 from chunkstore.prompts import RagPrompts
 from chunkstore.testing.cli import chunkstore
 from chunkstore.testing.reference import HFReference
@@ -24,7 +25,6 @@ from chunkstore.testing.scenario import (
     default_treatment,
     first_token,
 )
-from chunkstore.testing.vllm_server import VllmServer
 
 SYS, DOCS = RAG_SYS, RAG_DOCS
 MERGES = "Its compiler is written in C#"  # ends in '#': merges with a '##' written after it

@@ -27,7 +27,6 @@ class Item:
     rank: float
     layout: EntryLayout = field(default_factory=lambda: layout(1))
     nbytes: int = 1
-    hits: int = 0
 
 
 def layout(tokens: int, start: int = 0, kind: str = "chunk") -> EntryLayout:
@@ -95,8 +94,7 @@ def test_a_hot_entry_outlives_a_scan_by_worth_and_not_by_recency(
         fill(index, entry_key(i), 16)
     assert index.stats().evictions == {"capacity": 3}
     # Recency: the hot entry was released before the scan began, so it went first. Worth:
-    # read five times, it outranks entries read once, until aging (three evictions' worth of
-    # rank here) catches up with it.
+    # read five times, it outranks entries read once (until aging catches up with it).
     assert present(index, hot) == (eviction == "worth")
     pool.close()
 

