@@ -147,6 +147,9 @@ class Budget:
     reserved: int = 0
 
 
+NO_BUDGET = Budget()  # a tenant the file does not name (or the shared namespace): no limits
+
+
 @dataclass
 class DiskStats:
     directory: str
@@ -462,7 +465,7 @@ class Index:
                 f"an entry of {nbytes} bytes can never fit a pool of {self.pool.capacity}"
             )
         with self.lock:
-            quota = self.budgets[tenant].quota if tenant in self.budgets else 0
+            quota = self.budgets.get(tenant, NO_BUDGET).quota
             if quota and self.pool.blocks_for(nbytes) * self.pool.block_size > quota:
                 raise InvalidRequest(
                     f"an entry of {nbytes} bytes can never fit tenant {tenant}'s quota of {quota}"
@@ -810,10 +813,8 @@ class Index:
                 tenant: {
                     **{name: counts[name] for name in (*names, "evictions")},
                     "held_bytes": self._held[tenant] * self.pool.block_size,
-                    "quota_bytes": self.budgets[tenant].quota if tenant in self.budgets else 0,
-                    "reserved_bytes": (
-                        self.budgets[tenant].reserved if tenant in self.budgets else 0
-                    ),
+                    "quota_bytes": self.budgets.get(tenant, NO_BUDGET).quota,
+                    "reserved_bytes": (self.budgets.get(tenant, NO_BUDGET).reserved),
                 }
                 for tenant, counts in self._tenant_counts.items()
             }
@@ -884,7 +885,7 @@ class Index:
         entry of any tenant that stays within what its reserved share keeps (``_victim``).
         Nothing is evicted when that could not make room."""
         bs = self.pool.block_size
-        quota = self.budgets[tenant].quota if tenant in self.budgets else 0
+        quota = self.budgets.get(tenant, NO_BUDGET).quota
         if quota and (self._held[tenant] + count) * bs > quota:
             if (self._held[tenant] - self._evictable[tenant] + count) * bs > quota:
                 raise PoolFull(
@@ -937,7 +938,7 @@ class Index:
 
     def _keeps(self, tenant: str, blocks: int) -> bool:
         """Whether ``tenant`` holding ``blocks`` fewer would dip into its reserved share."""
-        reserved = self.budgets[tenant].reserved if tenant in self.budgets else 0
+        reserved = self.budgets.get(tenant, NO_BUDGET).reserved
         return (self._held[tenant] - blocks) * self.pool.block_size < reserved
 
     def _evictable_for(self, tenant: str, evicting_for: str | None) -> int:
@@ -945,7 +946,7 @@ class Index:
         watermark's): all its evictable ones for itself, above its reserved share for
         anyone else."""
         evictable = self._evictable[tenant]
-        reserved = self.budgets[tenant].reserved if tenant in self.budgets else 0
+        reserved = self.budgets.get(tenant, NO_BUDGET).reserved
         if tenant == evicting_for or not reserved:
             return evictable
         kept = (reserved + self.pool.block_size - 1) // self.pool.block_size
