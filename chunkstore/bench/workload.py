@@ -190,18 +190,6 @@ def _prompt_hit_rate(scraped: dict[str, float]) -> float | None:
     return round(saved / prompt, 4) if prompt else None
 
 
-def _connector_counters(scraped: dict[str, float], requests: int) -> dict[str, float]:
-    """The connector's own counters (vllm:chunkstore_*), per request: where its time went
-    (lookup, read, write seconds) and what it moved, to explain a way's TTFT."""
-    out: dict[str, float] = {}
-    for name, value in scraped.items():
-        bare = name.partition("{")[0]
-        if bare.startswith("vllm:chunkstore_") and bare.endswith("_total"):
-            short = bare.removeprefix("vllm:chunkstore_").removesuffix("_total")
-            out[short] = out.get(short, 0.0) + value
-    return {k: round(v / requests, 4) for k, v in sorted(out.items())}
-
-
 def kv_bytes_per_token(model: Path) -> int:
     """fp32 KV bytes a token of ``model`` takes (keys and values, every layer)."""
     config = json.loads((model / "config.json").read_text())
@@ -362,7 +350,11 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                         figures = send(server.url, str(model), trace, prompts, args)
                         scraped = _scrape(server.url)
                         figures["prompt_hit_rate"] = _prompt_hit_rate(scraped)
-                        figures["connector"] = _connector_counters(scraped, len(prompts))
+                        # The connector's own counters a request: where its time went.
+                        figures["connector"] = {
+                            k: round(v / len(prompts), 4)
+                            for k, v in sorted(server.counters().items())
+                        }
                     finally:
                         server.stop()
                     stats = daemon.scrape()
