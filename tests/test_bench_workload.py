@@ -81,8 +81,7 @@ def test_bench_workload_through_vllm_serve_on_the_tiny_model(tmp_path: Path) -> 
 
     lines = [json.loads(line) for line in dataset.read_text().splitlines()]
     assert len(lines) == 16 and all(line["output_tokens"] == 8 for line in lines)
-    # Replaying it with vLLM's own `vllm bench serve --dataset-name custom` is not run here:
-    # vLLM reads a custom dataset with pandas, which this environment lacks (docs/whats-left.md).
+    # vLLM's own `vllm bench serve` replays such a file: tests/connector/test_ingest.py.
 
 
 def test_the_dataset_is_the_prompts_vllm_bench_serve_reads(tmp_path: Path) -> None:

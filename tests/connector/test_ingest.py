@@ -17,7 +17,7 @@ from chunkstore.kv.keys import Isolation, segment_keys
 from chunkstore.kv.segments import build_chunked_prompt
 from chunkstore.processes.vllm_server import VllmServer
 from chunkstore.prompts import RagPrompts
-from chunkstore.testing.cli import chunkstore
+from chunkstore.testing.cli import chunkstore, vllm_bench_serve
 from chunkstore.testing.prometheus import (
     PrometheusServer,
     about_the_connector,
@@ -108,6 +108,7 @@ def test_ingest_through_vllm_serve_then_a_rag_request_hits(tiny_model_dir, serve
         check_cache_salts(server, daemon, corpus, tiny_model_dir, DOCS[::-1], question)
         rag = prompts.token_ids(DOCS[::-1], question)
         check_connector_dashboard_and_rules(tmp_path, server, daemon, rag)
+        check_vllm_bench_serve_replays_the_workload(tmp_path, server, daemon)
     finally:
         server.stop()
 
@@ -140,6 +141,35 @@ def check_cache_salts(server, daemon, corpus, model, docs: list[str], question: 
             assert client.stats().hit_tokens - before == hit, salt
         alice = RagPrompts.for_model(model, SYS, cache_salt="alice")
         assert all(n is not None for n in client.lookup(alice.doc_keys(docs)))  # type: ignore[arg-type]
+
+
+def check_vllm_bench_serve_replays_the_workload(tmp_path, server, daemon) -> None:
+    """The RAG trace ``chunkstore bench workload --dataset`` writes, replayed by vLLM's own
+    ``vllm bench serve`` (custom dataset, raw prompts) against vLLM with the connector: every
+    request answered, each one a chunked prompt, and documents that come back hit the store."""
+    dataset, result = tmp_path / "trace.jsonl", tmp_path / "bench-serve"
+    run = chunkstore(
+        "bench", "workload", "--model", server.model, "--docs", "8", "--doc-words", "30-60",
+        "--requests", "16", "--curve-only", "--curve", "1.0", "--dataset", dataset,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    before = server.counters()
+    with ChunkStoreClient(daemon.unix) as client:
+        hits = client.stats().hit_tokens
+        replay = vllm_bench_serve(
+            "--backend", "vllm", "--model", server.model, "--base-url", server.url,
+            "--dataset-name", "custom", "--dataset-path", dataset, "--skip-chat-template",
+            "--custom-output-len", "-1", "--disable-shuffle", "--num-prompts", "16",
+            "--max-concurrency", "4", "--save-result", "--result-dir", result,
+            "--result-filename", "result.json",
+        )  # fmt: skip
+        assert replay.returncode == 0, replay.stdout[-3000:] + replay.stderr[-3000:]
+        hits = client.stats().hit_tokens - hits
+    figures = json.loads((result / "result.json").read_text())
+    assert (figures["completed"], figures["failed"]) == (16, 0)
+    assert figures["total_output_tokens"] == 16 * 8  # the dataset's output_tokens, kept
+    after = server.wait_for_counters({"chunked_prompts": before["chunked_prompts"] + 16})
+    assert hits > 0 and after["hit_tokens"] > before["hit_tokens"]
 
 
 LLM_INGEST = """
