@@ -43,7 +43,7 @@ class ServeConfig:
     lease_ttl_s: float = 30.0
     high_watermark: float = 0.95
     low_watermark: float = 0.85
-    eviction: str = "lru"  # which entry goes first: lru, or worth (eviction.py)
+    eviction: str = "worth"  # which entry goes first: worth, or lru (eviction.py)
     verify_commits: bool = False  # every read checks; this refuses a bad write earlier
     drain_timeout_s: float = 10.0
     disk_dir: str = ""  # the disk tier's directory ("" = memory only)
@@ -317,9 +317,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "nothing and plants nothing",
         "allow_insecure_peers": "send --peer-token to peers dialed without TLS (a network and "
         "Redis that are yours alone)",
-        "eviction": "which evictable entry goes first: lru (least recently released, the "
-        "default) or worth (recompute cost saved per byte x reads, aged: GreedyDual-Size-"
-        "Frequency; a prefix block's tail before its head)",
+        "eviction": "which evictable entry goes first: worth (the default: recompute cost "
+        "saved per byte x reads, aged: GreedyDual-Size-Frequency; a prefix block's tail "
+        "before its head) or lru (least recently released)",
         "transfer_engine": "none (default: peers pull over the gRPC stream) or mooncake: "
         "Mooncake's Transfer Engine reads entries one-sidedly between pools (pip install "
         "'chunkstore[mooncake]'; Debian's libibverbs1 and libfabric1). It does not "

@@ -624,8 +624,8 @@ class Index:
         with self.lock:
             evicted = 0
             for order in self._orders.values():
-                while (head := order.head()) is not None:
-                    self._evict(head, "clear")
+                for key in list(order):  # every one goes: no need to pop them in rank order
+                    self._evict(self._entries[key], "clear")
                     evicted += 1
             if self.disk is not None:
                 evicted += sum(self.disk.remove(k) for k in self.disk.keys() - self._entries.keys())
