@@ -7,8 +7,11 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from chunkstore.bench.workload import (
     Trace,
+    connector_settings,
     furthest_next_use_hit_rate,
     make_trace,
     prompt_text,
@@ -91,3 +94,14 @@ def test_the_dataset_is_the_prompts_vllm_bench_serve_reads(tmp_path: Path) -> No
     write_dataset(tmp_path / "d.jsonl", prompts, 3)
     rows = [json.loads(line) for line in (tmp_path / "d.jsonl").read_text().splitlines()]
     assert rows == [{"prompt": p, "output_tokens": 3} for p in prompts]
+
+
+def test_connector_settings_are_json_objects_each_a_way() -> None:
+    assert connector_settings(None) == [{}]  # the connector's defaults
+    assert connector_settings(["{}", '{"relevant_recompute_tokens": 0}']) == [
+        {},
+        {"relevant_recompute_tokens": 0},
+    ]
+    for bad, why in (("{", "not JSON"), ("[1]", "a JSON object")):
+        with pytest.raises(SystemExit, match=why):
+            connector_settings([bad])

@@ -8,7 +8,8 @@ token's arrival), are sent to:
 - ``apc``: vLLM with its own prefix caching and no connector;
 - ``lru`` and ``worth``: vLLM (prefix caching on too) with the connector and a daemon whose
   pool holds ``--pool-shares`` of the trace's working set (the KV of every document it
-  uses), evicting by that policy (``serve --eviction``).
+  uses), evicting by that policy (``serve --eviction``); with several ``--connector``
+  settings, each pool share and policy once per setting (the way's name says which).
 Per way: ``prompt_hit_rate`` (prompt tokens vLLM did not compute: its prefix cache's hits
 and what chunkstore supplied, over all), ``store_hit_rate`` (the daemon's, of the chunk
 tokens looked up: what the policies compete on), TTFT p50/p90/p99, TPOT, request
@@ -268,6 +269,7 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     from chunkstore.processes.vllm_server import VllmServer
     from chunkstore.prompts import AUTO, separator_ids
 
+    connectors = connector_settings(args.connector)  # a typo fails here, not after apc
     model = Path(args.model) if Path(args.model).is_dir() else model_dir(args.model)
     tok = AutoTokenizer.from_pretrained(model)
     separator = str(tok.decode(separator_ids(tok, AUTO)))
@@ -329,47 +331,65 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             server.stop()
         apc["prompt_hit_rate"] = _prompt_hit_rate(scraped)
         yield {"way": "apc", **trace_figures, **apc}
-        for share in [float(s) for s in args.pool_shares.split(",")]:
+        ways = [
+            (share, policy, settings)
+            for share in [float(s) for s in args.pool_shares.split(",")]
+            for policy in args.policies.split(",")
+            for settings in connectors
+        ]
+        for index, (share, policy, settings) in enumerate(ways):
             pool = max(16 * BLOCK, int(share * working_set))
-            for policy in args.policies.split(","):
-                name = f"{policy}@{share:g}"
-                _progress(f"{name}: pool {pool >> 20} MiB")
-                with start_daemon(
-                    work / name,
-                    "--eviction",
-                    policy,
-                    pool_bytes=pool,
-                    block_size=BLOCK,
-                    shm_dir=memory_dir(pool),
-                ) as daemon:
-                    connector = {**json.loads(args.connector), "address": daemon.unix}
-                    server = VllmServer(
-                        model, work / name, connector, max_len, extra=apc_flag, env=env
-                    )
-                    try:
-                        figures = send(server.url, str(model), trace, prompts, args)
-                        scraped = _scrape(server.url)
-                        figures["prompt_hit_rate"] = _prompt_hit_rate(scraped)
-                        # The connector's own counters a request: where its time went.
-                        figures["connector"] = {
-                            k: round(v / len(prompts), 4)
-                            for k, v in sorted(server.counters().items())
-                        }
-                    finally:
-                        server.stop()
-                    stats = daemon.scrape()
-                chunk = 'kind="chunk"'
-                looked = stats.get(f"chunkstore_lookup_tokens_by_kind_total{{{chunk}}}", 0.0)
-                found = stats.get(f"chunkstore_hit_tokens_by_kind_total{{{chunk}}}", 0.0)
-                figures["store_hit_rate"] = round(found / looked, 4) if looked else None
-                figures["pool_share"] = share
-                figures["pool_bytes"] = pool
-                figures["throughput_vs_apc"] = round(
-                    figures["throughput_rps"] / apc["throughput_rps"], 3
+            name = f"{policy}@{share:g}" + "".join(f" {k}={v}" for k, v in settings.items())
+            _progress(f"{name}: pool {pool >> 20} MiB")
+            with start_daemon(
+                work / f"way{index}",
+                "--eviction",
+                policy,
+                pool_bytes=pool,
+                block_size=BLOCK,
+                shm_dir=memory_dir(pool),
+            ) as daemon:
+                connector = {**settings, "address": daemon.unix}
+                server = VllmServer(
+                    model, work / f"way{index}", connector, max_len, extra=apc_flag, env=env
                 )
-                figures["ttft_p50_vs_apc"] = round(apc["ttft_p50_s"] / figures["ttft_p50_s"], 3)
-                figures["ttft_p99_vs_apc"] = round(apc["ttft_p99_s"] / figures["ttft_p99_s"], 3)
-                yield {"way": name, **trace_figures, **figures}
+                try:
+                    figures = send(server.url, str(model), trace, prompts, args)
+                    scraped = _scrape(server.url)
+                    figures["prompt_hit_rate"] = _prompt_hit_rate(scraped)
+                    # The connector's own counters a request: where its time went.
+                    figures["connector"] = {
+                        k: round(v / len(prompts), 4) for k, v in sorted(server.counters().items())
+                    }
+                finally:
+                    server.stop()
+                stats = daemon.scrape()
+            chunk = 'kind="chunk"'
+            looked = stats.get(f"chunkstore_lookup_tokens_by_kind_total{{{chunk}}}", 0.0)
+            found = stats.get(f"chunkstore_hit_tokens_by_kind_total{{{chunk}}}", 0.0)
+            figures["store_hit_rate"] = round(found / looked, 4) if looked else None
+            figures["pool_share"] = share
+            figures["pool_bytes"] = pool
+            figures["throughput_vs_apc"] = round(
+                figures["throughput_rps"] / apc["throughput_rps"], 3
+            )
+            figures["ttft_p50_vs_apc"] = round(apc["ttft_p50_s"] / figures["ttft_p50_s"], 3)
+            figures["ttft_p99_vs_apc"] = round(apc["ttft_p99_s"] / figures["ttft_p99_s"], 3)
+            yield {"way": name, **trace_figures, **figures}
+
+
+def connector_settings(given: list[str] | None) -> list[dict[str, Any]]:
+    """The ``--connector`` settings, parsed (the defaults, ``{}``, when none is given)."""
+    settings = []
+    for text in given or ["{}"]:
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise SystemExit(f"--connector {text!r}: not JSON ({err})") from None
+        if not isinstance(parsed, dict):
+            raise SystemExit(f"--connector {text!r}: a JSON object of connector settings")
+        settings.append(parsed)
+    return settings
 
 
 def _progress(what: str) -> None:
@@ -409,9 +429,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--connector",
-        default="{}",
+        action="append",
         help="the connector's settings for the chunkstore ways, JSON (default: its defaults), "
-        'e.g. \'{"relevant_recompute_tokens": 0, "load_cpus": "all"}\'',
+        'e.g. \'{"relevant_recompute_tokens": 0, "load_cpus": "all"}\'; given more than once, '
+        "every pool share and policy runs once with each ('{}': the defaults)",
     )
     parser.add_argument(
         "--dataset", default="", help="write the trace here as a vllm bench serve JSONL dataset"
