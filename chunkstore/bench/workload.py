@@ -160,7 +160,7 @@ def send(url: str, model: str, trace: Trace, prompts: list[str], args: Any) -> d
             future.result()
     ttfts = [r["first"] - r["sent"] for r in rows]
     # Past the cold start (the first fifth of the trace, when little is stored yet).
-    warm = [r["first"] - r["sent"] for r in rows if r["i"] >= len(rows) // 5]
+    warm = [t for r, t in zip(rows, ttfts, strict=True) if r["i"] >= len(rows) // 5]
     tpots = [(r["done"] - r["first"]) / (r["tokens"] - 1) for r in rows if r["tokens"] > 1]
     span = max(r["done"] for r in rows) - min(r["sent"] for r in rows)
     return {
@@ -348,8 +348,9 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             pool = max(16 * BLOCK, int(share * working_set))
             name = f"{policy}@{share:g}" + "".join(f" {k}={v}" for k, v in settings.items())
             _progress(f"{name}: pool {pool >> 20} MiB")
+            way_dir = work / f"way{index}"  # not the name: a socket path must stay short
             with start_daemon(
-                work / f"way{index}",
+                way_dir,
                 "--eviction",
                 policy,
                 pool_bytes=pool,
@@ -357,9 +358,7 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                 shm_dir=memory_dir(pool),
             ) as daemon:
                 connector = {**settings, "address": daemon.unix}
-                server = VllmServer(
-                    model, work / f"way{index}", connector, max_len, extra=apc_flag, env=env
-                )
+                server = VllmServer(model, way_dir, connector, max_len, extra=apc_flag, env=env)
                 try:
                     figures = send(server.url, str(model), trace, prompts, args)
                     scraped = _scrape(server.url)

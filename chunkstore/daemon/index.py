@@ -814,7 +814,7 @@ class Index:
                     **{name: counts[name] for name in (*names, "evictions")},
                     "held_bytes": self._held[tenant] * self.pool.block_size,
                     "quota_bytes": self.budgets.get(tenant, NO_BUDGET).quota,
-                    "reserved_bytes": (self.budgets.get(tenant, NO_BUDGET).reserved),
+                    "reserved_bytes": self.budgets.get(tenant, NO_BUDGET).reserved,
                 }
                 for tenant, counts in self._tenant_counts.items()
             }
