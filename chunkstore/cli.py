@@ -17,6 +17,8 @@ from chunkstore.models import DEFAULT_MODELS, MODELS, SUMMARIES, ModelBuildError
 # load torch and vLLM's helpers, seconds that `chunkstore serve` and the admin verbs skip).
 BENCHES: dict[str, str] = {
     "remap": "RoPE remap + paged write of a chunk against a plain copy (ratio_vs_copy)",
+    "device": "the GPU / NPU paths (remap + write, IPC get, pinned host pool) against plain "
+    "device copies of the same bytes (ratio_vs_baseline)",
     "e2e": "time to first token in vLLM: no connector, prefix caching, chunkstore (ttft_speedup)",
     "pull": "a peer pull of one entry over Mooncake's Transfer Engine vs the gRPC stream "
     "(pull_engine_vs_stream)",
@@ -335,9 +337,11 @@ def _proxy(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser(bench_arguments: bool = True) -> argparse.ArgumentParser:
-    """The whole command line; ``bench_arguments=False`` leaves out each bench's own arguments
-    (and the imports they need), for any command but ``bench``."""
+def build_parser(bench_arguments: bool | str = True) -> argparse.ArgumentParser:
+    """The whole command line. ``bench_arguments``: whose own arguments (and the imports they
+    need) the benches get: every bench's (True), none (False, for any command but ``bench``),
+    or the one named (``chunkstore bench NAME``: a bench imports only its own module, so
+    ``bench device`` runs where vLLM and Redis are not installed)."""
     parser = argparse.ArgumentParser(
         prog="chunkstore",
         description="Position-independent KV-cache service for LLM serving.",
@@ -353,7 +357,7 @@ def build_parser(bench_arguments: bool = True) -> argparse.ArgumentParser:
     benches = bench.add_subparsers(dest="name", required=True, metavar="NAME")
     for name, summary in BENCHES.items():
         sub = benches.add_parser(name, help=summary, description=summary)
-        if bench_arguments:
+        if bench_arguments is True or bench_arguments == name:
             _bench_module(name).add_arguments(sub)
         sub.add_argument("--json", action="store_true", help="one JSON object per line")
         sub.set_defaults(func=_bench)
@@ -519,7 +523,8 @@ def build_parser(bench_arguments: bool = True) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(bench_arguments=argv[:1] == ["bench"]).parse_args(argv)
+    named = argv[1] if argv[:1] == ["bench"] and len(argv) > 1 else argv[:1] == ["bench"]
+    args = build_parser(bench_arguments=named).parse_args(argv)
     result: int = args.func(args)
     return result
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
@@ -25,7 +25,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from chunkstore import __version__
 from chunkstore.daemon.config import ServeConfig
-from chunkstore.daemon.directory import Directory
 from chunkstore.daemon.disk import DiskTier
 from chunkstore.daemon.fastpath import FastPath
 from chunkstore.daemon.index import Budget, Entry, Index
@@ -53,6 +52,9 @@ from chunkstore.protocol import chunkstore_pb2_grpc as pb_grpc
 from chunkstore.protocol.fast import fast_socket_path
 from chunkstore.protocol.shm import block_runs
 from chunkstore.protocol.wire import MAX_MESSAGE, layout_from_proto, layout_to_proto
+
+if TYPE_CHECKING:
+    from chunkstore.daemon.directory import Directory
 
 log = logging.getLogger("chunkstore.serve")
 
@@ -779,6 +781,10 @@ class Daemon:
             self.addresses["metrics"] = f"{host}:{self.metrics.serve(config.metrics)}"
         self.server.start()
         if config.redis:
+            # Imported only when asked for: a daemon without --redis runs without redis-py
+            # (the GPU machine's device check has none).
+            from chunkstore.daemon.directory import Directory
+
             self.directory = Directory(
                 config.redis,
                 config.advertise or self.addresses["tcp"],

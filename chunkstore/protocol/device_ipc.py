@@ -22,6 +22,7 @@ device the bytes are on), not the shared-memory pool's xxh3 stripes, which need 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import threading
@@ -113,6 +114,21 @@ class TorchIPC(DeviceIPC):
 
     def synchronize(self, tensor: torch.Tensor) -> None:
         self.module.synchronize(tensor.device)
+
+
+def accelerators() -> list[str]:
+    """The accelerator kinds this host has, as torch sees them ("cuda", "npu"); a FAKE
+    torch_npu (chunkstore.testing.fake_torch_npu) has none."""
+    found = []
+    if torch.cuda.is_available():
+        found.append("cuda")
+    if importlib.util.find_spec("torch_npu") is not None:
+        import torch_npu
+
+        npu = getattr(torch, "npu", None)
+        if not getattr(torch_npu, "FAKE", False) and npu is not None and npu.is_available():
+            found.append("npu")
+    return found
 
 
 def runtime_for(kind: str) -> DeviceIPC:

@@ -219,6 +219,39 @@ def test_bytes_changed_in_a_device_pool_are_never_served(serve, pool_device: str
         assert client.stats().evictions["corrupt"] == 1
 
 
+WORKER_LEASE = """
+import sys
+from chunkstore.client import ChunkStoreClient
+from chunkstore.testing.entries import entry_key
+client = ChunkStoreClient({address!r}, transport="shm")
+[entry] = client.acquire([entry_key(1)])
+assert entry is not None
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_killed_importer_leaves_the_pool_serving(serve, pool_device: str) -> None:
+    """A worker killed while it imports the pool and holds a lease: the daemon drops its
+    import and its lease, the entry is served and evictable again, the daemon stops clean."""
+    daemon = serve("--device", pool_device, block_size=1 << 12)
+    with ChunkStoreClient(daemon.unix, transport="shm") as client:
+        keys, values = random_kv(64, seed=5)
+        assert client.put(entry_key(1), keys, values, 0)
+        worker = child(WORKER_LEASE.format(address=daemon.unix))
+        assert worker.stdout is not None
+        assert worker.stdout.readline().strip() == "ready", worker.stderr.read()  # type: ignore[union-attr]
+        assert client.stats().pool_importers == 2 and client.stats().active_leases == 1
+        assert client.evict([entry_key(1)]).busy == 1  # leased: not evicted
+        worker.send_signal(signal.SIGKILL)
+        worker.wait()
+        wait_for(lambda: client.stats().pool_importers == 1, timeout=30)
+        wait_for(lambda: client.stats().active_leases == 0, timeout=30)
+        got = client.get(entry_key(1))
+        assert got is not None and torch.equal(got.keys, keys) and torch.equal(got.values, values)
+        assert client.evict([entry_key(1)]).evicted == 1
+
+
 def test_the_daemon_frees_its_device_pool_only_after_every_importer_closed(
     serve, tmp_path: Path
 ) -> None:
@@ -285,18 +318,19 @@ def test_device_pools_refuse_what_they_cannot_serve(serve, tmp_path: Path) -> No
 
 def test_a_shared_memory_pool_is_pinned_for_a_gpu(serve, accelerator: str) -> None:
     """A CPU pool read by device workers: the client registers its mapping with the device
-    runtime, so copies to the device run as DMA."""
+    runtime, so copies to the device run as DMA (CUDA only: torch_npu has no host-register
+    call, and a CPU needs none; those read it pageable)."""
     daemon = serve()
     with ChunkStoreClient(daemon.unix, transport="shm", pin_for=accelerator) as client:
-        if accelerator == "npu":  # torch_npu has no host-register call: stays pageable
-            assert not client.pinned
-            return
-        assert client.pinned and torch.from_numpy(client.region).is_pinned()
+        pinnable = accelerator == "cuda"
+        assert client.pinned == pinnable
+        assert torch.from_numpy(client.region).is_pinned() == pinnable
         keys, values = random_kv(64)
         assert client.put(entry_key(1), keys.to(accelerator), values.to(accelerator), 0)
         [entry] = client.acquire([entry_key(1)])
         assert entry is not None
-        out = torch.empty(entry.nbytes, dtype=torch.uint8).pin_memory()
+        out = torch.empty(entry.nbytes, dtype=torch.uint8)
+        out = out.pin_memory() if pinnable else out
         client.read_into(entry, out)
         client.release([entry.lease_id])
         got = out.to(accelerator).view(torch.float32)[: keys.numel()].view(keys.shape)

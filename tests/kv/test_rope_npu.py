@@ -8,7 +8,7 @@ dims. Whether the real kernel matches its documentation is for a run on Ascend h
 
 from __future__ import annotations
 
-import types
+import sys
 
 import pytest
 import torch
@@ -16,38 +16,12 @@ import torch
 from chunkstore.kv import rope_npu
 from chunkstore.kv.remap import ROTATORS, remap_keys
 from chunkstore.kv.rope import RotaryConfig, rotation_table
-
-
-def _fake_rotary_mul(
-    x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, rotary_mode: str = "half"
-) -> torch.Tensor:
-    # What the documentation says the kernel refuses (A2 / A3, BSND, see rope_npu), refused
-    # here too, so a call the real kernel would refuse cannot pass unseen:
-    if not (x.dim() == 4 and r1.dim() == 4 and r2.dim() == 4):
-        raise RuntimeError("npu_rotary_mul takes 4D tensors")
-    b, s, n, d = x.shape
-    if d % 2 or d >= 896 or b >= 1000 or n >= 1000:
-        raise RuntimeError(f"npu_rotary_mul: shape {tuple(x.shape)} out of range")
-    if rotary_mode == "interleave" and b * n >= 1000:
-        raise RuntimeError("npu_rotary_mul: interleave takes B * N under 1000")
-    if r1.shape != r2.shape or r1.shape not in ((1, s, 1, d), (b, s, 1, d), (b, s, n, d)):
-        raise RuntimeError(f"npu_rotary_mul: r1 / r2 {tuple(r1.shape)} do not broadcast")
-    if rotary_mode == "half":
-        x1, x2 = x.chunk(2, dim=-1)
-        rotated = torch.cat((-x2, x1), dim=-1)
-    elif rotary_mode == "interleave":
-        rotated = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
-    else:
-        raise ValueError(rotary_mode)
-    return x * r1 + rotated * r2
-
-
-FakeTorchNpu = types.SimpleNamespace(npu_rotary_mul=_fake_rotary_mul)
+from chunkstore.testing import fake_torch_npu as fake_torch_npu_module
 
 
 @pytest.fixture
 def fake_torch_npu(monkeypatch):
-    monkeypatch.setitem(__import__("sys").modules, "torch_npu", FakeTorchNpu)
+    monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu_module)
 
 
 @pytest.mark.parametrize(
@@ -76,11 +50,11 @@ def test_the_fake_refuses_what_the_kernel_refuses() -> None:
     x = torch.zeros(1, 4, 2, 896)
     r = torch.zeros(1, 4, 1, 896)
     with pytest.raises(RuntimeError, match="out of range"):
-        _fake_rotary_mul(x, r, r)
+        fake_torch_npu_module.npu_rotary_mul(x, r, r)
     with pytest.raises(RuntimeError, match="out of range"):
-        _fake_rotary_mul(torch.zeros(1, 4, 1000, 64), r[..., :64], r[..., :64])
+        fake_torch_npu_module.npu_rotary_mul(torch.zeros(1, 4, 1000, 64), r[..., :64], r[..., :64])
     with pytest.raises(RuntimeError, match="do not broadcast"):
-        _fake_rotary_mul(
+        fake_torch_npu_module.npu_rotary_mul(
             torch.zeros(1, 4, 2, 64), torch.zeros(1, 1, 2, 64), torch.zeros(1, 1, 2, 64)
         )
 

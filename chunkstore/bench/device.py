@@ -1,0 +1,234 @@
+"""``chunkstore bench device``: the device paths' figures, each against a plain copy of the same
+bytes on the same device, timed side by side (ratios are medians of per-round ratios):
+
+- ``remap_write``: a chunk written into a paged cache with its keys re-rotated on the device
+  (``write_chunk``, the device's writer) against ``copy_`` of as many bytes;
+- ``ipc_get``: an entry read from a daemon's device pool (``--device cuda|npu``, ``fake`` on
+  a CPU host) through the client (the pool imported by IPC, the blocks gathered, checked by
+  ``TensorDigest``) against a device-to-device copy of as many bytes (cudaMemcpy);
+- ``host_pool``: an entry of a shared-memory pool copied into device memory with the mapping
+  registered with the runtime (pinned: DMA) against the same mapping unregistered
+  (pageable: staged through a bounce buffer). Pinning needs CUDA: elsewhere only pageable.
+
+Every figure is checked for bytes: a fast wrong copy does not count. Uses no vLLM, Redis or
+transformers (it runs in the device check on a bare GPU machine)."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from chunkstore.client import ChunkStoreClient
+from chunkstore.kv.paging import slot_mapping
+from chunkstore.kv.remap import remap_keys
+from chunkstore.kv.rope import RotaryConfig
+from chunkstore.kv.writer import write_chunk
+from chunkstore.processes.daemon import memory_dir, start_daemon
+from chunkstore.protocol.device_ipc import accelerators
+from chunkstore.protocol.shm import extents
+
+MIB = 1 << 20
+IPC_KEY, HOST_KEY = b"bench-device-ipc", b"bench-device-hst"  # 16 bytes each
+
+
+def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    device = args.device if args.device != "auto" else (accelerators() or ["cpu"])[0]
+    sync = _synchronizer(device)
+    yield _remap_write(args, device, sync)
+    with tempfile.TemporaryDirectory(prefix="chunkstore-bench-device-") as scratch:
+        yield _ipc_get(args, device, sync, Path(scratch))
+        yield _host_pool(args, device, sync, Path(scratch))
+
+
+def _synchronizer(device: str) -> Callable[[], None]:
+    module = getattr(torch, device, None) if device != "cpu" else None
+    return module.synchronize if module is not None else (lambda: None)
+
+
+def _timed(fn: Callable[[], Any], sync: Callable[[], None]) -> float:
+    sync()
+    began = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - began
+
+
+def _rounds(
+    measured: Callable[[], Any], baseline: Callable[[], Any], sync: Callable[[], None], n: int
+) -> tuple[list[float], list[float]]:
+    measured(), baseline()  # warm up (kernels load, pages fault in)
+    pairs = [(_timed(measured, sync), _timed(baseline, sync)) for _ in range(n)]
+    return [m for m, _ in pairs], [b for _, b in pairs]
+
+
+def _figures(
+    name: str, nbytes: int, measured: list[float], baseline: list[float]
+) -> dict[str, Any]:
+    m = statistics.median(measured)
+    return {
+        f"{name}_ms_p50": round(m * 1e3, 3),
+        f"{name}_gb_s": round(nbytes / m / 1e9, 2),
+        "ratio_vs_baseline": round(
+            statistics.median(x / y for x, y in zip(measured, baseline, strict=True)), 3
+        ),
+    }
+
+
+def _remap_write(args: argparse.Namespace, device: str, sync: Callable[[], None]) -> dict[str, Any]:
+    layers, tokens, heads, dim, block_size = args.layers, args.tokens, 8, 128, 16
+    rotary = RotaryConfig(head_dim=dim, rotary_dim=dim, theta=1e6)
+    g = torch.Generator().manual_seed(0)
+    blocks = -(-tokens // block_size) + 8
+    table = torch.randperm(blocks, generator=g)[None]
+    positions = torch.arange(100, 100 + tokens)
+    slots = slot_mapping(torch.zeros_like(positions), positions, table, block_size).to(device)
+    shape = (layers, tokens, heads, dim)
+    keys = torch.randn(shape, generator=g).to(torch.bfloat16).to(device)
+    values = torch.randn(shape, generator=g).to(torch.bfloat16).to(device)
+    cache_shape = (layers, blocks, block_size, heads, dim)
+    key_cache = torch.zeros(cache_shape, dtype=torch.bfloat16, device=device)
+    value_cache = torch.zeros_like(key_cache)
+    source = torch.cat((keys.reshape(-1), values.reshape(-1)))
+    target = torch.empty_like(source)
+
+    def remap() -> None:
+        write_chunk(keys, values, key_cache, value_cache, slots, 1234, rotary)
+
+    measured, baseline = _rounds(remap, lambda: target.copy_(source), sync, args.repeats)
+    flat = key_cache.view(layers, -1, heads, dim)
+    expected = remap_keys(keys[-1].float().cpu(), 1234, rotary)
+    error = float((flat[-1, slots].float().cpu() - expected).abs().max())
+    if error > 2 * torch.finfo(torch.bfloat16).eps * float(expected.abs().max()):
+        raise AssertionError(f"remap_write on {device} wrote keys {error} off the reference")
+    nbytes = 2 * keys.numel() * keys.element_size()
+    return {
+        "bench": "device",
+        "part": "remap_write",
+        "device": device,
+        "dtype": "bfloat16",
+        "bytes": nbytes,
+        **_figures("remap_write", nbytes, measured, baseline),
+        "copy_gb_s": round(nbytes / statistics.median(baseline) / 1e9, 2),
+    }
+
+
+def _daemon(scratch: Path, name: str, *flags: str, pool_bytes: int) -> Any:
+    return start_daemon(
+        scratch / name,
+        *flags,
+        pool_bytes=pool_bytes,
+        block_size=MIB,
+        shm_dir=memory_dir(pool_bytes) or scratch,
+    )
+
+
+def _ipc_get(
+    args: argparse.Namespace, device: str, sync: Callable[[], None], scratch: Path
+) -> dict[str, Any]:
+    pool_device = device if device in ("cuda", "npu") else "fake"
+    nbytes = args.mib * MIB
+    daemon = _daemon(scratch, "ipc", "--device", pool_device, pool_bytes=2 * nbytes + 4 * MIB)
+    try:
+        with ChunkStoreClient(daemon.unix, transport="shm") as client:
+            if client.device_pool is None:
+                raise AssertionError(
+                    f"no device pool imported from a --device {pool_device} daemon"
+                )
+            half = nbytes // 8  # keys and values, fp32
+            keys = torch.randn(2, half // 2, dtype=torch.float32, device=device)
+            values = torch.randn(2, half // 2, dtype=torch.float32, device=device)
+            assert client.put(IPC_KEY, keys[:, :, None, None], values[:, :, None, None], 0)
+            [entry] = client.acquire([IPC_KEY])
+            assert entry is not None
+            out = torch.empty(entry.nbytes, dtype=torch.uint8, device=device)
+            source = torch.cat((keys.reshape(-1), values.reshape(-1))).view(torch.uint8)
+            plain = torch.empty_like(source)
+            measured, baseline = _rounds(
+                lambda: client.read_into(entry, out),
+                lambda: plain.copy_(source),
+                sync,
+                args.repeats,
+            )
+            if not torch.equal(out[: source.numel()], source):
+                raise AssertionError("the IPC read returned other bytes than were put")
+            client.release([entry.lease_id])
+    finally:
+        daemon.stop()
+    return {
+        "bench": "device",
+        "part": "ipc_get",
+        "device": device,
+        "pool": pool_device,
+        "bytes": entry.nbytes,
+        **_figures("ipc_get", entry.nbytes, measured, baseline),
+        "memcpy_gb_s": round(entry.nbytes / statistics.median(baseline) / 1e9, 2),
+    }
+
+
+def _host_pool(
+    args: argparse.Namespace, device: str, sync: Callable[[], None], scratch: Path
+) -> dict[str, Any]:
+    nbytes = args.mib * MIB
+    daemon = _daemon(scratch, "host", pool_bytes=2 * nbytes + 4 * MIB)
+    pin = device if device != "cpu" else ""
+    try:
+        with (
+            ChunkStoreClient(daemon.unix, transport="shm", pin_for=pin) as pinned,
+            ChunkStoreClient(daemon.unix, transport="shm") as pageable,
+        ):
+            keys = torch.randn(2, nbytes // 16, 1, 1)
+            assert pinned.put(HOST_KEY, keys, keys, 0)
+            [entry] = pinned.acquire([HOST_KEY])
+            assert entry is not None and pinned.region is not None and pageable.region is not None
+            out = torch.empty(entry.nbytes, dtype=torch.uint8, device=device)
+
+            def copy_from(region: Any) -> Callable[[], None]:
+                def copy() -> None:
+                    done = 0
+                    for start, length in extents(entry.blocks, pinned.block_size, 0, entry.nbytes):
+                        piece = torch.from_numpy(region[start : start + length])
+                        out[done : done + length].copy_(piece, non_blocking=True)
+                        done += length
+
+                return copy
+
+            measured, baseline = _rounds(
+                copy_from(pinned.region), copy_from(pageable.region), sync, args.repeats
+            )
+            want = torch.cat((keys.reshape(-1), keys.reshape(-1))).view(torch.uint8)
+            if not torch.equal(out[: want.numel()].cpu(), want):
+                raise AssertionError("the host pool's bytes arrived changed")
+            was_pinned = pinned.pinned
+            pinned.release([entry.lease_id])
+    finally:
+        daemon.stop()
+    figures = _figures("pinned", entry.nbytes, measured, baseline)
+    return {
+        "bench": "device",
+        "part": "host_pool",
+        "device": device,
+        "pinned": was_pinned,
+        "bytes": entry.nbytes,
+        **figures,
+        "pageable_gb_s": round(entry.nbytes / statistics.median(baseline) / 1e9, 2),
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cuda", "npu", "cpu"],
+        help="where to run (auto: the first accelerator torch sees, else the CPU)",
+    )
+    parser.add_argument("--mib", type=int, default=64, help="entry size for the pool parts")
+    parser.add_argument("--tokens", type=int, default=4096, help="chunk length (remap_write)")
+    parser.add_argument("--layers", type=int, default=28, help="layers (remap_write)")
+    parser.add_argument("--repeats", type=int, default=10, help="timed rounds per figure")
