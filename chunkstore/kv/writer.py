@@ -54,7 +54,10 @@ def write_torch(
     rotary: RotaryConfig | None,
     tile_tokens: int = 512,
 ) -> None:
-    """Any device: rotate a tile into a buffer, scatter it; tiles keep the buffer in cache."""
+    """Any device, a tile of tokens at a time: the tile's keys of every layer rotated in one
+    call (tokens first, layers as extra heads), then one scatter per tensor. A call per layer
+    was 105x slower than a copy of the same bytes on an H200 (kernel launches, not bytes:
+    docs/device-check.md); tiles keep the rotated buffer small."""
     keep = slots != PAD_SLOT
     if not bool(keep.all()):
         index = keep.nonzero().squeeze(1)
@@ -62,20 +65,18 @@ def write_torch(
         if cos is not None and sin is not None:
             cos, sin = cos[index], sin[index]
     layers, tokens = keys.shape[:2]
-    buffer = torch.empty(
-        (min(tile_tokens, tokens), *keys.shape[2:]), dtype=keys.dtype, device=keys.device
-    )
+    row = keys.shape[2:]
     for start in range(0, tokens, tile_tokens):
         end = min(start + tile_tokens, tokens)
         tile_slots = slots[start:end]
-        for layer in range(layers):
-            src = keys[layer, start:end]
-            if rotary is not None and cos is not None and sin is not None:
-                out = buffer[: end - start]
-                rotate_keys(src, cos[start:end], sin[start:end], rotary, out=out)
-                src = out
-            flat_k[layer].index_copy_(0, tile_slots, src)
-            flat_v[layer].index_copy_(0, tile_slots, values[layer, start:end])
+        src = keys[:, start:end]
+        if rotary is not None and cos is not None and sin is not None:
+            by_token = src.transpose(0, 1).reshape(end - start, -1, row[-1])
+            rotated = torch.empty_like(by_token)  # never in place: by_token may be ``keys``
+            rotate_keys(by_token, cos[start:end], sin[start:end], rotary, out=rotated)
+            src = rotated.view(end - start, layers, *row).transpose(0, 1)
+        flat_k.index_copy_(1, tile_slots, src)
+        flat_v.index_copy_(1, tile_slots, values[:, start:end])
 
 
 def _cpu_writer() -> Writer:

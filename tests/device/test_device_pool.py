@@ -19,7 +19,7 @@ import torch
 
 from chunkstore.client import ChunkStoreClient
 from chunkstore.errors import ChecksumMismatch, DeviceError, InvalidRequest
-from chunkstore.processes.daemon import serve_env
+from chunkstore.processes.daemon import memory_dir, serve_env
 from chunkstore.protocol.device_ipc import TensorDigest, parse_device
 from chunkstore.protocol.device_runtime import IpcHandle
 from chunkstore.protocol.fake_device import ENV, FakeDeviceIPC
@@ -319,8 +319,10 @@ def test_device_pools_refuse_what_they_cannot_serve(serve, tmp_path: Path) -> No
 def test_a_shared_memory_pool_is_pinned_for_a_gpu(serve, accelerator: str) -> None:
     """A CPU pool read by device workers: the client registers its mapping with the device
     runtime, so copies to the device run as DMA (CUDA only: torch_npu has no host-register
-    call, and a CPU needs none; those read it pageable)."""
-    daemon = serve()
+    call, and a CPU needs none; those read it pageable). The pool lies where a deployed
+    daemon keeps it, /dev/shm: cudaHostRegister refuses a mapping of a file on a disk
+    (error 1, first GPU run; the client then warns and reads it pageable)."""
+    daemon = serve(shm_dir=memory_dir(64 << 20))
     with ChunkStoreClient(daemon.unix, transport="shm", pin_for=accelerator) as client:
         pinnable = accelerator == "cuda"
         assert client.pinned == pinnable
