@@ -82,7 +82,15 @@ class Part:
 
 def parts(device: str) -> list[Part]:
     """What runs, in order: what could hang (daemon and IPC processes) apart from the math."""
-    bench = ("-m", "chunkstore.cli", "bench", "device", "--json", "--device", device)
+    bench: tuple[str, ...] = (
+        "-m",
+        "chunkstore.cli",
+        "bench",
+        "device",
+        "--json",
+        "--device",
+        device,
+    )
     if device == "cpu":  # the CI run: proves the path, not the speed
         bench += ("--mib", "8", "--tokens", "512", "--layers", "4", "--repeats", "3")
     return [
