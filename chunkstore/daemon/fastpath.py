@@ -3,7 +3,9 @@ a thread per connection, each frame answered by the same service method gRPC cal
 same index calls, metrics, typed errors), under the same token rules.
 
 A connection that sends what is not a frame (too long, cut short, an unknown kind, a message
-that does not parse) gets one error and is closed; it costs nobody else anything.
+that does not parse) gets one error and is closed; it costs nobody else anything. So does one
+that, under token rules, calls before an ``Auth`` frame with a token they admit, or sends an
+``Auth`` frame over ``MAX_TOKEN``: refused from the header alone, its payload never read.
 Connections beyond ``max_connections`` are closed at once: their clients use gRPC.
 """
 
@@ -22,12 +24,29 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from chunkstore.errors import StoreError
-from chunkstore.protocol.fast import AUTH, CODES, METHODS, OK, receive, send
+from chunkstore.protocol.fast import (
+    AUTH,
+    CODES,
+    MAX_TOKEN,
+    METHODS,
+    OK,
+    receive_header,
+    receive_payload,
+    send,
+)
 
 log = logging.getLogger("chunkstore.daemon.fastpath")
 
 
 class _Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _Refused(Exception):
+    """A frame that closes its connection, after one error with ``code`` and ``details``."""
+
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(details)
         self.code, self.details = code, details
@@ -95,26 +114,10 @@ class FastPath:
             ).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        bearer: str | None = None
         try:
-            while True:
-                try:
-                    frame = receive(conn)
-                except (StoreError, EOFError) as err:
-                    self._refuse(conn, grpc.StatusCode.INVALID_ARGUMENT, str(err))
-                    return
-                if frame is None:
-                    return
-                kind, payload = frame
-                if kind == AUTH:
-                    bearer = "Bearer " + payload.decode(errors="replace") if payload else None
-                    send(conn, OK, b"")
-                    continue
-                if not 1 <= kind <= len(METHODS):
-                    self._refuse(conn, grpc.StatusCode.INVALID_ARGUMENT, f"no method {kind}")
-                    return
-                if not self._call(conn, list(METHODS)[kind - 1], payload, bearer):
-                    return
+            self._converse(conn)
+        except _Refused as refused:
+            self._refuse(conn, refused.code, refused.details)
         except OSError:
             return  # the client went away mid-frame: nothing was started for it
         finally:
@@ -122,26 +125,80 @@ class FastPath:
                 self._connections.discard(conn)
             conn.close()
 
-    def _call(self, conn: socket.socket, name: str, payload: bytes, bearer: str | None) -> bool:
-        """Answer one call; False when the connection must close."""
+    def _converse(self, conn: socket.socket) -> None:
+        """Answer ``conn``'s frames until it closes; ``_Refused`` ends it at a bad frame."""
+        bearer: str | None = None
+        admitted = self._refusal_of(bearer) is None
+        while True:
+            header = self._header(conn, admitted)
+            if header is None:
+                return
+            kind, length = header
+            try:
+                payload = receive_payload(conn, length)
+            except EOFError as err:
+                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+            if kind == AUTH:
+                bearer = "Bearer " + payload.decode(errors="replace") if payload else None
+                refused = self._refusal_of(bearer)
+                if refused is not None:  # a token that opens nothing here: its client uses gRPC
+                    raise _Refused(*refused)
+                admitted = True
+                send(conn, OK, b"")
+            else:
+                self._call(conn, list(METHODS)[kind - 1], payload, bearer)
+
+    def _header(self, conn: socket.socket, admitted: bool) -> tuple[int, int] | None:
+        """The next frame's kind and payload length, checked before its payload is read: a
+        client not yet admitted must not make the daemon read (and keep) more than a token."""
+        try:
+            header = receive_header(conn)
+        except (StoreError, EOFError) as err:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+        if header is None:
+            return None
+        kind, length = header
+        if kind == AUTH:
+            if length > MAX_TOKEN:
+                raise _Refused(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"an Auth frame of {length} bytes: a token is at most {MAX_TOKEN}",
+                )
+        elif not 1 <= kind <= len(METHODS):
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"no method {kind}")
+        elif not admitted:
+            raise _Refused(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "missing or wrong bearer token (a call before an Auth frame admitted it)",
+            )
+        return header
+
+    def _refusal_of(self, bearer: str | None) -> tuple[grpc.StatusCode, str] | None:
+        """None when ``bearer`` may make some fast call (each call is still checked by
+        itself), else why it may make none."""
+        if self.refusal is None:
+            return None
+        refusals = [self.refusal(bearer, name) for name in METHODS]
+        return None if None in refusals else refusals[0]
+
+    def _call(self, conn: socket.socket, name: str, payload: bytes, bearer: str | None) -> None:
+        """Answer one call; ``_Refused`` when its payload is not its message."""
         if self.refusal is not None:
             refused = self.refusal(bearer, name)
             if refused is not None:
                 self._reply_error(conn, *refused)
-                return True
+                return
         request_type, _ = METHODS[name]
         try:
             request = request_type.FromString(payload)
         except DecodeError as err:
-            self._refuse(conn, grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {err}")
-            return False
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {err}") from None
         try:
             reply = getattr(self.service, name)(request, _Context(bearer))
         except _Aborted as err:
             self._reply_error(conn, err.code, err.details)
-            return True
+            return
         send(conn, OK, reply.SerializeToString())
-        return True
 
     @staticmethod
     def _reply_error(conn: socket.socket, code: grpc.StatusCode, details: str) -> None:

@@ -7,6 +7,9 @@ A frame is a little-endian u32 (the bytes after it), a u8 kind, then the payload
 kind 0 is ``Auth`` (payload: the bearer token, or nothing; the client's first frame), kind
 1 + i calls ``METHODS[i]`` (payload: its request message). Replies: kind 0 is the reply
 message; kind 1 + i is the error whose gRPC status is ``CODES[i]`` (payload: its message).
+
+Until an ``Auth`` frame carries a token the daemon admits, it reads no call's payload and no
+``Auth`` payload over ``MAX_TOKEN``: a peer without a token cannot make it hold more.
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ METHODS: dict[str, tuple[type[Any], type[Any]]] = {
 KINDS = {name: 1 + i for i, name in enumerate(METHODS)}
 CODES = [code.name for code in grpc.StatusCode if code is not grpc.StatusCode.OK]
 AUTH, OK = 0, 0
+# The longest token an Auth frame may carry. Tokens are tens of bytes (a JWT ~1 KiB), and gRPC
+# takes no more than 8 KiB of metadata for a whole call, so no token the daemon serves is near
+# it; it is what a peer not yet admitted can make the daemon read and keep per connection.
+MAX_TOKEN = 4 << 10
 _HEADER = struct.Struct("<IB")
 
 
@@ -57,19 +64,35 @@ def _exactly(sock: socket.socket, n: int) -> bytes | None:
     return bytes(data)
 
 
-def receive(sock: socket.socket) -> tuple[int, bytes] | None:
-    """The next frame, or None at a clean end of the connection. A frame longer than
-    ``MAX_MESSAGE`` or cut short raises (the connection is then unusable)."""
+def receive_header(sock: socket.socket) -> tuple[int, int] | None:
+    """The next frame's kind and payload length, or None at a clean end of the connection;
+    its payload is left unread, for the reader to judge the length first. A frame longer
+    than ``MAX_MESSAGE`` or cut short raises (the connection is then unusable)."""
     header = _exactly(sock, _HEADER.size)
     if header is None:
         return None
     length, kind = _HEADER.unpack(header)
     if not 1 <= length <= MAX_MESSAGE + 1:
         raise InvalidRequest(f"a fast-path frame of {length} bytes (at most {MAX_MESSAGE + 1})")
-    payload = _exactly(sock, length - 1) if length > 1 else b""
+    return kind, length - 1
+
+
+def receive_payload(sock: socket.socket, length: int) -> bytes:
+    """The ``length`` payload bytes after a header; a close before them raises ``EOFError``."""
+    payload = _exactly(sock, length) if length else b""
     if payload is None:
         raise EOFError("the frame ended after its header")
-    return kind, payload
+    return payload
+
+
+def receive(sock: socket.socket) -> tuple[int, bytes] | None:
+    """The next frame, or None at a clean end of the connection (raises as
+    ``receive_header`` and ``receive_payload`` do)."""
+    header = receive_header(sock)
+    if header is None:
+        return None
+    kind, length = header
+    return kind, receive_payload(sock, length)
 
 
 class FastChannel:
@@ -78,12 +101,15 @@ class FastChannel:
     ``Unavailable``; the caller then goes back to gRPC."""
 
     def __init__(self, path: str, token: str | None, timeout: float) -> None:
+        auth = (token or "").encode()
+        if len(auth) > MAX_TOKEN:  # the daemon would refuse it: gRPC carries it instead
+            raise Unavailable(f"a token of {len(auth)} bytes (the fast path's at most {MAX_TOKEN})")
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
         self._lock = threading.Lock()
         try:
             self._sock.connect(path)
-            self._exchange(AUTH, (token or "").encode())  # a round trip: the path is served
+            self._exchange(AUTH, auth)  # a round trip: the path is served, the token admitted
         except BaseException:
             self._sock.close()
             raise

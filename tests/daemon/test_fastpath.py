@@ -1,9 +1,11 @@
 """The fast path (Lookup, Acquire, Release framed on a unix socket beside gRPC), against a real
 daemon: the same answers, counts and typed errors as gRPC, the same token rules; frames that
-are not frames close only their own connection; a client without it uses gRPC."""
+are not frames close only their own connection; before a client is admitted the daemon reads
+no more than a token; a client without it uses gRPC."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
@@ -13,8 +15,7 @@ import pytest
 from chunkstore.client import ChunkStoreClient
 from chunkstore.errors import InvalidRequest, NotFound, Unauthenticated
 from chunkstore.processes.daemon import RunningDaemon
-from chunkstore.protocol import chunkstore_pb2 as pb
-from chunkstore.protocol.fast import FastChannel
+from chunkstore.protocol.fast import AUTH, KINDS, MAX_TOKEN, FastChannel
 from chunkstore.testing.entries import entry_key, random_kv
 
 
@@ -63,12 +64,9 @@ def test_the_fast_path_keeps_the_token_rules(serve) -> None:
     running = serve("--token", "s3cret")
     with ChunkStoreClient(running.unix, token="s3cret") as client:
         assert client.fast and client.lookup([entry_key(1)]) == [None]
-    request = pb.LookupRequest(keys=[entry_key(1)])
-    for token in (None, "wrong"):
-        channel = FastChannel(running.ready["fast"], token, 5.0)
-        with pytest.raises(Unauthenticated):
-            channel.call("Lookup", request)
-        channel.close()
+    for token in (None, "wrong"):  # refused at its Auth frame, before any call
+        with pytest.raises(Unauthenticated, match="bearer token"):
+            FastChannel(running.ready["fast"], token, 5.0)
 
 
 def _raw(path: str) -> socket.socket:
@@ -100,6 +98,59 @@ def test_what_is_not_a_frame_closes_only_its_connection(daemon: RunningDaemon) -
         assert client.lookup([entry_key(1)]) == [None]  # the others go on
         assert client.fast
     assert "fast path: closed a connection" in daemon.log()
+
+
+def _refused(sock: socket.socket) -> bytes:
+    """What the daemon said on ``sock`` before it closed it; fails (the socket's timeout) when
+    it keeps the connection open instead."""
+    said = b""
+    with contextlib.suppress(ConnectionResetError):  # it closed with our bytes unread
+        while piece := sock.recv(4096):
+            said += piece
+    return said
+
+
+def _declare(path: str, kind: int, length: int) -> socket.socket:
+    """A connection that sends a frame header declaring ``length`` payload bytes, then all of
+    them as fast as the daemon takes them (stopped by its close)."""
+    sock = _raw(path)
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        sock.sendall(struct.pack("<IB", length + 1, kind) + b"x" * length)
+    return sock
+
+
+def test_an_auth_frame_longer_than_a_token_is_refused_unread(serve) -> None:
+    running = serve("--token", "s3cret")
+    path = running.ready["fast"]
+    before = running.rss_kib()
+    held = [_declare(path, AUTH, 32 << 20) for _ in range(4)]  # 32 MiB "tokens", kept open
+    for sock in held:
+        assert b"a token is at most" in _refused(sock)
+    assert running.rss_kib() - before < 4 << 10  # KiB: none of the 4 x 32 MiB was kept
+    for sock in held:
+        sock.close()
+    with ChunkStoreClient(running.unix, token="s3cret") as client:
+        assert client.fast and client.lookup([entry_key(1)]) == [None]
+
+
+def test_a_call_before_an_admitted_auth_is_refused_unread(serve) -> None:
+    running = serve("--token", "s3cret")
+    path = running.ready["fast"]
+    sock = _declare(path, KINDS["Lookup"], 32 << 20)  # no Auth frame first
+    assert b"bearer token" in _refused(sock)
+    sock.close()
+    with ChunkStoreClient(running.unix, token="s3cret") as client:
+        assert client.fast and client.lookup([entry_key(1)]) == [None]
+
+
+def test_a_token_of_max_token_bytes_is_the_longest_the_fast_path_takes(serve) -> None:
+    longest, longer = "t" * MAX_TOKEN, "a" * (MAX_TOKEN + 1)
+    running = serve("--token", longest, "--admin-token", longer)
+    with ChunkStoreClient(running.unix, token=longest) as client:
+        assert client.fast and client.lookup([entry_key(1)]) == [None]
+    with ChunkStoreClient(running.unix, token=longer) as client:
+        assert not client.fast  # never offered to the fast path: gRPC carries it
+        assert client.lookup([entry_key(1)]) == [None]
 
 
 def test_without_the_fast_path_a_client_uses_grpc(daemon: RunningDaemon) -> None:
