@@ -32,6 +32,7 @@ class ServeConfig:
     socket: str = dataclasses.field(default_factory=default_socket)  # "" disables
     tcp: str = "127.0.0.1:50551"  # "" disables
     metrics: str = "127.0.0.1:9477"  # "" disables
+    metrics_token: str = ""  # set: /metrics answers only "Authorization: Bearer <it>"
     group_access: bool = False  # socket and pool readable by the daemon's group too
     token: str = ""  # bearer token every client must send
     admin_token: str = ""  # bearer token admin calls need (Evict, Clear, Pin, Drain, ...)
@@ -48,6 +49,7 @@ class ServeConfig:
     drain_timeout_s: float = 10.0
     disk_dir: str = ""  # the disk tier's directory ("" = memory only)
     disk_size: int = 0  # 0: half the free space of disk_dir's filesystem at start
+    disk_dir_allow_foreign: bool = False  # use a disk_dir holding what the tier did not write
     spill_queue_bytes: int = 0  # 0: half the pool
     persist_on_stop: bool = True  # with a disk tier: write memory entries to it on a clean stop
     max_sessions: int = 1024  # clients at once (each holds a heartbeat stream)
@@ -126,6 +128,22 @@ class ServeConfig:
 
         parse_device(self.device)
         self._validate_transfer()
+        self._validate_disk_dir()
+
+    def _validate_disk_dir(self) -> None:
+        """A --disk-dir that holds what the tier did not write is refused: most likely the
+        wrong directory, and one the tier would share with whatever else writes there."""
+        if not self.disk_dir or self.disk_dir_allow_foreign:
+            return
+        from chunkstore.daemon.disk import foreign_top_level  # numpy: not for --help
+
+        foreign = foreign_top_level(Path(self.disk_dir))
+        if foreign:
+            raise InvalidRequest(
+                f"--disk-dir {self.disk_dir} holds what the disk tier did not make ({len(foreign)} "
+                f"at its top level, e.g. {foreign[0].name}): give it an empty or new directory "
+                "of its own, or pass --disk-dir-allow-foreign to use this one, leaving them be"
+            )
 
     def _validate_transfer(self) -> None:
         if self.eviction not in POLICIES:
@@ -173,8 +191,9 @@ class ServeConfig:
 
     def describe(self) -> str:
         shown = dataclasses.asdict(self)
-        if shown["token"]:
-            shown["token"] = "***"
+        for name in ("token", "admin_token", "peer_token", "metrics_token"):
+            if shown[name]:
+                shown[name] = "***"
         return " ".join(f"{k}={v}" for k, v in shown.items())
 
 
@@ -268,6 +287,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "socket": "unix socket path ('' disables; default $XDG_RUNTIME_DIR/chunkstore.sock)",
         "tcp": "TCP address ('' disables; default 127.0.0.1:50551; port 0 picks one)",
         "metrics": "Prometheus /metrics address ('' disables; default 127.0.0.1:9477)",
+        "metrics_token": "bearer token /metrics requires (Prometheus: authorization.credentials); "
+        "set it where /metrics is reachable by anyone who must not see each tenant's figures",
         "group_access": "let the daemon's group use the socket and the pool (default: user only)",
         "token": "bearer token clients must send (required beyond loopback, unless --tenants)",
         "tenants": "a TOML file of tenants: each one's token (sha256), byte quota, reserved "
@@ -295,6 +316,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "pools only, for now",
         "disk_size": "bytes the disk tier may use, e.g. 500G (default: half the free space of "
         "--disk-dir's filesystem at start); its least recently used entries go first",
+        "disk_dir_allow_foreign": "use a --disk-dir whose top level holds files or folders "
+        "the disk tier did not make (default false: refused at start). The tier still touches "
+        "only its own (<2 hex>/<32 hex>.entry files and its marker): the rest is left in "
+        "place, symlinks unfollowed, and counted in one warning at start",
         "spill_queue_bytes": "bytes of committed entries waiting for the disk at most (default: "
         "half the pool); beyond it an entry stays in memory only (counted as dropped), so a "
         "put never waits for the disk",

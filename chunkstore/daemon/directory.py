@@ -142,7 +142,7 @@ class Directory:
     def _fetch(self, key: bytes, tenant: str) -> str:
         """Pull one key from a peer that claims it: "ok", "present" (stored here meanwhile),
         "absent" (no live peer has it) or "failed" (peers had it but could not serve it)."""
-        if self.index.lookup([key])[0] is not None:
+        if self.index.lookup([key], tenant)[0] is not None:
             return "present"
         result = "absent"
         for peer in self.holders(key):

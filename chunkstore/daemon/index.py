@@ -27,7 +27,6 @@ a Prometheus scrape does not hold lookups up at 100k entries.
 from __future__ import annotations
 
 import errno
-import itertools
 import logging
 import secrets
 import threading
@@ -141,10 +140,13 @@ class IndexStats:
 @dataclass(frozen=True)
 class Budget:
     """What one tenant's entries and reservations may hold of the pool (``quota``, 0: no
-    limit), and how much of that is never evicted for another tenant (``reserved``)."""
+    limit), how much of that is never evicted for another tenant (``reserved``), and how many
+    sessions it may have open (``sessions``, 0: no limit but --max-sessions)."""
 
     quota: int = 0
     reserved: int = 0
+    sessions: int = 0
+    disk_quota: int = 0  # the disk tier's bytes its entries may hold (0: no limit)
 
 
 NO_BUDGET = Budget()  # a tenant the file does not name (or the shared namespace): no limits
@@ -206,10 +208,11 @@ class Index:
         self._quarantined_blocks = 0
         self._reservations: dict[int, Reservation] = {}
         self._reserved_keys: dict[bytes, int] = {}
-        self._finished: OrderedDict[int, str] = OrderedDict()  # recent reservation outcomes
+        # Recent reservations' outcomes, told only to the session that made each.
+        self._finished: OrderedDict[int, tuple[str, str]] = OrderedDict()
         self._leases: dict[int, Lease] = {}
         self._sessions: dict[str, Session] = {}
-        self._ids = itertools.count(1)
+        self._ids_used: set[int] = set()  # ids of live leases and reservations
         self._counts: Counter[str] = Counter()
         self._kind_counts: dict[str, Counter[str]] = {kind: Counter() for kind in ENTRY_KINDS}
         self.evictions: Counter[str] = Counter()
@@ -236,6 +239,12 @@ class Index:
                 raise Busy(
                     f"{len(self._sessions)} sessions are open, the most --max-sessions allows; "
                     "close idle clients or raise --max-sessions"
+                )
+            cap = self.budgets.get(owner, NO_BUDGET).sessions
+            if cap and sum(s.owner == owner for s in self._sessions.values()) >= cap:
+                raise Busy(
+                    f"tenant {owner} has {cap} sessions open, the most its tenants file entry "
+                    "allows; close idle clients"
                 )
             session_id = secrets.token_hex(8)
             self._sessions[session_id] = Session(session_id, name, self.clock(), owner=owner)
@@ -308,8 +317,10 @@ class Index:
 
     # Reads --------------------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[bytes]) -> list[Entry | DiskEntry | None]:
-        """What each key finds: its entry in memory, else in the disk tier, else None."""
+    def lookup(self, keys: Sequence[bytes], tenant: str = "") -> list[Entry | DiskEntry | None]:
+        """What each key finds in ``tenant``'s namespace: its entry in memory, else in the
+        disk tier, else None. An entry of another namespace under the same key is None: a
+        key names an entry only where it was stored (as ``acquire``)."""
         self._check_keys(keys)
         with self.lock:
             found: list[Entry | DiskEntry | None] = [self._entries.get(k) for k in keys]
@@ -317,7 +328,7 @@ class Index:
             found = [
                 self.disk.lookup(k) if e is None else e for k, e in zip(keys, found, strict=True)
             ]
-        return found
+        return [e if e is not None and e.tenant == tenant else None for e in found]
 
     def count_hits(
         self,
@@ -425,7 +436,7 @@ class Index:
 
     def _lease(self, session_id: str, entry: Entry) -> tuple[Lease, Entry]:
         session = self._session(session_id)
-        lease = Lease(next(self._ids), entry, session_id, self.clock() + self.lease_ttl)
+        lease = Lease(self._new_id(), entry, session_id, self.clock() + self.lease_ttl)
         self._leases[lease.id] = lease
         session.leases.add(lease.id)
         entry.leases += 1
@@ -472,13 +483,13 @@ class Index:
                 )
             self._refuse_if_draining()
             session = self._session(session_id)
-            if key in self._entries:
+            if key in self._entries or (self.disk is not None and key in self.disk):
                 raise AlreadyExists(f"{key.hex()} is committed already")
             if key in self._reserved_keys or key in self._promoting:
                 raise AlreadyExists(f"{key.hex()} is being written by another reservation")
             blocks = self._allocate(self.pool.blocks_for(nbytes), tenant)
             reservation = Reservation(
-                next(self._ids),
+                self._new_id(),
                 key,
                 session_id,
                 layout,
@@ -495,14 +506,13 @@ class Index:
     def reservation(self, session_id: str, reservation_id: int) -> Reservation:
         with self.lock:
             reservation = self._reservations.get(reservation_id)
-            if reservation is None and reservation_id in self._finished:
+            outcome, owner = self._finished.get(reservation_id, ("", ""))
+            if reservation is None and outcome and owner == session_id:
                 session = self._sessions.get(session_id)
                 if session is not None and reservation_id in session.quarantined:
                     # Its writer is back and asks about it: done copying, the blocks can go.
                     self._unquarantine(session.quarantined.pop(reservation_id))
-                raise WrongState(
-                    f"reservation {reservation_id} was {self._finished[reservation_id]} already"
-                )
+                raise WrongState(f"reservation {reservation_id} was {outcome} already")
             if reservation is None or reservation.session != session_id:
                 raise NotFound(f"no reservation {reservation_id} in session {session_id}")
             return reservation
@@ -648,25 +658,31 @@ class Index:
 
     def verify(self, keys: Sequence[bytes]) -> list[bytes]:
         """Hash these committed entries' pool bytes against their commit checksums; evict the
-        ones that fail at once (reason "corrupt"; a leased one's blocks go with its last
-        lease), so the next put replaces them. Returns the keys found corrupt."""
+        ones that fail (reason "corrupt"; a leased one's blocks go with its last lease), so
+        the next put replaces them. Returns the keys found corrupt. Each distinct key is
+        hashed once and outside the lock (a call naming one large entry 4,096 times held
+        every other caller for seconds); a failing entry is evicted only if it is still the
+        entry that was hashed."""
         self._check_keys(keys)
-        with self.lock:
-            corrupt = []
-            for key in keys:
+        corrupt = []
+        for key in dict.fromkeys(keys):
+            with self.lock:
                 entry = self._entries.get(key)
-                if entry is None:
-                    continue
-                if self.pool.checksum(entry.blocks, entry.nbytes) != entry.checksum:
+            if entry is None or self.pool.checksum(entry.blocks, entry.nbytes) == entry.checksum:
+                continue
+            with self.lock:
+                if self._entries.get(key) is entry:
                     self._evict(entry, "corrupt")
                     corrupt.append(key)
-            return corrupt
+        return corrupt
 
     def set_budgets(self, budgets: dict[str, Budget]) -> None:
         """The tenants' budgets from now on (a reload): nothing is evicted now; a tenant past
         a lowered quota evicts its own entries at its next write."""
         with self.lock:
             self.budgets = dict(budgets)
+            if self.disk is not None:  # read at each spill: a lowered one evicts then
+                self.disk.quotas = {t: b.disk_quota for t, b in budgets.items() if b.disk_quota}
             for tenant in budgets:
                 self._tenant_counts.setdefault(tenant, Counter())
             gone = [t for t, c in self._tenant_counts.items() if t and t not in budgets]
@@ -796,7 +812,7 @@ class Index:
                 spills_writing=self._spills_writing,
                 removed_at_start=len(disk.removed_at_start),
                 last_error=self.disk_error,
-                counts=dict(self.disk_counts),
+                counts={**self.disk_counts, "foreign": len(disk.foreign)},
                 seconds=dict(self.disk_seconds),
             )
 
@@ -860,6 +876,15 @@ class Index:
             return list(self._reservations.values())
 
     # Internals (called with the lock held) ------------------------------------------------
+
+    def _new_id(self) -> int:
+        """A lease or reservation id nobody holds: random, so one tenant's ids tell nothing
+        of how many others take (a counter did). Dropped from the set by ``_forget_id``."""
+        while True:
+            candidate = secrets.randbits(62) + 1
+            if candidate not in self._ids_used and candidate not in self._finished:
+                self._ids_used.add(candidate)
+                return candidate
 
     @staticmethod
     def _check_keys(keys: Sequence[bytes]) -> None:
@@ -1014,10 +1039,11 @@ class Index:
             self.on_evict(reason, entry.nbytes)
 
     def _forget_reservation(self, reservation: Reservation, outcome: str) -> None:
-        self._finished[reservation.id] = outcome
+        self._finished[reservation.id] = (outcome, reservation.session)
         if len(self._finished) > 10_000:
             self._finished.popitem(last=False)
         del self._reservations[reservation.id]
+        self._ids_used.discard(reservation.id)
         del self._reserved_keys[reservation.key]
         session = self._sessions.get(reservation.session)
         if session:
@@ -1039,6 +1065,7 @@ class Index:
 
     def _drop_lease(self, lease: Lease) -> None:
         del self._leases[lease.id]
+        self._ids_used.discard(lease.id)
         lease.entry.leases -= 1
         self._place(lease.entry)
         self._free_if_unheld(lease.entry)

@@ -7,11 +7,15 @@ scrape time, so the metrics move exactly as the operations did; what only the se
 
 from __future__ import annotations
 
+import hmac
+import threading
 from collections.abc import Iterator
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from chunkstore.daemon.index import DiskStats, Index
 from chunkstore.daemon.tenants import SHARED_LABEL
@@ -278,13 +282,42 @@ class Metrics:
         self.errors = _Bound(errors, node)
         self._http: Any = None
 
-    def serve(self, address: str) -> int:
-        """Serve /metrics; returns the bound port (address port 0 picks one)."""
+    def serve(self, address: str, token: str = "") -> int:
+        """Serve /metrics; returns the bound port (address port 0 picks one). ``token``:
+        only requests bearing it are answered (401 otherwise): the figures name tenants."""
         host, port = address.rsplit(":", 1)
-        server, _ = start_http_server(int(port), addr=host.strip("[]"), registry=self.registry)
+        app = make_wsgi_app(self.registry)
+        if token:
+            app = _bearer_only(app, f"Bearer {token}")
+        server = make_server(
+            host.strip("[]"), int(port), app, ThreadingWSGIServer, handler_class=_QuietHandler
+        )
+        threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
         self._http = server
         return int(server.server_port)
 
     def close(self) -> None:
         if self._http is not None:
             self._http.shutdown()
+            self._http.server_close()
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log line per scrape."""
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
+        pass
+
+
+def _bearer_only(app: Any, bearer: str) -> Any:
+    """``app`` answering only requests whose Authorization header is ``bearer``."""
+    expected = bearer.encode()
+
+    def guarded(environ: dict[str, Any], start_response: Any) -> Any:
+        given = environ.get("HTTP_AUTHORIZATION", "").encode()
+        if hmac.compare_digest(given, expected):
+            return app(environ, start_response)
+        start_response("401 Unauthorized", [("WWW-Authenticate", "Bearer")])
+        return [b"missing or wrong bearer token\n"]
+
+    return guarded

@@ -33,6 +33,7 @@ from chunkstore.daemon.peers import EnginePeers, PeerSource, PeerTLS, StreamPeer
 from chunkstore.daemon.pool import Pool, reclaim_stale_pools
 from chunkstore.daemon.pool_factory import create_pool
 from chunkstore.daemon.tenants import (
+    ADMIN_CALLER,
     PEER_CALLER,
     SHARED,
     SHARED_CALLER,
@@ -41,17 +42,27 @@ from chunkstore.daemon.tenants import (
     Tenant,
     Tenants,
     load_tenants,
+    namespace_secret,
     tenant_key,
 )
 from chunkstore.daemon.transfer import Endpoint, MooncakeEngine
 from chunkstore.daemon.workers import Workers
-from chunkstore.errors import Busy, Forbidden, InvalidRequest, NotFound, StoreError, Unavailable
+from chunkstore.errors import (
+    Busy,
+    Forbidden,
+    InvalidRequest,
+    NotFound,
+    StoreError,
+    Unauthenticated,
+    Unavailable,
+)
 from chunkstore.kv.entry import check_entry_kind
+from chunkstore.kv.keys import KEY_BYTES
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol import chunkstore_pb2_grpc as pb_grpc
 from chunkstore.protocol.fast import fast_socket_path
 from chunkstore.protocol.shm import block_runs
-from chunkstore.protocol.wire import MAX_MESSAGE, layout_from_proto, layout_to_proto
+from chunkstore.protocol.wire import MAX_BATCH, MAX_MESSAGE, layout_from_proto, layout_to_proto
 
 if TYPE_CHECKING:
     from chunkstore.daemon.directory import Directory
@@ -60,6 +71,7 @@ log = logging.getLogger("chunkstore.serve")
 
 SERVICE = "chunkstore.v1.ChunkStore"
 READ_PIECE = 1 << 20
+MIN_READ_PIECE = 16 << 10  # a floor: 1-byte pieces made a 64 KiB entry 65,536 messages
 
 
 def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -99,6 +111,18 @@ def _rpc_stream(method: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[
     return streaming
 
 
+def _keys(keys: Sequence[bytes]) -> list[bytes]:
+    """A call's keys, checked before anything is done with them (a tenant's are hashed into
+    its namespace: 1M keys cost a second of daemon CPU before the index refused them, and a
+    malformed key found after the good ones were leased left those leases behind)."""
+    if len(keys) > MAX_BATCH:
+        raise InvalidRequest(f"{len(keys)} keys in one call; at most {MAX_BATCH}")
+    for key in keys:
+        if len(key) != KEY_BYTES:
+            raise InvalidRequest(f"a key is {KEY_BYTES} bytes, got {len(key)}")
+    return list(keys)
+
+
 def _token_counts(request: pb.LookupRequest | pb.AcquireRequest) -> tuple[list[int], str]:
     """The optional per-key token counts of a lookup, checked against its keys, and the
     kind of entry it looks up (checked: before any lease is taken)."""
@@ -127,6 +151,7 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
         # The cluster directory's: keys missed, and the tenant whose namespace they are in.
         self.on_miss: Callable[[list[bytes], str], None] | None = None
         self.tenants: Tenants | None = None  # --tenants: who each token is
+        self.token_check: _TokenCheck | None = None  # resolves a token to its caller
         self.peer_bearer = f"Bearer {config.peer_token}" if config.peer_token else None
         self.transfer: Endpoint | None = None  # where peers read the pool with an engine
         self.fast_socket = ""  # the fast path's socket (protocol/fast.py)
@@ -147,22 +172,25 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
             self._transfers.release()
 
     def _caller(self, context: grpc.ServicerContext) -> Caller:
-        """Who the call's bearer token says its caller is (everyone shares one namespace
-        without --tenants)."""
-        if self.tenants is None:
+        """Who the call's bearer token says its caller is, resolved once per call by the
+        token check (``_Resolved``); the fast path's calls are resolved here, after its own
+        check. Everyone shares one namespace without --tenants."""
+        resolved = getattr(context, "caller", None)
+        if isinstance(resolved, Caller):
+            return resolved
+        if self.tenants is None or self.token_check is None:
             return SHARED_CALLER
         bearer = dict(context.invocation_metadata() or ()).get("authorization")
-        if bearer is not None and bearer == self.peer_bearer:
-            return PEER_CALLER
-        tenant = self.tenants.of(bearer)
-        return Caller(tenant.name, tenant) if tenant is not None else SHARED_CALLER
+        caller = self.token_check.caller(bearer)
+        if caller is None:  # e.g. its tenant was removed by a reload since the check
+            raise Unauthenticated("missing or wrong bearer token")
+        return caller
 
     def _session_caller(self, context: grpc.ServicerContext, session_id: str) -> Caller:
         """The caller, if the session is its own: another's is answered as no session at
         all (the index's own words), so a session id learns nothing."""
         caller = self._caller(context)
-        owner = self.index.session_owner(session_id)
-        if owner is not None and owner != caller.owner:
+        if self.index.session_owner(session_id) != caller.owner:  # None: no such session
             raise NotFound(f"no session {session_id!r}: call Hello first (or it expired)")
         return caller
 
@@ -235,9 +263,9 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
     @_rpc
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupReply:
         caller = self._caller(context)
-        keys = list(request.keys)
+        keys = _keys(request.keys)
         tokens, kind = _token_counts(request)
-        found = self._find(caller, keys, lambda ks, tenant: self.index.lookup(ks))
+        found = self._find(caller, keys, lambda ks, tenant: self.index.lookup(ks, tenant))
         self.index.count_hits([e is not None for e in found], tokens, kind, caller.namespace)
         return pb.LookupReply(
             present=[e is not None for e in found],
@@ -248,7 +276,7 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
     def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveReply:
         caller = self._session_caller(context, request.session_id)
         layout = layout_from_proto(request.layout)
-        key = tenant_key(caller.namespace, request.key)
+        [key] = caller.own_keys(_keys([request.key]))
         reservation = self.index.reserve(
             request.session_id, key, layout, request.nbytes, caller.namespace
         )
@@ -280,13 +308,13 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
     def Acquire(self, request: pb.AcquireRequest, context: grpc.ServicerContext) -> pb.AcquireReply:
         caller = self._session_caller(context, request.session_id)
         tokens, kind = _token_counts(request)
-        keys = list(request.keys)
+        keys = _keys(request.keys)
         session = request.session_id
         if request.tenant:  # a peer's pull names the tenant whose entry it wants
+            if caller != PEER_CALLER:  # asked first: a client learns nothing of names
+                raise Forbidden("only a pulling peer names a tenant: a client's token says it")
             if self.tenants is None or not self.tenants.knows(request.tenant):
                 raise Forbidden(f"tenant {request.tenant!r} is unknown here")
-            if caller != PEER_CALLER:
-                raise Forbidden("only a pulling peer names a tenant: a client's token says it")
         if caller == PEER_CALLER:  # the keys as this daemon holds them, of the named tenant
             acquired = self.index.acquire(session, keys, request.tenant)
             namespace = request.tenant
@@ -363,8 +391,10 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
     def _read(self, request: pb.ReadRequest) -> Iterator[pb.ReadPiece]:
         entry: Entry = self.index.lease(request.session_id, request.lease_id)
         piece = request.piece_bytes or READ_PIECE
-        if piece > MAX_MESSAGE // 2:
-            raise InvalidRequest(f"piece_bytes {piece} over {MAX_MESSAGE // 2}")
+        if not MIN_READ_PIECE <= piece <= MAX_MESSAGE // 2:
+            raise InvalidRequest(
+                f"piece_bytes {piece}: between {MIN_READ_PIECE} and {MAX_MESSAGE // 2} (0: default)"
+            )
         bs = self.pool.block_size
         remaining = entry.nbytes
         for first, count, _ in block_runs(entry.blocks):
@@ -383,8 +413,10 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
         tenants = {
             tenant or SHARED_LABEL: pb.TenantStats(**counts) for tenant, counts in s.tenants.items()
         }
-        if caller.tenant is not None:  # its own figures only: the rest tells what others do
-            name = caller.tenant.name
+        if self.tenants is not None and not caller.admin:
+            # Its own namespace's figures only: the rest tells what others do. A tenant's, or
+            # the shared namespace's for a --token client.
+            name = caller.tenant.name if caller.tenant is not None else SHARED_LABEL
             return pb.StatsReply(tenants={name: tenants.get(name, pb.TenantStats())})
         return pb.StatsReply(
             entries=s.entries,
@@ -411,16 +443,23 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
 
     @_rpc
     def Verify(self, request: pb.VerifyRequest, context: grpc.ServicerContext) -> pb.VerifyReply:
-        keys = list(request.keys)
+        keys = _keys(request.keys)
         own = self._caller(context).own_keys(keys)
         corrupt = set(self.index.verify(own))
         for key in corrupt:
             log.error("entry %s failed its checksum in the pool: evicted", key.hex())
         return pb.VerifyReply(corrupt=[k for k, o in zip(keys, own, strict=True) if o in corrupt])
 
+    def _admin_keys(self, tenant: str, keys: Sequence[bytes]) -> list[bytes]:
+        """An admin call's keys as the index holds them in ``tenant``'s namespace."""
+        if tenant and (self.tenants is None or not self.tenants.knows(tenant)):
+            raise NotFound(f"no tenant {tenant!r} in the tenants file")
+        secret = self.tenants.secret if self.tenants is not None else b""
+        return [tenant_key(tenant, k, secret) for k in keys]
+
     @_rpc
     def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictReply:
-        evicted, busy = self.index.evict([tenant_key(request.tenant, k) for k in request.keys])
+        evicted, busy = self.index.evict(self._admin_keys(request.tenant, request.keys))
         return pb.EvictReply(evicted=evicted, busy=busy)
 
     @_rpc
@@ -430,12 +469,12 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
 
     @_rpc
     def Pin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinReply:
-        keys = [tenant_key(request.tenant, k) for k in request.keys]
+        keys = self._admin_keys(request.tenant, request.keys)
         return pb.PinReply(changed=self.index.set_pinned(keys, True))
 
     @_rpc
     def Unpin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinReply:
-        keys = [tenant_key(request.tenant, k) for k in request.keys]
+        keys = self._admin_keys(request.tenant, request.keys)
         return pb.PinReply(changed=self.index.set_pinned(keys, False))
 
     @_rpc
@@ -598,31 +637,75 @@ class _TokenCheck(grpc.ServerInterceptor):
         self.peer = f"Bearer {peer_token}" if peer_token else None
         self.tenants = tenants  # a tenant's token is a client's (in its own namespace)
 
-    def refusal(self, bearer: str | None, method: str) -> tuple[grpc.StatusCode, str] | None:
-        """The status and reason a call of ``method`` with ``bearer`` is refused with, or
-        None (the fast path asks too)."""
-        if method in ADMIN and bearer != self.admin:
+    def caller(self, bearer: str | None) -> Caller | None:
+        """Whose ``bearer`` is (tenants.Caller), or None for no token of this daemon's."""
+        if self.admin and bearer == self.admin:
+            return ADMIN_CALLER
+        if bearer in self.client:
+            return SHARED_CALLER
+        if self.tenants is None:
+            return PEER_CALLER if self.peer and bearer == self.peer else None
+        if self.peer and bearer == self.peer:
+            return PEER_CALLER
+        tenant = self.tenants.of(bearer)  # one lookup in the tenants in force: one answer
+        return Caller(tenant.name, tenant, self.tenants.secret) if tenant is not None else None
+
+    def check(self, bearer: str | None, method: str) -> Caller | tuple[grpc.StatusCode, str]:
+        """The caller of a call of ``method`` with ``bearer``, or the status and reason it is
+        refused with."""
+        if method in ADMIN and (not self.admin or bearer != self.admin):
             why = (
                 f"{method} is an admin call: it needs the admin token"
                 if self.admin
                 else f"{method} is an admin call, refused: the daemon has no --admin-token"
             )
             return grpc.StatusCode.PERMISSION_DENIED, why
-        if bearer in self.client or (self.peer and bearer == self.peer and method in PEER):
-            return None
-        if self.tenants is not None and self.tenants.of(bearer) is not None:
-            return None
-        return grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token"
+        caller = self.caller(bearer)
+        if caller is None or (caller == PEER_CALLER and method not in PEER):
+            return grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token"
+        if self.tenants is None and caller != ADMIN_CALLER:
+            return SHARED_CALLER  # one namespace: a peer's reads are a client's
+        return caller
+
+    def refusal(self, bearer: str | None, method: str) -> tuple[grpc.StatusCode, str] | None:
+        """The status and reason a call is refused with, or None (the fast path asks)."""
+        checked = self.check(bearer, method)
+        return None if isinstance(checked, Caller) else checked
 
     def intercept_service(self, continuation: Any, details: Any) -> Any:
         method = details.method
         if method.startswith("/grpc.health.v1.Health/"):
             return continuation(details)
         bearer = dict(details.invocation_metadata or ()).get("authorization")
-        refused = self.refusal(bearer, method)
-        if refused is None:
-            return continuation(details)
-        return _refusal(continuation(details), *refused)
+        checked = self.check(bearer, method)
+        if isinstance(checked, Caller):
+            return _with_caller(continuation(details), checked)
+        return _refusal(continuation(details), *checked)
+
+
+class _Resolved:
+    """A call's context with its caller, as the token check resolved it (once: a reload
+    between the check and the call cannot make it someone else)."""
+
+    def __init__(self, context: grpc.ServicerContext, caller: Caller) -> None:
+        self._context = context
+        self.caller = caller
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+
+def _with_caller(handler: Any, caller: Caller) -> Any:
+    """``handler`` served with its context carrying ``caller``."""
+    if handler is None:
+        return None
+    make, name = _KINDS[handler.request_streaming, handler.response_streaming]
+    serve = getattr(handler, name)
+    return make(
+        lambda r, c: serve(r, _Resolved(c, caller)),
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
 
 
 def _refusal(handler: Any, code: grpc.StatusCode, message: str) -> Any:
@@ -638,7 +721,7 @@ def _refusal(handler: Any, code: grpc.StatusCode, message: str) -> Any:
 
 
 def _budgets(tenants: dict[str, Tenant]) -> dict[str, Budget]:
-    return {t.name: Budget(t.quota, t.reserved) for t in tenants.values()}
+    return {t.name: Budget(t.quota, t.reserved, t.sessions, t.disk_quota) for t in tenants.values()}
 
 
 class Daemon:
@@ -662,6 +745,8 @@ class Daemon:
             config.device, config.block_size, num_blocks, config.shm_dir, config.group_access
         )
         self.disk = self._open_disk() if config.disk_dir else None
+        if self.tenants is not None:
+            self.tenants.secret = namespace_secret(config.peer_token, config.disk_dir)
         self.index = Index(
             self.pool,
             config.lease_ttl_s,
@@ -704,6 +789,7 @@ class Daemon:
             config, self.index, self.pool, self.metrics, on_drain=lambda d: self._set_health(not d)
         )
         service.tenants = self.tenants
+        service.token_check = self.token_check
         self.service = service
         self.directory: Directory | None = None
         self.engine: MooncakeEngine | None = None
@@ -778,7 +864,8 @@ class Daemon:
             self.addresses["tcp"] = f"{host}:{port}"
         if config.metrics:
             host = config.metrics.rsplit(":", 1)[0]
-            self.addresses["metrics"] = f"{host}:{self.metrics.serve(config.metrics)}"
+            port = self.metrics.serve(config.metrics, config.metrics_token)
+            self.addresses["metrics"] = f"{host}:{port}"
         self.server.start()
         if config.redis:
             # Imported only when asked for: a daemon without --redis runs without redis-py

@@ -2,10 +2,12 @@
 hold.
 
 Every entry belongs to the namespace of the tenant that stored it. A tenant's keys are
-mapped into its own namespace before the index sees them (``tenant_key``): another tenant's
-entries are not hidden from it, they are simply under other keys, so a lookup, an acquire
-or a reserve of them behaves exactly as for a key nobody stored (no "forbidden" to tell
-apart from "absent"). The shared namespace ("", clients of ``--token`` or the admin token,
+mapped into its own namespace before the index sees them (``tenant_key``, a hash keyed with
+the daemon's namespace secret, so nobody outside can compute another tenant's keys), and
+the index answers a key only in the namespace its entry is in: another tenant's entries are
+not hidden from it, they are simply under other keys, so a lookup, an acquire or a reserve
+of them behaves exactly as for a key nobody stored (no "forbidden" to tell apart from
+"absent"). The shared namespace ("", clients of ``--token`` or the admin token,
 and every client when there is no tenants file) keeps the keys clients send; a tenant with
 ``shared = true`` reads it after its own.
 
@@ -13,9 +15,14 @@ The file (TOML), one table per tenant::
 
     [tenants.alice]
     token_sha256 = "9f86d0..."   # sha256 of alice's bearer token: chunkstore tenants hash-token
-    quota = "4G"                 # pool bytes alice's entries and writes may hold (default: all)
+    quota = "4G"                 # pool bytes alice's entries and writes may hold (default and
+                                 # 0: no limit but the pool)
     reserved = "25%"             # never evicted for another tenant (default: 0)
     shared = true                # also read the shared namespace (default: true)
+    sessions = 64                # sessions alice may have open at once (default and 0: no
+                                 # limit but --max-sessions, which one tenant could fill)
+    disk_quota = "20G"           # disk tier bytes alice's entries may hold (default and 0:
+                                 # no limit but --disk-size; a share is of the pool's size)
 
 Sizes take units (512M, 4G) or a share of the pool ("25%").
 """
@@ -23,13 +30,16 @@ Sizes take units (512M, 4G) or a share of the pool ("25%").
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+import secrets
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from chunkstore.daemon.config import parse_size
+from chunkstore.daemon.disk import NAMESPACE_SECRET
 from chunkstore.errors import InvalidRequest
 from chunkstore.kv.keys import KEY_BYTES
 
@@ -37,7 +47,7 @@ SHARED = ""  # the shared namespace's tenant name
 SHARED_LABEL = "shared"  # its name in metrics and stats: no tenant may take it
 PEER = "*peer"  # owner of the sessions a pulling peer opens (its token reads any namespace)
 _NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
-_FIELDS = {"token_sha256", "quota", "reserved", "shared"}
+_FIELDS = {"token_sha256", "quota", "reserved", "shared", "sessions", "disk_quota"}
 
 
 @dataclass(frozen=True)
@@ -47,23 +57,28 @@ class Tenant:
     quota: int  # pool bytes its entries and reservations may hold (0: no limit)
     reserved: int  # of those, bytes never evicted for another tenant
     shared: bool  # also reads the shared namespace
+    sessions: int = 0  # sessions it may have open at once (0: no limit of its own)
+    disk_quota: int = 0  # bytes of the disk tier its entries may hold (0: no limit)
 
 
 @dataclass(frozen=True)
 class Caller:
-    """Who made a call, from its bearer token: ``owner`` is whose sessions it may use (a
-    tenant's name, ``SHARED``, or ``PEER``), ``tenant`` the namespace its keys live in
-    (None: the shared one)."""
+    """Who made a call, from its bearer token, resolved once per call: ``owner`` is whose
+    sessions it may use (a tenant's name, ``SHARED``, or ``PEER``), ``tenant`` the namespace
+    its keys live in (None: the shared one), ``secret`` the namespace hash's key, ``admin``
+    whether it holds the admin token."""
 
     owner: str
     tenant: Tenant | None = None
+    secret: bytes = b""
+    admin: bool = False
 
     @property
     def namespace(self) -> str:
         return self.tenant.name if self.tenant else SHARED
 
     def own_keys(self, keys: list[bytes]) -> list[bytes]:
-        return [tenant_key(self.namespace, k) for k in keys]
+        return [tenant_key(self.namespace, k, self.secret) for k in keys]
 
     @property
     def reads_shared(self) -> bool:
@@ -71,17 +86,53 @@ class Caller:
 
 
 SHARED_CALLER = Caller(SHARED)
+ADMIN_CALLER = Caller(SHARED, admin=True)
 PEER_CALLER = Caller(PEER)
 
 
-def tenant_key(tenant: str, key: bytes) -> bytes:
+def tenant_key(tenant: str, key: bytes, secret: bytes) -> bytes:
     """The key ``key`` has in ``tenant``'s namespace: itself in the shared one, else a hash of
-    both (so no two tenants' entries ever share a key, and nobody can name another's)."""
+    both keyed with the daemon's namespace secret (``namespace_secret``): no two tenants'
+    entries share a key, and only the daemon can compute a tenant's (an unkeyed hash let
+    anyone who knew a tenant's name name its entries)."""
     if not tenant:
         return key
+    if not secret:
+        raise InvalidRequest("a tenant's namespace needs the daemon's namespace secret")
     return hashlib.blake2b(
-        b"tenant\0" + tenant.encode() + b"\0" + key, digest_size=KEY_BYTES
+        b"tenant\0" + tenant.encode() + b"\0" + key, digest_size=KEY_BYTES, key=secret
     ).digest()
+
+
+SECRET_BYTES = 32
+
+
+def namespace_secret(peer_token: str, disk_dir: str) -> bytes:
+    """The key of tenants' namespaces: derived from ``--peer-token`` where one is set (every
+    node of a cluster derives the same, so a peer pull names a tenant's entry as its holder
+    does); else kept in the disk tier's folder (0600), so entries on disk keep their keys
+    across restarts; else new at each start (the pool does not outlive the daemon)."""
+    if peer_token:
+        return hashlib.blake2b(
+            peer_token.encode(), digest_size=SECRET_BYTES, person=b"cs-namespaces"
+        ).digest()
+    if not disk_dir:
+        return secrets.token_bytes(SECRET_BYTES)
+    path = Path(disk_dir) / NAMESPACE_SECRET
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        secret = path.read_bytes()
+        if len(secret) != SECRET_BYTES:
+            raise InvalidRequest(
+                f"{path} holds {len(secret)} bytes, not a namespace secret of {SECRET_BYTES}: "
+                "remove it only with the disk tier's tenant entries (their keys die with it)"
+            ) from None
+        return secret
+    secret = secrets.token_bytes(SECRET_BYTES)
+    with os.fdopen(fd, "wb") as f:
+        f.write(secret)
+    return secret
 
 
 def hash_token(token: str) -> str:
@@ -154,7 +205,11 @@ def parse_tenants(text: str, pool_bytes: int, source: str = "tenants file") -> d
         shared = table.get("shared", True)
         if not isinstance(shared, bool):
             raise InvalidRequest(f"{what}: shared is true or false, not {shared!r}")
-        tenants[name] = Tenant(name, token, quota, reserved, shared)
+        sessions = table.get("sessions", 0)
+        if isinstance(sessions, bool) or not isinstance(sessions, int) or sessions < 0:
+            raise InvalidRequest(f"{what}: sessions is a count (0: no limit), not {sessions!r}")
+        disk_quota = _size(table.get("disk_quota", 0), pool_bytes, f"{what}: disk_quota")
+        tenants[name] = Tenant(name, token, quota, reserved, shared, sessions, disk_quota)
     total = sum(t.reserved for t in tenants.values())
     if total > pool_bytes:
         raise InvalidRequest(
@@ -178,6 +233,7 @@ class Tenants:
 
     def __init__(self, tenants: dict[str, Tenant], service_tokens: list[str]) -> None:
         self._service = {hash_token(t) for t in service_tokens if t}
+        self.secret = b""  # the namespace secret: set once the disk tier's folder exists
         self.replace(tenants)
 
     def replace(self, tenants: dict[str, Tenant]) -> None:

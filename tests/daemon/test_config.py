@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from chunkstore.daemon.config import ServeConfig, load
+from chunkstore.daemon.disk import MARKER
 from chunkstore.errors import InvalidRequest
 from chunkstore.protocol.generate import stale_outputs
 
@@ -64,6 +65,28 @@ def test_bad_settings_are_refused_with_the_reason(tmp_path: Path) -> None:
         load(environ={}, flags={**cluster, "tcp": ""})
     advertised = {**cluster, "tcp": "0.0.0.0:50551", "advertise": "10.0.0.7:50551"}
     assert load(environ={}, flags=advertised).advertise == "10.0.0.7:50551"
+
+
+def test_a_disk_dir_holding_what_the_tier_did_not_make_is_refused_unless_allowed(
+    tmp_path: Path,
+) -> None:
+    """A new, empty or tier-made --disk-dir is taken; one holding anything else at its top
+    level (most likely the wrong directory) needs --disk-dir-allow-foreign."""
+    tier = tmp_path / "tier"
+    for usable in (tmp_path / "new", tier):
+        assert load(environ={}, flags={"disk_dir": str(usable)}).disk_dir == str(usable)
+    (tier / "0a").mkdir(parents=True)
+    (tier / MARKER).write_text("")
+    assert load(environ={}, flags={"disk_dir": str(tier)}).disk_dir == str(tier)
+    (tier / "ab").symlink_to(tmp_path)  # named as the tier's subdirectories are: not one
+    with pytest.raises(InvalidRequest, match="e.g. ab.*--disk-dir-allow-foreign"):
+        load(environ={}, flags={"disk_dir": str(tier)})
+    (tier / "ab").unlink()
+    (tier / "README").touch()
+    with pytest.raises(InvalidRequest, match=r"did not make \(1 at its top level, e.g. README\)"):
+        load(environ={}, flags={"disk_dir": str(tier)})
+    allowed = {"CHUNKSTORE_DISK_DIR_ALLOW_FOREIGN": "true"}
+    assert load(environ=allowed, flags={"disk_dir": str(tier)}).disk_dir_allow_foreign
 
 
 def test_the_token_is_not_printed() -> None:

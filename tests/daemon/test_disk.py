@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -15,7 +16,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from chunkstore.daemon.disk import HEADER, DiskError, DiskTier, decode_header, encode_header
+from chunkstore.daemon.disk import (
+    HEADER,
+    MARKER,
+    DiskError,
+    DiskTier,
+    decode_header,
+    encode_header,
+    foreign_top_level,
+)
 from chunkstore.errors import ChecksumMismatch, InvalidRequest, NotFound
 from chunkstore.kv.entry import EntryLayout
 from chunkstore.protocol.shm import EntryDigest, Pieces
@@ -115,24 +124,96 @@ def test_torn_and_stray_files_are_removed_at_start(tmp_path) -> None:
     with paths[3].open("r+b") as f:
         f.seek(20)
         f.write(b"\xff")  # header changed
-    paths[4].rename(paths[4].with_name(key_of(99).hex() + ".entry"))  # a name not its key's
-    misplaced = tmp_path / "zz" / paths[5].name  # its key's name, in another folder
-    misplaced.parent.mkdir()
-    misplaced.write_bytes(paths[5].read_bytes())
+    renamed = paths[4].with_name(key_of(4 + 256).hex() + ".entry")  # a name not its key's
+    paths[4].rename(renamed)
     again = DiskTier(tmp_path, 64 << 20)
     assert sorted(again.lru_order()) == [key_of(0), key_of(5)]  # 0's own file is whole
     assert again.used == 2 * (HEADER + 50_000)
     assert sorted(p.name for p in again.removed_at_start) == sorted(
-        [
-            leftover.name,
-            paths[1].name,
-            paths[2].name,
-            paths[3].name,
-            key_of(99).hex() + ".entry",
-            misplaced.name,
-        ]
+        [leftover.name, paths[1].name, paths[2].name, paths[3].name, renamed.name]
     )
     assert sorted(p.name for p in tmp_path.glob("*/*")) == sorted([paths[0].name, paths[5].name])
+    assert again.foreign == []
+
+
+LINKED = 0xAB  # key_of(LINKED)'s subdirectory, "ab", is planted as a symlink leading outside
+LINK_NAMED = 4 + 512  # its file's name in subdirectory "04" is planted as a symlink
+
+
+def entry_name(i: int) -> str:
+    return key_of(i).hex() + ".entry"
+
+
+def plant_foreign(tier_dir: Path, outside: Path) -> dict[Path, bytes]:
+    """Beside a tier's entries (``tier_dir/04`` one of its subdirectories), what the tier
+    did not write: a README; "ab", a symlink leading outside; a symlink named like an entry;
+    a file of another name in "04"; entry-named files in a folder the tier does not use and
+    in a subdirectory of another key's digits. Returns each file with what it must read."""
+    outside.mkdir()
+    (outside / entry_name(LINKED)).write_bytes(b"not an entry: reached only through a link")
+    (outside / "data.txt").write_bytes(b"someone's data")
+    (outside / "target").write_bytes(b"a symlink's target")
+    (tier_dir / "ab").symlink_to(outside, target_is_directory=True)
+    (tier_dir / "04" / entry_name(LINK_NAMED)).symlink_to(outside / "target")
+    (tier_dir / "zz").mkdir()
+    planted = {
+        tier_dir / "README": b"read me",
+        tier_dir / "04" / "notes.txt": b"notes",
+        tier_dir / "zz" / entry_name(7): b"in a folder the tier does not use",
+        tier_dir / "04" / entry_name(5): b"in another key's subdirectory",
+    }
+    for path, data in planted.items():
+        path.write_bytes(data)
+    return {**planted, **{path: path.read_bytes() for path in outside.iterdir()}}
+
+
+def unchanged(planted: dict[Path, bytes]) -> bool:
+    return all(path.read_bytes() == data for path, data in planted.items())
+
+
+def test_what_the_tier_did_not_write_is_left_alone_and_never_followed(tmp_path, caplog) -> None:
+    tier_dir, outside = tmp_path / "tier", tmp_path / "outside"
+    data = put(DiskTier(tier_dir, 64 << 20), 4, 5000)
+    planted = plant_foreign(tier_dir, outside)
+    with caplog.at_level("WARNING", logger="chunkstore.daemon.disk"):
+        again = DiskTier(tier_dir, 64 << 20)
+    assert again.lru_order() == [key_of(4)] and np.array_equal(read(again, 4), data)
+    assert again.removed_at_start == [] and unchanged(planted)
+    assert (tier_dir / "ab").is_symlink() and (
+        tier_dir / "04" / entry_name(LINK_NAMED)
+    ).is_symlink()
+    foreign = ["README", "ab", "zz", "notes.txt", entry_name(5), entry_name(LINK_NAMED)]
+    assert sorted(p.name for p in again.foreign) == sorted(foreign)
+    [warning] = [r.getMessage() for r in caplog.records]  # once, with a count and an example
+    assert "left alone 6 files or folders" in warning and str(again.foreign[0]) in warning
+    # Writes never go through them: not into the linked folder, not over the link.
+    for i in (LINKED, LINK_NAMED):
+        with pytest.raises(DiskError, match="not the tier's own"):
+            put(again, i, 1000)
+    assert unchanged(planted) and len(again) == 1 and again.used == HEADER + 5000
+    assert sorted(p.name for p in outside.iterdir()) == sorted(
+        [entry_name(LINKED), "data.txt", "target"]
+    )
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o277], ids=["umask-000", "umask-277"])
+def test_what_the_tier_makes_is_its_users_alone_whatever_the_umask(tmp_path, umask) -> None:
+    """Directories 0700 and files 0600: a umask of 0 would make them world-writable, one of
+    0277 unwritable (mkdir's and open's modes go through it; the tier sets them after)."""
+    where = tmp_path / "made" / "tier"
+    old = os.umask(umask)
+    try:
+        tier = DiskTier(where, 64 << 20)
+        put(tier, 1, 5000)
+        put(tier, 2, 3 * 4096, cuts=1)  # whole pages: O_DIRECT where the file system takes it
+    finally:
+        os.umask(old)
+    made = [tmp_path / "made", where, *where.glob("*/")]
+    assert {stat.S_IMODE(p.stat().st_mode) for p in made} == {0o700} and len(made) == 4
+    files = [where / MARKER, *where.glob("*/*")]
+    assert {stat.S_IMODE(p.stat().st_mode) for p in files} == {0o600} and len(files) == 3
+    assert "chunkstore disk tier" in (where / MARKER).read_text()
+    assert foreign_top_level(where) == [] and foreign_top_level(tmp_path / "none") == []
 
 
 def test_a_changed_body_is_refused_and_the_entry_removed(tmp_path) -> None:
@@ -240,3 +321,33 @@ def test_past_the_high_watermark_a_write_evicts_down_to_the_low_one(tmp_path) ->
     assert sorted(p.name for p in tmp_path.glob("*/*")) == sorted(
         key_of(i).hex() + ".entry" for i in range(4, 9)
     )
+
+
+def test_a_tenants_disk_quota_evicts_its_own_entries_only(tmp_path) -> None:
+    """Per-tenant disk quotas: past its quota a tenant's spill evicts its own least recently
+    used files, never another tenant's; an entry larger than its quota is not written (it
+    stays in memory); a tenant without a quota is bounded by the tier alone."""
+    nbytes = 1000
+    tier = DiskTier(tmp_path / "tier", 100 * (HEADER + nbytes))
+    tier.quotas = {"alice": 3 * (HEADER + nbytes)}
+
+    def write(i: int, tenant: str) -> list[bytes]:
+        data = body_of(i, nbytes)
+        return tier.write(key_of(i), LAYOUT, [data], checksum(data), tenant)
+
+    for i in range(4):
+        assert write(100 + i, "bob") == []
+    for i in range(5):
+        write(i, "alice")
+    alice = [e.key for e in tier._entries.values() if e.tenant == "alice"]
+    assert alice == [key_of(2), key_of(3), key_of(4)]  # the oldest two went
+    assert all(key_of(100 + i) in tier for i in range(4))  # bob's untouched
+    assert tier.used_by["alice"] == 3 * (HEADER + nbytes) and tier.used_by["bob"] == 4 * (
+        HEADER + nbytes
+    )
+    big = body_of(9, 3 * (HEADER + nbytes))
+    with pytest.raises(DiskError, match="disk quota"):
+        tier.write(key_of(9), LAYOUT, [big], checksum(big), "alice")
+    assert key_of(9) not in tier and tier.used_by["alice"] == 3 * (HEADER + nbytes)
+    for i in range(3):
+        assert (read(tier, 2 + i) == body_of(2 + i, nbytes)).all()

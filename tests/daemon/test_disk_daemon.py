@@ -1,13 +1,16 @@
 """The disk tier in a running daemon (``serve --disk-dir``): entries that outlive a SIGTERM and
 a SIGKILL, a working set four times the pool served from both tiers, a flipped byte on disk
-refused, a full disk that leaves memory puts working, and repeated kill -9 during spills
-that never serves a wrong byte. Every read is checked against what its key must hold."""
+refused, a full disk that leaves memory puts working, repeated kill -9 during spills that
+never serves a wrong byte, and a directory shared with files the tier did not write that
+keeps every one of them as it was. Every read is checked against what its key must hold."""
 
 from __future__ import annotations
 
 import random
 import shutil
 import signal
+import stat
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -17,9 +20,9 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from chunkstore.client import ChunkStoreClient
-from chunkstore.daemon.disk import HEADER, SUFFIX
+from chunkstore.daemon.disk import HEADER, MARKER, SUFFIX
 from chunkstore.errors import StoreError
-from chunkstore.processes.daemon import RunningDaemon
+from chunkstore.processes.daemon import RunningDaemon, serve_command, serve_env
 from chunkstore.testing.entries import entry_key, random_kv, wait_for
 
 
@@ -211,3 +214,93 @@ def test_a_vanished_disk_directory_leaves_memory_serving(serve, tmp_path) -> Non
     with grpc.insecure_channel(daemon.tcp) as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_daemon_on_a_shared_directory_leaves_what_it_did_not_write_in_place(
+    serve, tmp_path
+) -> None:
+    """Beside a tier's entries: a README, "ab" a symlink leading outside (where "ab"'s keys
+    would go), a symlink named like an entry, a note in one of the tier's subdirectories.
+    Refused at start without --disk-dir-allow-foreign; with it, served around and never
+    touched: the tier's own entries read back, writes that would go through a link fail
+    (counted; the entries stay served from memory), and every file reads as it did."""
+    disk, outside = tmp_path / "disk", tmp_path / "outside"
+    first = serve("--disk-dir", str(disk), name="first")
+    with ChunkStoreClient(first.unix) as client:
+        for i in range(3):
+            assert client.put(entry_key(i), *content(i), virtual_start=0)
+    assert first.stop() == 0
+    linked, link_named = 0xAB, 1 + 256  # keys of subdirectories "ab" and "01"
+    outside.mkdir()
+    planted = {
+        disk / "README": b"read me",
+        disk / "01" / "notes.txt": b"notes",
+        outside / f"{entry_key(linked).hex()}{SUFFIX}": b"not an entry",
+        outside / "target": b"a symlink's target",
+    }
+    for path, data in planted.items():
+        path.write_bytes(data)
+    (disk / "ab").symlink_to(outside, target_is_directory=True)
+    link = disk / "01" / f"{entry_key(link_named).hex()}{SUFFIX}"
+    link.symlink_to(outside / "target")
+
+    refused = refuse_start(tmp_path / "refused", disk)
+    assert refused.returncode == 2 and "--disk-dir-allow-foreign" in refused.stderr
+
+    second = serve("--disk-dir", str(disk), "--disk-dir-allow-foreign", name="second")
+    with ChunkStoreClient(second.unix) as client:
+        assert all(holds(client, i) for i in range(3))
+        for i in (linked, link_named):
+            assert client.put(entry_key(i), *content(i), virtual_start=0)
+        wait_for(lambda: spilled(client), timeout=30)
+        disk_stats = client.stats().disk
+        assert disk_stats.counts["errors_write"] == 2 and disk_stats.entries == 3
+        assert "not the tier's own" in disk_stats.last_error
+        assert holds(client, linked) and holds(client, link_named)  # from memory
+    assert second.stop() == 0
+    assert all(path.read_bytes() == data for path, data in planted.items())
+    assert (disk / "ab").is_symlink() and link.is_symlink()
+    assert sorted(p.name for p in outside.iterdir()) == sorted(
+        p.name for p in planted if p.parent == outside
+    )
+    warned = [line for line in second.log().splitlines() if "did not write" in line]
+    assert len(warned) == 1 and "left alone 4 files or folders" in warned[0]
+
+
+def refuse_start(workdir: Path, disk: Path) -> subprocess.CompletedProcess[str]:
+    """``chunkstore serve --disk-dir disk`` where it must refuse to start."""
+    workdir.mkdir()
+    command = serve_command(workdir, "--disk-dir", str(disk))
+    return subprocess.run(command, capture_output=True, text=True, timeout=60, env=serve_env())
+
+
+def test_a_directory_of_someone_elses_is_refused_and_left_as_it_was(tmp_path) -> None:
+    """--disk-dir given by mistake (a project's folder, whose docs/ a start used to empty):
+    exit 2 naming the flag that would allow it, and nothing in it touched or created."""
+    project = tmp_path / "project"
+    (project / "docs").mkdir(parents=True)
+    (project / "README").write_text("read me")
+    (project / "docs" / "guide.md").write_text("a guide")
+    run = refuse_start(tmp_path / "daemon", project)
+    assert run.returncode == 2 and "--disk-dir-allow-foreign" in run.stderr
+    assert "did not make (2 at its top level" in run.stderr
+    assert sorted(str(p.relative_to(project)) for p in project.rglob("*")) == [
+        "README",
+        "docs",
+        "docs/guide.md",
+    ]
+    assert (project / "docs" / "guide.md").read_text() == "a guide"
+
+
+def test_the_directories_a_daemon_makes_are_0700_and_its_files_0600(serve, tmp_path) -> None:
+    """The tier's KV is its user's alone, whatever the umask (the test's: 022 or so)."""
+    disk = tmp_path / "var" / "disk"
+    daemon = serve("--disk-dir", str(disk))
+    with ChunkStoreClient(daemon.unix) as client:
+        for i in range(3):
+            assert client.put(entry_key(i), *content(i), virtual_start=0)
+        wait_for(lambda: spilled(client), timeout=30)
+    made = [tmp_path / "var", disk, *disk.glob("*/")]
+    assert len(made) == 5 and {stat.S_IMODE(p.stat().st_mode) for p in made} == {0o700}
+    files = [disk / MARKER, *disk.glob("*/*")]
+    assert len(files) == 4 and {stat.S_IMODE(p.stat().st_mode) for p in files} == {0o600}

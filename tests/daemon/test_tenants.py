@@ -17,7 +17,7 @@ import torch
 
 from chunkstore.client import ChunkStoreClient
 from chunkstore.daemon.directory import directory_key
-from chunkstore.daemon.tenants import hash_token, tenant_key
+from chunkstore.daemon.tenants import hash_token, namespace_secret, tenant_key
 from chunkstore.errors import Forbidden, PoolFull, Unauthenticated
 from chunkstore.processes.redis import RedisServer
 from chunkstore.protocol import chunkstore_pb2 as pb
@@ -242,7 +242,8 @@ def test_a_peer_pulls_for_a_tenant_it_knows_and_refuses_one_it_does_not(
             as_tenant(b, "bob") as bob_b,
         ):
             assert put(on_a, 1)
-            published = directory_key(tenant_key("alice", entry_key(1)))
+            secret = namespace_secret(PEER, "")  # what both nodes derive from the peer token
+            published = directory_key(tenant_key("alice", entry_key(1), secret))
             wait_for(lambda: directory.zscore(published, a.tcp) is not None)
             assert bob_b.lookup([entry_key(1)]) == [None]  # bob's miss pulls nothing of alice's
             assert on_b.lookup([entry_key(1)]) == [None]  # alice's miss queues the pull
@@ -262,7 +263,7 @@ def test_a_peer_pulls_for_a_tenant_it_knows_and_refuses_one_it_does_not(
         assert "unknown here" in refused.value.details()
         # Naming the right tenant, it reads alice's entry as b holds it.
         request.tenant = "alice"
-        request.keys[:] = [tenant_key("alice", entry_key(1))]
+        request.keys[:] = [tenant_key("alice", entry_key(1), namespace_secret(PEER, ""))]
         [lease] = raw.Acquire(request, metadata=bearer).leases
         assert lease.lease_id and lease.nbytes == TOKENS * 3072
         # And under another tenant's name, the same key is nothing.
