@@ -167,6 +167,15 @@ class DiskStats:
     seconds: dict[str, float] = field(default_factory=dict)  # spent writing, reading
 
 
+def check_keys(keys: Sequence[bytes]) -> None:
+    """A call's keys: at most MAX_BATCH, each KEY_BYTES long (InvalidRequest otherwise)."""
+    if len(keys) > MAX_BATCH:
+        raise InvalidRequest(f"{len(keys)} keys in one call; at most {MAX_BATCH}")
+    for key in keys:
+        if len(key) != KEY_BYTES:
+            raise InvalidRequest(f"a key is {KEY_BYTES} bytes, got {len(key)}")
+
+
 class Index:
     def __init__(
         self,
@@ -321,7 +330,7 @@ class Index:
         """What each key finds in ``tenant``'s namespace: its entry in memory, else in the
         disk tier, else None. An entry of another namespace under the same key is None: a
         key names an entry only where it was stored (as ``acquire``)."""
-        self._check_keys(keys)
+        check_keys(keys)
         with self.lock:
             found: list[Entry | DiskEntry | None] = [self._entries.get(k) for k in keys]
         if self.disk is not None:
@@ -358,7 +367,7 @@ class Index:
         """A lease on each key's entry of ``tenant``, None where it has none. A key only the
         disk tier holds is read back into the pool first (``_acquire_from_disk``), as
         ``tenant``'s."""
-        self._check_keys(keys)
+        check_keys(keys)
         with self.lock:
             self._refuse_if_draining()
             self._session(session_id)
@@ -467,7 +476,7 @@ class Index:
         """Blocks for a new entry of ``tenant``'s, evicting for room: first its own least
         recently used entries while it would pass its quota, then the pool's oldest, save
         what other tenants' reserved shares keep."""
-        self._check_keys([key])
+        check_keys([key])
         layout.validate()
         if nbytes != layout.nbytes:
             raise InvalidRequest(f"{nbytes} bytes do not match the layout's {layout.nbytes}")
@@ -613,7 +622,7 @@ class Index:
     def evict(self, keys: Sequence[bytes], reason: str = "admin") -> tuple[int, int]:
         """Evict these entries, from both tiers; leased, pinned or spilling ones stay.
         Returns (evicted, busy)."""
-        self._check_keys(keys)
+        check_keys(keys)
         with self.lock:
             evicted = busy = 0
             for key in keys:
@@ -642,7 +651,7 @@ class Index:
             return evicted, len(self._entries)
 
     def set_pinned(self, keys: Sequence[bytes], pinned: bool) -> int:
-        self._check_keys(keys)
+        check_keys(keys)
         with self.lock:
             missing = [k.hex() for k in keys if k not in self._entries]
             if missing:  # all or nothing
@@ -663,7 +672,7 @@ class Index:
         hashed once and outside the lock (a call naming one large entry 4,096 times held
         every other caller for seconds); a failing entry is evicted only if it is still the
         entry that was hashed."""
-        self._check_keys(keys)
+        check_keys(keys)
         corrupt = []
         for key in dict.fromkeys(keys):
             with self.lock:
@@ -879,20 +888,12 @@ class Index:
 
     def _new_id(self) -> int:
         """A lease or reservation id nobody holds: random, so one tenant's ids tell nothing
-        of how many others take (a counter did). Dropped from the set by ``_forget_id``."""
+        of how many others take (a counter did). Dropped from the set when its holder ends."""
         while True:
             candidate = secrets.randbits(62) + 1
             if candidate not in self._ids_used and candidate not in self._finished:
                 self._ids_used.add(candidate)
                 return candidate
-
-    @staticmethod
-    def _check_keys(keys: Sequence[bytes]) -> None:
-        if len(keys) > MAX_BATCH:
-            raise InvalidRequest(f"{len(keys)} keys in one call; at most {MAX_BATCH}")
-        for key in keys:
-            if len(key) != KEY_BYTES:
-                raise InvalidRequest(f"a key is {KEY_BYTES} bytes, got {len(key)}")
 
     def _session(self, session_id: str) -> Session:
         session = self._sessions.get(session_id)

@@ -27,7 +27,7 @@ from chunkstore import __version__
 from chunkstore.daemon.config import ServeConfig
 from chunkstore.daemon.disk import DiskTier
 from chunkstore.daemon.fastpath import FastPath
-from chunkstore.daemon.index import Budget, Entry, Index
+from chunkstore.daemon.index import Budget, Entry, Index, check_keys
 from chunkstore.daemon.metrics import Metrics
 from chunkstore.daemon.peers import EnginePeers, PeerSource, PeerTLS, StreamPeers
 from chunkstore.daemon.pool import Pool, reclaim_stale_pools
@@ -57,12 +57,11 @@ from chunkstore.errors import (
     Unavailable,
 )
 from chunkstore.kv.entry import check_entry_kind
-from chunkstore.kv.keys import KEY_BYTES
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol import chunkstore_pb2_grpc as pb_grpc
 from chunkstore.protocol.fast import fast_socket_path
 from chunkstore.protocol.shm import block_runs
-from chunkstore.protocol.wire import MAX_BATCH, MAX_MESSAGE, layout_from_proto, layout_to_proto
+from chunkstore.protocol.wire import MAX_MESSAGE, layout_from_proto, layout_to_proto
 
 if TYPE_CHECKING:
     from chunkstore.daemon.directory import Directory
@@ -115,11 +114,7 @@ def _keys(keys: Sequence[bytes]) -> list[bytes]:
     """A call's keys, checked before anything is done with them (a tenant's are hashed into
     its namespace: 1M keys cost a second of daemon CPU before the index refused them, and a
     malformed key found after the good ones were leased left those leases behind)."""
-    if len(keys) > MAX_BATCH:
-        raise InvalidRequest(f"{len(keys)} keys in one call; at most {MAX_BATCH}")
-    for key in keys:
-        if len(key) != KEY_BYTES:
-            raise InvalidRequest(f"a key is {KEY_BYTES} bytes, got {len(key)}")
+    check_keys(keys)
     return list(keys)
 
 
@@ -152,7 +147,6 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
         self.on_miss: Callable[[list[bytes], str], None] | None = None
         self.tenants: Tenants | None = None  # --tenants: who each token is
         self.token_check: _TokenCheck | None = None  # resolves a token to its caller
-        self.peer_bearer = f"Bearer {config.peer_token}" if config.peer_token else None
         self.transfer: Endpoint | None = None  # where peers read the pool with an engine
         self.fast_socket = ""  # the fast path's socket (protocol/fast.py)
         self._transfers = threading.BoundedSemaphore(config.max_transfers)
