@@ -11,12 +11,20 @@ from chunkstore.kv.keys import Isolation
 
 from .selection import RECOMPUTE_BY
 
-# On Qwen2.5-Coder with 8 documents, the two BM25 ranks highest (the one-fact and the
-# two-fact questions): docs/benchmarks.md, "Answer quality".
-DEFAULT_RELEVANT_LAST = 2
-# ... recomputed where they stand instead when they hold at most this many tokens together:
-# on ~40-token documents that answers more than moving them, on ~500-token ones less.
-DEFAULT_RELEVANT_RECOMPUTE_TOKENS = 256
+# On Qwen2.5-Coder with 8 documents: at most the three BM25 ranks highest, those scoring at
+# least half the best (the one-fact and two-fact questions; over 120 cases of each length
+# from ~50 to ~500 tokens they hold every answer document more often than a fixed two, and
+# are fewer): docs/benchmarks.md, "Answer quality".
+DEFAULT_RELEVANT_LAST = 3
+DEFAULT_RELEVANT_MIN_SCORE = 0.5
+# ... recomputed where they stand instead when each holds at most this many tokens (within
+# selection.recompute_budget): on documents of ~40-200 tokens that answers more than
+# moving them, on ~500-token ones less.
+DEFAULT_RELEVANT_RECOMPUTE_TOKENS = 384
+# ... and, when they are, the first tokens of every other chunk with them (EPIC's choice:
+# where isolation leaves each chunk an attention sink): on ~200-token documents that and
+# the relevant chunks answer 16 of 24 where the relevant chunks alone answer 13.
+DEFAULT_RELEVANT_FIRST_TOKENS = 16
 # LMCache's chunk size: a prefix entry per 256 tokens.
 DEFAULT_PREFIX_BLOCK_TOKENS = 256
 
@@ -46,12 +54,16 @@ class ConnectorConfig:
     recompute_tokens: int = 0  # each chunk's first N tokens recomputed seeing all before them
     question_temperature: float = 1.0  # APE: question's scores against chunk keys / this
     question_scale: float = 1.0  # APE: the chunks' share of its attention times this
-    # The N chunks most relevant to the question attended last (0 where chunks or tokens
-    # are recomputed, or without in-band isolation, unless set).
+    # At most N chunks most relevant to the question attended last (0 where chunks or
+    # tokens are recomputed, or without in-band isolation, unless set) ...
     relevant_last: int = DEFAULT_RELEVANT_LAST
-    # ... recomputed where they stand instead when together they hold at most this many
-    # tokens (0: always attended last).
+    # ... of those BM25 scores at least this share of the best (0: always N) ...
+    relevant_min_score: float = DEFAULT_RELEVANT_MIN_SCORE
+    # ... recomputed where they stand instead when each holds at most this many tokens
+    # (0: always attended last).
     relevant_recompute_tokens: int = DEFAULT_RELEVANT_RECOMPUTE_TOKENS
+    # ... and then the first N tokens of every other chunk too (0: not).
+    relevant_first_tokens: int = DEFAULT_RELEVANT_FIRST_TOKENS
     # Plain prompts (no separator) share their exact prefix KV through the store in blocks
     # of this many tokens (rounded up to a multiple of vLLM's block size; 0: off).
     prefix_block_tokens: int = DEFAULT_PREFIX_BLOCK_TOKENS
@@ -83,13 +95,14 @@ class ConnectorConfig:
             config.recompute_max_tokens,
             config.relevant_last,
             config.relevant_recompute_tokens,
+            config.relevant_first_tokens,
             config.prefix_block_tokens,
         )
         if min(counts) < 0:
             raise ValueError(
                 "virtual_gap, recompute_chunks, recompute_tokens, recompute_max_tokens, "
-                "relevant_last, relevant_recompute_tokens and prefix_block_tokens are "
-                "counts >= 0"
+                "relevant_last, relevant_recompute_tokens, relevant_first_tokens and "
+                "prefix_block_tokens are counts >= 0"
             )
         if config.relevant_last and (config.recompute_chunks or config.recompute_tokens):
             raise ValueError(
@@ -103,6 +116,11 @@ class ConnectorConfig:
         if config.load_threads < 1:
             raise ValueError(f"load_threads must be >= 1, not {config.load_threads}")
         load_cpus(config.load_cpus)  # raises on a bad list
+        if not 0 <= config.relevant_min_score <= 1:
+            raise ValueError(
+                f"relevant_min_score is a share of the best score, 0 to 1: "
+                f"{config.relevant_min_score}"
+            )
         if config.question_temperature <= 0 or config.question_scale <= 0:
             raise ValueError("question_temperature and question_scale must be > 0")
         if config.quality_recovery and not config.inband_isolation:

@@ -61,6 +61,7 @@ class Tracked:
     saving: set[int] = field(default_factory=set)  # cacheable segments whose save is planned
     recomputed: frozenset[int] = frozenset()  # segment indices of chunks recomputed whole
     shifts: tuple[tuple[int, int, int], ...] = ()  # chunks attended elsewhere: start, end, by
+    first_tokens: int = 0  # the first N tokens of every other chunk recomputed too
     request: Any = None  # vLLM's request (plain prompts: its generated blocks are stored)
     salt: str = ""  # vLLM's cache_salt (plain prompts: part of every prefix key)
     # kv_consumer: the part block after the whole ones up to the token before the last,
@@ -192,9 +193,18 @@ class SchedulerSide:
                 self.stats.add("short_segments", short)
                 recomputed = self._select(request, segments)
                 shifts: tuple[tuple[int, int, int], ...] = ()
+                first = 0
                 if not recomputed:  # chunks recomputed as asked stay where they stand
                     recomputed, shifts = self._relevant(request, segments)
-                tracked = Tracked(segments, cacheable, causal, recomputed=recomputed, shifts=shifts)
+                    first = self.config.relevant_first_tokens if recomputed else 0
+                tracked = Tracked(
+                    segments,
+                    cacheable,
+                    causal,
+                    recomputed=recomputed,
+                    shifts=shifts,
+                    first_tokens=first,
+                )
             else:
                 self.stats.add("unchunked_prompts")
                 if segments and self.prefix_tokens:
@@ -266,6 +276,7 @@ class SchedulerSide:
             config.relevant_last,
             self.recompute_up_to,
             first_is_causal=self._first_is_causal,
+            min_score=config.relevant_min_score,
         )
         try:
             recomputed, shifts, moved = choice(getattr(request, "kv_transfer_params", None))
@@ -284,7 +295,8 @@ class SchedulerSide:
         tracked = self._track(request)
         if tracked is None or not tracked.chunked:
             return
-        private = tracked.sys_end if self.config.recompute_tokens else tracked.first_changed
+        blends_all = self.config.recompute_tokens or tracked.first_tokens
+        private = tracked.sys_end if blends_all else tracked.first_changed
         if keep_roles_apart(request, tracked.causal_start, self.block_size, private):
             return
         if not self._warned_prefix_cache:
@@ -487,7 +499,8 @@ class SchedulerSide:
         moves = tracked.shifts if start <= tracked.causal_start < end else ()
         if not (computes_chunks or reweights or blends or moves):
             return None
-        recompute = tracked.blended_tokens(self.config.recompute_tokens) if blends else ()
+        per_chunk = max(self.config.recompute_tokens, tracked.first_tokens)
+        recompute = tracked.blended_tokens(per_chunk) if blends else ()
         return IsolatedStep(start, end, tracked.sys_end, chunks, recompute, moves)
 
     def update_connector_output(self, output: Any) -> None:

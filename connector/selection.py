@@ -41,6 +41,10 @@ from chunkstore.kv.segments import Segment, SegmentKind
 
 POSITION, RELEVANCE = "position", "relevance"
 RECOMPUTE_BY = (POSITION, RELEVANCE)
+# The relevant chunks recomputed hold at most this share of a prompt's chunk tokens (the
+# most relevant first), or RECOMPUTE_FLOOR tokens where that is more: a recompute costs
+# about its tokens' prefill, so the share bounds the TTFT given back (``recompute_budget``).
+RECOMPUTE_SHARE, RECOMPUTE_FLOOR = 0.4, 256
 # BM25's usual constants: term-frequency saturation and length normalization.
 K1, B = 1.2, 0.75
 
@@ -164,17 +168,27 @@ def select(
 
 
 def relevant_last(
-    question: Sequence[int], chunks: Sequence[Sequence[int]], count: int, params: Any = None
+    question: Sequence[int],
+    chunks: Sequence[Sequence[int]],
+    count: int,
+    params: Any = None,
+    min_score: float = 0.0,
 ) -> list[int]:
-    """The ``count`` chunks most relevant to the question, the most relevant last: by the
-    request's ``chunk_scores`` if it gives them, else by BM25. Raises BadTransferParams on
-    malformed kv_transfer_params (the caller falls back to BM25)."""
+    """At most ``count`` chunks most relevant to the question, the most relevant last: the
+    request's ``chunk_scores`` first (its ``count`` highest: a retriever's scores are ranks
+    here, whatever their scale), else BM25's, leaving out a chunk scoring under
+    ``min_score`` times the best (a clear ranking takes fewer chunks) and, where some chunk
+    matches the question, those matching nothing. Raises
+    BadTransferParams on malformed kv_transfer_params (the caller falls back to BM25)."""
     if count <= 0 or not chunks:
         return []
     _, scores = requested(params, len(chunks))
+    floor = -math.inf
     if scores is None:
         scores = bm25_scores(question, chunks)
-    return by_score(scores)[:count][::-1]
+        best = max(scores)
+        floor = min_score * best if min_score or not best else math.nextafter(0.0, 1.0)
+    return [i for i in by_score(scores)[:count] if scores[i] >= floor][::-1]
 
 
 def placement(lengths: Sequence[int], last: Sequence[int]) -> list[int]:
@@ -192,7 +206,7 @@ def placement(lengths: Sequence[int], last: Sequence[int]) -> list[int]:
 
 
 def placed(
-    segments: Sequence[Segment], count: int, params: Any = None
+    segments: Sequence[Segment], count: int, params: Any = None, min_score: float = 0.0
 ) -> tuple[list[int], dict[int, int]]:
     """``relevant_last`` for a segmented prompt: the segment indices of the chunks placed
     last (most relevant last), and segment index -> shift in positions of each chunk that
@@ -201,9 +215,15 @@ def placed(
         return [], {}
     chunks = [i for i, s in enumerate(segments) if s.kind is SegmentKind.CHUNK]
     bodies = [segments[i].token_ids for i in chunks]
-    last = relevant_last(segments[-1].token_ids, bodies, count, params)
+    last = relevant_last(segments[-1].token_ids, bodies, count, params, min_score)
     shifts = placement([len(b) for b in bodies], last)
     return [chunks[i] for i in last], {i: d for i, d in zip(chunks, shifts, strict=True) if d}
+
+
+def recompute_budget(chunk_tokens: int) -> int:
+    """How many tokens of relevant chunks a prompt with ``chunk_tokens`` chunk tokens
+    recomputes at most: RECOMPUTE_SHARE of them, or RECOMPUTE_FLOOR where that is more."""
+    return max(RECOMPUTE_FLOOR, int(RECOMPUTE_SHARE * chunk_tokens))
 
 
 def relevant(
@@ -212,14 +232,28 @@ def relevant(
     recompute_up_to: int,
     params: Any = None,
     first_is_causal: bool = False,
+    min_score: float = 0.0,
 ) -> tuple[list[int], dict[int, int], int]:
-    """What the defaults do with the ``count`` chunks most relevant to the question: recompute
-    them where they stand when together they hold at most ``recompute_up_to`` tokens, else
-    attend them last. Returns the segment indices recomputed (in prompt order; without the
-    first chunk when ``first_is_causal``), ``placed``'s shifts, and how many of the chosen
-    chunks moved. Raises BadTransferParams as ``placed``."""
-    last, shifts = placed(segments, count, params)
-    if last and sum(len(segments[i]) for i in last) <= recompute_up_to:
-        first = next(i for i, s in enumerate(segments) if s.kind is SegmentKind.CHUNK)
-        return sorted(i for i in last if not (first_is_causal and i == first)), {}, 0
+    """What the defaults do with the (at most ``count``) chunks most relevant to the
+    question: when each holds at most ``recompute_up_to`` tokens, recompute them where they
+    stand, the most relevant first while they fit in ``recompute_budget``; else (or where
+    not even the first fits) attend them last. Returns the segment indices recomputed (in
+    prompt order; without the first chunk when ``first_is_causal``: its isolated KV is
+    causal already, and free), ``placed``'s shifts, and how many of the chosen chunks
+    moved. Raises BadTransferParams as ``placed``."""
+    last, shifts = placed(segments, count, params, min_score)
+    chunks = [i for i, s in enumerate(segments) if s.kind is SegmentKind.CHUNK]
+    if last and max(len(segments[i]) for i in last) <= recompute_up_to:
+        budget = recompute_budget(sum(len(segments[i]) for i in chunks))
+        recomputed: list[int] = []
+        tokens = 0
+        for i in reversed(last):  # the most relevant first
+            free = first_is_causal and i == chunks[0]
+            if not free and tokens + len(segments[i]) > budget:
+                break
+            tokens += 0 if free else len(segments[i])
+            recomputed.append(i)
+        kept = sorted(i for i in recomputed if not (first_is_causal and i == chunks[0]))
+        if kept or recomputed:
+            return kept, {}, 0
     return [], shifts, sum(1 for i in last if i in shifts)

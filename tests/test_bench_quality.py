@@ -148,12 +148,14 @@ def test_bench_quality_json_on_the_tiny_model() -> None:
             "2",
             "--methods",
             "full,isolated,request=1,scores=oracle",
-            "--chunks",
+            "--docs",
             "2",
-            "--chunk-tokens",
-            "64",
+            "--doc-tokens",
+            "40",
+            "--split",
+            "heldout",
             "--repeats",
-            "1",
+            "2",
         ],
         capture_output=True,
         text=True,
@@ -168,20 +170,23 @@ def test_bench_quality_json_on_the_tiny_model() -> None:
         low, high = row["ci95"]
         assert low <= row["accuracy"] <= high
         assert row["ttft_s"] > 0 and row["ttft_vs_full"] > 0
-    # TTFT prompt: full prefill loads nothing; isolated loads sys and both chunks; recomputing
-    # a chunk loads it all the same, and recomputes one of the two chunks' tokens.
+    # TTFT prompts (two cases asked again, their two ~40-token documents reversed): full
+    # prefill loads nothing; isolated loads sys and both documents; recomputing a chunk
+    # loads it all the same, and recomputes one document of the two where the answer's is
+    # not first (the first follows sys: causal already).
     assert rows["full"]["loaded_tokens"] == 0
-    assert rows["isolated"]["loaded_tokens"] >= 2 * 64
+    assert rows["isolated"]["loaded_tokens"] >= 2 * 30
     assert rows["request=1"]["loaded_tokens"] == rows["isolated"]["loaded_tokens"]
-    assert 0.4 < rows["request=1"]["recomputed_share"]["ttft"] < 0.6
+    assert 0 < rows["request=1"]["recomputed_share"]["ttft"] < 0.6
     # The oracle ranking recomputes the answer's documents, when it may recompute enough.
     assert rows["request=1"]["answer_chunks_recomputed"] == round(2 / 3, 3)  # "two" needs 2
-    # The defaults take the two chunks the oracle's scores rank first, every answer's
-    # documents, and recompute them where they stand (short: 2 x ~40 tokens; the TTFT
-    # prompt's first chunk is causal already); isolated recomputes none.
+    # The defaults take the chunks the oracle's scores rank first, every answer's document,
+    # and recompute them where they stand (short); isolated recomputes none.
     assert rows["scores=oracle"]["answer_chunks_recomputed"] == 1.0
     assert "answer_chunks_last" not in rows["scores=oracle"]
     assert 0.4 < rows["scores=oracle"]["recomputed_share"]["ttft"] < 0.6
+    for row in rows.values():
+        assert row["split"] == "heldout" and 25 < row["doc_tokens"] < 60
     assert "answer_chunks_recomputed" not in rows["isolated"]
 
 
@@ -190,14 +195,18 @@ def test_the_bench_reads_which_chunks_a_method_recomputes_or_moves_as_the_connec
     # sys, four chunks of 3, 4, 5 and 3 tokens, a question about token 42.
     prompt = [1, *sep, 7, 1, 1, *sep, 7, 42, 42, 42, *sep, 7, 2, 2, 2, 2, *sep, 7, 42, 5, *sep, 42]
     ranking = [3, 2, 1, 0]
-    assert treatment({}, prompt, sep, ranking) == ([1, 3], [])  # short: recomputed
-    moved = {"relevant_recompute_tokens": 6}  # 7 tokens over the budget: attended last
-    assert treatment(moved, prompt, sep, ranking) == ([], [3, 1])
-    assert treatment({**moved, "scores": "oracle"}, prompt, sep, ranking) == ([], [2, 3])
-    assert treatment({"recompute_chunks": 1}, prompt, sep, ranking) == ([1], [])
-    assert treatment({"request": 2}, prompt, sep, ranking) == ([2, 3], [])
+    # Short: recomputed, with every other chunk's first 16 tokens (here all of them).
+    assert treatment({}, prompt, sep, ranking) == ([1, 3], [], 16)
+    moved = {"relevant_recompute_tokens": 3}  # chunk 1 holds 4 tokens: both attended last
+    assert treatment(moved, prompt, sep, ranking) == ([], [3, 1], 0)
+    # The application's scores: its three highest (relevant_last), the best last.
+    assert treatment({**moved, "scores": "oracle"}, prompt, sep, ranking) == ([], [1, 2, 3], 0)
+    assert treatment({"recompute_chunks": 1}, prompt, sep, ranking) == ([1], [], 0)
+    assert treatment({"request": 2}, prompt, sep, ranking) == ([2, 3], [], 0)
+    no_first = {"relevant_first_tokens": 0}
+    assert treatment(no_first, prompt, sep, ranking) == ([1, 3], [], 0)
     isolated = {"recompute_chunks": 0, "relevant_last": 0}
-    assert treatment(isolated, prompt, sep, ranking) == ([], [])
+    assert treatment(isolated, prompt, sep, ranking) == ([], [], 0)
 
 
 def test_bench_quality_refuses_a_bad_method_before_running_anything() -> None:

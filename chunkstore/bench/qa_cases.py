@@ -96,6 +96,55 @@ FILLER = [
     "Most visitors came by train and left before dark.",
     "The committee met twice but decided nothing new.",
 ]
+# The held-out split (``generate(split=HELDOUT)``): other people, other filler sentences and
+# other seeds, so that a setting tuned on the default split is checked on cases it never saw.
+TUNE, HELDOUT = "tune", "heldout"
+SPLITS = (TUNE, HELDOUT)
+HELDOUT_SEED = 1_000_003  # added to the seed: the two splits never draw alike
+HELDOUT_FIRST = [
+    "Aino",
+    "Bartek",
+    "Cosmin",
+    "Dagny",
+    "Eero",
+    "Fenna",
+    "Gustav",
+    "Hedda",
+    "Iker",
+    "Jolan",
+    "Kaito",
+    "Liesel",
+    "Matteo",
+    "Noor",
+    "Orla",
+    "Piet",
+    "Ragna",
+    "Saoirse",
+    "Teodor",
+    "Ulla",
+]
+HELDOUT_LAST = [
+    "Andersen",
+    "Brandt",
+    "Dumont",
+    "Eriksen",
+    "Ferreira",
+    "Horvat",
+    "Jansen",
+    "Kovacs",
+    "Lindqvist",
+    "Marino",
+]
+HELDOUT_FILLER = [
+    "The printer on the third floor jammed again before lunch.",
+    "A delivery of chairs was left in the hallway overnight.",
+    "The quarterly newsletter went out a day late.",
+    "Someone had watered the plants by the window twice.",
+    "The heating came on earlier than usual this autumn.",
+    "Two new desks were ordered for the reading room.",
+    "The shared calendar listed a meeting that nobody attended.",
+    "Coffee ran out halfway through the long afternoon.",
+]
 PROSE_DIR = Path("/usr/share/common-licenses")
 PROSE_PACKAGE = "base-files"
 # The prose-rich texts (Debian Policy 12.5 keeps them all in base-files), in a fixed order so
@@ -140,8 +189,9 @@ class Case:
         return all(answer.lower() in text for answer in self.answers)
 
 
-def _facts(rng: random.Random, count: int) -> list[Fact]:
-    people = [f"{f} {la}" for f in FIRST for la in LAST]
+def _facts(rng: random.Random, count: int, split: str = TUNE) -> list[Fact]:
+    first, last = (HELDOUT_FIRST, HELDOUT_LAST) if split == HELDOUT else (FIRST, LAST)
+    people = [f"{f} {la}" for f in first for la in last]
     objects = [f"the {c} {t}" for c in COLORS for t in THINGS]
     rng.shuffle(people)
     rng.shuffle(objects)
@@ -170,9 +220,9 @@ def _facts(rng: random.Random, count: int) -> list[Fact]:
     return facts
 
 
-def _document(rng: random.Random, facts: list[Fact], filler: int) -> str:
-    few = filler <= len(FILLER)  # distinct sentences while there are enough
-    padding = rng.sample(FILLER, filler) if few else rng.choices(FILLER, k=filler)
+def _document(rng: random.Random, facts: list[Fact], filler: int, sentences: list[str]) -> str:
+    few = filler <= len(sentences)  # distinct sentences while there are enough
+    padding = rng.sample(sentences, filler) if few else rng.choices(sentences, k=filler)
     sentences = [f.sentence for f in facts] + padding
     rng.shuffle(sentences)
     return " ".join(sentences)
@@ -188,7 +238,7 @@ _PRICE_LIKE = re.compile(r"\b(1[1-9]|[2-9]\d)\b")  # a number that could answer 
 # Whatever a question asks about or a fact says: prose naming it would confuse a case.
 _FACT_WORDS = re.compile(
     r"\b("
-    + "|".join([*CITIES, *JOBS, *FIRST, *LAST, *COLORS, *THINGS])
+    + "|".join([*CITIES, *JOBS, *FIRST, *LAST, *HELDOUT_FIRST, *HELDOUT_LAST, *COLORS, *THINGS])
     + r"|city|job|lives in|works as|costs?|dollars?)\b",
     re.IGNORECASE,
 )
@@ -248,6 +298,18 @@ def _prose_document(
     return "".join(s + ("\n" if ends else " ") for s, ends in window).strip()
 
 
+# Tokens a document takes (Qwen2.5's tokenizer, the means of 960 documents): its two facts
+# and the separator, and each filler sentence (prose, templated).
+FACT_TOKENS, PROSE_SENTENCE_TOKENS, TEMPLATED_SENTENCE_TOKENS = 20, 29.5, 10.0
+
+
+def filler_for(doc_tokens: int, prose: bool) -> int:
+    """The filler sentences that make documents of about ``doc_tokens`` tokens (at least 1):
+    with prose 1 -> ~49 tokens, 3 -> ~106, 6 -> ~194, 9 -> ~283, 16 -> ~493."""
+    per = PROSE_SENTENCE_TOKENS if prose else TEMPLATED_SENTENCE_TOKENS
+    return max(1, round((doc_tokens - FACT_TOKENS) / per))
+
+
 def generate(
     cases: int,
     seed: int = 0,
@@ -255,15 +317,20 @@ def generate(
     docs_per_case: int = 5,
     filler: int = 2,
     prose: bool = False,
+    split: str = TUNE,
 ) -> list[Case]:
     """``cases`` cases over a pool of ``pool_docs`` documents (two facts and ``filler``
     sentences that answer nothing each: templated ones, or real prose with ``prose``).
-    A document of ~500 tokens takes ``filler=48`` templated sentences, or 16 of prose.
+    A document of ~500 tokens takes ``filler=48`` templated sentences, or 16 of prose
+    (``filler_for``). ``split``: TUNE, or HELDOUT for other people, templated sentences and
+    seeds (prose from the same texts, at the windows another seed draws).
 
     Raises ``FileNotFoundError`` naming the file and its package where ``prose`` is asked
-    for and the prose is not on this machine."""
-    rng = random.Random(seed)
-    facts = _facts(rng, 2 * pool_docs)
+    for and the prose is not on this machine, ValueError on an unknown split."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, not {split!r}")
+    rng = random.Random(seed + (HELDOUT_SEED if split == HELDOUT else 0))
+    facts = _facts(rng, 2 * pool_docs, split)
     by_doc = [facts[2 * i : 2 * i + 2] for i in range(pool_docs)]
     if prose:
         sentences = _prose(PROSE_DIR)
@@ -278,7 +345,8 @@ def generate(
             for doc_facts, start in zip(by_doc, starts, strict=True)
         ]
     else:
-        texts = [_document(rng, doc_facts, filler) for doc_facts in by_doc]
+        templated = HELDOUT_FILLER if split == HELDOUT else FILLER
+        texts = [_document(rng, doc_facts, filler, templated) for doc_facts in by_doc]
     out: list[Case] = []
     kinds = ("one", "two", "distracted")
     while len(out) < cases:

@@ -18,21 +18,27 @@ Each method runs in its own vLLM process; methods whose chunks have the same key
 ``virtual_gap``) share one daemon, so the first of them computes and stores the documents
 and later ones load them (the methods act the same on loaded and computed chunks: cold ==
 warm, tests/connector/test_isolation.py). Accuracy comes with its 95% Wilson interval;
+``per_case`` says which cases it answered (1) in case order, for paired comparisons;
 ``gap_closed`` is the share of the accuracy lost by ``isolated`` that the method wins back;
 ``recomputed_share`` the share of chunk tokens it recomputes; ``answer_chunks_recomputed``
 the share of cases in which every document holding the answer was among the chunks chosen
 to be recomputed whole; ``answer_chunks_last`` (``relevant_last``) the share in which every
 one of them was among the chunks attended last.
 
-TTFT is measured in the same process on the ``bench e2e`` prompt shape (sys + 8 x 512-token
-chunks + a question, every chunk ingested first), the median of ``--repeats`` reordered
-prompts; ``ttft_vs_full`` is the full-prefill TTFT over the method's (higher is faster).
+TTFT is measured in the same process on the cases' own shape: the first ``--repeats`` cases
+asked again after every case ran, their documents in reverse order (as a retriever returns
+known documents in a new order: every one stored, none a prefix hit of vLLM's), the median;
+``ttft_vs_full`` is the full-prefill TTFT of the same prompts over the method's (higher is
+faster). ``--doc-tokens`` sweeps document lengths (the filler each length takes, measured
+in the model's tokenizer), ``--split heldout`` draws cases no setting was tuned on (other
+people, filler sentences and seeds).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import math
 import statistics
 import sys
@@ -41,7 +47,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from chunkstore.bench import e2e, qa_cases
+from chunkstore.bench import qa_cases
 from chunkstore.kv.segments import SegmentKind, build_chunked_prompt, split_prompt
 from chunkstore.models import model_dir
 from chunkstore.processes.daemon import start_daemon
@@ -84,7 +90,9 @@ KNOBS: dict[str, type] = {
     "question_temperature": float,
     "question_scale": float,
     "relevant_last": int,
+    "relevant_min_score": float,
     "relevant_recompute_tokens": int,
+    "relevant_first_tokens": int,
     REQUEST: int,
     SCORES: str,
 }
@@ -127,6 +135,26 @@ def _methods(text: str) -> list[tuple[str, dict[str, Any] | None]]:
     return methods
 
 
+def _lengths(text: str) -> list[int]:
+    try:
+        lengths = [int(part) for part in text.split(",")]
+    except ValueError:
+        lengths = []
+    if not lengths or min(lengths) < 1:
+        raise argparse.ArgumentTypeError(f"--doc-tokens wants lengths like 50,200: {text!r}")
+    return lengths
+
+
+def _splits(text: str) -> list[str]:
+    splits = text.split(",")
+    wrong = [s for s in splits if s not in qa_cases.SPLITS]
+    if wrong:
+        raise argparse.ArgumentTypeError(
+            f"unknown split {wrong}: use {' or '.join(qa_cases.SPLITS)}, comma-separated"
+        )
+    return splits
+
+
 def connector_settings(settings: dict[str, Any]) -> dict[str, Any]:
     """A method's settings without the bench's own ``request`` and ``scores``."""
     return {k: v for k, v in settings.items() if k not in (REQUEST, SCORES)}
@@ -140,17 +168,19 @@ def oracle_ranking(relevant: tuple[int, ...], chunks: int) -> list[int]:
 
 def treatment(
     settings: dict[str, Any], prompt: list[int], sep: list[int], ranking: list[int]
-) -> tuple[list[int], list[int]]:
-    """The chunks (indices among the prompt's chunks) a method recomputes whole, and those
-    it attends last, as the scheduler chooses them: the request's or ``recompute_chunks``'
-    choice first, else ``relevant_last``'s (recomputed where they stand when short). The
-    first chunk, recomputed with no ``virtual_gap``, is causal already (``recomputed_share``
-    leaves it out)."""
+) -> tuple[list[int], list[int], int]:
+    """The chunks (indices among the prompt's chunks) a method recomputes whole, those it
+    attends last, and how many first tokens of every other chunk it recomputes, as the
+    scheduler chooses them: the request's or ``recompute_chunks``' choice first, else
+    ``relevant_last``'s (recomputed where they stand when short, with every other chunk's
+    first ``relevant_first_tokens``). The first chunk, recomputed with no ``virtual_gap``,
+    is causal already (``recomputed_share`` leaves it out)."""
     segments = split_prompt(prompt, sep)
+    per_chunk = int(settings.get("recompute_tokens", 0))
     if settings.get(REQUEST):
-        return sorted(ranking[: settings[REQUEST]]), []
+        return sorted(ranking[: settings[REQUEST]]), [], per_chunk
     if segments[-1].kind is not SegmentKind.QUESTION:
-        return [], []
+        return [], [], per_chunk
     chunk_of = {
         s: c
         for c, s in enumerate(i for i, seg in enumerate(segments) if seg.kind is SegmentKind.CHUNK)
@@ -167,14 +197,26 @@ def treatment(
         params,
     )
     if chosen:
-        return chosen, []
-    recomputed, shifts, _ = relevant(
-        segments, config.relevant_last, config.relevant_recompute_tokens, params
+        return chosen, [], per_chunk
+    choice = functools.partial(
+        relevant,
+        segments,
+        config.relevant_last,
+        config.relevant_recompute_tokens,
+        params,
+        min_score=config.relevant_min_score,
     )
+    recomputed = choice()[0]
     if recomputed:
-        return [chunk_of[i] for i in recomputed], []
-    last = relevant_last(segments[-1].token_ids, chunks, config.relevant_last, params)
-    return [], last
+        # The first chunk alone, causal already, recomputes nothing: no first tokens either.
+        causal = config.isolation == "sys" and not config.virtual_gap
+        if choice(first_is_causal=causal)[0]:
+            per_chunk = max(per_chunk, config.relevant_first_tokens)
+        return [chunk_of[i] for i in recomputed], [], per_chunk
+    last = relevant_last(
+        segments[-1].token_ids, chunks, config.relevant_last, params, config.relevant_min_score
+    )
+    return [], last, per_chunk
 
 
 def wilson(correct: int, total: int, z: float = 1.96) -> tuple[float, float]:
@@ -194,11 +236,11 @@ def recomputed_share(
     rankings: list[list[int]],
 ) -> float:
     """The share of the prompts' chunk tokens a method recomputes: the chunks it recomputes
-    whole, and ``recompute_tokens`` of each other chunk (its separator included)."""
-    per_chunk = settings.get("recompute_tokens", 0)
+    whole, and the first tokens of each other chunk it recomputes (its separator included)."""
     total = recomputed = 0
     for prompt, ranking in zip(prompts, rankings, strict=True):
-        whole = set(treatment(settings, prompt, sep, ranking)[0])
+        chosen, _, per_chunk = treatment(settings, prompt, sep, ranking)
+        whole = set(chosen)
         if not settings.get("virtual_gap"):
             whole.discard(0)  # causal already: the connector leaves it be
         chunks = [s for s in split_prompt(prompt, sep) if s.kind is SegmentKind.CHUNK]
@@ -209,19 +251,46 @@ def recomputed_share(
 
 
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    """Every method on the cases of each ``--doc-tokens`` length (or ``--filler``) and each
+    ``--split``: a row per method, length and split, in that order."""
     from transformers import AutoTokenizer
 
-    methods: list[tuple[str, dict[str, Any] | None]] = args.methods
     model = Path(args.model) if Path(args.model).is_dir() else model_dir(args.model)
     tok = AutoTokenizer.from_pretrained(model)
+    lengths = args.doc_tokens or [None]
+    for doc_tokens in lengths:
+        for split in args.split:
+            yield from _run_cases(args, model, tok, doc_tokens, split)
+
+
+def _run_cases(
+    args: argparse.Namespace, model: Path, tok: Any, doc_tokens: int | None, split: str
+) -> Iterator[dict[str, Any]]:
+    methods: list[tuple[str, dict[str, Any] | None]] = args.methods
 
     def encode(text: str) -> list[int]:
         return list(tok.encode(text, add_special_tokens=False))
 
     sep = encode(SEPARATOR)
-    cases = qa_cases.generate(
-        args.cases, seed=args.seed, docs_per_case=args.docs, filler=args.filler, prose=args.prose
-    )
+    filler = args.filler if doc_tokens is None else qa_cases.filler_for(doc_tokens, args.prose)
+    for _ in range(4):  # --doc-tokens: the filler that length takes in this tokenizer
+        cases = qa_cases.generate(
+            args.cases,
+            seed=args.seed,
+            docs_per_case=args.docs,
+            filler=filler,
+            prose=args.prose,
+            split=split,
+        )
+        mean_doc = statistics.mean(len(encode(d)) for c in cases for d in c.documents)
+        if doc_tokens is None:
+            break
+        per_sentence = max(1.0, (mean_doc - qa_cases.FACT_TOKENS) / filler)
+        better = max(1, round((doc_tokens - qa_cases.FACT_TOKENS) / per_sentence))
+        if better == filler:
+            break
+        filler = better
+    shape = f"documents of ~{mean_doc:.0f} tokens, {split} split"
     qa_ids = [
         list(
             build_chunked_prompt(
@@ -231,11 +300,24 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         for c in cases
     ]
     qa_rankings = [oracle_ranking(c.relevant, len(c.documents)) for c in cases]
-    ingest, measured = e2e.shape_prompts(encode, sep, args.chunks, args.chunk_tokens, args.repeats)
-    # The TTFT prompts' "retriever" ranks the middle chunks first: recomputing chunk i costs
-    # attention over the i chunks before it, so the middle is the average cost.
-    middle = sorted(range(args.chunks), key=lambda i: (abs(i - (args.chunks - 1) / 2), -i))
-    measured_rankings = [middle] * len(measured)
+    # TTFT: the first cases again, their documents reversed (stored by then, in a new order).
+    timed_cases = cases[: args.repeats]
+    measured = [
+        list(
+            build_chunked_prompt(
+                encode,
+                SYS_TEXT,
+                list(reversed(c.documents)),
+                QUESTION_TEXT.format(c.question),
+                sep,
+            ).token_ids
+        )
+        for c in timed_cases
+    ]
+    measured_rankings = [
+        [len(c.documents) - 1 - i for i in ranking]
+        for c, ranking in zip(timed_cases, qa_rankings, strict=False)
+    ]
     warmup = encode("Hello, how are you today?")
     longest = max(len(p) for p in [*measured, *qa_ids])
     max_len = max(4096, 1 << (longest + args.max_tokens + 64).bit_length())
@@ -260,7 +342,8 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
 
         for index, (spec, settings) in enumerate(methods):
             print(
-                f"bench quality: [{index + 1}/{len(methods)}] {spec}: {len(cases)} cases ...",
+                f"bench quality: [{index + 1}/{len(methods)}] {spec}: {len(cases)} cases, "
+                f"{shape} ...",
                 file=sys.stderr,
                 flush=True,
             )
@@ -283,7 +366,7 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                 address = daemon_for(settings).unix
                 rows = run_probe(
                     model,
-                    [warmup, *qa, *ingest, *timed_prompts],
+                    [warmup, *qa, *timed_prompts],
                     work,
                     {"address": address, "separator": SEPARATOR, **connector_settings(settings)},
                     max_model_len=max_len,
@@ -292,13 +375,15 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             answers = [str(tok.decode(r["generated"])) for r in rows[: len(qa)]]
             timed = rows[-len(measured) :]
             by_kind: dict[str, list[int]] = {}
-            for case, answer in zip(cases, answers, strict=True):
+            right = [case.correct(answer) for case, answer in zip(cases, answers, strict=True)]
+            for case, ok in zip(cases, right, strict=True):
                 by_kind.setdefault(case.kind, [0, 0])
-                by_kind[case.kind][0] += case.correct(answer)
+                by_kind[case.kind][0] += ok
                 by_kind[case.kind][1] += 1
-            correct = sum(k[0] for k in by_kind.values())
+            correct = sum(right)
             results[spec] = {
                 "correct": correct,
+                "per_case": "".join("1" if ok else "0" for ok in right),
                 "by_kind": {k: f"{v[0]}/{v[1]}" for k, v in by_kind.items()},
                 "ttft_s": statistics.median(r["seconds"] for r in timed),
                 "loaded_tokens": min(r["cached_tokens"] for r in timed),
@@ -318,10 +403,13 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             "method": spec,
             "settings": settings,
             "cases": len(cases),
+            "split": split,
+            "doc_tokens": round(mean_doc, 1),
             "correct": res["correct"],
             "accuracy": round(res["correct"] / len(cases), 4),
             "ci95": [round(low, 4), round(high, 4)],
             "by_kind": res["by_kind"],
+            "per_case": res["per_case"],
             "ttft_s": round(res["ttft_s"], 4),
             "loaded_tokens": res["loaded_tokens"],
         }
@@ -331,7 +419,7 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                 "ttft": round(recomputed_share(measured, sep, settings, measured_rankings), 3),
             }
             chosen = [
-                treatment(settings, p, sep, r) for p, r in zip(qa_ids, qa_rankings, strict=True)
+                treatment(settings, p, sep, r)[:2] for p, r in zip(qa_ids, qa_rankings, strict=True)
             ]
             for field, which in (("answer_chunks_recomputed", 0), ("answer_chunks_last", 1)):
                 if any(c[which] for c in chosen):
@@ -397,6 +485,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="sentences that answer nothing per document, beside its two facts (2: documents "
         "of ~38 tokens; 48: ~500, the TTFT prompt's chunk length; with --prose, 16: ~500)",
     )
+    parser.add_argument(
+        "--doc-tokens",
+        type=_lengths,
+        default=None,
+        help="comma-separated document lengths in tokens, e.g. 50,100,200,300,500: the cases "
+        "of each length are run in turn (the filler sentences each takes, --filler ignored; "
+        "with --prose, the lengths RAG retrieves)",
+    )
+    parser.add_argument(
+        "--split",
+        type=_splits,
+        default=[qa_cases.TUNE],
+        help="comma-separated: tune (the cases settings were chosen on) and/or heldout "
+        "(other people, filler sentences and seeds, never tuned on); default tune",
+    )
     parser.add_argument("--seed", type=int, default=0, help="the cases' seed (0)")
     parser.add_argument("--max-tokens", type=int, default=24, help="answer tokens (24)")
     parser.add_argument(
@@ -409,8 +512,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "oracle ranking's first N chunks; scores=oracle: they give that ranking as "
         "chunk_scores); default: the curve of each knob",
     )
-    parser.add_argument("--chunks", type=int, default=8, help="TTFT prompt: chunks (8)")
     parser.add_argument(
-        "--chunk-tokens", type=int, default=512, help="TTFT prompt: tokens per chunk (512)"
+        "--repeats",
+        type=int,
+        default=3,
+        help="TTFT: the first N cases asked again, their documents reversed (3)",
     )
-    parser.add_argument("--repeats", type=int, default=3, help="TTFT prompts per method (3)")

@@ -57,23 +57,27 @@ def default_treatment(
     isolation: Isolation,
     virtual_gap: int = 0,
     recompute: bool = True,
-) -> tuple[list[int], dict[int, int]]:
-    """What the connector's defaults do with a prompt's chunks (``relevant_last``: the two
-    BM25 ranks highest, recomputed where they stand when short and the workers can
+) -> tuple[list[int], dict[int, int], int]:
+    """What the connector's defaults do with a prompt's chunks (``relevant_last``: at most
+    three BM25 ranks highest, recomputed where they stand when short and the workers can
     (``recompute``: not under tensor parallelism), else attended last): the segment indices
-    recomputed and, segment index -> positions, how far each chunk moves, computed by the
-    connector's own selection for the HF reference of a served prompt."""
-    from chunkstore_vllm.config import DEFAULT_RELEVANT_LAST, DEFAULT_RELEVANT_RECOMPUTE_TOKENS
+    recomputed, segment index -> positions how far each chunk moves, and how many first
+    tokens of every other chunk are recomputed with them (``relevant_first_tokens``, where
+    chunks are), computed by the connector's own selection for the HF reference of a
+    served prompt."""
+    from chunkstore_vllm.config import ConnectorConfig
     from chunkstore_vllm.selection import relevant
 
     first_is_causal = isolation is Isolation.SYS and not virtual_gap
+    defaults = ConnectorConfig()
     recomputed, shifts, _ = relevant(
         segments,
-        DEFAULT_RELEVANT_LAST,
-        DEFAULT_RELEVANT_RECOMPUTE_TOKENS if recompute else 0,
+        defaults.relevant_last,
+        defaults.relevant_recompute_tokens if recompute else 0,
         first_is_causal=first_is_causal,
+        min_score=defaults.relevant_min_score,
     )
-    return recomputed, shifts
+    return recomputed, shifts, defaults.relevant_first_tokens if recomputed else 0
 
 
 def default_reference(
@@ -84,11 +88,13 @@ def default_reference(
     recompute: bool = True,
 ) -> Forward:
     """The HF reference of a prompt the connector serves with its defaults: the assembled
-    cache with the chunks ``default_treatment`` recomputes blended, or moved where it
-    moves them, the question on top."""
-    recomputed, shifts = default_treatment(segments, isolation, virtual_gap, recompute)
+    cache with the chunks ``default_treatment`` recomputes blended (and every other
+    chunk's first tokens), or moved where it moves them, the question on top."""
+    recomputed, shifts, first = default_treatment(segments, isolation, virtual_gap, recompute)
     if recomputed:
-        return ref.blended_cache(segments, isolation, 0, virtual_gap, recompute_chunks=recomputed)
+        return ref.blended_cache(
+            segments, isolation, first, virtual_gap, recompute_chunks=recomputed
+        )
     return ref.assembled_cache(segments, isolation, virtual_gap=virtual_gap, shifts=shifts)
 
 

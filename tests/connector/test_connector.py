@@ -30,7 +30,7 @@ from chunkstore.testing.scenario import (
     assert_logprobs_match,
     default_reference,
 )
-from chunkstore_vllm.config import DEFAULT_RELEVANT_LAST
+from chunkstore_vllm.config import ConnectorConfig
 from chunkstore_vllm.selection import placed
 
 
@@ -260,7 +260,8 @@ def test_isolation_none_matches_the_dense_mask_reference(
     served = results[-1]
     assert served["cached_tokens"] == rag.segments[-1].start
     ref = HFReference.load(model)
-    _, shifts = placed(rag.segments, DEFAULT_RELEVANT_LAST)
+    defaults = ConnectorConfig()
+    _, shifts = placed(rag.segments, defaults.relevant_last, min_score=defaults.relevant_min_score)
     assert shifts  # (else the dense mask would only check plain isolation)
     assembled = ref.assembled_cache(rag.segments, Isolation.NONE, shifts=shifts).logits[-1]
     assert_logprobs_match(served, assembled)

@@ -115,7 +115,7 @@ def test_chat_requests_from_the_openai_client_load_every_ingested_document(
         # chunk 2 is recomputed whole over the isolated ones before it, as the HF blend has
         # it; a malformed choice is counted and the connector's own (its defaults') is used.
         counters = server.counters()
-        own, _ = default_treatment(segments, Isolation.SYS)
+        own, _, _ = default_treatment(segments, Isolation.SYS)
         reply = ask(docs, loads=segments[-1].start, transfer={"recompute_chunks": [2]})
         blended = ref.blended_cache(segments, Isolation.SYS, 0, recompute_chunks=[3])
         assert_logprobs_match(first_token(reply.choices[0]), blended.logits[-1])

@@ -11,11 +11,14 @@ from chunkstore.kv.segments import Segment, SegmentKind
 from chunkstore.models import model_dir
 from chunkstore_vllm.config import ConnectorConfig
 from chunkstore_vllm.selection import (
+    RECOMPUTE_FLOOR,
+    RECOMPUTE_SHARE,
     BadTransferParams,
     bm25_scores,
     by_score,
     choose,
     placement,
+    recompute_budget,
     relevant,
     relevant_last,
     requested,
@@ -74,6 +77,14 @@ def test_the_most_relevant_chunks_go_last_the_most_relevant_nearest_the_question
     assert relevant_last([42], chunks, 1) == [1]
     assert relevant_last([42], chunks, 2) == [3, 1]  # the best one last
     assert relevant_last([42], chunks, 0) == []
+    # A clear ranking takes fewer: chunk 3 scores under 90% of chunk 1, and a chunk that
+    # matches nothing scores 0, under any share of the best.
+    second, best = sorted(bm25_scores([42], chunks))[-2:]
+    assert 0 < second / best < 0.9
+    assert relevant_last([42], chunks, 2, min_score=0.9) == [1]
+    assert relevant_last([42], chunks, 3, min_score=0.01) == [3, 1]
+    # An application's scores are ranks: its top N, whatever their scale.
+    assert relevant_last([42], chunks, 2, {"chunk_scores": [9, 0, 0.1, 1]}, 0.9) == [3, 0]
     # The request's scores rank instead of BM25; malformed ones are refused.
     assert relevant_last([42], chunks, 2, {"chunk_scores": [9, 0, 5, 1]}) == [2, 0]
     with pytest.raises(BadTransferParams):
@@ -92,17 +103,48 @@ def test_short_relevant_chunks_are_recomputed_where_they_stand_long_ones_go_last
         kind = SegmentKind.QUESTION if body == [42] else SegmentKind.CHUNK
         segments.append(Segment(kind, start, tuple(body)))
         start += len(body)
-    # Chunks 1 and 3 (segments 2 and 4) are the two most relevant: 7 tokens together.
-    assert relevant(segments, 2, 7) == ([2, 4], {}, 0)
-    # Over the budget they are attended last instead: segment 2 after segment 4.
-    assert relevant(segments, 2, 6) == ([], {2: 8, 3: -4, 4: -4}, 2)
-    assert relevant(segments, 2, 0)[1] == relevant(segments, 2, 6)[1]
+    # Chunks 1 and 3 (segments 2 and 4) are the two most relevant, of 4 and 3 tokens.
+    assert relevant(segments, 2, 4) == ([2, 4], {}, 0)
+    # One of them longer than the limit: both attended last, segment 2 after segment 4.
+    assert relevant(segments, 2, 3) == ([], {2: 8, 3: -4, 4: -4}, 2)
+    assert relevant(segments, 2, 0)[1] == relevant(segments, 2, 3)[1]
     # The first chunk follows sys: recomputing it would change nothing, so it is left out.
     assert relevant(segments[:3] + segments[-1:], 1, 10, first_is_causal=True)[0] == [2]
     first = [segments[0], segments[1], Segment(SegmentKind.QUESTION, 5, (1,))]
     assert relevant(first, 1, 10, first_is_causal=True) == ([], {}, 0)
     assert relevant(first, 1, 10) == ([1], {}, 0)
     assert relevant(segments, 0, 100) == ([], {}, 0)
+
+
+def test_the_relevant_chunks_recomputed_fit_a_budget_that_scales_with_the_prompt() -> None:
+    """At most RECOMPUTE_SHARE of the chunk tokens (RECOMPUTE_FLOOR on short prompts) are
+    recomputed, the most relevant first; where not even that one fits, they move."""
+    assert recompute_budget(100) == RECOMPUTE_FLOOR
+    assert recompute_budget(10_000) == int(RECOMPUTE_SHARE * 10_000)
+
+    def prompt(bodies: list[list[int]]) -> list[Segment]:
+        segments, start = [Segment(SegmentKind.SYS, 0, (9, 9))], 2
+        for body in [*bodies, [42, 43]]:
+            kind = SegmentKind.QUESTION if body == [42, 43] else SegmentKind.CHUNK
+            segments.append(Segment(kind, start, tuple(body)))
+            start += len(body)
+        return segments
+
+    # Eight chunks of 100 tokens (budget 320); three name 42 and 43, the best of them twice.
+    plain = [7] * 100
+    best, good = [42, 43, 42, 43, *[7] * 96], [42, 43, *[7] * 98]
+    segments = prompt([plain, good, plain, best, plain, good, plain, plain])
+    # Three chosen: 300 tokens fit.
+    assert relevant(segments, 3, 100) == ([2, 4, 6], {}, 0)
+    # Twelve chunks of 50 and one of 100, two of 50 relevant: 200 tokens, budget 256 ...
+    small, fact = [7] * 50, [42, 43, *[7] * 48]
+    segments = prompt([small] * 5 + [fact, small, fact] + [small] * 4 + [[7] * 100])
+    assert relevant(segments, 3, 100) == ([6, 8], {}, 0)
+    # ... and three of 120 with 400 other tokens (budget 304): the best two fit (of the
+    # two alike, the later).
+    long_fact = [42, 43, *[7] * 118]
+    segments = prompt([long_fact, [7] * 200, [42, 43, 42, 43, *[7] * 116], [7] * 200, long_fact])
+    assert relevant(segments, 3, 200) == ([3, 5], {}, 0)
 
 
 def test_settings_are_checked() -> None:
@@ -122,7 +164,10 @@ def test_settings_are_checked() -> None:
         ConnectorConfig.from_extra({"inband_isolation": False, "relevant_last": 1})
     with pytest.raises(ValueError, match="counts >= 0"):
         ConnectorConfig.from_extra({"relevant_recompute_tokens": -1})
-    assert (default.relevant_last, default.relevant_recompute_tokens) == (2, 256)
+    assert (default.relevant_last, default.relevant_recompute_tokens) == (3, 384)
+    assert default.relevant_min_score == 0.5
+    with pytest.raises(ValueError, match="relevant_min_score"):
+        ConnectorConfig.from_extra({"relevant_min_score": 1.5})
 
 
 def test_bm25_finds_the_document_that_answers_in_the_quality_bench() -> None:
