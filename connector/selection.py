@@ -21,13 +21,14 @@ The first chunk, chosen, is not recomputed when its isolated KV is its causal KV
 (``isolation: sys`` with no ``virtual_gap``: it sees sys and itself either way).
 
 ``relevant_last``: the question reads isolated chunks by recency, so the chunks most
-relevant to it (the request's ``chunk_scores``, else BM25) take the positions just before
-the question, the most relevant last, and the others move up in prompt order (``placement``).
-Isolated chunks do not see each other, so that is the same KV as the prompt with those
-documents put last; nothing is recomputed, only their keys re-rotated. Short chunks gain more
-from seeing the documents before them than from where they stand, and cost little to
-recompute: when the chosen chunks hold at most ``relevant_recompute_tokens`` together, they
-are recomputed where they stand instead (``relevant``).
+relevant to it (the request's ``chunk_scores``, else BM25, leaving out those scoring under
+``relevant_min_score`` of the best) take the positions just before the question, the most
+relevant last, and the others move up in prompt order (``placement``). Isolated chunks do
+not see each other, so that is the same KV as the prompt with those documents put last;
+nothing is recomputed, only their keys re-rotated. Short chunks gain more from seeing the
+documents before them than from where they stand, and cost little to recompute: when each
+chosen chunk holds at most ``relevant_recompute_tokens``, they are recomputed where they
+stand instead, the most relevant first within ``recompute_budget`` (``relevant``).
 """
 
 from __future__ import annotations

@@ -45,6 +45,38 @@ def test_filler_lengthens_documents_and_keeps_their_facts() -> None:
     assert words > 10 * sum(len(d.split()) for c in short for d in c.documents)
 
 
+@pytest.mark.parametrize("prose", [False, True], ids=["templated", "prose"])
+def test_the_held_out_split_shares_no_person_filler_or_document_with_the_tuning_one(
+    prose: bool,
+) -> None:
+    tune = generate(60, seed=0, filler=4, prose=prose)
+    held = generate(60, seed=0, filler=4, prose=prose, split=qa_cases.HELDOUT)
+    assert held == generate(60, seed=0, filler=4, prose=prose, split=qa_cases.HELDOUT)
+    assert tune == generate(60, seed=0, filler=4, prose=prose, split=qa_cases.TUNE)
+    tune_text = " ".join(d for c in tune for d in c.documents)
+    held_text = " ".join(d for c in held for d in c.documents)
+    assert not {d for c in tune for d in c.documents} & {d for c in held for d in c.documents}
+    for first in qa_cases.FIRST:
+        assert first not in held_text
+    for first in qa_cases.HELDOUT_FIRST:
+        assert first not in tune_text
+    if not prose:
+        assert all(f not in held_text for f in qa_cases.FILLER)
+        assert all(f not in tune_text for f in qa_cases.HELDOUT_FILLER)
+    for case in held:
+        for slot, answer in zip(case.relevant, case.answers, strict=True):
+            assert answer in case.documents[slot]
+    with pytest.raises(ValueError, match="split"):
+        generate(3, split="test")
+
+
+def test_filler_for_a_length() -> None:
+    # Qwen2.5's tokenizer, measured: prose 1 -> ~49 tokens, 6 -> ~194, 16 -> ~493.
+    assert [qa_cases.filler_for(n, prose=True) for n in (50, 200, 500)] == [1, 6, 16]
+    assert qa_cases.filler_for(40, prose=False) == 2
+    assert qa_cases.filler_for(1, prose=True) == 1  # at least one sentence
+
+
 def test_a_distracted_case_holds_a_look_alike_of_its_fact() -> None:
     for case in generate(30, seed=0):
         if case.kind != "distracted":
@@ -181,10 +213,11 @@ def test_bench_quality_json_on_the_tiny_model() -> None:
     # The oracle ranking recomputes the answer's documents, when it may recompute enough.
     assert rows["request=1"]["answer_chunks_recomputed"] == round(2 / 3, 3)  # "two" needs 2
     # The defaults take the chunks the oracle's scores rank first, every answer's document,
-    # and recompute them where they stand (short); isolated recomputes none.
+    # and recompute them where they stand (short), the first chunk's first 16 tokens with
+    # them; isolated recomputes none.
     assert rows["scores=oracle"]["answer_chunks_recomputed"] == 1.0
     assert "answer_chunks_last" not in rows["scores=oracle"]
-    assert 0.4 < rows["scores=oracle"]["recomputed_share"]["ttft"] < 0.6
+    assert 0.5 < rows["scores=oracle"]["recomputed_share"]["ttft"] < 0.8
     for row in rows.values():
         assert row["split"] == "heldout" and 25 < row["doc_tokens"] < 60
     assert "answer_chunks_recomputed" not in rows["isolated"]
@@ -207,6 +240,25 @@ def test_the_bench_reads_which_chunks_a_method_recomputes_or_moves_as_the_connec
     assert treatment(no_first, prompt, sep, ranking) == ([1, 3], [], 0)
     isolated = {"recompute_chunks": 0, "relevant_last": 0}
     assert treatment(isolated, prompt, sep, ranking) == ([], [], 0)
+
+
+@pytest.mark.parametrize(
+    "args, error",
+    [
+        (["--doc-tokens", "200,x"], "--doc-tokens wants lengths"),
+        (["--doc-tokens", "0"], "--doc-tokens wants lengths"),
+        (["--split", "tune,test"], "unknown split"),
+    ],
+)
+def test_bench_quality_refuses_bad_lengths_and_splits(args: list[str], error: str) -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "chunkstore.cli", "bench", "quality", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2 and error in run.stderr
+    assert "bench quality: [" not in run.stderr
 
 
 def test_bench_quality_refuses_a_bad_method_before_running_anything() -> None:

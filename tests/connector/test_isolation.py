@@ -26,6 +26,7 @@ from chunkstore.testing.scenario import (
     assert_same_answer,
     default_reference,
 )
+from chunkstore_vllm.config import ConnectorConfig
 
 MORE_DOCS = [
     "Rome is the capital of Italy. The river Tiber flows through it.",
@@ -205,7 +206,8 @@ def test_cold_equals_warm_under_chunked_prefill_and_tensor_parallelism(
 
 # The chunks (segment indices) each recomputing case recomputes: the last one (by
 # position), the one about Mount Everest the question asks about (``relevant_last: 1``,
-# by BM25: short, so recomputed where it stands), the second and third (named by the
+# by BM25: short, so recomputed where it stands, with every other chunk's first
+# ``relevant_first_tokens``), the second and third (named by the
 # request's kv_transfer_params). Not the first chunk: it follows sys, so its isolated KV
 # is its causal KV already.
 RECOMPUTED = {"recompute": [4], "relevant": [3], "requested": [2, 3]}
@@ -268,7 +270,11 @@ def test_quality_recovery_acts_the_same_on_loaded_and_computed_chunks(
         chosen = RECOMPUTED[case]
         if case == "relevant":  # the chunk BM25 ranks first is the one the question names
             assert "Everest" in Scenario(tiny_model_dir).tok.decode(segments[3].token_ids)
-        logits = ref.blended_cache(segments, Isolation.SYS, 0, recompute_chunks=chosen).logits[-1]
+        # The default's relevant chunk comes with every other chunk's first tokens.
+        first = ConnectorConfig().relevant_first_tokens if case == "relevant" else 0
+        logits = ref.blended_cache(segments, Isolation.SYS, first, recompute_chunks=chosen).logits[
+            -1
+        ]
         isolated = ref.assembled_cache(segments, Isolation.SYS).logits[-1]
         with pytest.raises(AssertionError):  # recomputing changed the answer's logprobs
             assert_logprobs_match(cold, isolated)
