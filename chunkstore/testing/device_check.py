@@ -304,7 +304,8 @@ def choose_device(asked: str) -> tuple[str, str]:
     return asked, "not used"
 
 
-def run(out: Path, asked: str, wheels: Path) -> int:
+def run(out: Path, asked: str, wheels: Path, only: list[str] | None = None) -> int:
+    """The check: every part, or the parts named in ``only``."""
     began = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
     missing = [
@@ -336,6 +337,8 @@ def run(out: Path, asked: str, wheels: Path) -> int:
     }
     with (out / LOG).open("w") as log:
         for part in parts(device):
+            if only and part.name not in only:
+                continue
             report["parts"][part.name] = run_part(part, env, log, scratch)
             report["ok"] = all(p["status"] == "passed" for p in report["parts"].values())
             report["wall_s"] = round(time.monotonic() - began, 1)
@@ -354,12 +357,22 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("out", type=Path, help="folder for device-check.json and .log")
     check.add_argument("--device", default="auto", choices=["auto", "cuda", "npu", "cpu"])
     check.add_argument("--wheels", type=Path, default=ROOT / ".device-wheels")
+    check.add_argument(
+        "--parts",
+        type=lambda text: text.split(","),
+        default=None,
+        help=f"comma-separated parts to run, of {', '.join(p.name for p in parts('cpu'))} "
+        "(default: all)",
+    )
     wheels = verbs.add_parser("wheels", help="download the wheelhouse (needs PyPI)")
     wheels.add_argument("directory", type=Path)
     args = parser.parse_args(argv)
     if args.verb == "wheels":
         return build_wheels(args.directory)
-    return run(args.out, args.device, args.wheels)
+    known = {p.name for p in parts("cpu")}
+    if args.parts and not set(args.parts) <= known:
+        parser.error(f"unknown parts {sorted(set(args.parts) - known)}: use {sorted(known)}")
+    return run(args.out, args.device, args.wheels, args.parts)
 
 
 if __name__ == "__main__":
