@@ -246,15 +246,17 @@ def relevant(
     chunks = [i for i, s in enumerate(segments) if s.kind is SegmentKind.CHUNK]
     if last and max(len(segments[i]) for i in last) <= recompute_up_to:
         budget = recompute_budget(sum(len(segments[i]) for i in chunks))
-        recomputed: list[int] = []
-        tokens = 0
+        kept: list[int] = []
+        tokens, fits = 0, False
         for i in reversed(last):  # the most relevant first
-            free = first_is_causal and i == chunks[0]
-            if not free and tokens + len(segments[i]) > budget:
+            if first_is_causal and i == chunks[0]:
+                fits = True  # causal already: nothing to recompute, and free
+                continue
+            if tokens + len(segments[i]) > budget:
                 break
-            tokens += 0 if free else len(segments[i])
-            recomputed.append(i)
-        kept = sorted(i for i in recomputed if not (first_is_causal and i == chunks[0]))
-        if kept or recomputed:
-            return kept, {}, 0
+            tokens += len(segments[i])
+            kept.append(i)
+            fits = True
+        if fits:
+            return sorted(kept), {}, 0
     return [], shifts, sum(1 for i in last if i in shifts)
