@@ -291,29 +291,16 @@ def _run_cases(
             break
         filler = better
     shape = f"documents of ~{mean_doc:.0f} tokens, {split} split"
-    qa_ids = [
-        list(
-            build_chunked_prompt(
-                encode, SYS_TEXT, list(c.documents), QUESTION_TEXT.format(c.question), sep
-            ).token_ids
-        )
-        for c in cases
-    ]
+
+    def prompt(documents: list[str], question: str) -> list[int]:
+        text = QUESTION_TEXT.format(question)
+        return list(build_chunked_prompt(encode, SYS_TEXT, documents, text, sep).token_ids)
+
+    qa_ids = [prompt(list(c.documents), c.question) for c in cases]
     qa_rankings = [oracle_ranking(c.relevant, len(c.documents)) for c in cases]
     # TTFT: the first cases again, their documents reversed (stored by then, in a new order).
     timed_cases = cases[: args.repeats]
-    measured = [
-        list(
-            build_chunked_prompt(
-                encode,
-                SYS_TEXT,
-                list(reversed(c.documents)),
-                QUESTION_TEXT.format(c.question),
-                sep,
-            ).token_ids
-        )
-        for c in timed_cases
-    ]
+    measured = [prompt(list(reversed(c.documents)), c.question) for c in timed_cases]
     measured_rankings = [
         [len(c.documents) - 1 - i for i in ranking]
         for c, ranking in zip(timed_cases, qa_rankings, strict=False)
