@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import faulthandler
 import functools
 import json
 import logging
@@ -975,7 +976,8 @@ class Daemon:
             self.directory.stop()
         if self.engine is not None:
             self.engine.close()
-        self.server.stop(grace=1.0).wait()
+        if not self.server.stop(grace=1.0).wait(timeout=10.0):
+            log.warning("the gRPC server did not stop within 10 s of its 1 s grace; going on")
         self.metrics.close()
         # A device pool waits (as long as the drain) for the processes that imported it.
         self.pool.close(
@@ -986,8 +988,16 @@ class Daemon:
         return left
 
 
+def _stuck_stopping() -> None:
+    log.error("stopping is taking too long; every thread's stack follows")
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    faulthandler.dump_traceback(all_threads=True)
+
+
 def serve(config: ServeConfig) -> int:
-    """Run until SIGTERM / SIGINT, then drain and exit 0."""
+    """Run until SIGTERM / SIGINT, then drain and exit 0. SIGUSR1 writes every thread's
+    stack to stderr (the log) and goes on."""
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -1003,6 +1013,7 @@ def serve(config: ServeConfig) -> int:
     signal.signal(signal.SIGINT, on_signal)
     reload = threading.Event()  # SIGHUP: read the tenants file again
     signal.signal(signal.SIGHUP, lambda signum, frame: reload.set())
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     daemon = Daemon(config)
     try:
         addresses = daemon.start()
@@ -1023,7 +1034,13 @@ def serve(config: ServeConfig) -> int:
         if reload.is_set():  # here, not in the handler: it reads a file and takes locks
             reload.clear()
             daemon.reload_tenants()
+    # A stop that hangs says where, in the log, while it still can (a supervisor's SIGKILL
+    # comes next): every thread's stack once it has taken the drain timeout and 10 s more.
+    watchdog = threading.Timer(config.drain_timeout_s + 10.0, _stuck_stopping)
+    watchdog.daemon = True
+    watchdog.start()
     left = daemon.stop()
+    watchdog.cancel()
     if left:
         log.warning("stopped with %d leases still held after the drain timeout", left)
     log.info("stopped")

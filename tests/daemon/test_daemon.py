@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -128,6 +129,18 @@ def test_health_service_answers_serving(daemon: RunningDaemon) -> None:
         for service in ("", "chunkstore.v1.ChunkStore"):
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_sigusr1_writes_every_threads_stack_to_the_log_and_serving_goes_on(
+    daemon: RunningDaemon,
+) -> None:
+    """What an operator (and the test fixture's log) gets from a daemon that will not stop."""
+    daemon.process.send_signal(signal.SIGUSR1)
+    log = daemon.workdir / "daemon.log"
+    wait_for(lambda: "Thread 0x" in log.read_text(), timeout=10)
+    assert 'workers.py", line' in log.read_text()  # the background threads' frames
+    with ChunkStoreClient(daemon.unix) as client:
+        assert client.put(entry_key(1), *random_kv(2), 0)
 
 
 def test_socket_and_pool_are_private_to_the_user(daemon: RunningDaemon) -> None:
