@@ -21,8 +21,11 @@ requests whose scheduled tokens include chunk tokens (``IsolatedStep``). Per lay
   first recomputes the chunks' selected tokens (``recompute``), after the chunk rows and
   before the causal ones, so those read the blend.
 - with ``relevant_last``, that same step rotates the keys of the chunks that move to their
-  new positions in the cache (``moves``), after the chunk rows and before the causal rows:
-  from then on the question and what is generated read them there.
+  new positions in the cache (``moves``), after the chunk rows and before the recompute and
+  the causal rows: from then on the question and what is generated read them there. The
+  tokens recomputed in such a request are recomputed where they are attended: rotated to
+  their attended positions, each seeing the keys attended before it (``Reordered``: a
+  masked attention, as the cache holds the chunks in prompt order, not attended order).
 - every other row (plain requests, sys and question tokens, decode) goes to vLLM's own kernel,
   on a batch without the chunk rows, so no row pays for attention twice; a step with no chunk
   rows calls vLLM's forward untouched.
@@ -39,7 +42,7 @@ from typing import Any
 
 import torch
 
-from chunkstore.kv.attention import KeyBlock, attention_after_context
+from chunkstore.kv.attention import KeyBlock, attention_after_context, dense_attention
 from chunkstore.kv.keys import Isolation
 from chunkstore.kv.remap import rotate_keys
 from chunkstore.kv.rope import RotaryConfig, rotation_table
@@ -93,11 +96,30 @@ class Move:
     rotation: tuple[torch.Tensor, torch.Tensor]
 
 
+@dataclass(frozen=True)
+class Reordered:
+    """How a request's recomputed tokens attend where its chunks are attended elsewhere
+    (``relevant_last``): each sees the keys of the cache's positions [0, chunks' end) whose
+    attended position is at or before its own (the order the chunks are attended in, not
+    the order they stand in)."""
+
+    attended: torch.Tensor  # int64: each position's attended position
+    slots: torch.Tensor  # the positions' cache slots
+
+    @classmethod
+    def of(cls, step: IsolatedStep, block_ids: torch.Tensor, layout: CpuKVLayout) -> Reordered:
+        end = step.chunks[-1][1]
+        attended = torch.arange(end, dtype=torch.int64)
+        for start, stop, shift in step.moves:
+            attended[start:stop] += shift
+        return cls(attended, layout.slots(block_ids, 0, end))
+
+
 @dataclass
 class StepSplit:
     rows: list[HookRows]
     kernel: KernelBatch | None
-    blends: list[tuple[Blend, KernelBatch]] = field(default_factory=list)
+    blends: list[tuple[Blend, KernelBatch | Reordered]] = field(default_factory=list)
     rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     moves: list[Move] = field(default_factory=list)
 
@@ -243,7 +265,7 @@ class IsolationHook:
             return None
         starts, seq_lens = metadata.query_start_loc.tolist(), metadata.seq_lens.tolist()
         hook_rows: list[HookRows] = []
-        blends: list[tuple[Blend, KernelBatch]] = []
+        blends: list[tuple[Blend, KernelBatch | Reordered]] = []
         moves: list[Move] = []
         runs: list[tuple[int, int, int, int]] = []  # (request, first row, rows, seq_len)
         for r, seq_len in enumerate(seq_lens):
@@ -260,8 +282,12 @@ class IsolationHook:
             hook_rows += rows
             runs += [(r, *run) for run in kernel_runs]
             if step.recompute and self.recomputer is not None:
-                blend = self.recomputer.start(plan.req_id, metadata.block_table[r], step.recompute)
-                blends.append((blend, self._blend_batch(blend, impl, layer)))
+                order = Reordered.of(step, table, self.layout) if step.moves else None
+                attended = None if order is None else order.attended
+                blend = self.recomputer.start(
+                    plan.req_id, metadata.block_table[r], step.recompute, attended
+                )
+                blends.append((blend, order or self._blend_batch(blend, impl, layer)))
             moves += [
                 Move(
                     plan.req_id,
@@ -384,15 +410,12 @@ class IsolationHook:
         kv_cache: torch.Tensor,
         output: torch.Tensor,
     ) -> None:
-        """The chunk rows first (they read their chunks' isolated KV), then the recomputed
-        tokens (they overwrite it) or the moved chunks (their keys rotated), then the causal
-        rows (they read the blend, or the chunks where they moved)."""
+        """The chunk rows first (they read their chunks' isolated KV), then the moved chunks
+        (their keys rotated), then the recomputed tokens (they overwrite the isolated KV,
+        attended where it was moved), then the causal rows (they read the blend, the
+        chunks where they moved)."""
         chunk_rows = [rows for rows in split.rows if rows.chunks_end == 0]
         self._attend_rows(split, chunk_rows, impl, query, kv_cache, output)
-        for blend, batch in split.blends:
-            assert self.recomputer is not None
-            attend = functools.partial(self._paged, batch, impl, layer, kv_cache=kv_cache)
-            self.recomputer.layer(blend, index, kv_cache, attend)
         for move in split.moves:
             keys, values = self.layout.read(kv_cache, move.slots)
             self.layout.write_rotated(
@@ -404,6 +427,14 @@ class IsolationHook:
                 move.rotation,
                 self.rotary,
             )
+        for blend, how in split.blends:
+            assert self.recomputer is not None
+            attend: Callable[[torch.Tensor], torch.Tensor]
+            if isinstance(how, Reordered):
+                attend = functools.partial(self._reordered, how, blend, impl, kv_cache)
+            else:
+                attend = functools.partial(self._paged, how, impl, layer, kv_cache=kv_cache)
+            self.recomputer.layer(blend, index, kv_cache, attend)
         if split.kernel is not None:
             self._kernel(split.kernel, impl, layer, query, kv_cache, output)
         after_rows = [rows for rows in split.rows if rows.chunks_end != 0]
@@ -494,6 +525,17 @@ class IsolationHook:
             kv_cache_dtype=impl.kv_cache_dtype,
         )
         return sub_output
+
+    def _reordered(
+        self, order: Reordered, blend: Blend, impl: Any, kv_cache: torch.Tensor, q: torch.Tensor
+    ) -> torch.Tensor:
+        """The recomputed tokens' attention where the chunks are attended elsewhere: over
+        the cache up to the chunks' end (their recomputed KV written), masked by attended
+        position (torch SDPA, fp32)."""
+        keys, values = self.layout.read(kv_cache, order.slots)
+        allowed = order.attended[None, :] <= blend.attended[:, None]
+        out = dense_attention(q.float(), keys.float(), values.float(), allowed, impl.scale)
+        return out.to(q.dtype)
 
     def _blend_batch(self, blend: Blend, impl: Any, layer: Any) -> KernelBatch:
         """The recomputed tokens' attention as a batch for vLLM's kernel: each run of

@@ -16,7 +16,9 @@ same happens whether the chunks were loaded or computed in the request.
 
 The same machinery recomputes whole chunks (``recompute_chunks``, chosen by ``selection``),
 wherever they stand among the chunks: each selected token sees the cache before it, the
-other selected tokens before it recomputed.
+other selected tokens before it recomputed. Where chunks are attended elsewhere
+(``relevant_last``) "before" is in the attended order: the tokens take their attended
+positions (``Blend.attended``) and the hook masks their attention by them.
 
 The isolated KV it overwrites is kept for the step's saves (the store holds chunks as
 computed in isolation). Llama and Qwen2 models are served; anything else is refused at
@@ -42,9 +44,12 @@ class Blend:
 
     req_id: str
     block_table: torch.Tensor  # the request's row of vLLM's block table
-    positions: torch.Tensor  # int64, ascending
+    positions: torch.Tensor  # int64, ascending: where the tokens stand in the cache
     token_ids: torch.Tensor
     slots: torch.Tensor  # the positions' cache slots
+    # Where the tokens are attended (their rotary positions): their positions, plus the shift
+    # of the chunk each is in where chunks are attended elsewhere (``relevant_last``).
+    attended: torch.Tensor
     hidden: torch.Tensor | None = None  # input of the next layer
     next_layer: int = 0
     isolated: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
@@ -143,12 +148,19 @@ class Recomputer:
         return cls(decoder, layout, layer_names)
 
     def start(
-        self, req_id: str, block_table: torch.Tensor, tokens: tuple[tuple[int, int], ...]
+        self,
+        req_id: str,
+        block_table: torch.Tensor,
+        tokens: tuple[tuple[int, int], ...],
+        attended: torch.Tensor | None = None,
     ) -> Blend:
+        """A blend of ``tokens`` ((position, token id) each); ``attended``: every cache
+        position's attended position, where chunks are attended elsewhere."""
         positions = torch.tensor([p for p, _ in tokens], dtype=torch.int64)
         ids = torch.tensor([t for _, t in tokens], dtype=torch.int64)
         slots = self.layout.slots(block_table.long(), 0, int(positions[-1]) + 1)[positions]
-        return Blend(req_id, block_table, positions, ids, slots.contiguous())
+        at = positions if attended is None else attended[positions]
+        return Blend(req_id, block_table, positions, ids, slots.contiguous(), at)
 
     @torch.inference_mode()
     def layer(
@@ -159,7 +171,8 @@ class Recomputer:
         attend: Callable[[torch.Tensor], torch.Tensor],
     ) -> None:
         """Take the selected tokens through decoder layer ``index``: write their KV over
-        the isolated one, then ``attend`` (each query sees the cache up to its position)."""
+        the isolated one, then ``attend`` (each query sees the cache up to where it is
+        attended)."""
         if blend.next_layer != index:
             raise RuntimeError(f"recompute: layer {index} ran before {blend.next_layer}")
         layer = self.decoder.layers[index]
@@ -173,7 +186,7 @@ class Recomputer:
         if getattr(attn, "qk_norm", False):  # per head, before rotary (Qwen2 with qk_norm)
             q = attn.q_norm(q.reshape(count, attn.num_heads, attn.head_dim)).reshape(count, -1)
             k = attn.k_norm(k.reshape(count, attn.num_kv_heads, attn.head_dim)).reshape(count, -1)
-        q, k = attn.rotary_emb(blend.positions, q, k)
+        q, k = attn.rotary_emb(blend.attended, q, k)
         q = q.reshape(count, attn.num_heads, attn.head_dim)
         k = k.reshape(count, attn.num_kv_heads, attn.head_dim)
         v = v.reshape(count, attn.num_kv_heads, attn.head_dim)

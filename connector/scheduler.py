@@ -156,7 +156,7 @@ class SchedulerSide:
         self.link = DaemonLink(config, "chunkstore-scheduler", self.stats)
         self._warned_prefix_cache = False
         self.off = unsupported_parallelism(vllm_config)
-        # Short relevant chunks are recomputed where the workers can, else attended last.
+        # Relevant chunks are attended last, and recomputed there when short where the workers can.
         self.recompute_up_to = config.relevant_recompute_tokens
         no_recompute = unsupported_recompute(vllm_config)
         if self.recompute_up_to and config.relevant_last and no_recompute:
@@ -267,8 +267,8 @@ class SchedulerSide:
         self, request: Any, segments: list[Segment]
     ) -> tuple[frozenset[int], tuple[tuple[int, int, int], ...]]:
         """``relevant_last``: the chunks most relevant to the question (``selection``),
-        recomputed where they stand when short (their segment indices), else attended as
-        if they stood just before the question ((start, end, shift) of each that moves)."""
+        attended as if they stood just before the question ((start, end, shift) of each
+        chunk that moves) and recomputed there when short (their segment indices)."""
         config = self.config
         choice = functools.partial(
             relevant,

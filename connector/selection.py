@@ -24,11 +24,11 @@ The first chunk, chosen, is not recomputed when its isolated KV is its causal KV
 relevant to it (the request's ``chunk_scores``, else BM25, leaving out those scoring under
 ``relevant_min_score`` of the best) take the positions just before the question, the most
 relevant last, and the others move up in prompt order (``placement``). Isolated chunks do
-not see each other, so that is the same KV as the prompt with those documents put last;
-nothing is recomputed, only their keys re-rotated. Short chunks gain more from seeing the
-documents before them than from where they stand, and cost little to recompute: when each
-chosen chunk holds at most ``relevant_recompute_tokens``, they are recomputed where they
-stand instead, the most relevant first within ``recompute_budget`` (``relevant``).
+not see each other, so that is the same KV as the prompt with those documents put last,
+at the cost of re-rotating their keys. Where each chosen chunk holds at most
+``relevant_recompute_tokens`` they are also recomputed there, seeing every document
+attended before them (the KV of the prompt with them put last, blended), the most relevant
+first within ``recompute_budget`` (``relevant``).
 """
 
 from __future__ import annotations
@@ -236,27 +236,25 @@ def relevant(
     min_score: float = 0.0,
 ) -> tuple[list[int], dict[int, int], int]:
     """What the defaults do with the (at most ``count``) chunks most relevant to the
-    question: when each holds at most ``recompute_up_to`` tokens, recompute them where they
-    stand, the most relevant first while they fit in ``recompute_budget``; else (or where
-    not even the first fits) attend them last. Returns the segment indices recomputed (in
-    prompt order; without the first chunk when ``first_is_causal``: its isolated KV is
-    causal already, and free), ``placed``'s shifts, and how many of the chosen chunks
+    question: attend them last, just before the question (``placed``), and when each holds
+    at most ``recompute_up_to`` tokens, recompute them there, the most relevant first while
+    they fit in ``recompute_budget``. Returns the segment indices recomputed (in prompt
+    order; a chunk that stays first, when ``first_is_causal``, is left out: its isolated KV
+    is causal already, and free), ``placed``'s shifts, and how many of the chosen chunks
     moved. Raises BadTransferParams as ``placed``."""
     last, shifts = placed(segments, count, params, min_score)
+    moved = sum(1 for i in last if i in shifts)
+    if not last or max(len(segments[i]) for i in last) > recompute_up_to:
+        return [], shifts, moved
     chunks = [i for i, s in enumerate(segments) if s.kind is SegmentKind.CHUNK]
-    if last and max(len(segments[i]) for i in last) <= recompute_up_to:
-        budget = recompute_budget(sum(len(segments[i]) for i in chunks))
-        kept: list[int] = []
-        tokens, fits = 0, False
-        for i in reversed(last):  # the most relevant first
-            if first_is_causal and i == chunks[0]:
-                fits = True  # causal already: nothing to recompute, and free
-                continue
-            if tokens + len(segments[i]) > budget:
-                break
-            tokens += len(segments[i])
-            kept.append(i)
-            fits = True
-        if fits:
-            return sorted(kept), {}, 0
-    return [], shifts, sum(1 for i in last if i in shifts)
+    budget = recompute_budget(sum(len(segments[i]) for i in chunks))
+    kept: list[int] = []
+    tokens = 0
+    for i in reversed(last):  # the most relevant first
+        if first_is_causal and i == chunks[0] and i not in shifts:
+            continue  # the only chunk: causal already, nothing to recompute
+        if tokens + len(segments[i]) > budget:
+            break
+        tokens += len(segments[i])
+        kept.append(i)
+    return sorted(kept), shifts, moved

@@ -213,10 +213,10 @@ def test_bench_quality_json_on_the_tiny_model() -> None:
     # The oracle ranking recomputes the answer's documents, when it may recompute enough.
     assert rows["request=1"]["answer_chunks_recomputed"] == round(2 / 3, 3)  # "two" needs 2
     # The defaults take the chunks the oracle's scores rank first, every answer's document,
-    # and recompute them where they stand (short), the first chunk's first 16 tokens with
-    # them; isolated recomputes none.
+    # put them last and recompute them there (short), the other chunks' first 16 tokens
+    # with them; isolated recomputes none.
     assert rows["scores=oracle"]["answer_chunks_recomputed"] == 1.0
-    assert "answer_chunks_last" not in rows["scores=oracle"]
+    assert rows["scores=oracle"]["answer_chunks_last"] == 1.0
     assert 0.5 < rows["scores=oracle"]["recomputed_share"]["ttft"] < 0.8
     for row in rows.values():
         assert row["split"] == "heldout"
@@ -229,8 +229,9 @@ def test_the_bench_reads_which_chunks_a_method_recomputes_or_moves_as_the_connec
     # sys, four chunks of 3, 4, 5 and 3 tokens, a question about token 42.
     prompt = [1, *sep, 7, 1, 1, *sep, 7, 42, 42, 42, *sep, 7, 2, 2, 2, 2, *sep, 7, 42, 5, *sep, 42]
     ranking = [3, 2, 1, 0]
-    # Short: recomputed, with every other chunk's first 16 tokens (here all of them).
-    assert treatment({}, prompt, sep, ranking) == ([1, 3], [], 16)
+    # Attended last, chunk 1 (the best) after chunk 3; short: recomputed there, with every
+    # other chunk's first 16 tokens (here all of them).
+    assert treatment({}, prompt, sep, ranking) == ([1, 3], [3, 1], 16)
     moved = {"relevant_recompute_tokens": 3}  # chunk 1 holds 4 tokens: both attended last
     assert treatment(moved, prompt, sep, ranking) == ([], [3, 1], 0)
     # The application's scores: its three highest (relevant_last), the best last.
@@ -238,7 +239,7 @@ def test_the_bench_reads_which_chunks_a_method_recomputes_or_moves_as_the_connec
     assert treatment({"recompute_chunks": 1}, prompt, sep, ranking) == ([1], [], 0)
     assert treatment({"request": 2}, prompt, sep, ranking) == ([2, 3], [], 0)
     no_first = {"relevant_first_tokens": 0}
-    assert treatment(no_first, prompt, sep, ranking) == ([1, 3], [], 0)
+    assert treatment(no_first, prompt, sep, ranking) == ([1, 3], [3, 1], 0)
     isolated = {"recompute_chunks": 0, "relevant_last": 0}
     assert treatment(isolated, prompt, sep, ranking) == ([], [], 0)
 

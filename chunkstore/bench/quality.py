@@ -172,13 +172,16 @@ def treatment(
     """The chunks (indices among the prompt's chunks) a method recomputes whole, those it
     attends last, and how many first tokens of every other chunk it recomputes, as the
     scheduler chooses them: the request's or ``recompute_chunks``' choice first, else
-    ``relevant_last``'s (recomputed where they stand when short, with every other chunk's
-    first ``relevant_first_tokens``). The first chunk, recomputed with no ``virtual_gap``,
-    is causal already (``recomputed_share`` leaves it out)."""
+    ``relevant_last``'s (attended last, and recomputed there when short, with every other
+    chunk's first ``relevant_first_tokens``). The first chunk where it stands, with no
+    ``virtual_gap``, is causal already: the connector recomputes nothing of it."""
     segments = split_prompt(prompt, sep)
     per_chunk = int(settings.get("recompute_tokens", 0))
+    config = ConnectorConfig.from_extra(connector_settings(settings))
+    causal = config.isolation == "sys" and not config.virtual_gap
     if settings.get(REQUEST):
-        return sorted(ranking[: settings[REQUEST]]), [], per_chunk
+        named = ranking[: settings[REQUEST]]
+        return sorted(i for i in named if not (causal and i == 0)), [], per_chunk
     if segments[-1].kind is not SegmentKind.QUESTION:
         return [], [], per_chunk
     chunk_of = {
@@ -186,7 +189,6 @@ def treatment(
         for c, s in enumerate(i for i, seg in enumerate(segments) if seg.kind is SegmentKind.CHUNK)
     }
     chunks = [segments[i].token_ids for i in chunk_of]
-    config = ConnectorConfig.from_extra(connector_settings(settings))
     params = _transfer_params(ranking, 0, settings.get(SCORES) == ORACLE)
     chosen = select(
         segments[-1].token_ids,
@@ -195,6 +197,7 @@ def treatment(
         config.recompute_chunks,
         config.recompute_max_tokens,
         params,
+        causal,
     )
     if chosen:
         return chosen, [], per_chunk
@@ -206,17 +209,13 @@ def treatment(
         params,
         min_score=config.relevant_min_score,
     )
-    recomputed = choice()[0]
-    if recomputed:
-        # The first chunk alone, causal already, recomputes nothing: no first tokens either.
-        causal = config.isolation == "sys" and not config.virtual_gap
-        if choice(first_is_causal=causal)[0]:
-            per_chunk = max(per_chunk, config.relevant_first_tokens)
-        return [chunk_of[i] for i in recomputed], [], per_chunk
+    recomputed = choice(first_is_causal=causal)[0]
+    if recomputed:  # (the first chunk alone stays: causal already, nothing recomputed)
+        per_chunk = max(per_chunk, config.relevant_first_tokens)
     last = relevant_last(
         segments[-1].token_ids, chunks, config.relevant_last, params, config.relevant_min_score
     )
-    return [], last, per_chunk
+    return [chunk_of[i] for i in recomputed], last, per_chunk
 
 
 def wilson(correct: int, total: int, z: float = 1.96) -> tuple[float, float]:
@@ -241,8 +240,6 @@ def recomputed_share(
     for prompt, ranking in zip(prompts, rankings, strict=True):
         chosen, _, per_chunk = treatment(settings, prompt, sep, ranking)
         whole = set(chosen)
-        if not settings.get("virtual_gap"):
-            whole.discard(0)  # causal already: the connector leaves it be
         chunks = [s for s in split_prompt(prompt, sep) if s.kind is SegmentKind.CHUNK]
         for index, seg in enumerate(chunks):
             total += len(seg)

@@ -88,14 +88,58 @@ def default_reference(
     recompute: bool = True,
 ) -> Forward:
     """The HF reference of a prompt the connector serves with its defaults: the assembled
-    cache with the chunks ``default_treatment`` recomputes blended (and every other
-    chunk's first tokens), or moved where it moves them, the question on top."""
+    cache with the chunks ``default_treatment`` moves attended where it moves them (the
+    prompt with them put last), those it recomputes blended there (and every other chunk's
+    first tokens), the question on top. The KV is returned in the served prompt's order,
+    each chunk's keys rotated to where it is attended, as the connector's cache holds it."""
     recomputed, shifts, first = default_treatment(segments, isolation, virtual_gap, recompute)
-    if recomputed:
-        return ref.blended_cache(
-            segments, isolation, first, virtual_gap, recompute_chunks=recomputed
-        )
-    return ref.assembled_cache(segments, isolation, virtual_gap=virtual_gap, shifts=shifts)
+    if not recomputed:
+        return ref.assembled_cache(segments, isolation, virtual_gap=virtual_gap, shifts=shifts)
+    return blended_where_attended(ref, segments, isolation, shifts, recomputed, first, virtual_gap)
+
+
+def blended_where_attended(
+    ref: HFReference,
+    segments: tuple[Segment, ...] | list[Segment],
+    isolation: Isolation,
+    shifts: dict[int, int],
+    recomputed: list[int],
+    first_tokens: int,
+    virtual_gap: int = 0,
+) -> Forward:
+    """The HF reference of chunks attended ``shifts`` (segment index -> positions) from
+    where they stand, the ``recomputed`` ones (segment indices) blended there with every
+    other chunk's first ``first_tokens``: ``HFReference.blended_cache`` of the prompt as
+    attended (``reordered``), its KV returned in the served prompt's order (each chunk's
+    keys rotated to where it is attended), as the connector's cache holds it."""
+    attended, order = reordered(segments, shifts)
+    blended = ref.blended_cache(
+        attended,
+        isolation,
+        first_tokens,
+        virtual_gap,
+        recompute_chunks=[order.index(i) for i in recomputed],
+    )
+    # Position p of the served prompt is attended at p + its chunk's shift.
+    at = [p + shifts.get(i, 0) for i, seg in enumerate(segments) for p in range(seg.start, seg.end)]
+    at += range(len(at), blended.kv.num_tokens)  # what the question's forward added
+    index = torch.tensor(at)
+    kv = type(blended.kv)(blended.kv.keys[:, index], blended.kv.values[:, index])
+    return type(blended)(blended.logits, kv)
+
+
+def reordered(
+    segments: tuple[Segment, ...] | list[Segment], shifts: dict[int, int]
+) -> tuple[list[Segment], list[int]]:
+    """The prompt as the connector attends it where chunks move (segment index -> shift):
+    each segment at its start plus its shift, in that order; and the served segment index
+    of each."""
+    order = sorted(range(len(segments)), key=lambda i: segments[i].start + shifts.get(i, 0))
+    moved = [
+        Segment(segments[i].kind, segments[i].start + shifts.get(i, 0), segments[i].token_ids)
+        for i in order
+    ]
+    return moved, order
 
 
 def assert_logprobs_match(served: dict[str, Any], logits: torch.Tensor) -> float:

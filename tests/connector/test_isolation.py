@@ -24,6 +24,7 @@ from chunkstore.testing.scenario import (
     Scenario,
     assert_logprobs_match,
     assert_same_answer,
+    blended_where_attended,
     default_reference,
 )
 from chunkstore_vllm.config import ConnectorConfig
@@ -206,7 +207,7 @@ def test_cold_equals_warm_under_chunked_prefill_and_tensor_parallelism(
 
 # The chunks (segment indices) each recomputing case recomputes: the last one (by
 # position), the one about Mount Everest the question asks about (``relevant_last: 1``,
-# by BM25: short, so recomputed where it stands, with every other chunk's first
+# by BM25: short, so put last and recomputed there, with every other chunk's first
 # ``relevant_first_tokens``), the second and third (named by the
 # request's kv_transfer_params). Not the first chunk: it follows sys, so its isolated KV
 # is its causal KV already.
@@ -242,11 +243,12 @@ def test_quality_recovery_acts_the_same_on_loaded_and_computed_chunks(
     """Each way of winning back answer quality gives the same answer cold, half warm and
     warm (32 greedy tokens, decode included), and the answer its semantics define: chunks
     computed ``virtual_gap`` past sys (the assembled cache at that virtual start); chunks
-    recomputed whole seeing everything before them, wherever they stand (the blend of their
-    tokens, the question on top: the last chunk by position, the chunk the question names
-    by relevance, the chunks the request names); each chunk's first tokens recomputed
-    seeing everything before them (the blend; with every token recomputed it is the causal
-    prompt, whatever the gap, as a vLLM without the connector answers) and the isolated
+    recomputed whole seeing everything before them (the blend of their tokens, the question
+    on top: the last chunk by position, the chunks the request names, where they stand;
+    the chunk the question names by relevance, put last and recomputed there); each
+    chunk's first tokens recomputed seeing everything before them (the blend; with every
+    token recomputed it is the causal prompt, whatever the gap, as a vLLM without the
+    connector answers) and the isolated
     chunks still stored as computed in isolation; the chunk the question names attended as
     if it stood last (the assembled cache with it there; stored as computed in isolation).
     Re-weighting has no HF reference (its math: tests/kv/test_attention.py); it must change
@@ -270,11 +272,18 @@ def test_quality_recovery_acts_the_same_on_loaded_and_computed_chunks(
         chosen = RECOMPUTED[case]
         if case == "relevant":  # the chunk BM25 ranks first is the one the question names
             assert "Everest" in Scenario(tiny_model_dir).tok.decode(segments[3].token_ids)
-        # The default's relevant chunk comes with every other chunk's first tokens.
-        first = ConnectorConfig().relevant_first_tokens if case == "relevant" else 0
-        logits = ref.blended_cache(segments, Isolation.SYS, first, recompute_chunks=chosen).logits[
-            -1
-        ]
+        if case == "relevant":
+            # The default's relevant chunk goes after the last one (segment 4) and is
+            # recomputed there, with every other chunk's first tokens.
+            first = ConnectorConfig().relevant_first_tokens
+            shifts = {3: len(segments[4]), 4: -len(segments[3])}
+            blend = blended_where_attended(ref, segments, Isolation.SYS, shifts, chosen, first)
+            in_place = ref.blended_cache(segments, Isolation.SYS, first, recompute_chunks=chosen)
+            with pytest.raises(AssertionError):  # recomputed last, not where it stands
+                assert_logprobs_match(cold, in_place.logits[-1])
+        else:
+            blend = ref.blended_cache(segments, Isolation.SYS, 0, recompute_chunks=chosen)
+        logits = blend.logits[-1]
         isolated = ref.assembled_cache(segments, Isolation.SYS).logits[-1]
         with pytest.raises(AssertionError):  # recomputing changed the answer's logprobs
             assert_logprobs_match(cold, isolated)

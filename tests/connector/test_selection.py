@@ -96,20 +96,22 @@ def test_the_most_relevant_chunks_go_last_the_most_relevant_nearest_the_question
     assert placement([3, 4, 5, 3], []) == [0, 0, 0, 0]
 
 
-def test_short_relevant_chunks_are_recomputed_where_they_stand_long_ones_go_last() -> None:
+def test_relevant_chunks_go_last_and_are_recomputed_there_when_short() -> None:
     bodies = [[1, 1, 1], [42, 42, 42, 42], [2, 2, 2, 2, 2], [42, 5, 5]]
     segments, start = [Segment(SegmentKind.SYS, 0, (9, 9))], 2
     for body in [*bodies, [42]]:
         kind = SegmentKind.QUESTION if body == [42] else SegmentKind.CHUNK
         segments.append(Segment(kind, start, tuple(body)))
         start += len(body)
-    # Chunks 1 and 3 (segments 2 and 4) are the two most relevant, of 4 and 3 tokens.
-    assert relevant(segments, 2, 4) == ([2, 4], {}, 0)
-    # One of them longer than the limit: both attended last, segment 2 after segment 4.
+    # Chunks 1 and 3 (segments 2 and 4) are the two most relevant, of 4 and 3 tokens: both
+    # attended last, segment 2 (the more relevant) after segment 4, and recomputed there.
+    assert relevant(segments, 2, 4) == ([2, 4], {2: 8, 3: -4, 4: -4}, 2)
+    # One of them longer than the limit: both attended last, neither recomputed.
     assert relevant(segments, 2, 3) == ([], {2: 8, 3: -4, 4: -4}, 2)
     assert relevant(segments, 2, 0)[1] == relevant(segments, 2, 3)[1]
-    # The first chunk follows sys: recomputing it would change nothing, so it is left out.
-    assert relevant(segments[:3] + segments[-1:], 1, 10, first_is_causal=True)[0] == [2]
+    # Already last: recomputed where it stands, nothing moves.
+    assert relevant(segments[:3] + segments[-1:], 1, 10, first_is_causal=True) == ([2], {}, 0)
+    # The only chunk follows sys: recomputing it would change nothing, so it is left out.
     first = [segments[0], segments[1], Segment(SegmentKind.QUESTION, 5, (1,))]
     assert relevant(first, 1, 10, first_is_causal=True) == ([], {}, 0)
     assert relevant(first, 1, 10) == ([1], {}, 0)
@@ -135,16 +137,16 @@ def test_the_relevant_chunks_recomputed_fit_a_budget_that_scales_with_the_prompt
     best, good = [42, 43, 42, 43, *[7] * 96], [42, 43, *[7] * 98]
     segments = prompt([plain, good, plain, best, plain, good, plain, plain])
     # Three chosen: 300 tokens fit.
-    assert relevant(segments, 3, 100) == ([2, 4, 6], {}, 0)
+    assert relevant(segments, 3, 100)[0::2] == ([2, 4, 6], 3)
     # Twelve chunks of 50 and one of 100, two of 50 relevant: 200 tokens, budget 256 ...
     small, fact = [7] * 50, [42, 43, *[7] * 48]
     segments = prompt([small] * 5 + [fact, small, fact] + [small] * 4 + [[7] * 100])
-    assert relevant(segments, 3, 100) == ([6, 8], {}, 0)
+    assert relevant(segments, 3, 100)[0::2] == ([6, 8], 2)
     # ... and three of 120 with 400 other tokens (budget 304): the best two fit (of the
     # two alike, the later).
     long_fact = [42, 43, *[7] * 118]
     segments = prompt([long_fact, [7] * 200, [42, 43, 42, 43, *[7] * 116], [7] * 200, long_fact])
-    assert relevant(segments, 3, 200) == ([3, 5], {}, 0)
+    assert relevant(segments, 3, 200)[0::2] == ([3, 5], 3)  # all three go last
 
 
 def test_settings_are_checked() -> None:
