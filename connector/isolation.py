@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from chunkstore.kv.attention import KeyBlock, attention_after_context, dense_attention
+from chunkstore.kv.attention import KeyBlock, attention_after_context
 from chunkstore.kv.keys import Isolation
 from chunkstore.kv.remap import rotate_keys
 from chunkstore.kv.rope import RotaryConfig, rotation_table
@@ -99,20 +99,23 @@ class Move:
 @dataclass(frozen=True)
 class Reordered:
     """How a request's recomputed tokens attend where its chunks are attended elsewhere
-    (``relevant_last``): each sees the keys of the cache's positions [0, chunks' end) whose
-    attended position is at or before its own (the order the chunks are attended in, not
-    the order they stand in)."""
+    (``relevant_last``): each sees the keys of the positions [0, chunks' end) attended at or
+    before its own (the order the chunks are attended in, not the order they stand in).
+    The cache holds them in prompt order, so each layer copies them, in attended order, into
+    a cache of the hook's own (``slots``: the request's cache slots in that order), where
+    ``batch`` (the recomputed tokens as runs of consecutive attended positions) is causal
+    attention for vLLM's kernel."""
 
-    attended: torch.Tensor  # int64: each position's attended position
-    slots: torch.Tensor  # the positions' cache slots
+    slots: torch.Tensor
+    batch: KernelBatch
 
-    @classmethod
-    def of(cls, step: IsolatedStep, block_ids: torch.Tensor, layout: CpuKVLayout) -> Reordered:
-        end = step.chunks[-1][1]
-        attended = torch.arange(end, dtype=torch.int64)
+    @staticmethod
+    def attended(step: IsolatedStep) -> torch.Tensor:
+        """Each position's attended position, [0, chunks' end): a permutation."""
+        attended = torch.arange(step.chunks[-1][1], dtype=torch.int64)
         for start, stop, shift in step.moves:
             attended[start:stop] += shift
-        return cls(attended, layout.slots(block_ids, 0, end))
+        return attended
 
 
 @dataclass
@@ -282,12 +285,12 @@ class IsolationHook:
             hook_rows += rows
             runs += [(r, *run) for run in kernel_runs]
             if step.recompute and self.recomputer is not None:
-                order = Reordered.of(step, table, self.layout) if step.moves else None
-                attended = None if order is None else order.attended
+                attended = Reordered.attended(step) if step.moves else None
                 blend = self.recomputer.start(
                     plan.req_id, metadata.block_table[r], step.recompute, attended
                 )
-                blends.append((blend, order or self._blend_batch(blend, impl, layer)))
+                how = self._recompute_batch(blend, attended, table, impl, layer)
+                blends.append((blend, how))
             moves += [
                 Move(
                     plan.req_id,
@@ -431,7 +434,7 @@ class IsolationHook:
             assert self.recomputer is not None
             attend: Callable[[torch.Tensor], torch.Tensor]
             if isinstance(how, Reordered):
-                attend = functools.partial(self._reordered, how, blend, impl, kv_cache)
+                attend = functools.partial(self._reordered, how, impl, layer, index, kv_cache)
             else:
                 attend = functools.partial(self._paged, how, impl, layer, kv_cache=kv_cache)
             self.recomputer.layer(blend, index, kv_cache, attend)
@@ -527,27 +530,64 @@ class IsolationHook:
         return sub_output
 
     def _reordered(
-        self, order: Reordered, blend: Blend, impl: Any, kv_cache: torch.Tensor, q: torch.Tensor
+        self,
+        order: Reordered,
+        impl: Any,
+        layer: Any,
+        index: int,
+        kv_cache: torch.Tensor,
+        q: torch.Tensor,
     ) -> torch.Tensor:
-        """The recomputed tokens' attention where the chunks are attended elsewhere: over
-        the cache up to the chunks' end (their recomputed KV written), masked by attended
-        position (torch SDPA, fp32)."""
+        """The recomputed tokens' attention where the chunks are attended elsewhere: the
+        request's KV up to the chunks' end (the recomputed tokens' written) copied in
+        attended order into a cache of its own, and vLLM's kernel over it, causally."""
         keys, values = self.layout.read(kv_cache, order.slots)
-        allowed = order.attended[None, :] <= blend.attended[:, None]
-        out = dense_attention(q.float(), keys.float(), values.float(), allowed, impl.scale)
-        return out.to(q.dtype)
+        _, heads, block_size, width = kv_cache.shape
+        # Zeros: the kernel reads whole blocks, and what lies past the last position must
+        # not be NaN (a masked score times garbage).
+        own = kv_cache.new_zeros((len(order.batch.block_table[0]), heads, block_size, width))
+        positions = torch.arange(len(order.slots), dtype=torch.int64)
+        self.layout.write(self._layer_names[index], own, keys, values, positions)
+        out = torch.empty_like(q)
+        out[order.batch.rows] = self._paged(order.batch, impl, layer, q[order.batch.rows], own)
+        return out
 
-    def _blend_batch(self, blend: Blend, impl: Any, layer: Any) -> KernelBatch:
-        """The recomputed tokens' attention as a batch for vLLM's kernel: each run of
-        consecutive positions (a chunk recomputed whole, a chunk's first tokens) one
-        sub-request over the request's cache up to its last position, causally (where the
-        run's recomputed KV already stands)."""
-        positions = blend.positions
+    def _recompute_batch(
+        self,
+        blend: Blend,
+        attended: torch.Tensor | None,
+        table: torch.Tensor,
+        impl: Any,
+        layer: Any,
+    ) -> KernelBatch | Reordered:
+        """How the blend's tokens attend: in the request's cache where every position is
+        attended where it stands (``attended`` None), else in attended order in a cache of
+        the hook's own (``attended``: each position's attended position)."""
+        if attended is None:
+            rows = torch.arange(len(blend.positions))
+            return self._runs(blend.positions, rows, blend.block_table, impl, layer)
+        end = len(attended)
+        slots = self.layout.slots(table, 0, end)[torch.argsort(attended)]
+        blocks = torch.arange(-(-end // self.layout.block_size), dtype=torch.int32)
+        rows = torch.argsort(blend.attended)
+        return Reordered(slots, self._runs(blend.attended[rows], rows, blocks, impl, layer))
+
+    def _runs(
+        self,
+        positions: torch.Tensor,
+        rows: torch.Tensor,
+        block_table: torch.Tensor,
+        impl: Any,
+        layer: Any,
+    ) -> KernelBatch:
+        """Queries ``rows`` at ``positions`` (ascending) as a batch for vLLM's kernel: each
+        run of consecutive positions (a chunk recomputed whole, a chunk's first tokens) one
+        sub-request over the cache ``block_table`` maps, up to its last position, causally
+        (where the run's recomputed KV already stands)."""
         breaks = (torch.nonzero(positions[1:] != positions[:-1] + 1).flatten() + 1).tolist()
         bounds = [0, *breaks, positions.shape[0]]
         query_start_loc = torch.tensor(bounds, dtype=torch.int32)
         seq_lens = (positions[torch.tensor(bounds[1:]) - 1] + 1).to(torch.int32)
-        table = blend.block_table[None].expand(len(bounds) - 1, -1).contiguous()
+        table = block_table[None].expand(len(bounds) - 1, -1).contiguous()
         metadata = self._scheduler_metadata(query_start_loc, seq_lens, impl, layer)
-        rows = torch.arange(positions.shape[0])
         return KernelBatch(rows, query_start_loc, seq_lens, table, metadata)
