@@ -24,8 +24,9 @@ requests whose scheduled tokens include chunk tokens (``IsolatedStep``). Per lay
   new positions in the cache (``moves``), after the chunk rows and before the recompute and
   the causal rows: from then on the question and what is generated read them there. The
   tokens recomputed in such a request are recomputed where they are attended: rotated to
-  their attended positions, each seeing the keys attended before it (``Reordered``: a
-  masked attention, as the cache holds the chunks in prompt order, not attended order).
+  their attended positions, each seeing the keys attended before it (``Reordered``: the
+  cache holds the chunks in prompt order, so their KV is copied in attended order into a
+  cache of the hook's own, where vLLM's kernel is causal in that order).
 - every other row (plain requests, sys and question tokens, decode) goes to vLLM's own kernel,
   on a batch without the chunk rows, so no row pays for attention twice; a step with no chunk
   rows calls vLLM's forward untouched.
