@@ -217,7 +217,8 @@ def test_bench_quality_json_on_the_tiny_model() -> None:
     # with them; isolated recomputes none.
     assert rows["scores=oracle"]["answer_chunks_recomputed"] == 1.0
     assert rows["scores=oracle"]["answer_chunks_last"] == 1.0
-    assert 0.5 < rows["scores=oracle"]["recomputed_share"]["ttft"] < 0.8
+    # (a first chunk that moves is recomputed too: it no longer follows sys)
+    assert 0.5 < rows["scores=oracle"]["recomputed_share"]["ttft"] < 0.9
     for row in rows.values():
         assert row["split"] == "heldout"
         assert row["doc_tokens"] == rows["full"]["doc_tokens"] > 0  # (one filler: the least)

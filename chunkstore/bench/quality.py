@@ -53,7 +53,7 @@ from chunkstore.models import model_dir
 from chunkstore.processes.daemon import start_daemon
 from chunkstore.processes.vllm_probe import run_probe
 from chunkstore_vllm.config import ConnectorConfig
-from chunkstore_vllm.selection import relevant, relevant_last, select
+from chunkstore_vllm.selection import placement, relevant, relevant_last, select
 
 FULL, ISOLATED, DEFAULT = "full", "isolated", "default"
 # The curve of each knob, and the combinations worth a row: sized to run in under an hour
@@ -173,15 +173,14 @@ def treatment(
     attends last, and how many first tokens of every other chunk it recomputes, as the
     scheduler chooses them: the request's or ``recompute_chunks``' choice first, else
     ``relevant_last``'s (attended last, and recomputed there when short, with every other
-    chunk's first ``relevant_first_tokens``). The first chunk where it stands, with no
-    ``virtual_gap``, is causal already: the connector recomputes nothing of it."""
+    chunk's first ``relevant_first_tokens``). The first chunk, where it stays first with no
+    ``virtual_gap``, is causal already (``recomputed_share`` leaves it out)."""
     segments = split_prompt(prompt, sep)
     per_chunk = int(settings.get("recompute_tokens", 0))
     config = ConnectorConfig.from_extra(connector_settings(settings))
     causal = config.isolation == "sys" and not config.virtual_gap
     if settings.get(REQUEST):
-        named = ranking[: settings[REQUEST]]
-        return sorted(i for i in named if not (causal and i == 0)), [], per_chunk
+        return sorted(ranking[: settings[REQUEST]]), [], per_chunk
     if segments[-1].kind is not SegmentKind.QUESTION:
         return [], [], per_chunk
     chunk_of = {
@@ -197,7 +196,6 @@ def treatment(
         config.recompute_chunks,
         config.recompute_max_tokens,
         params,
-        causal,
     )
     if chosen:
         return chosen, [], per_chunk
@@ -209,8 +207,9 @@ def treatment(
         params,
         min_score=config.relevant_min_score,
     )
-    recomputed = choice(first_is_causal=causal)[0]
-    if recomputed:  # (the first chunk alone stays: causal already, nothing recomputed)
+    recomputed = choice()[0]
+    # The first chunk alone, staying first, recomputes nothing: no first tokens either.
+    if choice(first_is_causal=causal)[0]:
         per_chunk = max(per_chunk, config.relevant_first_tokens)
     last = relevant_last(
         segments[-1].token_ids, chunks, config.relevant_last, params, config.relevant_min_score
@@ -238,9 +237,12 @@ def recomputed_share(
     whole, and the first tokens of each other chunk it recomputes (its separator included)."""
     total = recomputed = 0
     for prompt, ranking in zip(prompts, rankings, strict=True):
-        chosen, _, per_chunk = treatment(settings, prompt, sep, ranking)
+        chosen, last, per_chunk = treatment(settings, prompt, sep, ranking)
         whole = set(chosen)
         chunks = [s for s in split_prompt(prompt, sep) if s.kind is SegmentKind.CHUNK]
+        first_moves = bool(last) and placement([len(c) for c in chunks], last)[0] != 0
+        if not settings.get("virtual_gap") and not first_moves:
+            whole.discard(0)  # first, causal already: the connector leaves it be
         for index, seg in enumerate(chunks):
             total += len(seg)
             recomputed += len(seg) if index in whole else min(per_chunk, len(seg))
