@@ -7,11 +7,14 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+UNIX_PATH_MAX = 107  # sun_path's 108 bytes, its terminating NUL left out
 
 
 @dataclass
@@ -83,7 +86,9 @@ def serve_command(
     shm_dir: Path | None = None,
 ) -> list[str]:
     """``chunkstore serve`` on free loopback ports with its socket and pool in ``workdir``
-    (the pool in ``shm_dir`` if given); ``args`` come last, so they override any of these.
+    (the pool in ``shm_dir`` if given; the socket in a new private directory under /tmp
+    where ``workdir`` is too deep for a unix socket's path, as a test's temporary directory
+    can be); ``args`` come last, so they override any of these.
     ``launcher``: the module (and its own flags) that runs ``serve``, e.g.
     ``("chunkstore.testing.dying_daemon", "--die-on", "Read", "--armed-by", path)``."""
     return [
@@ -92,7 +97,7 @@ def serve_command(
         *launcher,
         "serve",
         "--socket",
-        str(workdir / "chunkstore.sock"),
+        str(socket_path(workdir)),
         "--tcp",
         "127.0.0.1:0",
         "--metrics",
@@ -105,6 +110,15 @@ def serve_command(
         str(block_size),
         *args,
     ]
+
+
+def socket_path(workdir: Path) -> Path:
+    """Where a daemon in ``workdir`` listens: ``workdir/chunkstore.sock``, unless that path
+    (and the fast path's, ``.fast`` after it) exceeds a unix socket's 107 bytes."""
+    path = workdir / "chunkstore.sock"
+    if len(os.fsencode(f"{path}.fast")) <= UNIX_PATH_MAX:
+        return path
+    return Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp")) / "chunkstore.sock"
 
 
 def memory_dir(nbytes: int) -> Path | None:

@@ -27,7 +27,7 @@ from chunkstore.errors import (
     WrongState,
 )
 from chunkstore.kv.entry import EntryLayout, layout_of, tensors_of
-from chunkstore.processes.daemon import RunningDaemon, serve_command, serve_env
+from chunkstore.processes.daemon import RunningDaemon, serve_command, serve_env, socket_path
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol.shm import Pieces
 from chunkstore.protocol.wire import layout_to_proto
@@ -129,6 +129,21 @@ def test_health_service_answers_serving(daemon: RunningDaemon) -> None:
         for service in ("", "chunkstore.v1.ChunkStore"):
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_daemon_in_a_deep_directory_listens_on_a_short_socket_path(serve, tmp_path) -> None:
+    """A unix socket's path holds 107 bytes: a test's (or a bench's) deep temporary
+    directory gets its socket in a private directory under /tmp instead."""
+    assert socket_path(tmp_path) == tmp_path / "chunkstore.sock"
+    deep = tmp_path / ("d" * 60)
+    short = socket_path(deep)
+    assert (
+        short.parent.parent == Path("/tmp") and stat.S_IMODE(short.parent.stat().st_mode) == 0o700
+    )
+    short.parent.rmdir()
+    daemon = serve(name="d" * 60)
+    with ChunkStoreClient(daemon.unix) as client:
+        assert client.put(entry_key(1), *random_kv(2), 0)
 
 
 def test_sigusr1_writes_every_threads_stack_to_the_log_and_serving_goes_on(
