@@ -18,7 +18,8 @@ The same machinery recomputes whole chunks (``recompute_chunks``, chosen by ``se
 wherever they stand among the chunks: each selected token sees the cache before it, the
 other selected tokens before it recomputed. Where chunks are attended elsewhere
 (``relevant_last``) "before" is in the attended order: the tokens take their attended
-positions (``Blend.attended``) and the hook masks their attention by them.
+positions (``Blend.attended``) and the hook runs their attention over the request's KV
+copied in that order (``isolation.Reordered``).
 
 The isolated KV it overwrites is kept for the step's saves (the store holds chunks as
 computed in isolation). Llama and Qwen2 models are served; anything else is refused at
