@@ -22,6 +22,8 @@ DEFAULT_RELEVANT_MIN_SCORE = 0.5
 # as full prefill does, where recomputing them where they stand answers 12 and moving them
 # alone 12.
 DEFAULT_RELEVANT_RECOMPUTE_TOKENS = 384
+# ... and a longer one's tokens around what matches the question, this many (``span``).
+DEFAULT_RELEVANT_SPAN_TOKENS = 128
 # ... and, when they are, the first tokens of every other chunk with them (EPIC's choice:
 # where isolation leaves each chunk an attention sink): on ~200-token documents that and
 # the relevant chunks answer 16 of 24 where the relevant chunks alone answer 13.
@@ -62,6 +64,8 @@ class ConnectorConfig:
     relevant_min_score: float = DEFAULT_RELEVANT_MIN_SCORE
     # ... and recomputed there when each holds at most this many tokens (0: only moved).
     relevant_recompute_tokens: int = DEFAULT_RELEVANT_RECOMPUTE_TOKENS
+    # ... a longer one in part: this many tokens around what matches the question (0: not).
+    relevant_span_tokens: int = DEFAULT_RELEVANT_SPAN_TOKENS
     # ... and then the first N tokens of every other chunk too (0: not).
     relevant_first_tokens: int = DEFAULT_RELEVANT_FIRST_TOKENS
     # Plain prompts (no separator) share their exact prefix KV through the store in blocks
@@ -95,14 +99,15 @@ class ConnectorConfig:
             config.recompute_max_tokens,
             config.relevant_last,
             config.relevant_recompute_tokens,
+            config.relevant_span_tokens,
             config.relevant_first_tokens,
             config.prefix_block_tokens,
         )
         if min(counts) < 0:
             raise ValueError(
                 "virtual_gap, recompute_chunks, recompute_tokens, recompute_max_tokens, "
-                "relevant_last, relevant_recompute_tokens, relevant_first_tokens and "
-                "prefix_block_tokens are counts >= 0"
+                "relevant_last, relevant_recompute_tokens, relevant_span_tokens, "
+                "relevant_first_tokens and prefix_block_tokens are counts >= 0"
             )
         if config.relevant_last and (config.recompute_chunks or config.recompute_tokens):
             raise ValueError(

@@ -45,10 +45,10 @@ class Tracked:
 
     Its tokens' roles: sys (before the first separator), chunk tokens under the isolation
     mask, and from ``causal_start`` on tokens that attend causally to everything before
-    them: the question, what is generated. ``recomputed``: the chunks (segment indices)
-    whose KV the workers recompute whole, seeing everything before them, in the step that
-    computes the question (``selection``); they are looked up, loaded and stored as
-    isolated chunks all the same. ``shifts``: (start, end, shift) of each chunk the
+    them: the question, what is generated. ``recomputed``: the chunks (segment index ->
+    offsets in it) whose KV the workers recompute, seeing everything before them, in the
+    step that computes the question (``selection``); they are looked up, loaded and stored
+    as isolated chunks all the same. ``shifts``: (start, end, shift) of each chunk the
     workers attend ``shift`` positions from where it stands, from the step that computes
     the question on (``relevant_last``: its keys re-rotated in the cache)."""
 
@@ -59,7 +59,7 @@ class Tracked:
     local_computed: int = 0  # tokens vLLM's own prefix cache had
     block_ids: list[int] = field(default_factory=list)  # its block table, once scheduled
     saving: set[int] = field(default_factory=set)  # cacheable segments whose save is planned
-    recomputed: frozenset[int] = frozenset()  # segment indices of chunks recomputed whole
+    recomputed: dict[int, range] = field(default_factory=dict)  # segment -> its offsets
     shifts: tuple[tuple[int, int, int], ...] = ()  # chunks attended elsewhere: start, end, by
     first_tokens: int = 0  # the first N tokens of every other chunk recomputed too
     request: Any = None  # vLLM's request (plain prompts: its generated blocks are stored)
@@ -92,22 +92,22 @@ class Tracked:
         return tuple((s.start, s.end) for s in self._isolated_segments())
 
     def blended_tokens(self, per_chunk: int) -> tuple[tuple[int, int], ...]:
-        """(position, token id) of the tokens the workers recompute: every token of the
-        ``recomputed`` chunks, the first ``per_chunk`` of each other chunk."""
-        whole = {self.segments[i].start for i in self.recomputed}
+        """(position, token id) of the tokens the workers recompute: the ``recomputed``
+        offsets of their chunks and the first ``per_chunk`` of every chunk."""
+        offsets = {self.segments[i].start: r for i, r in self.recomputed.items()}
+        empty = range(0)
         return tuple(
             (seg.start + i, token)
             for seg in self._isolated_segments()
-            for i, token in enumerate(
-                seg.token_ids if seg.start in whole else seg.token_ids[:per_chunk]
-            )
+            for i, token in enumerate(seg.token_ids)
+            if i < per_chunk or i in offsets.get(seg.start, empty)
         )
 
     @property
     def first_changed(self) -> int | None:
         """The first position whose KV in the cache may be recomputed or moved (not the
         isolated KV at its own position)."""
-        starts = [self.segments[i].start for i in self.recomputed]
+        starts = [self.segments[i].start + r.start for i, r in self.recomputed.items() if r]
         starts += [start for start, _, _ in self.shifts]
         return min(starts) if starts else None
 
@@ -191,7 +191,7 @@ class SchedulerSide:
                 ]
                 short = sum(len(p.segment) < self.config.min_chunk_tokens for p in plans)
                 self.stats.add("short_segments", short)
-                recomputed = self._select(request, segments)
+                recomputed = {i: range(len(segments[i])) for i in self._select(request, segments)}
                 shifts: tuple[tuple[int, int, int], ...] = ()
                 first = 0
                 if not recomputed:  # chunks recomputed as asked stay where they stand
@@ -265,10 +265,10 @@ class SchedulerSide:
 
     def _relevant(
         self, request: Any, segments: list[Segment]
-    ) -> tuple[frozenset[int], tuple[tuple[int, int, int], ...]]:
+    ) -> tuple[dict[int, range], tuple[tuple[int, int, int], ...]]:
         """``relevant_last``: the chunks most relevant to the question (``selection``),
         attended as if they stood just before the question ((start, end, shift) of each
-        chunk that moves) and recomputed there when short (their segment indices)."""
+        chunk that moves) and recomputed there, whole or in part (segment index -> offsets)."""
         config = self.config
         choice = functools.partial(
             relevant,
@@ -277,6 +277,7 @@ class SchedulerSide:
             self.recompute_up_to,
             first_is_causal=self._first_is_causal,
             min_score=config.relevant_min_score,
+            span_tokens=config.relevant_span_tokens,
         )
         try:
             recomputed, shifts, moved = choice(getattr(request, "kv_transfer_params", None))
@@ -285,7 +286,7 @@ class SchedulerSide:
         self.stats.add("recomputed_chunks", len(recomputed))
         self.stats.add("moved_chunks", moved)
         moves = tuple((segments[i].start, segments[i].end, d) for i, d in sorted(shifts.items()))
-        return frozenset(recomputed), moves
+        return recomputed, moves
 
     def on_new_request(self, request: Any) -> None:
         """With in-band isolation, keep vLLM's prefix cache from sharing blocks between

@@ -28,7 +28,8 @@ not see each other, so that is the same KV as the prompt with those documents pu
 at the cost of re-rotating their keys. Where each chosen chunk holds at most
 ``relevant_recompute_tokens`` they are also recomputed there, seeing every document
 attended before them (the KV of the prompt with them put last, blended), the most relevant
-first within ``recompute_budget`` (``relevant``).
+first within ``recompute_budget`` (``relevant``); a longer one, only its part that matches
+the question (``span``: ``relevant_span_tokens`` tokens around its densest match).
 """
 
 from __future__ import annotations
@@ -60,6 +61,10 @@ def _terms(tokens: Sequence[int]) -> list[int | tuple[int, int]]:
     return [*tokens, *zip(tokens, tokens[1:], strict=False)]
 
 
+def _idf(chunks: int, holding: int) -> float:
+    return math.log(1 + (chunks - holding + 0.5) / (holding + 0.5))
+
+
 def bm25_scores(question: Sequence[int], chunks: Sequence[Sequence[int]]) -> list[float]:
     """BM25 of the question's terms (tokens and adjacent pairs) against each chunk's, the
     chunks as the collection. Token IDs stand for words: a name, a number or a rare word of
@@ -77,12 +82,38 @@ def bm25_scores(question: Sequence[int], chunks: Sequence[Sequence[int]]) -> lis
         norm = K1 * (1 - B + B * length / max(average, 1))
         score = 0.0
         for term in terms & count.keys():
-            n = holding[term]
-            idf = math.log(1 + (len(chunks) - n + 0.5) / (n + 0.5))
             tf = count[term]
-            score += idf * tf * (K1 + 1) / (tf + norm)
+            score += _idf(len(chunks), holding[term]) * tf * (K1 + 1) / (tf + norm)
         scores.append(score)
     return scores
+
+
+def span(question: Sequence[int], chunks: Sequence[Sequence[int]], index: int, width: int) -> range:
+    """The ``width`` tokens of chunk ``index`` that a question reads it for: the window
+    holding the most idf of the question's terms (tokens and adjacent pairs, idf over the
+    chunks as in BM25), placed so that its first match stands a quarter in (the answer
+    follows what the question names). The whole chunk where it is no longer."""
+    chunk = chunks[index]
+    if len(chunk) <= width:
+        return range(len(chunk))
+    terms = set(_terms(question))
+    holding = Counter(term for c in chunks for term in set(_terms(c)))
+    weight = [0.0] * len(chunk)
+    for p, token in enumerate(chunk):
+        if token in terms:
+            weight[p] += _idf(len(chunks), holding[token])
+        pair = (token, chunk[p + 1]) if p + 1 < len(chunk) else None
+        if pair in terms:
+            weight[p] += _idf(len(chunks), holding[pair])
+    window = best = sum(weight[:width])
+    start = 0
+    for s in range(1, len(chunk) - width + 1):
+        window += weight[s + width - 1] - weight[s - 1]
+        if window > best:
+            best, start = window, s
+    first = next((p for p in range(start, start + width) if weight[p]), start)
+    start = min(max(0, first - width // 4), len(chunk) - width)
+    return range(start, start + width)
 
 
 def requested(params: Any, chunks: int) -> tuple[list[int] | None, list[float] | None]:
@@ -234,27 +265,36 @@ def relevant(
     params: Any = None,
     first_is_causal: bool = False,
     min_score: float = 0.0,
-) -> tuple[list[int], dict[int, int], int]:
+    span_tokens: int = 0,
+) -> tuple[dict[int, range], dict[int, int], int]:
     """What the defaults do with the (at most ``count``) chunks most relevant to the
-    question: attend them last, just before the question (``placed``), and when each holds
-    at most ``recompute_up_to`` tokens, recompute them there, the most relevant first while
-    they fit in ``recompute_budget``. Returns the segment indices recomputed (in prompt
-    order; a chunk that stays first, when ``first_is_causal``, is left out: its isolated KV
-    is causal already, and free), ``placed``'s shifts, and how many of the chosen chunks
-    moved. Raises BadTransferParams as ``placed``."""
+    question: attend them last, just before the question (``placed``), and recompute them
+    there, the most relevant first while they fit in ``recompute_budget``: whole where it
+    holds at most ``recompute_up_to`` tokens, else its ``span`` of ``span_tokens`` (0: a
+    longer one is only moved). Returns segment index -> the offsets recomputed in it (in
+    prompt order; a chunk that stays first, when ``first_is_causal``, is left out: its
+    isolated KV is causal already, and free), ``placed``'s shifts, and how many of the
+    chosen chunks moved. Raises BadTransferParams as ``placed``."""
     last, shifts = placed(segments, count, params, min_score)
     moved = sum(1 for i in last if i in shifts)
-    if not last or max(len(segments[i]) for i in last) > recompute_up_to:
-        return [], shifts, moved
+    if not last or not recompute_up_to:
+        return {}, shifts, moved
     chunks = [i for i, s in enumerate(segments) if s.kind is SegmentKind.CHUNK]
-    budget = recompute_budget(sum(len(segments[i]) for i in chunks))
-    kept: list[int] = []
+    bodies = [segments[i].token_ids for i in chunks]
+    budget = recompute_budget(sum(len(b) for b in bodies))
+    kept: dict[int, range] = {}
     tokens = 0
     for i in reversed(last):  # the most relevant first
         if first_is_causal and i == chunks[0] and i not in shifts:
             continue  # the only chunk: causal already, nothing to recompute
-        if tokens + len(segments[i]) > budget:
+        if len(segments[i]) <= recompute_up_to:
+            offsets = range(len(segments[i]))
+        elif span_tokens:
+            offsets = span(segments[-1].token_ids, bodies, chunks.index(i), span_tokens)
+        else:
+            continue
+        if tokens + len(offsets) > budget:
             break
-        tokens += len(segments[i])
-        kept.append(i)
-    return sorted(kept), shifts, moved
+        tokens += len(offsets)
+        kept[i] = offsets
+    return dict(sorted(kept.items())), shifts, moved

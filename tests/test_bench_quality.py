@@ -227,22 +227,26 @@ def test_bench_quality_json_on_the_tiny_model() -> None:
 
 def test_the_bench_reads_which_chunks_a_method_recomputes_or_moves_as_the_connector() -> None:
     sep = [9]
-    # sys, four chunks of 3, 4, 5 and 3 tokens, a question about token 42.
+    # sys, four chunks of 3, 4, 5 and 3 tokens and their separators, a question about 42.
     prompt = [1, *sep, 7, 1, 1, *sep, 7, 42, 42, 42, *sep, 7, 2, 2, 2, 2, *sep, 7, 42, 5, *sep, 42]
     ranking = [3, 2, 1, 0]
     # Attended last, chunk 1 (the best) after chunk 3; short: recomputed there, with every
     # other chunk's first 16 tokens (here all of them).
-    assert treatment({}, prompt, sep, ranking) == ([1, 3], [3, 1], 16)
-    moved = {"relevant_recompute_tokens": 3}  # chunk 1 holds 4 tokens: both attended last
-    assert treatment(moved, prompt, sep, ranking) == ([], [3, 1], 0)
+    both = {1: range(5), 3: range(4)}
+    assert treatment({}, prompt, sep, ranking) == (both, [3, 1], 16)
+    # Chunk 1 holds 5 tokens: both attended last, chunk 3 recomputed, chunk 1 its span.
+    long = {"relevant_recompute_tokens": 4, "relevant_span_tokens": 2}
+    assert treatment(long, prompt, sep, ranking) == ({1: range(1, 3), 3: range(4)}, [3, 1], 16)
+    moved = {"relevant_recompute_tokens": 0}  # only attended last
+    assert treatment(moved, prompt, sep, ranking) == ({}, [3, 1], 0)
     # The application's scores: its three highest (relevant_last), the best last.
-    assert treatment({**moved, "scores": "oracle"}, prompt, sep, ranking) == ([], [1, 2, 3], 0)
-    assert treatment({"recompute_chunks": 1}, prompt, sep, ranking) == ([1], [], 0)
-    assert treatment({"request": 2}, prompt, sep, ranking) == ([2, 3], [], 0)
+    assert treatment({**moved, "scores": "oracle"}, prompt, sep, ranking) == ({}, [1, 2, 3], 0)
+    assert treatment({"recompute_chunks": 1}, prompt, sep, ranking) == ({1: range(5)}, [], 0)
+    assert treatment({"request": 2}, prompt, sep, ranking) == ({2: range(6), 3: range(4)}, [], 0)
     no_first = {"relevant_first_tokens": 0}
-    assert treatment(no_first, prompt, sep, ranking) == ([1, 3], [3, 1], 0)
+    assert treatment(no_first, prompt, sep, ranking) == (both, [3, 1], 0)
     isolated = {"recompute_chunks": 0, "relevant_last": 0}
-    assert treatment(isolated, prompt, sep, ranking) == ([], [], 0)
+    assert treatment(isolated, prompt, sep, ranking) == ({}, [], 0)
 
 
 @pytest.mark.parametrize(

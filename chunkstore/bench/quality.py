@@ -92,6 +92,7 @@ KNOBS: dict[str, type] = {
     "relevant_last": int,
     "relevant_min_score": float,
     "relevant_recompute_tokens": int,
+    "relevant_span_tokens": int,
     "relevant_first_tokens": int,
     REQUEST: int,
     SCORES: str,
@@ -168,21 +169,23 @@ def oracle_ranking(relevant: tuple[int, ...], chunks: int) -> list[int]:
 
 def treatment(
     settings: dict[str, Any], prompt: list[int], sep: list[int], ranking: list[int]
-) -> tuple[list[int], list[int], int]:
-    """The chunks (indices among the prompt's chunks) a method recomputes whole, those it
-    attends last, and how many first tokens of every other chunk it recomputes, as the
-    scheduler chooses them: the request's or ``recompute_chunks``' choice first, else
-    ``relevant_last``'s (attended last, and recomputed there when short, with every other
-    chunk's first ``relevant_first_tokens``). The first chunk, where it stays first with no
+) -> tuple[dict[int, range], list[int], int]:
+    """The chunks (index among the prompt's chunks -> the offsets recomputed in it) a method
+    recomputes, those it attends last, and how many first tokens of every other chunk it
+    recomputes, as the scheduler chooses them: the request's or ``recompute_chunks``' choice
+    first (whole chunks), else ``relevant_last``'s (attended last, and recomputed there,
+    whole when short, else in part, with every other chunk's first
+    ``relevant_first_tokens``). The first chunk, where it stays first with no
     ``virtual_gap``, is causal already (``recomputed_share`` leaves it out)."""
     segments = split_prompt(prompt, sep)
+    lengths = [len(s) for s in segments if s.kind is SegmentKind.CHUNK]
     per_chunk = int(settings.get("recompute_tokens", 0))
     config = ConnectorConfig.from_extra(connector_settings(settings))
     causal = config.isolation == "sys" and not config.virtual_gap
     if settings.get(REQUEST):
-        return sorted(ranking[: settings[REQUEST]]), [], per_chunk
+        return {i: range(lengths[i]) for i in sorted(ranking[: settings[REQUEST]])}, [], per_chunk
     if segments[-1].kind is not SegmentKind.QUESTION:
-        return [], [], per_chunk
+        return {}, [], per_chunk
     chunk_of = {
         s: c
         for c, s in enumerate(i for i, seg in enumerate(segments) if seg.kind is SegmentKind.CHUNK)
@@ -198,7 +201,7 @@ def treatment(
         params,
     )
     if chosen:
-        return chosen, [], per_chunk
+        return {i: range(lengths[i]) for i in chosen}, [], per_chunk
     choice = functools.partial(
         relevant,
         segments,
@@ -206,6 +209,7 @@ def treatment(
         config.relevant_recompute_tokens,
         params,
         min_score=config.relevant_min_score,
+        span_tokens=config.relevant_span_tokens,
     )
     recomputed = choice()[0]
     # The first chunk alone, staying first, recomputes nothing: no first tokens either.
@@ -214,7 +218,7 @@ def treatment(
     last = relevant_last(
         segments[-1].token_ids, chunks, config.relevant_last, params, config.relevant_min_score
     )
-    return [chunk_of[i] for i in recomputed], last, per_chunk
+    return {chunk_of[i]: r for i, r in recomputed.items()}, last, per_chunk
 
 
 def wilson(correct: int, total: int, z: float = 1.96) -> tuple[float, float]:
@@ -233,19 +237,19 @@ def recomputed_share(
     settings: dict[str, Any],
     rankings: list[list[int]],
 ) -> float:
-    """The share of the prompts' chunk tokens a method recomputes: the chunks it recomputes
-    whole, and the first tokens of each other chunk it recomputes (its separator included)."""
+    """The share of the prompts' chunk tokens a method recomputes: the offsets it recomputes
+    in each chunk, and the first tokens of every chunk (its separator included)."""
     total = recomputed = 0
     for prompt, ranking in zip(prompts, rankings, strict=True):
         chosen, last, per_chunk = treatment(settings, prompt, sep, ranking)
-        whole = set(chosen)
         chunks = [s for s in split_prompt(prompt, sep) if s.kind is SegmentKind.CHUNK]
         first_moves = bool(last) and placement([len(c) for c in chunks], last)[0] != 0
         if not settings.get("virtual_gap") and not first_moves:
-            whole.discard(0)  # first, causal already: the connector leaves it be
+            chosen.pop(0, None)  # first, causal already: the connector leaves it be
         for index, seg in enumerate(chunks):
             total += len(seg)
-            recomputed += len(seg) if index in whole else min(per_chunk, len(seg))
+            span = chosen.get(index, range(0))
+            recomputed += sum(1 for p in range(len(seg)) if p < per_chunk or p in span)
     return recomputed / max(1, total)
 
 

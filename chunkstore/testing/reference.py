@@ -12,7 +12,7 @@ KV is held as [layers, tokens, kv_heads, head_dim], the layout chunkstore stores
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -188,10 +188,11 @@ class HFReference:
         isolation: Isolation,
         recompute_tokens: int,
         virtual_gap: int = 0,
-        recompute_chunks: Sequence[int] = (),
+        recompute_chunks: Sequence[int] | Mapping[int, range] = (),
     ) -> Forward:
         """The assembled cache with the first ``recompute_tokens`` tokens of each chunk, and
-        every token of the chunks ``recompute_chunks`` (segment indices), recomputed seeing
+        every token of the chunks ``recompute_chunks`` (segment indices, or segment index ->
+        the offsets in it recomputed), recomputed seeing
         everything before them (EPIC's selection, CacheBlend's blend), the question on top:
         the connector's ``recompute_tokens`` and ``recompute_chunks``.
 
@@ -206,16 +207,17 @@ class HFReference:
         if question.kind is not SegmentKind.QUESTION:
             raise ValueError("blending recomputes for a question: the prompt needs one")
         cache = self.assembled_cache(stored, isolation, virtual_gap=virtual_gap).kv
+        spans = (
+            recompute_chunks
+            if isinstance(recompute_chunks, Mapping)
+            else {i: range(len(stored[i])) for i in recompute_chunks}
+        )
         selected = [
-            p
+            seg.start + offset
             for index, seg in enumerate(stored)
             if seg.kind is SegmentKind.CHUNK
-            for p in range(
-                seg.start,
-                seg.end
-                if index in recompute_chunks
-                else seg.start + min(recompute_tokens, len(seg)),
-            )
+            for offset in range(len(seg))
+            if offset < recompute_tokens or offset in spans.get(index, range(0))
         ]
         positions = [*selected, *range(question.start, question.end)]
         ids = [t for seg in stored for t in seg.token_ids]

@@ -3,6 +3,7 @@ answers must pass against the HF reference or another vLLM run."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,11 +58,12 @@ def default_treatment(
     isolation: Isolation,
     virtual_gap: int = 0,
     recompute: bool = True,
-) -> tuple[list[int], dict[int, int], int]:
+) -> tuple[dict[int, range], dict[int, int], int]:
     """What the connector's defaults do with a prompt's chunks (``relevant_last``: at most
-    three BM25 ranks highest, recomputed where they stand when short and the workers can
-    (``recompute``: not under tensor parallelism), else attended last): the segment indices
-    recomputed, segment index -> positions how far each chunk moves, and how many first
+    three BM25 ranks highest attended last, and recomputed there, whole when short, else in
+    part, where the workers can (``recompute``: not under tensor parallelism)): segment
+    index -> the offsets recomputed in it, segment index -> positions how far each chunk
+    moves, and how many first
     tokens of every other chunk are recomputed with them (``relevant_first_tokens``, where
     chunks are), computed by the connector's own selection for the HF reference of a
     served prompt."""
@@ -76,6 +78,7 @@ def default_treatment(
         defaults.relevant_recompute_tokens if recompute else 0,
         first_is_causal=first_is_causal,
         min_score=defaults.relevant_min_score,
+        span_tokens=defaults.relevant_span_tokens,
     )
     return recomputed, shifts, defaults.relevant_first_tokens if recomputed else 0
 
@@ -103,22 +106,25 @@ def blended_where_attended(
     segments: tuple[Segment, ...] | list[Segment],
     isolation: Isolation,
     shifts: dict[int, int],
-    recomputed: list[int],
+    recomputed: Sequence[int] | Mapping[int, range],
     first_tokens: int,
     virtual_gap: int = 0,
 ) -> Forward:
     """The HF reference of chunks attended ``shifts`` (segment index -> positions) from
-    where they stand, the ``recomputed`` ones (segment indices) blended there with every
+    where they stand, the ``recomputed`` ones (segment indices, or segment index -> offsets)
+    blended there with every
     other chunk's first ``first_tokens``: ``HFReference.blended_cache`` of the prompt as
     attended (``reordered``), its KV returned in the served prompt's order (each chunk's
     keys rotated to where it is attended), as the connector's cache holds it."""
     attended, order = reordered(segments, shifts)
+    if not isinstance(recomputed, Mapping):
+        recomputed = {i: range(len(segments[i])) for i in recomputed}
     blended = ref.blended_cache(
         attended,
         isolation,
         first_tokens,
         virtual_gap,
-        recompute_chunks=[order.index(i) for i in recomputed],
+        recompute_chunks={order.index(i): r for i, r in recomputed.items()},
     )
     # Position p of the served prompt is attended at p + its chunk's shift.
     at = [p + shifts.get(i, 0) for i, seg in enumerate(segments) for p in range(seg.start, seg.end)]

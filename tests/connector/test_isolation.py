@@ -27,7 +27,7 @@ from chunkstore.testing.scenario import (
     blended_where_attended,
     default_reference,
 )
-from chunkstore_vllm.config import ConnectorConfig
+from chunkstore_vllm.selection import span
 
 MORE_DOCS = [
     "Rome is the capital of Italy. The river Tiber flows through it.",
@@ -207,8 +207,10 @@ def test_cold_equals_warm_under_chunked_prefill_and_tensor_parallelism(
 
 # The chunks (segment indices) each recomputing case recomputes: the last one (by
 # position), the one about Mount Everest the question asks about (``relevant_last: 1``,
-# by BM25: short, so put last and recomputed there, with every other chunk's first
-# ``relevant_first_tokens``), the second and third (named by the
+# by BM25: put last and, longer than ``relevant_recompute_tokens``, recomputed there in
+# part, its ``span`` around what the question names, with every chunk's first
+# ``relevant_first_tokens``: the default's whole short chunks are the defaults test's),
+# the second and third (named by the
 # request's kv_transfer_params). Not the first chunk: it follows sys, so its isolated KV
 # is its causal KV already.
 RECOMPUTED = {"recompute": [4], "relevant": [3], "requested": [2, 3]}
@@ -219,7 +221,12 @@ RECOMPUTED = {"recompute": [4], "relevant": [3], "requested": [2, 3]}
     [
         {"virtual_gap": 100},
         {"recompute_chunks": 1, "recompute_by": "position"},
-        {"relevant_last": 1},
+        {
+            "relevant_last": 1,
+            "relevant_recompute_tokens": 8,
+            "relevant_span_tokens": 6,
+            "relevant_first_tokens": 2,
+        },
         {},
         {"recompute_tokens": 3},
         {"recompute_tokens": 1000, "virtual_gap": 100},
@@ -273,12 +280,17 @@ def test_quality_recovery_acts_the_same_on_loaded_and_computed_chunks(
         if case == "relevant":  # the chunk BM25 ranks first is the one the question names
             assert "Everest" in Scenario(tiny_model_dir).tok.decode(segments[3].token_ids)
         if case == "relevant":
-            # The default's relevant chunk goes after the last one (segment 4) and is
-            # recomputed there, with every other chunk's first tokens.
-            first = ConnectorConfig().relevant_first_tokens
+            # The relevant chunk goes after the last one (segment 4) and its span is
+            # recomputed there (inside it: neither its first nor its last token), with
+            # every chunk's first tokens.
+            first = settings["relevant_first_tokens"]
             shifts = {3: len(segments[4]), 4: -len(segments[3])}
-            blend = blended_where_attended(ref, segments, Isolation.SYS, shifts, chosen, first)
-            in_place = ref.blended_cache(segments, Isolation.SYS, first, recompute_chunks=chosen)
+            bodies = [seg.token_ids for seg in segments[1:-1]]
+            offsets = span(segments[-1].token_ids, bodies, 2, settings["relevant_span_tokens"])
+            assert first < offsets.start and offsets.stop < len(segments[3])
+            spans = {3: offsets}
+            blend = blended_where_attended(ref, segments, Isolation.SYS, shifts, spans, first)
+            in_place = ref.blended_cache(segments, Isolation.SYS, first, recompute_chunks=spans)
             with pytest.raises(AssertionError):  # recomputed last, not where it stands
                 assert_logprobs_match(cold, in_place.logits[-1])
         else:

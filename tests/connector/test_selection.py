@@ -23,6 +23,7 @@ from chunkstore_vllm.selection import (
     relevant_last,
     requested,
     select,
+    span,
 )
 
 
@@ -105,17 +106,54 @@ def test_relevant_chunks_go_last_and_are_recomputed_there_when_short() -> None:
         start += len(body)
     # Chunks 1 and 3 (segments 2 and 4) are the two most relevant, of 4 and 3 tokens: both
     # attended last, segment 2 (the more relevant) after segment 4, and recomputed there.
-    assert relevant(segments, 2, 4) == ([2, 4], {2: 8, 3: -4, 4: -4}, 2)
-    # One of them longer than the limit: both attended last, neither recomputed.
-    assert relevant(segments, 2, 3) == ([], {2: 8, 3: -4, 4: -4}, 2)
-    assert relevant(segments, 2, 0)[1] == relevant(segments, 2, 3)[1]
+    moves = {2: 8, 3: -4, 4: -4}
+    assert relevant(segments, 2, 4) == ({2: range(4), 4: range(3)}, moves, 2)
+    # One of them longer than the limit: both attended last, the short one recomputed, the
+    # long one only moved (no span) or recomputed in part (its span: here from its first
+    # match, a quarter of 2 tokens in being 0 tokens).
+    assert relevant(segments, 2, 3) == ({4: range(3)}, moves, 2)
+    assert relevant(segments, 2, 3, span_tokens=2) == ({2: range(2), 4: range(3)}, moves, 2)
+    # Nothing recomputed at all: both only moved.
+    assert relevant(segments, 2, 0, span_tokens=2) == ({}, moves, 2)
     # Already last: recomputed where it stands, nothing moves.
-    assert relevant(segments[:3] + segments[-1:], 1, 10, first_is_causal=True) == ([2], {}, 0)
+    alone = segments[:3] + segments[-1:]
+    assert relevant(alone, 1, 10, first_is_causal=True) == ({2: range(4)}, {}, 0)
     # The only chunk follows sys: recomputing it would change nothing, so it is left out.
     first = [segments[0], segments[1], Segment(SegmentKind.QUESTION, 5, (1,))]
-    assert relevant(first, 1, 10, first_is_causal=True) == ([], {}, 0)
-    assert relevant(first, 1, 10) == ([1], {}, 0)
-    assert relevant(segments, 0, 100) == ([], {}, 0)
+    assert relevant(first, 1, 10, first_is_causal=True) == ({}, {}, 0)
+    assert relevant(first, 1, 10) == ({1: range(3)}, {}, 0)
+    assert relevant(segments, 0, 100) == ({}, {}, 0)
+
+
+def test_a_long_relevant_chunk_is_recomputed_where_it_matches_the_question() -> None:
+    """``span``: the window with the most idf of the question's terms, its first match a
+    quarter in, clamped to the chunk; the whole chunk where it is no longer."""
+    question = [42, 43]
+    fact = [7] * 50 + [42, 43] + [7] * 48  # the match at 50
+    other = [7] * 100
+    assert span(question, [fact, other], 0, 40) == range(40, 80)  # 50 - 40 // 4
+    assert span(question, [fact, other], 0, 100) == range(100)
+    early = [42, 43] + [7] * 98
+    assert span(question, [early, other], 0, 40) == range(0, 40)  # clamped at the start
+    late = [7] * 98 + [42, 43]
+    assert span(question, [late, other], 0, 40) == range(60, 100)  # and at the end
+    # A term every chunk holds weighs less than a rare one: the window goes to the rare one.
+    common = [42] + [7] * 59 + [43, 44] + [7] * 38
+    assert span([42, 43, 44], [common, [42] * 100], 0, 20) == range(55, 75)
+    # Within the budget, in relevant(): a 100-token pick recomputed as its 40-token span.
+    segments, start = [Segment(SegmentKind.SYS, 0, (9, 9))], 2
+    for kind, body in [(SegmentKind.CHUNK, fact), (SegmentKind.CHUNK, other)] + [
+        (SegmentKind.QUESTION, question)
+    ]:
+        segments.append(Segment(kind, start, tuple(body)))
+        start += len(body)
+    assert relevant(segments, 1, 50, span_tokens=40) == ({1: range(40, 80)}, {1: 100, 2: -100}, 1)
+
+
+def chosen(result: tuple[dict[int, range], dict[int, int], int]) -> tuple[list[int], int]:
+    """The chunks ``relevant`` recomputes (whole, checked) and how many moved."""
+    recomputed, _, moved = result
+    return [i for i, r in recomputed.items() if r.start == 0], moved
 
 
 def test_the_relevant_chunks_recomputed_fit_a_budget_that_scales_with_the_prompt() -> None:
@@ -137,16 +175,16 @@ def test_the_relevant_chunks_recomputed_fit_a_budget_that_scales_with_the_prompt
     best, good = [42, 43, 42, 43, *[7] * 96], [42, 43, *[7] * 98]
     segments = prompt([plain, good, plain, best, plain, good, plain, plain])
     # Three chosen: 300 tokens fit.
-    assert relevant(segments, 3, 100)[0::2] == ([2, 4, 6], 3)
+    assert chosen(relevant(segments, 3, 100)) == ([2, 4, 6], 3)
     # Twelve chunks of 50 and one of 100, two of 50 relevant: 200 tokens, budget 256 ...
     small, fact = [7] * 50, [42, 43, *[7] * 48]
     segments = prompt([small] * 5 + [fact, small, fact] + [small] * 4 + [[7] * 100])
-    assert relevant(segments, 3, 100)[0::2] == ([6, 8], 2)
+    assert chosen(relevant(segments, 3, 100)) == ([6, 8], 2)
     # ... and three of 120 with 400 other tokens (budget 304): the best two fit (of the
     # two alike, the later).
     long_fact = [42, 43, *[7] * 118]
     segments = prompt([long_fact, [7] * 200, [42, 43, 42, 43, *[7] * 116], [7] * 200, long_fact])
-    assert relevant(segments, 3, 200)[0::2] == ([3, 5], 3)  # all three go last
+    assert chosen(relevant(segments, 3, 200)) == ([3, 5], 3)  # all three go last
 
 
 def test_settings_are_checked() -> None:
