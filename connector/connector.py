@@ -29,6 +29,7 @@ from .common import ChunkStoreMetadata
 from .config import ConnectorConfig
 from .metrics import ConnectorPromMetrics, ConnectorStats
 from .scheduler import SchedulerSide
+from .versions import warn_outside_matrix
 from .worker import WorkerSide
 
 log = logging.getLogger("chunkstore.connector")
@@ -41,6 +42,7 @@ class ChunkStoreConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         if role == KVConnectorRole.SCHEDULER:
+            warn_outside_matrix(log)  # once per engine: the scheduler has one connector
             # A chunk that fails to load (daemon gone, entry evicted, checksum) is computed,
             # never served wrong and never a failed request. The scheduler reads this after
             # creating its connector.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -94,3 +95,27 @@ def test_short_relevant_chunks_are_recomputed_only_where_the_workers_can() -> No
     assert reason is not None and "tensor_parallel_size=2" in reason
     reason = unsupported_recompute(deployment("GPT2LMHeadModel"))
     assert reason is not None and "GPT2LMHeadModel" in reason
+
+
+def test_the_connector_warns_at_start_up_outside_the_tested_vllm_versions(monkeypatch, caplog):
+    """docs/versions.md's matrix: the vLLM installed here (the one CI tests) is inside it;
+    any other release is named in a warning at start-up, with the page to read."""
+    import logging
+
+    import vllm
+
+    from chunkstore_vllm.versions import TESTED_VLLM, vllm_warning, warn_outside_matrix
+
+    assert vllm_warning(vllm.__version__) is None
+    assert vllm_warning("0.32.1.dev4+g0123abc") is None  # a patch or dev build of it
+    for other in ("0.31.2", "0.33.0", "1.0.0", "0.3.2"):
+        warning = vllm_warning(other)
+        assert warning is not None and other in warning and "docs/versions.md" in warning
+    log = logging.getLogger("chunkstore.test")
+    with caplog.at_level(logging.WARNING, logger="chunkstore.test"):
+        assert warn_outside_matrix(log) is None
+        monkeypatch.setattr(vllm, "__version__", "0.40.0")
+        assert warn_outside_matrix(log) == vllm_warning("0.40.0")
+    assert [r.getMessage() for r in caplog.records] == [f"chunkstore: {vllm_warning('0.40.0')}"]
+    page = (Path(__file__).parents[2] / "docs" / "versions.md").read_text()
+    assert all(f"{v}." in page for v in TESTED_VLLM)
