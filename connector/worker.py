@@ -205,48 +205,9 @@ class WorkerSide:
         )
         self.layers = sorted(kv_caches.items(), key=lambda item: _layer_index(item[0]))
         self._layer_index = {name: i for i, (name, _) in enumerate(self.layers)}
-        layout = self.keys.layout
-        try:
-            self.cache = cache_access(
-                self.vllm_config, self.block_size, self.layers[0][1], layout.head_dim
-            )
-            shapes = {
-                (self.cache.local_heads(cache), self.cache.head_dim(cache))
-                for _, cache in self.layers
-            }
-        except LayoutError as err:
-            log.warning(
-                "chunkstore: %s; loading and saving are off, every request is computed", err
-            )
-            self.layers = []
-            return
-        fits = len(shapes) == 1 and next(iter(shapes))[1] == layout.head_dim
-        if len(self.layers) != layout.num_layers or not fits:
-            log.warning(
-                "chunkstore: KV caches of (heads, head_dim) %s in %d layers do not fit the "
-                "model's %d layers; it will load and save nothing",
-                sorted(shapes),
-                len(self.layers),
-                layout.num_layers,
-            )
-            self.layers = []
-            return
-        try:
-            self.heads = self._rank_heads()
-        except ValueError as err:
-            log.warning("chunkstore: %s; loading and saving are off", err)
-            self.layers = []
-            return
-        self.can_read_cache = self.cache.probe(*self.layers[0])
-        if isinstance(self.cache, DeviceKVLayout):  # loads copy the pool to the device
-            self.link.pin_for = self.cache.layout.views(self.layers[0][1])[0].device.type
-        if not self.can_read_cache and isinstance(self.cache, DeviceKVLayout):
-            log.warning(
-                "chunkstore: the %s cache probe did not find the back end's own write where "
-                "the layout reads; loading and saving are off, every request is computed "
-                "(loads count as load_failures)",
-                self.cache.layout.name,
-            )
+        why = self._unusable_cache()
+        if why:
+            log.warning("chunkstore: %s; loading and saving are off: vLLM computes", why)
             self.layers = []
             return
         if not self.can_read_cache:
@@ -264,6 +225,41 @@ class WorkerSide:
             self._scratch = np.empty(self._block_bytes[0].shape[1], dtype=np.uint8)
         if self.config.inband_isolation:
             self._install_hook()
+
+    def _unusable_cache(self) -> str | None:
+        """Why this worker's KV caches can be neither loaded into nor saved from, or None;
+        on the way, the cache access, this rank's heads and whether the cache reads back
+        as written (``can_read_cache``: a probe) are set."""
+        layout = self.keys.layout
+        try:
+            self.cache = cache_access(
+                self.vllm_config, self.block_size, self.layers[0][1], layout.head_dim
+            )
+            shapes = {
+                (self.cache.local_heads(cache), self.cache.head_dim(cache))
+                for _, cache in self.layers
+            }
+        except LayoutError as err:
+            return str(err)
+        fits = len(shapes) == 1 and next(iter(shapes))[1] == layout.head_dim
+        if len(self.layers) != layout.num_layers or not fits:
+            return (
+                f"KV caches of (heads, head_dim) {sorted(shapes)} in {len(self.layers)} layers "
+                f"do not fit the model's {layout.num_layers} layers"
+            )
+        try:
+            self.heads = self._rank_heads()
+        except ValueError as err:
+            return str(err)
+        self.can_read_cache = self.cache.probe(*self.layers[0])
+        if isinstance(self.cache, DeviceKVLayout):  # loads copy the pool to the device
+            self.link.pin_for = self.cache.layout.views(self.layers[0][1])[0].device.type
+            if not self.can_read_cache:
+                return (
+                    f"the {self.cache.layout.name} cache probe did not find the back end's own "
+                    "write where the layout reads (loads count as load_failures)"
+                )
+        return None
 
     def _install_hook(self) -> None:
         """The isolation mask inside vLLM's attention; refused, with one warning, where the
