@@ -35,6 +35,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import numpy as np
 
@@ -60,6 +61,14 @@ log = logging.getLogger(__name__)
 DISK_READERS = 4  # disk hits of one Acquire read at once
 
 
+class Spill(StrEnum):
+    """Where an entry stands with the disk tier's spill thread (NONE is falsy)."""
+
+    NONE = ""
+    QUEUED = "queued"  # waiting in the spill queue
+    WRITING = "writing"  # being written: its blocks stay, whatever evicts it
+
+
 @dataclass
 class Entry:
     key: bytes
@@ -70,7 +79,7 @@ class Entry:
     pinned: bool = False
     leases: int = 0
     evicted: bool = False  # out of the index; its blocks go when its last lease does
-    spill: str = ""  # "queued" or "writing" to the disk tier; while writing, blocks stay
+    spill: Spill = Spill.NONE
     tenant: str = ""  # whose namespace it is in ("" shared; tenants.py)
     rank: float = 0.0  # its place in the eviction order, set when it became evictable
 
@@ -742,10 +751,10 @@ class Index:
             while self._spills:
                 _, entry = self._spills.popitem(last=False)
                 self._spill_bytes -= entry.nbytes
-                entry.spill = ""
+                entry.spill = Spill.NONE
                 if entry.key in self.disk:
                     continue
-                entry.spill = "writing"
+                entry.spill = Spill.WRITING
                 self._spills_writing += 1
                 self._place(entry)
                 return entry, self.pool.views(entry.blocks, entry.nbytes)
@@ -758,7 +767,7 @@ class Index:
         its blocks go back to the index's rules."""
         with self.lock:
             self.disk_counts["evictions"] += evicted
-            entry.spill = ""
+            entry.spill = Spill.NONE
             self._spills_writing -= 1
             self._place(entry)
             self._free_if_unheld(entry)
@@ -797,7 +806,7 @@ class Index:
         if bounded and full:  # an empty queue takes any entry: a big one spills too
             self.disk_counts["dropped_queue_full"] += 1
             return
-        entry.spill = "queued"
+        entry.spill = Spill.QUEUED
         self._spills[entry.key] = entry
         self._spill_bytes += entry.nbytes
         self._spill_moved.notify_all()
@@ -951,7 +960,8 @@ class Index:
         """Keep the eviction order to the evictable entries: after any change to an entry's
         pins or leases, in it (ranked as of now) exactly when it is committed, unpinned and
         unleased."""
-        evictable = not (entry.leases or entry.pinned or entry.evicted or entry.spill == "writing")
+        writing = entry.spill is Spill.WRITING
+        evictable = not (entry.leases or entry.pinned or entry.evicted or writing)
         order = self._orders.get(entry.tenant)
         if evictable and (order is None or entry.key not in order):
             if order is None:
@@ -1025,10 +1035,10 @@ class Index:
         self._place(entry)
         if entry.pinned:
             self._pinned -= 1
-        if entry.spill == "queued":  # gone before the spill thread got to it
+        if entry.spill is Spill.QUEUED:  # gone before the spill thread got to it
             del self._spills[entry.key]
             self._spill_bytes -= entry.nbytes
-            entry.spill = ""
+            entry.spill = Spill.NONE
             self.disk_counts["dropped_evicted"] += 1
         if self.disk is not None and reason in ("admin", "clear", "corrupt"):
             self.disk.remove(entry.key)  # forgotten, not moved down a tier
@@ -1076,5 +1086,5 @@ class Index:
 
     def _free_if_unheld(self, entry: Entry) -> None:
         """An evicted entry's blocks go once no lease reads them and no spill writes them."""
-        if entry.evicted and not entry.leases and entry.spill != "writing":
+        if entry.evicted and not entry.leases and entry.spill is not Spill.WRITING:
             self.pool.free(entry.blocks)
