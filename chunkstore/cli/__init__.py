@@ -1,0 +1,35 @@
+"""The ``chunkstore`` command: one module per command or group of verbs, each with
+``add_commands(commands)`` (its parsers, their ``func``) and what they run. Every heavy
+import (torch, vLLM, gRPC's stubs) happens inside the command that needs it: ``chunkstore
+serve`` and the admin verbs start without torch."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import admin, bench, ingest, models, proxy, serve
+
+
+def build_parser(bench_arguments: bool | str = True) -> argparse.ArgumentParser:
+    """The whole command line. ``bench_arguments``: whose own arguments (and the imports they
+    need) the benches get: every bench's (True), none (False, for any command but ``bench``),
+    or the one named (``chunkstore bench NAME``: a bench imports only its own module, so
+    ``bench device`` runs where vLLM and Redis are not installed)."""
+    parser = argparse.ArgumentParser(
+        prog="chunkstore",
+        description="Position-independent KV-cache service for LLM serving.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    bench.add_commands(commands, bench_arguments)
+    for module in (models, serve, admin, ingest, proxy):
+        module.add_commands(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    named = argv[1] if argv[:1] == ["bench"] and len(argv) > 1 else argv[:1] == ["bench"]
+    args = build_parser(bench_arguments=named).parse_args(argv)
+    result: int = args.func(args)
+    return result

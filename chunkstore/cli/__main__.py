@@ -1,0 +1,7 @@
+"""``python -m chunkstore.cli``."""
+
+import sys
+
+from chunkstore.cli import main
+
+sys.exit(main())

@@ -1,0 +1,70 @@
+"""``chunkstore bench NAME``: each bench is the module chunkstore.bench.NAME, with
+add_arguments(parser) and run(args) -> rows, imported only when it runs (the benches load
+torch and vLLM's helpers, seconds that ``chunkstore serve`` and the admin verbs skip)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+from typing import Any
+
+# Bench name -> what it measures. Each is the module chunkstore.bench.NAME, with
+# add_arguments(parser) and run(args) -> rows; imported only by `chunkstore bench` (the benches
+# load torch and vLLM's helpers, seconds that `chunkstore serve` and the admin verbs skip).
+BENCHES: dict[str, str] = {
+    "remap": "RoPE remap + paged write of a chunk against a plain copy (ratio_vs_copy)",
+    "device": "the GPU / NPU paths (remap + write, IPC get, pinned host pool) against plain "
+    "device copies of the same bytes (ratio_vs_baseline)",
+    "e2e": "time to first token in vLLM: no connector, prefix caching, chunkstore (ttft_speedup)",
+    "pull": "a peer pull of one entry over Mooncake's Transfer Engine vs the gRPC stream "
+    "(pull_engine_vs_stream)",
+    "quality": "answer accuracy on generated multi-document QA, per recovery method, with TTFT",
+    "scale": "the daemon at 1k / 10k / 100k entries, with pinned entries, and with 1-8 readers",
+    "store": "daemon lookups, and reads via shared memory against memcpy, Redis and gRPC",
+    "workload": "RAG traffic through vLLM's OpenAI server: its prefix caching alone vs "
+    "chunkstore evicting by LRU and by worth, at pool sizes (throughput_vs_apc)",
+}
+
+
+def _bench_module(name: str) -> Any:
+    return importlib.import_module(f"chunkstore.bench.{name}")
+
+
+def _print_table(rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        return
+    columns = list(rows[0])
+    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
+    for row in rows:
+        print("  ".join(str(row.get(c, "")).ljust(w) for c, w in zip(columns, widths, strict=True)))
+
+
+def run(args: argparse.Namespace) -> int:
+    rows = []
+    for row in _bench_module(args.name).run(args):
+        if args.json:
+            print(json.dumps(row), flush=True)
+        rows.append(row)
+    if not args.json:
+        _print_table(rows)
+    return 0
+
+
+def add_commands(commands: Any, bench_arguments: bool | str = True) -> None:
+    """``bench_arguments``: whose own arguments (and the imports they need) the benches
+    get: every bench's (True), none (False), or the one named."""
+    bench = commands.add_parser(
+        "bench",
+        help="measure against a baseline, side by side in one run",
+        description="Benchmarks. Each prints a table, or with --json one JSON object per line "
+        "with a 'bench' field and its figures; ratios are measured side by side.",
+    )
+    benches = bench.add_subparsers(dest="name", required=True, metavar="NAME")
+    for name, summary in BENCHES.items():
+        sub = benches.add_parser(name, help=summary, description=summary)
+        if bench_arguments is True or bench_arguments == name:
+            _bench_module(name).add_arguments(sub)
+        sub.add_argument("--json", action="store_true", help="one JSON object per line")
+        sub.set_defaults(func=run)
