@@ -205,6 +205,9 @@ def test_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="counts >= 0"):
         ConnectorConfig.from_extra({"relevant_recompute_tokens": -1})
     assert (default.relevant_last, default.relevant_recompute_tokens) == (3, 384)
+    assert default.relevant_span_tokens == 0  # a longer pick is only moved, unless set
+    with pytest.raises(ValueError, match="counts >= 0"):
+        ConnectorConfig.from_extra({"relevant_span_tokens": -1})
     assert default.relevant_min_score == 0.5
     with pytest.raises(ValueError, match="relevant_min_score"):
         ConnectorConfig.from_extra({"relevant_min_score": 1.5})
