@@ -28,8 +28,9 @@ not see each other, so that is the same KV as the prompt with those documents pu
 at the cost of re-rotating their keys. Where each chosen chunk holds at most
 ``relevant_recompute_tokens`` they are also recomputed there, seeing every document
 attended before them (the KV of the prompt with them put last, blended), the most relevant
-first within ``recompute_budget`` (``relevant``); a longer one, only its part that matches
-the question (``span``: ``relevant_span_tokens`` tokens around its densest match).
+first within ``recompute_budget`` (``relevant``); a longer one is only moved, or with
+``relevant_span_tokens`` recomputed in part (``span``: that many tokens around its densest
+match of the question's terms).
 """
 
 from __future__ import annotations
