@@ -174,8 +174,8 @@ def treatment(
     recomputes, those it attends last, and how many first tokens of every other chunk it
     recomputes, as the scheduler chooses them: the request's or ``recompute_chunks``' choice
     first (whole chunks), else ``relevant_last``'s (attended last, and recomputed there,
-    whole when short, else in part, with every other chunk's first
-    ``relevant_first_tokens``). The first chunk, where it stays first with no
+    whole when short, a longer one in part with ``relevant_span_tokens``, with every other
+    chunk's first ``relevant_first_tokens``). The first chunk, where it stays first with no
     ``virtual_gap``, is causal already (``recomputed_share`` leaves it out)."""
     segments = split_prompt(prompt, sep)
     lengths = [len(s) for s in segments if s.kind is SegmentKind.CHUNK]

@@ -60,8 +60,9 @@ def default_treatment(
     recompute: bool = True,
 ) -> tuple[dict[int, range], dict[int, int], int]:
     """What the connector's defaults do with a prompt's chunks (``relevant_last``: at most
-    three BM25 ranks highest attended last, and recomputed there, whole when short, else in
-    part, where the workers can (``recompute``: not under tensor parallelism)): segment
+    three BM25 ranks highest attended last, and recomputed there, whole when short, a longer
+    one in part with ``relevant_span_tokens``, where the workers can (``recompute``: not
+    under tensor parallelism)): segment
     index -> the offsets recomputed in it, segment index -> positions how far each chunk
     moves, and how many first
     tokens of every other chunk are recomputed with them (``relevant_first_tokens``, where
