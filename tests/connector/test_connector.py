@@ -20,7 +20,7 @@ from chunkstore.kv.keys import Isolation
 from chunkstore.processes.daemon import RunningDaemon
 from chunkstore.processes.redis import RedisServer
 from chunkstore.processes.vllm_probe import run_probe
-from chunkstore.testing.reference import HFReference
+from chunkstore.reference import HFReference, default_reference
 from chunkstore.testing.scenario import (
     DOCS,
     OTHER_SYS,
@@ -28,7 +28,6 @@ from chunkstore.testing.scenario import (
     SYS,
     Scenario,
     assert_logprobs_match,
-    default_reference,
 )
 from chunkstore_vllm.config import ConnectorConfig
 from chunkstore_vllm.selection import placed

@@ -17,6 +17,7 @@ from chunkstore.kv.keys import Isolation, segment_keys
 from chunkstore.kv.segments import build_chunked_prompt
 from chunkstore.processes.vllm_server import VllmServer
 from chunkstore.prompts import RagPrompts
+from chunkstore.reference import HFReference, default_reference
 from chunkstore.testing.cli import chunkstore, vllm_bench_serve
 from chunkstore.testing.prometheus import (
     PrometheusServer,
@@ -25,12 +26,10 @@ from chunkstore.testing.prometheus import (
     dashboard_queries,
     rule_problem,
 )
-from chunkstore.testing.reference import HFReference
 from chunkstore.testing.scenario import (
     RAG_DOCS,
     RAG_SYS,
     assert_logprobs_match,
-    default_reference,
     first_token,
 )
 

@@ -16,7 +16,12 @@ from chunkstore.kv.keys import Isolation, segment_keys
 from chunkstore.kv.segments import ChunkedPrompt
 from chunkstore.processes.daemon import RunningDaemon
 from chunkstore.processes.vllm_probe import run_probe
-from chunkstore.testing.reference import HFReference, relative_error
+from chunkstore.reference import (
+    HFReference,
+    blended_where_attended,
+    default_reference,
+    relative_error,
+)
 from chunkstore.testing.scenario import (
     DOCS,
     QUESTIONS,
@@ -24,8 +29,6 @@ from chunkstore.testing.scenario import (
     Scenario,
     assert_logprobs_match,
     assert_same_answer,
-    blended_where_attended,
-    default_reference,
 )
 from chunkstore_vllm.selection import span
 

@@ -15,14 +15,12 @@ from chunkstore.client import ChunkStoreClient
 from chunkstore.kv.keys import Isolation
 from chunkstore.processes.vllm_server import VllmServer
 from chunkstore.prompts import RagPrompts
+from chunkstore.reference import HFReference, default_reference, default_treatment
 from chunkstore.testing.cli import chunkstore
-from chunkstore.testing.reference import HFReference
 from chunkstore.testing.scenario import (
     RAG_DOCS,
     RAG_SYS,
     assert_logprobs_match,
-    default_reference,
-    default_treatment,
     first_token,
 )
 

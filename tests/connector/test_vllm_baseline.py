@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from chunkstore.kv.segments import build_chunked_prompt
 from chunkstore.processes.vllm_probe import run_probe
-from chunkstore.testing.reference import HFReference
+from chunkstore.reference import HFReference
 
 
 @pytest.mark.slow

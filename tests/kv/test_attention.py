@@ -19,7 +19,7 @@ from chunkstore.kv.attention import (
 from chunkstore.kv.keys import Isolation
 from chunkstore.kv.masks import MaskForm, SegmentLayout, isolation_mask
 from chunkstore.kv.segments import SegmentKind
-from chunkstore.testing.reference import random_llama
+from chunkstore.reference import random_llama
 
 
 def random_layout(rng: random.Random) -> SegmentLayout:

@@ -17,7 +17,7 @@ from chunkstore.kv.keys import Isolation
 from chunkstore.kv.paging import slot_mapping
 from chunkstore.kv.segments import SegmentKind, build_chunked_prompt
 from chunkstore.kv.writer import write_chunk
-from chunkstore.testing.reference import KV, HFReference, random_llama, relative_error
+from chunkstore.reference import KV, HFReference, random_llama, relative_error
 
 TOLERANCE = 1e-5
 
