@@ -122,7 +122,7 @@ def parse_method(spec: str) -> dict[str, Any] | None:
     return settings
 
 
-def _methods(text: str) -> list[tuple[str, dict[str, Any] | None]]:
+def parse_methods(text: str) -> list[tuple[str, dict[str, Any] | None]]:
     """``--methods``: each spec parsed and its settings checked, before anything runs."""
     methods = []
     for spec in text.split(","):
@@ -269,12 +269,17 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
 def _run_cases(
     args: argparse.Namespace, model: Path, tok: Any, doc_tokens: int | None, split: str
 ) -> Iterator[dict[str, Any]]:
-    methods: list[tuple[str, dict[str, Any] | None]] = args.methods
+    cases, _ = cases_of_length(args, tok, doc_tokens, split)
+    yield from evaluate(
+        model, tok, cases, args.methods, args.max_tokens, args.repeats, {"split": split}
+    )
 
-    def encode(text: str) -> list[int]:
-        return list(tok.encode(text, add_special_tokens=False))
 
-    sep = encode(SEPARATOR)
+def cases_of_length(
+    args: argparse.Namespace, tok: Any, doc_tokens: int | None, split: str
+) -> tuple[list[qa_cases.Case], float]:
+    """``args.cases`` generated cases (``--docs``, ``--prose``, ``--seed``) whose documents
+    are ``doc_tokens`` long in ``tok`` (``--filler`` sentences where None), and that mean."""
     filler = args.filler if doc_tokens is None else qa_cases.filler_for(doc_tokens, args.prose)
     for _ in range(4):  # --doc-tokens: the filler that length takes in this tokenizer
         cases = qa_cases.generate(
@@ -285,7 +290,7 @@ def _run_cases(
             prose=args.prose,
             split=split,
         )
-        mean_doc = statistics.mean(len(encode(d)) for c in cases for d in c.documents)
+        mean_doc = statistics.mean(len(_encode(tok, d)) for c in cases for d in c.documents)
         if doc_tokens is None:
             break
         per_sentence = max(1.0, (mean_doc - qa_cases.FACT_TOKENS) / filler)
@@ -293,24 +298,51 @@ def _run_cases(
         if better == filler:
             break
         filler = better
-    shape = f"documents of ~{mean_doc:.0f} tokens, {split} split"
+    return cases, mean_doc
+
+
+def _encode(tok: Any, text: str) -> list[int]:
+    return list(tok.encode(text, add_special_tokens=False))
+
+
+def evaluate(
+    model: Path,
+    tok: Any,
+    cases: list[qa_cases.Case],
+    methods: list[tuple[str, dict[str, Any] | None]],
+    max_tokens: int,
+    repeats: int,
+    labels: dict[str, Any],
+    timeout: float = 7200,
+) -> Iterator[dict[str, Any]]:
+    """Each method on ``cases`` in its own vLLM (``timeout`` seconds each): a row per
+    method (``labels`` added to each), with accuracy, its interval, TTFT and what the
+    method recomputed (the module's docstring)."""
+    sep = _encode(tok, SEPARATOR)
+    mean_doc = statistics.mean(len(_encode(tok, d)) for c in cases for d in c.documents)
+    shape = f"documents of ~{mean_doc:.0f} tokens"
+    shape += "".join(f", {value} {name}" for name, value in labels.items())
 
     def prompt(documents: list[str], question: str) -> list[int]:
         text = QUESTION_TEXT.format(question)
-        return list(build_chunked_prompt(encode, SYS_TEXT, documents, text, sep).token_ids)
+        return list(
+            build_chunked_prompt(
+                functools.partial(_encode, tok), SYS_TEXT, documents, text, sep
+            ).token_ids
+        )
 
     qa_ids = [prompt(list(c.documents), c.question) for c in cases]
     qa_rankings = [oracle_ranking(c.relevant, len(c.documents)) for c in cases]
     # TTFT: the first cases again, their documents reversed (stored by then, in a new order).
-    timed_cases = cases[: args.repeats]
+    timed_cases = cases[:repeats]
     measured = [prompt(list(reversed(c.documents)), c.question) for c in timed_cases]
     measured_rankings = [
         [len(c.documents) - 1 - i for i in ranking]
         for c, ranking in zip(timed_cases, qa_rankings, strict=False)
     ]
-    warmup = encode("Hello, how are you today?")
+    warmup = _encode(tok, "Hello, how are you today?")
     longest = max(len(p) for p in [*measured, *qa_ids])
-    max_len = max(4096, 1 << (longest + args.max_tokens + 64).bit_length())
+    max_len = max(4096, 1 << (longest + max_tokens + 64).bit_length())
     results: dict[str, dict[str, Any]] = {}
     with (
         tempfile.TemporaryDirectory(prefix="chunkstore-quality-") as tmp,
@@ -337,49 +369,36 @@ def _run_cases(
                 file=sys.stderr,
                 flush=True,
             )
-            work = Path(tmp) / f"method-{index}"
             requested = (settings or {}).get(REQUEST, 0)
             scores = (settings or {}).get(SCORES) == ORACLE
             qa = [
-                _entry(p, args.max_tokens, r, requested, scores)
+                _entry(p, max_tokens, r, requested, scores)
                 for p, r in zip(qa_ids, qa_rankings, strict=True)
             ]
             timed_prompts = [
                 _entry(p, None, r, requested, scores)
                 for p, r in zip(measured, measured_rankings, strict=True)
             ]
-            if settings is None:
-                rows = run_probe(
-                    model, [warmup, *qa, *timed_prompts], work, max_model_len=max_len, timeout=7200
-                )[1:]
-            else:
+            connector = None
+            if settings is not None:
                 address = daemon_for(settings).unix
-                rows = run_probe(
-                    model,
-                    [warmup, *qa, *timed_prompts],
-                    work,
-                    {"address": address, "separator": SEPARATOR, **connector_settings(settings)},
-                    max_model_len=max_len,
-                    timeout=7200,
-                )[1:]
+                connector = {
+                    "address": address,
+                    "separator": SEPARATOR,
+                    **connector_settings(settings),
+                }
+            rows = run_probe(
+                model,
+                [warmup, *qa, *timed_prompts],
+                Path(tmp) / f"method-{index}",
+                connector,
+                max_model_len=max_len,
+                timeout=timeout,
+            )[1:]
             answers = [str(tok.decode(r["generated"])) for r in rows[: len(qa)]]
-            timed = rows[-len(measured) :]
-            by_kind: dict[str, list[int]] = {}
-            right = [case.correct(answer) for case, answer in zip(cases, answers, strict=True)]
-            for case, ok in zip(cases, right, strict=True):
-                by_kind.setdefault(case.kind, [0, 0])
-                by_kind[case.kind][0] += ok
-                by_kind[case.kind][1] += 1
-            correct = sum(right)
-            results[spec] = {
-                "correct": correct,
-                "per_case": "".join("1" if ok else "0" for ok in right),
-                "by_kind": {k: f"{v[0]}/{v[1]}" for k, v in by_kind.items()},
-                "ttft_s": statistics.median(r["seconds"] for r in timed),
-                "loaded_tokens": min(r["cached_tokens"] for r in timed),
-            }
+            results[spec] = _scored(cases, answers, rows[len(qa) :])
             print(
-                f"bench quality: {spec}: {correct}/{len(cases)} correct, "
+                f"bench quality: {spec}: {results[spec]['correct']}/{len(cases)} correct, "
                 f"TTFT {results[spec]['ttft_s']:.3f} s",
                 file=sys.stderr,
                 flush=True,
@@ -393,7 +412,7 @@ def _run_cases(
             "method": spec,
             "settings": settings,
             "cases": len(cases),
-            "split": split,
+            **labels,
             "doc_tokens": round(mean_doc, 1),
             "correct": res["correct"],
             "accuracy": round(res["correct"] / len(cases), 4),
@@ -404,26 +423,60 @@ def _run_cases(
             "loaded_tokens": res["loaded_tokens"],
         }
         if settings is not None:
-            row["recomputed_share"] = {
-                "qa": round(recomputed_share(qa_ids, sep, settings, qa_rankings), 3),
-                "ttft": round(recomputed_share(measured, sep, settings, measured_rankings), 3),
-            }
-            chosen = [
-                treatment(settings, p, sep, r)[:2] for p, r in zip(qa_ids, qa_rankings, strict=True)
-            ]
-            for field, which in (("answer_chunks_recomputed", 0), ("answer_chunks_last", 1)):
-                if any(c[which] for c in chosen):
-                    found = sum(
-                        set(case.relevant) <= set(c[which])
-                        for case, c in zip(cases, chosen, strict=True)
-                    )
-                    row[field] = round(found / len(cases), 3)
+            timed = (measured, measured_rankings)
+            row.update(_recomputed(settings, cases, sep, (qa_ids, qa_rankings), timed))
         if full is not None:
             row["ttft_vs_full"] = round(full["ttft_s"] / res["ttft_s"], 2)
         if full is not None and isolated is not None and full["correct"] != isolated["correct"]:
             lost = full["correct"] - isolated["correct"]
             row["gap_closed"] = round((res["correct"] - isolated["correct"]) / lost, 3)
         yield row
+
+
+def _scored(
+    cases: list[qa_cases.Case], answers: list[str], timed: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """A method's answers scored (in all and by kind), and its TTFT from the ``timed``
+    prompts' results (the median; the fewest tokens any of them loaded)."""
+    right = [case.correct(answer) for case, answer in zip(cases, answers, strict=True)]
+    by_kind: dict[str, list[int]] = {}
+    for case, ok in zip(cases, right, strict=True):
+        by_kind.setdefault(case.kind, [0, 0])
+        by_kind[case.kind][0] += ok
+        by_kind[case.kind][1] += 1
+    return {
+        "correct": sum(right),
+        "per_case": "".join("1" if ok else "0" for ok in right),
+        "by_kind": {k: f"{v[0]}/{v[1]}" for k, v in by_kind.items()},
+        "ttft_s": statistics.median(r["seconds"] for r in timed),
+        "loaded_tokens": min(r["cached_tokens"] for r in timed),
+    }
+
+
+def _recomputed(
+    settings: dict[str, Any],
+    cases: list[qa_cases.Case],
+    sep: list[int],
+    qa: tuple[list[list[int]], list[list[int]]],
+    timed: tuple[list[list[int]], list[list[int]]],
+) -> dict[str, Any]:
+    """What a method recomputes: the share of chunk tokens (``recomputed_share``), and in
+    how many cases (of those naming them) every answer document was among the chunks
+    recomputed or put last (``qa`` and ``timed``: prompts and their oracle rankings)."""
+    qa_ids, qa_rankings = qa
+    fields: dict[str, Any] = {
+        "recomputed_share": {
+            "qa": round(recomputed_share(qa_ids, sep, settings, qa_rankings), 3),
+            "ttft": round(recomputed_share(timed[0], sep, settings, timed[1]), 3),
+        }
+    }
+    chosen = [treatment(settings, p, sep, r)[:2] for p, r in zip(qa_ids, qa_rankings, strict=True)]
+    known = [(case, c) for case, c in zip(cases, chosen, strict=True) if case.relevant]
+    for field, which in (("answer_chunks_recomputed", 0), ("answer_chunks_last", 1)):
+        if known and any(c[which] for c in chosen):  # (a user's case may not say)
+            found = sum(set(case.relevant) <= set(c[which]) for case, c in known)
+            fields[field] = round(found / len(known), 3)
+    return fields
 
 
 def _transfer_params(ranking: list[int], requested: int, scores: bool) -> dict[str, Any] | None:
@@ -494,7 +547,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=24, help="answer tokens (24)")
     parser.add_argument(
         "--methods",
-        type=_methods,
+        type=parse_methods,
         default=",".join(DEFAULT_METHODS),
         help="comma-separated: full (vLLM alone), isolated (chunks isolated), default (the "
         "connector's defaults), or connector settings KNOB=VALUE joined by '+' "
