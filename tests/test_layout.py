@@ -51,6 +51,8 @@ ALLOWED: list[tuple[str, tuple[str, ...]]] = [
 FORBIDDEN: list[tuple[str, tuple[str, ...]]] = [
     ("chunkstore.cli", ("chunkstore.testing",)),
     ("chunkstore.bench", ("chunkstore.testing",)),
+    ("chunkstore.doctor", ("chunkstore.testing",)),
+    ("chunkstore.reference", ("chunkstore.testing",)),
 ]
 
 

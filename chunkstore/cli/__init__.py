@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import admin, bench, ingest, models, proxy, serve
+from . import admin, bench, doctor, ingest, models, proxy, serve
 
 
 def build_parser(bench_arguments: bool | str = True) -> argparse.ArgumentParser:
@@ -22,7 +22,7 @@ def build_parser(bench_arguments: bool | str = True) -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     bench.add_commands(commands, bench_arguments)
-    for module in (models, serve, admin, ingest, proxy):
+    for module in (models, serve, admin, ingest, proxy, doctor):
         module.add_commands(commands)
     return parser
 

