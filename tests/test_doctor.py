@@ -117,3 +117,26 @@ def test_doctor_on_smollm2_is_exact(smollm2_dir, capsys) -> None:
     assert "exactness: ok: warm == cold True" in out
     assert out.splitlines()[-2].startswith("EXACT (answers not measured)")
     assert out.splitlines()[-1].startswith('--kv-transfer-config \'{"kv_connector"')
+
+
+@pytest.mark.release
+def test_doctor_on_qwen_agrees_with_bench_quality_on_the_same_cases(tmp_path) -> None:
+    """The doctor's answers are bench quality's on the same built-in cases: the command its
+    report names gives the same answers, case by case (greedy, fp32: deterministic)."""
+    run = doctor("qwen2.5-0.5b", "--cases", "6", "--json")
+    report = json.loads(run.stdout)
+    assert report["exactness"]["ok"], report["exactness"]
+    assert run.returncode == report["verdict"]["code"] in (USE, BELOW_BAR)
+    command = report["reproduce"].split()
+    assert command[:3] == ["chunkstore", "bench", "quality"]
+    bench = subprocess.run(
+        [sys.executable, "-m", "chunkstore.cli", *command[1:]],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
+    assert bench.returncode == 0, bench.stderr[-3000:]
+    rows = [json.loads(line) for line in bench.stdout.splitlines()]
+    for mine, theirs in zip(report["answers"], rows, strict=True):
+        assert mine["method"] == theirs["method"]
+        assert mine["per_case"] == theirs["per_case"], (mine, theirs)
