@@ -246,3 +246,20 @@ def test_the_circle_check_catches_what_it_is_for() -> None:
         "chunkstore.protocol.a -> chunkstore.protocol.b -> chunkstore.protocol.c"
         " -> chunkstore.protocol.a",
     ]
+
+
+def test_every_package_is_in_the_wheel() -> None:
+    """pyproject.toml lists the packages a wheel (an image's ``pip install``) carries: a
+    folder left out installs in editable mode and is missing everywhere else."""
+    import tomllib
+
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = {
+        module_name(init.parent / "__init__.py")
+        for folder in PACKAGES.values()
+        for init in folder.rglob("__init__.py")
+        if "__pycache__" not in init.parts
+    }
+    assert found == listed, (sorted(found - listed), sorted(listed - found))
