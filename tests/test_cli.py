@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from chunkstore import __version__
 from chunkstore.models import (
     DEFAULT_MODELS,
     MODELS,
@@ -26,6 +27,12 @@ def test_help_explains_each_command() -> None:
     assert top.returncode == 0 and "bench" in top.stdout and "models" in top.stdout
     bench = chunkstore("bench", "remap", "--help")
     assert bench.returncode == 0 and "--json" in bench.stdout and "--tokens" in bench.stdout
+    version = chunkstore("--version")  # what an image's smoke test runs first
+    assert version.returncode == 0 and version.stdout == f"chunkstore {__version__}\n"
+    doctor = chunkstore("doctor", "--help")
+    assert (
+        doctor.returncode == 0 and "Exit status" in doctor.stdout and "--questions" in doctor.stdout
+    )
 
 
 def test_bench_remap_json_prints_one_object_per_dtype() -> None:

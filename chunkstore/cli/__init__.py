@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from chunkstore import __version__
+
 from . import admin, bench, doctor, ingest, models, proxy, serve
 
 
@@ -20,6 +22,7 @@ def build_parser(bench_arguments: bool | str = True) -> argparse.ArgumentParser:
         prog="chunkstore",
         description="Position-independent KV-cache service for LLM serving.",
     )
+    parser.add_argument("--version", action="version", version=f"chunkstore {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     bench.add_commands(commands, bench_arguments)
     for module in (models, serve, admin, ingest, proxy, doctor):
