@@ -5,7 +5,7 @@
 # PyPI, and the wheels in WHEELS (a torch CPU wheel, where PyPI's torch is the CUDA one) are
 # served to it over 127.0.0.1 (buildah's chroot shares the host's network).
 #
-#   IMAGES="cpu cuda"         which images (ascend too, where its torch-npu resolves) (cpu: built and smoke-tested; cuda, ascend: their
+#   IMAGES="cpu cuda ascend"  which images (cpu: built and smoke-tested; cuda, ascend: their
 #                             steps on the Debian base in place of nvidia/cuda and CANN,
 #                             which cannot be pulled here)
 #   WHEELS=/opt/wheels        extra wheels for pip (find-links), served over HTTP
@@ -14,7 +14,7 @@
 #   LOG=build/images.log      every step's output; its size and each step's time at the end
 set -euo pipefail
 
-IMAGES=${IMAGES:-cpu cuda}
+IMAGES=${IMAGES:-cpu cuda ascend}
 WHEELS=${WHEELS:-/opt/wheels}
 MIRROR=${MIRROR:-http://deb.debian.org/debian}
 CA_BUNDLE=${CA_BUNDLE:-/etc/ssl/certs/ca-certificates.crt}
