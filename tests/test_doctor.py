@@ -138,5 +138,7 @@ def test_doctor_on_qwen_agrees_with_bench_quality_on_the_same_cases(tmp_path) ->
     assert bench.returncode == 0, bench.stderr[-3000:]
     rows = [json.loads(line) for line in bench.stdout.splitlines()]
     for mine, theirs in zip(report["answers"], rows, strict=True):
+        print(f"doctor {mine['method']} {mine['per_case']}, bench {theirs['per_case']}")
         assert mine["method"] == theirs["method"]
         assert mine["per_case"] == theirs["per_case"], (mine, theirs)
+    print(report["verdict"]["line"])  # (make test-release shows what was measured)
