@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -356,7 +357,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="chunkstore-doctor-") as tmp:
         try:
             report["exactness"] = exactness(model, tokenizer, Path(tmp), _left(deadline))
-        except (RuntimeError, TimeoutError) as err:  # vLLM or the daemon failed
+        except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as err:  # vLLM, daemon
             report["exactness"] = {"ok": False, "exact": False, "error": str(err)[-2000:]}
             report["verdict"] = {
                 "code": NOT_EXACT,

@@ -142,3 +142,12 @@ def test_doctor_on_qwen_agrees_with_bench_quality_on_the_same_cases(tmp_path) ->
         assert mine["method"] == theirs["method"]
         assert mine["per_case"] == theirs["per_case"], (mine, theirs)
     print(report["verdict"]["line"])  # (make test-release shows what was measured)
+
+
+def test_doctor_stops_at_its_time_limit_and_says_so(tiny_model_dir, capsys) -> None:
+    code = main(["doctor", str(tiny_model_dir), "--max-minutes", "0.2", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 1 and report["exactness"]["ok"] is False
+    assert report["verdict"]["line"] == (
+        "FAILED: stage 2 did not run through: the doctor ran past --max-minutes"
+    )

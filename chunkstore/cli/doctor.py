@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,8 @@ def run(args: argparse.Namespace) -> int:
     except doctor.DoctorInputError as err:
         print(f"chunkstore doctor: {err}", file=sys.stderr)
         return 2
-    except TimeoutError as err:
-        print(f"chunkstore doctor: {err} ({args.max_minutes} minutes)", file=sys.stderr)
+    except (TimeoutError, subprocess.TimeoutExpired):
+        print(f"chunkstore doctor: ran past --max-minutes {args.max_minutes}", file=sys.stderr)
         return 1
 
 
