@@ -80,7 +80,8 @@ device-check-cpu: device-wheels device-venv
 test-fast: install
 	$(BIN)/python -m pytest -m "not slow and not release"
 
-# Before a release (not in CI's budget): the long runs on the Qwen models (tests marked release).
+# Before a release (not in CI's budget): the long runs (tests marked release: the Qwen models,
+# bench plumbing).
 test-release: install models
 	$(BIN)/chunkstore models qwen2.5-0.5b
 	$(BIN)/python -m pytest -m release -s

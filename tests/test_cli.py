@@ -380,6 +380,7 @@ def test_bench_scale_json() -> None:
     assert all(v > 0 for v in ratios.values())
 
 
+@pytest.mark.release  # a bench mode's plumbing (~60 s): before a release, not in CI's budget
 def test_bench_e2e_slope_on_the_tiny_model() -> None:
     run = chunkstore(
         "bench",

@@ -44,6 +44,7 @@ import statistics
 import sys
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -305,6 +306,47 @@ def _encode(tok: Any, text: str) -> list[int]:
     return list(tok.encode(text, add_special_tokens=False))
 
 
+@dataclass(frozen=True)
+class _Prompts:
+    """The cases' prompts and their oracle rankings: ``qa`` asked for answers, ``timed`` the
+    first cases again with their documents reversed (stored by then, in a new order: TTFT)."""
+
+    qa: list[list[int]]
+    qa_rankings: list[list[int]]
+    timed: list[list[int]]
+    timed_rankings: list[list[int]]
+
+    def entries(self, settings: dict[str, Any] | None, max_tokens: int) -> list[Any]:
+        """The probe's prompts for a method (``_entry``): the QA ones, then the timed ones."""
+        requested = (settings or {}).get(REQUEST, 0)
+        scores = (settings or {}).get(SCORES) == ORACLE
+        qa = zip(self.qa, self.qa_rankings, strict=True)
+        timed = zip(self.timed, self.timed_rankings, strict=True)
+        return [
+            *(_entry(p, max_tokens, r, requested, scores) for p, r in qa),
+            *(_entry(p, None, r, requested, scores) for p, r in timed),
+        ]
+
+
+def _prompts(tok: Any, sep: list[int], cases: list[qa_cases.Case], repeats: int) -> _Prompts:
+    def prompt(documents: list[str], question: str) -> list[int]:
+        text = QUESTION_TEXT.format(question)
+        encode = functools.partial(_encode, tok)
+        return list(build_chunked_prompt(encode, SYS_TEXT, documents, text, sep).token_ids)
+
+    rankings = [oracle_ranking(c.relevant, len(c.documents)) for c in cases]
+    timed_cases = cases[:repeats]
+    return _Prompts(
+        [prompt(list(c.documents), c.question) for c in cases],
+        rankings,
+        [prompt(list(reversed(c.documents)), c.question) for c in timed_cases],
+        [
+            [len(c.documents) - 1 - i for i in ranking]
+            for c, ranking in zip(timed_cases, rankings, strict=False)
+        ],
+    )
+
+
 def evaluate(
     model: Path,
     tok: Any,
@@ -322,26 +364,9 @@ def evaluate(
     mean_doc = statistics.mean(len(_encode(tok, d)) for c in cases for d in c.documents)
     shape = f"documents of ~{mean_doc:.0f} tokens"
     shape += "".join(f", {value} {name}" for name, value in labels.items())
-
-    def prompt(documents: list[str], question: str) -> list[int]:
-        text = QUESTION_TEXT.format(question)
-        return list(
-            build_chunked_prompt(
-                functools.partial(_encode, tok), SYS_TEXT, documents, text, sep
-            ).token_ids
-        )
-
-    qa_ids = [prompt(list(c.documents), c.question) for c in cases]
-    qa_rankings = [oracle_ranking(c.relevant, len(c.documents)) for c in cases]
-    # TTFT: the first cases again, their documents reversed (stored by then, in a new order).
-    timed_cases = cases[:repeats]
-    measured = [prompt(list(reversed(c.documents)), c.question) for c in timed_cases]
-    measured_rankings = [
-        [len(c.documents) - 1 - i for i in ranking]
-        for c, ranking in zip(timed_cases, qa_rankings, strict=False)
-    ]
+    prompts = _prompts(tok, sep, cases, repeats)
     warmup = _encode(tok, "Hello, how are you today?")
-    longest = max(len(p) for p in [*measured, *qa_ids])
+    longest = max(len(p) for p in [*prompts.timed, *prompts.qa])
     max_len = max(4096, 1 << (longest + max_tokens + 64).bit_length())
     results: dict[str, dict[str, Any]] = {}
     with (
@@ -352,85 +377,74 @@ def evaluate(
         # computes and stores the chunks, later ones load them (cold == warm, tested).
         by_gap: dict[int, Any] = {}
 
-        def daemon_for(settings: dict[str, Any]) -> Any:
+        def connector_for(settings: dict[str, Any]) -> dict[str, Any]:
             gap = settings.get("virtual_gap", 0)
             if gap not in by_gap:
-                by_gap[gap] = daemons.enter_context(
-                    start_daemon(
-                        Path(tmp) / f"daemon-gap-{gap}", pool_bytes=4 << 30, block_size=1 << 20
-                    )
-                )
-            return by_gap[gap]
+                folder = Path(tmp) / f"daemon-gap-{gap}"
+                daemon = start_daemon(folder, pool_bytes=4 << 30, block_size=1 << 20)
+                by_gap[gap] = daemons.enter_context(daemon)
+            address = by_gap[gap].unix
+            return {"address": address, "separator": SEPARATOR, **connector_settings(settings)}
 
         for index, (spec, settings) in enumerate(methods):
-            print(
-                f"bench quality: [{index + 1}/{len(methods)}] {spec}: {len(cases)} cases, "
-                f"{shape} ...",
-                file=sys.stderr,
-                flush=True,
-            )
-            requested = (settings or {}).get(REQUEST, 0)
-            scores = (settings or {}).get(SCORES) == ORACLE
-            qa = [
-                _entry(p, max_tokens, r, requested, scores)
-                for p, r in zip(qa_ids, qa_rankings, strict=True)
-            ]
-            timed_prompts = [
-                _entry(p, None, r, requested, scores)
-                for p, r in zip(measured, measured_rankings, strict=True)
-            ]
-            connector = None
-            if settings is not None:
-                address = daemon_for(settings).unix
-                connector = {
-                    "address": address,
-                    "separator": SEPARATOR,
-                    **connector_settings(settings),
-                }
+            _say(f"[{index + 1}/{len(methods)}] {spec}: {len(cases)} cases, {shape} ...")
             rows = run_probe(
                 model,
-                [warmup, *qa, *timed_prompts],
+                [warmup, *prompts.entries(settings, max_tokens)],
                 Path(tmp) / f"method-{index}",
-                connector,
+                None if settings is None else connector_for(settings),
                 max_model_len=max_len,
                 timeout=timeout,
             )[1:]
-            answers = [str(tok.decode(r["generated"])) for r in rows[: len(qa)]]
-            results[spec] = _scored(cases, answers, rows[len(qa) :])
-            print(
-                f"bench quality: {spec}: {results[spec]['correct']}/{len(cases)} correct, "
-                f"TTFT {results[spec]['ttft_s']:.3f} s",
-                file=sys.stderr,
-                flush=True,
-            )
-    full, isolated = results.get(FULL), results.get(ISOLATED)
+            answers = [str(tok.decode(r["generated"])) for r in rows[: len(cases)]]
+            results[spec] = res = _scored(cases, answers, rows[len(cases) :])
+            _say(f"{spec}: {res['correct']}/{len(cases)} correct, TTFT {res['ttft_s']:.3f} s")
     for spec, settings in methods:
-        res = results[spec]
-        low, high = wilson(res["correct"], len(cases))
-        row: dict[str, Any] = {
-            "bench": "quality",
-            "method": spec,
-            "settings": settings,
-            "cases": len(cases),
-            **labels,
-            "doc_tokens": round(mean_doc, 1),
-            "correct": res["correct"],
-            "accuracy": round(res["correct"] / len(cases), 4),
-            "ci95": [round(low, 4), round(high, 4)],
-            "by_kind": res["by_kind"],
-            "per_case": res["per_case"],
-            "ttft_s": round(res["ttft_s"], 4),
-            "loaded_tokens": res["loaded_tokens"],
-        }
+        row = _row(spec, settings, results, len(cases), {**labels, "doc_tokens": mean_doc})
         if settings is not None:
-            timed = (measured, measured_rankings)
-            row.update(_recomputed(settings, cases, sep, (qa_ids, qa_rankings), timed))
-        if full is not None:
-            row["ttft_vs_full"] = round(full["ttft_s"] / res["ttft_s"], 2)
-        if full is not None and isolated is not None and full["correct"] != isolated["correct"]:
-            lost = full["correct"] - isolated["correct"]
-            row["gap_closed"] = round((res["correct"] - isolated["correct"]) / lost, 3)
+            qa, timed = (prompts.qa, prompts.qa_rankings), (prompts.timed, prompts.timed_rankings)
+            row.update(_recomputed(settings, cases, sep, qa, timed))
         yield row
+
+
+def _say(text: str) -> None:
+    print(f"bench quality: {text}", file=sys.stderr, flush=True)
+
+
+def _row(
+    spec: str,
+    settings: dict[str, Any] | None,
+    results: dict[str, dict[str, Any]],
+    cases: int,
+    labels: dict[str, Any],
+) -> dict[str, Any]:
+    """A method's row: its scores (``_scored``), interval, and against full prefill and
+    isolated chunks where they ran."""
+    res = results[spec]
+    low, high = wilson(res["correct"], cases)
+    doc_tokens = labels.pop("doc_tokens")
+    row: dict[str, Any] = {
+        "bench": "quality",
+        "method": spec,
+        "settings": settings,
+        "cases": cases,
+        **labels,
+        "doc_tokens": round(doc_tokens, 1),
+        "correct": res["correct"],
+        "accuracy": round(res["correct"] / cases, 4),
+        "ci95": [round(low, 4), round(high, 4)],
+        "by_kind": res["by_kind"],
+        "per_case": res["per_case"],
+        "ttft_s": round(res["ttft_s"], 4),
+        "loaded_tokens": res["loaded_tokens"],
+    }
+    full, isolated = results.get(FULL), results.get(ISOLATED)
+    if full is not None:
+        row["ttft_vs_full"] = round(full["ttft_s"] / res["ttft_s"], 2)
+    if full is not None and isolated is not None and full["correct"] != isolated["correct"]:
+        lost = full["correct"] - isolated["correct"]
+        row["gap_closed"] = round((res["correct"] - isolated["correct"]) / lost, 3)
+    return row
 
 
 def _scored(

@@ -5,8 +5,28 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
+
+# The help's paragraphs, each filled to the terminal's usual width.
+DESCRIPTION = (
+    "Four stages: (1) support: the rotary variant, KV layout, separator, vLLM "
+    "version and back end (no vLLM run; a refusal says exactly why); (2) exactness: a "
+    "daemon and a real vLLM with the connector's defaults: a chunked prompt computed cold "
+    "and loaded warm gives the same tokens (logprobs within 1e-4), and cold and reordered "
+    "answers equal the HF transformers fp32 reference (1e-3); (3) answers: full prefill, "
+    "isolated chunks and the defaults (and --methods) on your documents and questions, or "
+    "on bench quality's built-in needle QA, accuracy with 95% intervals and the TTFT "
+    "ratio; (4) a verdict line and the --kv-transfer-config to use.",
+    "Exit status: 0 use it, 1 not exact (or a stage failed), 2 refused (unsupported "
+    "model or bad input), 3 exact but no method tried keeps 90% of full prefill's "
+    "answers.",
+    'Files (JSON lines): --docs {"id": ..., "text": ...}; --questions '
+    '{"question": ..., "answers": [every string that must appear], "docs": [ids in '
+    'prompt order] (or "documents": [texts]), "relevant": [ids holding the answer, '
+    "optional]}.",
+)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -33,20 +53,7 @@ def add_commands(commands: Any) -> None:
         "doctor",
         help="whether chunk reuse is supported, exact and worth it for a model, with the "
         "setting to use",
-        description="Four stages: (1) support: the rotary variant, KV layout, separator, vLLM "
-        "version and back end (no vLLM run; a refusal says exactly why); (2) exactness: a "
-        "daemon and a real vLLM with the connector's defaults: a chunked prompt computed cold "
-        "and loaded warm gives the same tokens (logprobs within 1e-4), and cold and reordered "
-        "answers equal the HF transformers fp32 reference (1e-3); (3) answers: full prefill, "
-        "isolated chunks and the defaults (and --methods) on your documents and questions, or "
-        "on bench quality's built-in needle QA, accuracy with 95% intervals and the TTFT "
-        "ratio; (4) a verdict line and the --kv-transfer-config to use.\n\n"
-        "Exit status: 0 use it, 1 not exact (or a stage failed), 2 refused (unsupported "
-        "model or bad input), 3 exact but no method tried keeps 90% of full prefill's "
-        'answers.\n\nFiles (JSON lines): --docs {"id": ..., "text": ...}; --questions '
-        '{"question": ..., "answers": [every string that must appear], "docs": [ids in '
-        'prompt order] (or "documents": [texts]), "relevant": [ids holding the answer, '
-        "optional]}.",
+        description="\n\n".join(textwrap.fill(p, 80) for p in DESCRIPTION),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
