@@ -189,9 +189,9 @@ def exactness(model: Path, tokenizer: Any, work: Path, timeout: float) -> dict[s
     for name, prompt, served in (("cold", first, cold), ("reordered", reordered, moved)):
         logits = default_reference(ref, prompt.segments, isolation).logits[-1]
         expected = torch.log_softmax(logits.double(), dim=-1)
-        worst[name] = _worst(served["logprobs"], {str(t): float(v) for t, v in enumerate(expected)})
+        reference = {t: float(expected[int(t)]) for t in served["logprobs"]}
+        worst[name] = _worst(served["logprobs"], reference)
         agree[name] = served["token"] == int(expected.argmax())
-    stats = {name: r.get("connector", {}) for name, r in (("cold", cold), ("warm", warm))}
     loaded = {"warm": warm["cached_tokens"], "reordered": moved["cached_tokens"]}
     failures = sum(r.get("connector", {}).get("load_failures", 0) for r in (warm, moved))
     exact = (
@@ -207,7 +207,7 @@ def exactness(model: Path, tokenizer: Any, work: Path, timeout: float) -> dict[s
         "worst_logprob_diff": {k: float(f"{v:.3g}") for k, v in worst.items()},
         "tolerance": {"warm": WARM_TOLERANCE, "reference": REFERENCE_TOLERANCE},
         "loaded_tokens": loaded,
-        "stored_segments": stats["cold"].get("saved_segments", 0),
+        "stored_segments": cold.get("connector", {}).get("saved_segments", 0),
         "load_failures": failures,
         "prompt_tokens": len(first.token_ids),
     }
