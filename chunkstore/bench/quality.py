@@ -400,7 +400,7 @@ def evaluate(
             results[spec] = res = _scored(cases, answers, rows[len(cases) :])
             _say(f"{spec}: {res['correct']}/{len(cases)} correct, TTFT {res['ttft_s']:.3f} s")
     for spec, settings in methods:
-        row = _row(spec, settings, results, len(cases), {**labels, "doc_tokens": mean_doc})
+        row = _row(spec, settings, results, len(cases), labels, mean_doc)
         if settings is not None:
             qa, timed = (prompts.qa, prompts.qa_rankings), (prompts.timed, prompts.timed_rankings)
             row.update(_recomputed(settings, cases, sep, qa, timed))
@@ -417,12 +417,12 @@ def _row(
     results: dict[str, dict[str, Any]],
     cases: int,
     labels: dict[str, Any],
+    doc_tokens: float,
 ) -> dict[str, Any]:
     """A method's row: its scores (``_scored``), interval, and against full prefill and
     isolated chunks where they ran."""
     res = results[spec]
     low, high = wilson(res["correct"], cases)
-    doc_tokens = labels.pop("doc_tokens")
     row: dict[str, Any] = {
         "bench": "quality",
         "method": spec,
