@@ -404,11 +404,20 @@ class ChunkStoreClient:
         keys: Sequence[bytes],
         num_tokens: Sequence[int] | None = None,
         entry_kind: str = "chunk",
+        probe: bool = False,
     ) -> list[int | None]:
         """Token count of each key's committed entry, or None (``entry_kind``: what the
-        keys are, for the daemon's metrics by kind)."""
+        keys are, for the daemon's metrics by kind; ``probe``: a placement probe, neither
+        counted in the hit rate nor fetched from peers).
+
+        Raises:
+            ChunkStoreError: the daemon refused or could not be reached (typed subclasses).
+        """
         request = pb.LookupRequest(
-            keys=list(keys), num_tokens=list(num_tokens or []), entry_kind=entry_kind
+            keys=list(keys),
+            num_tokens=list(num_tokens or []),
+            entry_kind=entry_kind,
+            probe=probe,
         )
         reply = self._call(self.stub.Lookup, request)
         return [n if p else None for p, n in zip(reply.present, reply.num_tokens, strict=True)]

@@ -21,6 +21,19 @@ ALLOWED: list[tuple[str, tuple[str, ...]]] = [
     ),
     ("chunkstore.client", ("chunkstore.protocol", "chunkstore.kv", "chunkstore.errors")),
     ("chunkstore.prompts", ("chunkstore.kv", "chunkstore.errors")),
+    # The front door: keys as the connector makes them, the daemons asked, never the
+    # connector itself (it runs where vLLM does not).
+    (
+        "chunkstore.router",
+        (
+            "chunkstore.router",
+            "chunkstore.prompts",
+            "chunkstore.client",
+            "chunkstore.protocol",
+            "chunkstore.kv",
+            "chunkstore.errors",
+        ),
+    ),
     # What user commands run beside the daemon: product code, so never the test helpers.
     ("chunkstore.models", ()),
     (

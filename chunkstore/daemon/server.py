@@ -239,20 +239,26 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
                 self.on_miss(missing, tenant)
 
     def _find(
-        self, caller: Caller, keys: list[bytes], find: Callable[[list[bytes], str], list[Any]]
+        self,
+        caller: Caller,
+        keys: list[bytes],
+        find: Callable[[list[bytes], str], list[Any]],
+        want: bool = True,
     ) -> list[Any]:
         """``find(keys, tenant)`` in the caller's namespace, then, for what it missed, in the
-        shared one where the caller reads it; the misses wanted from peers in both."""
+        shared one where the caller reads it; the misses wanted from peers in both
+        (``want``)."""
+        missed = self._missed if want else lambda *_: None
         own = caller.own_keys(keys)
         found = find(own, caller.namespace)
-        self._missed(own, found, caller.namespace)
+        missed(own, found, caller.namespace)
         if caller.reads_shared:
-            missed = [i for i, got in enumerate(found) if got is None]
-            shared = [keys[i] for i in missed]
+            misses = [i for i, got in enumerate(found) if got is None]
+            shared = [keys[i] for i in misses]
             if shared:
-                for i, got in zip(missed, find(shared, SHARED), strict=True):
+                for i, got in zip(misses, find(shared, SHARED), strict=True):
                     found[i] = got
-                self._missed(shared, [found[i] for i in missed], SHARED)
+                missed(shared, [found[i] for i in misses], SHARED)
         return found
 
     @_rpc
@@ -260,8 +266,11 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
         caller = self._caller(context)
         keys = _keys(request.keys)
         tokens, kind = _token_counts(request)
-        found = self._find(caller, keys, lambda ks, tenant: self.index.lookup(ks, tenant))
-        self.index.count_hits([e is not None for e in found], tokens, kind, caller.namespace)
+        found = self._find(
+            caller, keys, lambda ks, tenant: self.index.lookup(ks, tenant), not request.probe
+        )
+        if not request.probe:
+            self.index.count_hits([e is not None for e in found], tokens, kind, caller.namespace)
         return pb.LookupReply(
             present=[e is not None for e in found],
             num_tokens=[e.layout.num_tokens if e else 0 for e in found],

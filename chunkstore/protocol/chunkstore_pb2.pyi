@@ -113,14 +113,16 @@ class Pong(_message.Message):
     def __init__(self, server_time_ms: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("keys", "num_tokens", "entry_kind")
+    __slots__ = ("keys", "num_tokens", "entry_kind", "probe")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ENTRY_KIND_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     num_tokens: _containers.RepeatedScalarFieldContainer[int]
     entry_kind: str
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., entry_kind: _Optional[str] = ...) -> None: ...
+    probe: bool
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., entry_kind: _Optional[str] = ..., probe: _Optional[bool] = ...) -> None: ...
 
 class LookupReply(_message.Message):
     __slots__ = ("present", "num_tokens")

@@ -56,6 +56,26 @@ def test_a_chunk_stored_on_one_node_is_pulled_by_the_other(cluster) -> None:
     assert b.scrape()['chunkstore_remote_fetches_total{result="ok"}'] == 1
 
 
+def test_a_probe_neither_counts_nor_pulls_what_it_misses(cluster) -> None:
+    """The router's placement Lookup (``probe``): a miss is not wanted from a peer, and no
+    lookup is counted in the hit rate."""
+    server, (a, b) = cluster
+    directory = redis.Redis.from_url(server.url, decode_responses=True)
+    with ChunkStoreClient(a.unix) as on_a, ChunkStoreClient(b.unix) as on_b:
+        assert on_a.put(entry_key(1), *random_kv(4), virtual_start=0)
+        eventually(lambda: directory.zscore(directory_key(entry_key(1)), a.tcp) is not None)
+        counted = b.scrape()["chunkstore_lookup_chunks_total"]
+        assert on_b.lookup([entry_key(1)], probe=True) == [None]
+        assert on_a.lookup([entry_key(1)], probe=True) == [4]
+        # A plain miss after it: the one fetcher takes wants in order, so once this one is
+        # answered, a want of the probe's would have been too.
+        assert on_b.lookup([entry_key(2)]) == [None]
+        eventually(lambda: b.scrape().get('chunkstore_remote_fetches_total{result="absent"}') == 1)
+        assert b.scrape().get('chunkstore_remote_fetches_total{result="ok"}', 0) == 0
+        assert on_b.lookup([entry_key(1)], probe=True) == [None]
+        assert b.scrape()["chunkstore_lookup_chunks_total"] == counted + 1  # the plain one
+
+
 def test_evicted_and_dead_nodes_leave_the_directory(cluster) -> None:
     server, (a, b) = cluster
     directory = redis.Redis.from_url(server.url, decode_responses=True)

@@ -1,0 +1,143 @@
+"""``chunkstore router``: the OpenAI-compatible front door (chunkstore/router/)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import socket
+import sys
+from typing import Any
+
+from .common import add_daemon_address
+
+DESCRIPTION = """\
+One OpenAI-compatible front door for vLLM instances that use the chunkstore connector
+(/v1/completions and /v1/chat/completions, streamed or not; /v1/models, /health, /metrics).
+
+Cold chunks (on by default): a chunked request's chunks that the instance's daemon does not
+hold are first sent to the instance as their own prompts ("sys SEP chunk SEP", one output
+token each, all at once; a chunk already on its way for another request is waited for), so
+the request itself loads every chunk. A chunk computed as its own prompt is its isolated KV
+on any attention back end: this is how chunks reach the store from live traffic where the
+connector's in-band isolation hook does not run (CUDA, Ascend; set inband_isolation: false
+there), and why a cold request is answered as a warm one.
+
+Routing: with several instances, each request goes to the one whose daemon holds most of its
+tokens, per request in flight there; health checked every few seconds, an instance that
+cannot be connected to is skipped. --model, --dtype, --separator, --isolation and
+--virtual-gap must be the connector's: they make the keys (a mismatch is counted in
+chunkstore_router_cold_chunks_failed_total{why="not_stored"} and logged).
+See docs/router.md."""
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from chunkstore.kv.keys import Isolation
+    from chunkstore.router.app import Router, RouterSettings
+    from chunkstore.router.instances import parse_instance
+    from chunkstore.router.plan import KeySpace
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
+    try:
+        instances = [parse_instance(text, args.address) for text in args.instance]
+        keys = KeySpace.for_model(
+            args.model,
+            args.dtype,
+            args.separator,
+            Isolation(args.isolation),
+            args.virtual_gap,
+            args.prefix_block_tokens,
+        )
+        listener = socket.create_server((args.host, args.port))
+    except (OSError, ValueError) as err:
+        print(f"chunkstore router: {err}", file=sys.stderr)
+        return 2
+    settings = RouterSettings(
+        keys,
+        instances,
+        cold_chunks=args.cold_chunks == "on",
+        timeout=args.timeout,
+        max_connections=args.max_connections,
+        health_interval=args.health_interval,
+        daemon_token=args.token,
+    )
+    app = Router(settings).app()
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=False))
+    host, port = listener.getsockname()[:2]
+    print(json.dumps({"router": f"http://{host}:{port}"}), flush=True)
+    # uvicorn stops gracefully on SIGTERM / SIGINT, then raises the signal again for the
+    # handler it found: this one, so that a stop asked for is a clean exit.
+    signal.signal(signal.SIGTERM, _exit_cleanly)
+    signal.signal(signal.SIGINT, _exit_cleanly)
+    server.run(sockets=[listener])
+    return 0
+
+
+def _exit_cleanly(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+def add_commands(commands: Any) -> None:
+    router = commands.add_parser(
+        "router",
+        help="OpenAI front door: cold chunks stored from live traffic, routing to the chunks",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    router.add_argument(
+        "--instance",
+        action="append",
+        required=True,
+        metavar="URL[=DAEMON]",
+        help="a vLLM instance (repeatable), with the address of the daemon its connector "
+        "uses when that is not --address",
+    )
+    add_daemon_address(router)
+    router.add_argument(
+        "--model", required=True, help="the model folder the instances serve (for the keys)"
+    )
+    router.add_argument(
+        "--dtype", default="float32", help="the KV cache dtype vLLM runs with (float32)"
+    )
+    router.add_argument(
+        "--separator", default="auto", help="the connector's separator (auto: its default)"
+    )
+    router.add_argument("--isolation", choices=("sys", "none"), default="sys")
+    router.add_argument("--virtual-gap", type=int, default=0, help="the connector's (0)")
+    router.add_argument(
+        "--prefix-block-tokens",
+        type=int,
+        default=256,
+        help="the connector's prefix_block_tokens (256): plain prompts' stored blocks count "
+        "in the routing",
+    )
+    router.add_argument(
+        "--cold-chunks",
+        choices=("on", "off"),
+        default="on",
+        help="store a request's missing chunks before it (on; off: only route)",
+    )
+    router.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    router.add_argument("--port", type=int, default=8000, help="port to listen on (8000; 0: any)")
+    router.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds an instance may take (600)"
+    )
+    router.add_argument(
+        "--max-connections", type=int, default=256, help="to the instances, all together (256)"
+    )
+    router.add_argument(
+        "--health-interval", type=float, default=5.0, help="seconds between health checks (5)"
+    )
+    router.add_argument(
+        "--log-level",
+        default="warning",
+        choices=("debug", "info", "warning", "error"),
+        help="warning (default): instances going down or up, cold chunks not stored",
+    )
+    router.set_defaults(func=run)

@@ -1,0 +1,43 @@
+"""A real ``chunkstore router`` process on a free loopback port (tests, benches)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from chunkstore.processes.vllm_server import stop_group
+
+
+class RunningRouter:
+    def __init__(self, workdir: Path, *args: str | Path, timeout: float = 120.0) -> None:
+        """``chunkstore router --port 0 ARGS``; returns once it listens (its first line)."""
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.log_path = workdir / "router.log"
+        self.log = self.log_path.open("w")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "chunkstore.cli", "router", "--port", "0", *map(str, args)],
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            start_new_session=True,
+        )
+        first: list[str] = []
+        reader = threading.Thread(
+            target=lambda: first.append(self.process.stdout.readline()),  # type: ignore[union-attr]
+            daemon=True,
+        )
+        reader.start()
+        reader.join(timeout)
+        if not first or not first[0].strip():
+            self.stop()
+            raise RuntimeError(f"chunkstore router did not start: {self.log_path.read_text()}")
+        self.url: str = json.loads(first[0])["router"]
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            stop_group(self.process, grace=10.0)
+        self.log.close()
+        return int(self.process.returncode or 0)

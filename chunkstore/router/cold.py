@@ -1,0 +1,141 @@
+"""Cold chunks: a request's missing chunks sent to its instance as their own prefill
+requests (``plan.Piece.alone``, one output token each), all in flight together, before the
+request itself.
+
+Single flight: a chunk already being sent to the same daemon's instance by another request
+is waited for, not sent again. After a warm-up the daemon is asked again: a chunk sent and
+not stored (the router's settings differ from the connector's, the pool is full, the save
+failed) is counted and reported, and the request computes it itself, as it would have
+without the router. Nothing is ever served that the connector did not store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import httpx
+
+from .instances import Instance
+from .metrics import RouterMetrics
+from .plan import Plan
+from .stores import Stores
+
+log = logging.getLogger("chunkstore.router")
+
+
+@dataclass
+class Warmed:
+    sent: int = 0  # prompts this request sent
+    joined: int = 0  # prompts it waited for that another request was sending
+    failed: int = 0  # of both: not stored
+
+
+class ColdChunks:
+    def __init__(self, http: httpx.AsyncClient, stores: Stores, metrics: RouterMetrics) -> None:
+        self.http = http
+        self.stores = stores
+        self.metrics = metrics
+        self._flying: dict[tuple[str, bytes], asyncio.Future[bool]] = {}
+        self._warned = False
+
+    async def warm(
+        self,
+        instance: Instance,
+        plans: Sequence[Plan],
+        present: Sequence[Sequence[bool]],
+        model: str,
+        salt: str,
+    ) -> Warmed:
+        """Store what ``plans`` miss (``present``: each piece held, as the instance's daemon
+        answered) through ``instance``."""
+        missing: dict[bytes, tuple[int, ...]] = {}
+        for plan, found in zip(plans, present, strict=True):
+            for piece, held in zip(plan.pieces, found, strict=True):
+                if not held and piece.alone is not None:
+                    missing.setdefault(piece.key, piece.alone)
+        if not missing:
+            return Warmed()
+        began = time.perf_counter()
+        mine: dict[bytes, tuple[int, ...]] = {}
+        theirs: list[asyncio.Future[bool]] = []
+        loop = asyncio.get_running_loop()
+        for key, prompt in missing.items():
+            flight = self._flying.get((instance.daemon, key))
+            if flight is None:
+                self._flying[(instance.daemon, key)] = loop.create_future()
+                mine[key] = prompt
+            else:
+                theirs.append(flight)
+        stored = await self._send(instance, mine, model, salt) if mine else {}
+        joined = await asyncio.gather(*theirs)
+        self.metrics.upstream.labels("warm").observe(time.perf_counter() - began)
+        self.metrics.cold_sent.inc(len(mine))
+        self.metrics.cold_joined.inc(len(theirs))
+        failed = sum(not ok for ok in stored.values()) + sum(not ok for ok in joined)
+        return Warmed(len(mine), len(theirs), failed)
+
+    async def _send(
+        self, instance: Instance, prompts: dict[bytes, tuple[int, ...]], model: str, salt: str
+    ) -> dict[bytes, bool]:
+        """Each prompt as its own request, side by side; then which were stored. Every
+        flight this request opened is closed, whatever happens."""
+        stored = dict.fromkeys(prompts, False)
+        try:
+            sent = await asyncio.gather(
+                *(self._prefill(instance, p, model, salt) for p in prompts.values())
+            )
+            asked = [k for k, ok in zip(prompts, sent, strict=True) if ok]
+            found = await self.stores.lookup(instance.daemon, asked)
+            for key, held in zip(asked, found or [False] * len(asked), strict=True):
+                stored[key] = held
+            lost = len(asked) - sum(stored.values())
+            if lost:
+                self.metrics.cold_failed.labels("not_stored").inc(lost)
+                self._warn_not_stored(instance, lost, len(asked))
+        finally:
+            for key, ok in stored.items():
+                flight = self._flying.pop((instance.daemon, key))
+                flight.set_result(ok)
+        return stored
+
+    async def _prefill(
+        self, instance: Instance, prompt: tuple[int, ...], model: str, salt: str
+    ) -> bool:
+        body = {"model": model, "prompt": list(prompt), "max_tokens": 1, "temperature": 0.0}
+        if salt:
+            body["cache_salt"] = salt
+        try:
+            reply = await self.http.post(f"{instance.url}/v1/completions", json=body)
+        except httpx.HTTPError as err:
+            log.warning("chunkstore router: a cold chunk's prefill on %s: %s", instance.url, err)
+            self.metrics.cold_failed.labels("prefill_error").inc()
+            return False
+        if reply.status_code != 200:
+            log.warning(
+                "chunkstore router: a cold chunk's prefill on %s: HTTP %d %s",
+                instance.url,
+                reply.status_code,
+                reply.text[:300],
+            )
+            self.metrics.cold_failed.labels("prefill_error").inc()
+            return False
+        return True
+
+    def _warn_not_stored(self, instance: Instance, lost: int, sent: int) -> None:
+        if self._warned:
+            return
+        self._warned = True
+        log.warning(
+            "chunkstore router: %d of %d cold chunks sent to %s were not stored under the keys "
+            "the router computed: its --model, --dtype, --separator, --isolation and "
+            "--virtual-gap must be the connector's, and the instance must use the daemon at "
+            "%s (or its pool is full). Requests compute these chunks themselves.",
+            lost,
+            sent,
+            instance.url,
+            instance.daemon,
+        )

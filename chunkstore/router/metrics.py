@@ -1,0 +1,58 @@
+"""The router's Prometheus metrics, in a registry of its own (served on ``/metrics``)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "chunkstore_router_requests",
+            "Requests answered, by endpoint and HTTP status.",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.routed = Counter(
+            "chunkstore_router_routed",
+            "Requests sent to an instance, by instance and reason (only, stored, load).",
+            ["instance", "reason"],
+            registry=r,
+        )
+        self.cold_sent = Counter(
+            "chunkstore_router_cold_chunks_sent",
+            "Missing chunks (and sys segments) sent to an instance as their own prefill.",
+            registry=r,
+        )
+        self.cold_joined = Counter(
+            "chunkstore_router_cold_chunks_joined",
+            "Missing chunks a request waited for that another request was already sending.",
+            registry=r,
+        )
+        self.cold_failed = Counter(
+            "chunkstore_router_cold_chunks_failed",
+            "Missing chunks whose prefill failed, or that were sent and not stored under the "
+            "keys the router computed (its settings differ from the connector's): the request "
+            "computes them itself.",
+            ["why"],
+            registry=r,
+        )
+        self.fallbacks = Counter(
+            "chunkstore_router_fallbacks",
+            "Requests passed on without the store's help, by why (daemon_unreachable, "
+            "tokenize_failed).",
+            ["why"],
+            registry=r,
+        )
+        self.upstream = Histogram(
+            "chunkstore_router_upstream_seconds",
+            "Time an instance took: warm (a request's missing chunks), request (until its "
+            "reply's headers), tokenize.",
+            ["phase"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )

