@@ -245,6 +245,7 @@ def test_bench_pull_json() -> None:
     assert row["pull_engine_vs_stream"] > 0
 
 
+@pytest.mark.release  # a bench mode's plumbing (~120 s); the sharing itself: test_prefix.py
 def test_bench_e2e_prefix_on_the_tiny_model() -> None:
     """A second vLLM process loads every context token of plain prompts a first one stored,
     as vLLM's own prefix cache hit has them, and answers as computing them does; with
@@ -326,7 +327,7 @@ def test_bench_e2e_json_on_the_tiny_model() -> None:
         "--chunk-tokens",
         "64",
         "--repeats",
-        "2",
+        "1",
     )
     assert run.returncode == 0, run.stderr[-3000:]
     [row] = [json.loads(line) for line in run.stdout.splitlines()]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,12 +19,19 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from chunkstore.client import ChunkStoreClient
 from chunkstore.kv.keys import Isolation
 from chunkstore.processes.daemon import RunningDaemon, start_daemon
 from chunkstore.processes.router import RunningRouter
 from chunkstore.processes.vllm_server import VllmServer
 from chunkstore.prompts import RagPrompts
-from chunkstore.reference import HFReference
+from chunkstore.reference import HFReference, relative_error
+from chunkstore.testing.prometheus import (
+    PrometheusServer,
+    about_the_router,
+    concrete,
+    dashboard_queries,
+)
 from chunkstore.testing.scenario import RAG_DOCS, RAG_SYS, assert_logprobs_match, first_token
 
 pytestmark = pytest.mark.slow
@@ -129,7 +137,21 @@ def test_a_cold_request_is_answered_as_a_warm_one_with_every_chunk_loaded(stand)
     assert int(headers["x-chunkstore-stored-tokens"]) == loaded_all
     assert cached(warm) == loaded_all
 
-    reference = HFReference.load(stand.model).assembled_cache(segments, Isolation.SYS)
+    ref = HFReference.load(stand.model)
+    # What the router had stored is each chunk's isolated KV: the HF reference's for the
+    # chunk after sys alone, at the position after sys (in-band isolation's entries are
+    # held to the same bound: tests/connector/test_isolation.py).
+    sys_kv = ref.segment_kv(segments[0], None, 0)
+    with ChunkStoreClient(stand.daemon.unix) as store:
+        for segment, key in zip(segments[1:-1], prompts.keys(segments)[1:-1], strict=True):
+            assert key is not None
+            stored = store.get(key)
+            assert stored is not None and stored.values is not None
+            assert stored.layout.virtual_start == segments[0].end
+            expected = ref.segment_kv(segment, sys_kv, segments[0].end)
+            assert relative_error(stored.keys, expected.keys) < 1e-4
+            assert relative_error(stored.values, expected.values) < 1e-4
+    reference = ref.assembled_cache(segments, Isolation.SYS)
     for reply in (cold, warm):
         assert reply["choices"][0]["text"] == cold["choices"][0]["text"]
         assert_logprobs_match(first_token(choice(reply)), reference.logits[-1])
@@ -238,3 +260,25 @@ def test_the_router_refuses_to_start_without_what_makes_the_keys(tmp_path) -> No
     )
     assert done.returncode == 2
     assert "http(s)://" in done.stderr
+
+
+def test_the_dashboards_router_row_shows_the_routers_series(stand, tmp_path) -> None:
+    """A real Prometheus scrapes the router with the project's config: every router panel
+    of the Grafana dashboard returns series."""
+    panels = [(t, e) for t, e in dashboard_queries() if about_the_router(e)]
+    assert len(panels) >= 6
+    prometheus = PrometheusServer(
+        tmp_path / "prometheus", [], router_targets=[stand.router.url.removeprefix("http://")]
+    )
+    try:
+        prompt = RagPrompts.for_model(stand.model, RAG_SYS).text(RAG_DOCS[:2], QUESTION)
+        deadline = time.monotonic() + 60
+        while True:
+            stand.complete(prompt)  # traffic, so that rates are not empty
+            empty = [t for t, e in panels if not prometheus.query(concrete(e))]
+            if not empty or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert not empty, empty
+    finally:
+        prometheus.stop()

@@ -124,7 +124,7 @@ def add_commands(commands: Any) -> None:
         help="store a request's missing chunks before it (on; off: only route)",
     )
     router.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
-    router.add_argument("--port", type=int, default=8000, help="port to listen on (8000; 0: any)")
+    router.add_argument("--port", type=int, default=8080, help="port to listen on (8080; 0: any)")
     router.add_argument(
         "--timeout", type=float, default=600.0, help="seconds an instance may take (600)"
     )

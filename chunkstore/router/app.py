@@ -89,7 +89,9 @@ class Router:
         """To the best instance; to the next if it cannot be connected to."""
         tried: list[Instance] = []
         headers = {k: v for k in PASSED_HEADERS if (v := request.headers.get(k))}
-        while candidates := self.instances.healthy(tried):
+        # Those that answered their last health check; if none did, every one not yet
+        # tried (a check can time out under load: only a refused connection rules one out).
+        while candidates := self.instances.healthy(tried) or self.instances.untried(tried):
             try:
                 return await self._attempt(candidates, body, endpoint, chat, headers)
             except Unreachable as err:
@@ -207,6 +209,7 @@ class Router:
                 raise Refused(502, f"the instance {instance.url} did not answer: {err!r}") from None
             raise
         self.metrics.upstream.labels("request").observe(time.perf_counter() - began)
+        instance.healthy = True  # it answered
         ended = False
 
         async def end() -> None:

@@ -6,7 +6,8 @@ tokens (its stored chunk and prefix pieces), per request in flight there
 (``tokens / (1 + in_flight)``); where none holds any, the least loaded, in turn. A daemon
 that cannot be asked counts as holding nothing. Health: ``GET /health`` every
 ``interval`` seconds; a request that cannot connect marks its instance down at once, and
-the next check brings it back.
+the next check (or a request it answers) brings it back. Where every instance is down, a
+request still tries each: a check can time out under load.
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ class Instances:
 
     def healthy(self, excluded: Sequence[Instance] = ()) -> list[Instance]:
         return [i for i in self.all if i.healthy and i not in excluded]
+
+    def untried(self, tried: Sequence[Instance]) -> list[Instance]:
+        return [i for i in self.all if i not in tried]
 
     def daemons(self, candidates: Sequence[Instance]) -> list[str]:
         return list(dict.fromkeys(i.daemon for i in candidates))

@@ -56,3 +56,9 @@ class RouterMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        # Every reason a series from the start (at 0), so that dashboards and alerts see a
+        # zero, not an absence, until the first one.
+        for why in ("prefill_error", "not_stored"):
+            self.cold_failed.labels(why)
+        for why in ("unparsed", "tokenize_failed", "daemon_unreachable"):
+            self.fallbacks.labels(why)

@@ -39,6 +39,11 @@ def about_the_connector(expr: str) -> bool:
     return "vllm:" in expr or "connector" in expr
 
 
+def about_the_router(expr: str) -> bool:
+    """Panels on ``chunkstore router``'s series (scraped from a router)."""
+    return "chunkstore_router_" in expr
+
+
 def rule_problem(prometheus: PrometheusServer, rule: dict[str, Any]) -> str | None:
     """Why a loaded rule (from Prometheus's rules API) is not sound, or None. A recording
     rule must record series; an alert must compare one existing signal with a threshold
@@ -64,8 +69,10 @@ class PrometheusServer:
         targets: list[str],
         interval: str = "1s",
         vllm_targets: list[str] | None = None,
+        router_targets: list[str] | None = None,
     ) -> None:
-        """``targets``: daemons' metrics addresses; ``vllm_targets``: vLLM servers'."""
+        """``targets``: daemons' metrics addresses; ``vllm_targets``: vLLM servers';
+        ``router_targets``: ``chunkstore router``s'."""
         binary = shutil.which("prometheus")
         if binary is None:
             raise FileNotFoundError(
@@ -78,6 +85,10 @@ class PrometheusServer:
         config["scrape_configs"] = [
             {"job_name": "chunkstore", "static_configs": [{"targets": targets}]},
             {"job_name": "vllm", "static_configs": [{"targets": vllm_targets or []}]},
+            {
+                "job_name": "chunkstore-router",
+                "static_configs": [{"targets": router_targets or []}],
+            },
         ]
         self.config_file = workdir / "prometheus.yml"
         self.config_file.write_text(yaml.safe_dump(config))
