@@ -1,17 +1,19 @@
-"""``chunkstore proxy`` without vLLM: how two replies are joined into one, and the requests it
-refuses (with real vLLM instances behind it: tests/connector/test_prefix.py)."""
+"""Prefill/decode through the router (``chunkstore proxy``) without vLLM: how two replies are
+joined into one or streamed as one, and the requests it refuses (with real vLLM instances
+behind it: tests/connector/test_prefix.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
 import pytest
 
-from chunkstore import proxy
+from chunkstore.processes.router import RunningRouter
+from chunkstore.router import disagg
 
 
 def completion(text: list[str], ids: list[int], offset: int, **choice: object) -> dict:
@@ -41,7 +43,7 @@ def test_a_completion_is_joined_as_one_instance_would_have_answered() -> None:
     first = completion([" The"], [10], 20, prompt_token_ids=[1, 2, 3])
     rest = completion([" cat", " sat"], [11, 12], 24)
     rest["usage"]["prompt_tokens"] = 8  # the prompt and the first token
-    joined = proxy.join(first, rest, chat=False, token_ids=True)
+    joined = disagg.join(first, rest, chat=False, token_ids=True)
     choice = joined["choices"][0]
     assert choice["text"] == " The cat sat"
     assert choice["token_ids"] == [10, 11, 12]
@@ -49,7 +51,7 @@ def test_a_completion_is_joined_as_one_instance_would_have_answered() -> None:
     # Offsets count from the reply's text: the rest's move by the first token's text.
     assert choice["logprobs"]["text_offset"] == [20, 28, 32]
     assert joined["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
-    assert proxy.join(first, rest, chat=False, token_ids=False)["choices"][0]["text"] == (
+    assert disagg.join(first, rest, chat=False, token_ids=False)["choices"][0]["text"] == (
         " The cat sat"
     )
 
@@ -71,7 +73,7 @@ def test_a_chat_reply_takes_the_rest_as_its_content_and_logprobs() -> None:
     }
     rest = completion([" there", "!"], [6, 7], 2)
     rest["choices"][0]["finish_reason"] = "stop"
-    joined = proxy.join(first, rest, chat=True, token_ids=False)
+    joined = disagg.join(first, rest, chat=True, token_ids=False)
     choice = joined["choices"][0]
     assert choice["message"] == {"role": "assistant", "content": "Hi there!"}
     assert choice["finish_reason"] == "stop"
@@ -84,26 +86,70 @@ def test_a_chat_reply_takes_the_rest_as_its_content_and_logprobs() -> None:
 
 def test_the_decode_request_completes_the_prompt_and_the_first_token() -> None:
     body = {"model": "m", "messages": [], "max_tokens": 9, "logprobs": True, "top_logprobs": 3}
-    decode = proxy._decode_body(body, True, [1, 2, 3, 10], 8)
+    decode = disagg.decode_body(body, True, [1, 2, 3, 10], 8)
     assert decode == {
         "model": "m",
         "prompt": [1, 2, 3, 10],
         "max_tokens": 8,
-        "stream": False,
-        "return_token_ids": True,
+        "return_token_ids": False,
         "logprobs": 3,
     }
 
 
-@pytest.fixture
-def running() -> Iterator[str]:
-    """A proxy in front of instances that do not exist (nothing here reaches them)."""
-    server = proxy.serve(
-        "127.0.0.1", 0, proxy.Proxy(["http://127.0.0.1:9"], ["http://127.0.0.1:9"])
+def test_a_streamed_chat_goes_on_from_the_first_token_in_chat_chunks() -> None:
+    first = {
+        "id": "chatcmpl-1",
+        "model": "m",
+        "created": 5,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi"}}],
+        "usage": {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3},
+    }
+    head = json.loads(disagg.first_event(first, True, None).removeprefix(b"data: "))
+    assert head["object"] == "chat.completion.chunk" and head["id"] == "chatcmpl-1"
+    assert head["choices"][0]["delta"] == {"role": "assistant", "content": "Hi"}
+    lines = [
+        'data: {"id": "cmpl-9", "model": "m", "prompt_token_ids": [1, 2, 7], '
+        '"choices": [{"index": 0, "text": " there", "finish_reason": null}]}',
+        "",
+        'data: {"id": "cmpl-9", "choices": [{"index": 0, "text": "!", "finish_reason": "stop"}]}',
+        'data: {"id": "cmpl-9", "choices": [], "usage": {"prompt_tokens": 3, '
+        '"completion_tokens": 2, "total_tokens": 5}}',
+        "data: [DONE]",
+        'data: {"after": "done"}',
+    ]
+
+    async def events() -> list[bytes]:
+        async def source():  # the decode instance's lines
+            for line in lines:
+                yield line
+
+        return [e async for e in disagg.relay_events(source(), first, chat=True)]
+
+    out = asyncio.run(events())
+    assert out[-1] == b"data: [DONE]\n\n" and len(out) == 4  # nothing after [DONE]
+    chunks = [json.loads(e.removeprefix(b"data: ")) for e in out[:-1]]
+    assert all(c["id"] == "chatcmpl-1" and c["object"] == "chat.completion.chunk" for c in chunks)
+    assert "prompt_token_ids" not in chunks[0]
+    assert [c["choices"][0]["delta"]["content"] for c in chunks[:2]] == [" there", "!"]
+    assert chunks[1]["choices"][0]["finish_reason"] == "stop"
+    # The whole request's usage: the client's prompt, and the first token counted.
+    assert chunks[2]["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+
+
+@pytest.fixture(scope="module")
+def running(tmp_path_factory) -> Iterator[str]:
+    """``chunkstore proxy`` in front of instances that do not exist (nothing here reaches
+    them)."""
+    router = RunningRouter(
+        tmp_path_factory.mktemp("proxy"),
+        "--prefill",
+        "http://127.0.0.1:9",
+        "--decode",
+        "http://127.0.0.1:9",
+        command="proxy",
     )
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+    yield router.url
+    assert router.stop() == 0
 
 
 def post(url: str, body: object) -> tuple[int, dict]:
@@ -120,14 +166,12 @@ def post(url: str, body: object) -> tuple[int, dict]:
 @pytest.mark.parametrize(
     ("path", "body", "status", "says"),
     [
-        ("/v1/completions", {"prompt": "a", "stream": True}, 400, "stream"),
         ("/v1/completions", {"prompt": "a", "n": 2}, 400, "n (and best_of)"),
         ("/v1/completions", {"prompt": ["a", "b"]}, 400, "one prompt"),
         ("/v1/completions", {"prompt": "a", "echo": True}, 400, "echo"),
         ("/v1/chat/completions", {"messages": []}, 400, "max_tokens"),
-        ("/v1/embeddings", {"input": "a"}, 404, "/v1/completions"),
         ("/v1/completions", [1, 2], 400, "JSON object"),
-        ("/v1/completions", {"prompt": "a", "max_tokens": 4}, 502, "could not be reached"),
+        ("/v1/completions", {"prompt": "a", "max_tokens": 4}, 503, "no instance is up"),
     ],
 )
 def test_what_the_proxy_cannot_do_is_refused_with_the_reason(

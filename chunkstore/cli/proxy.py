@@ -1,36 +1,42 @@
-"""``chunkstore proxy``: prefill/decode disaggregation in front of vLLM instances."""
+"""``chunkstore proxy``: prefill/decode disaggregation in front of vLLM instances; the
+router's prefill/decode mode without a model (chunkstore/router/disagg.py)."""
 
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 from typing import Any
 
 
 def run(args: argparse.Namespace) -> int:
-    from chunkstore.proxy import Proxy, serve
+    from chunkstore.protocol.endpoints import default_address
+    from chunkstore.router.app import RouterSettings
+    from chunkstore.router.instances import parse_instance
 
-    server = serve(args.host, args.port, Proxy(args.prefill, args.decode, args.timeout))
-    port = server.server_address[1]
-    print(json.dumps({"proxy": f"http://{args.host}:{port}"}), flush=True)
     try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
-    return 0
+        prefill = [parse_instance(t, default_address()) for t in args.prefill]
+        decode = [parse_instance(t, default_address()) for t in args.decode]
+    except ValueError as err:
+        print(f"chunkstore proxy: {err}", file=sys.stderr)
+        return 2
+    settings = RouterSettings(None, prefill, decode, cold_chunks=False, timeout=args.timeout)
+    from .router import serve
+
+    return serve(settings, args.host, args.port, "warning")
 
 
 def add_commands(commands: Any) -> None:
     proxy = commands.add_parser(
         "proxy",
         help="prefill/decode disaggregation in front of vLLM instances sharing chunkstore",
-        description="Send each OpenAI request (completions or chat, one prompt, not streamed) "
-        "to a prefill instance (kv_role kv_producer) for its first token, then to a decode "
-        "instance (kv_role kv_consumer) for the rest: the decode instance loads the whole "
-        "prompt's KV from chunkstore and computes none of it. Instances are used in turn. "
-        "See docs/connector.md, 'Prefill/decode disaggregation'.",
+        description="Send each OpenAI request (completions or chat, one prompt, streamed or "
+        "not) to a prefill instance (kv_role kv_producer) for its first token, then to a "
+        "decode instance (kv_role kv_consumer) for the rest: the decode instance loads the "
+        "whole prompt's KV from chunkstore and computes none of it. Prefill instances are "
+        "used in turn, decode instances least loaded first. This is `chunkstore router "
+        "--prefill URL --decode URL` without --model; the router with --model also stores "
+        "cold chunks and routes to them. See docs/connector.md, 'Prefill/decode "
+        "disaggregation'.",
     )
     proxy.add_argument(
         "--prefill", action="append", required=True, metavar="URL", help="repeatable"

@@ -24,6 +24,10 @@ on any attention back end: this is how chunks reach the store from live traffic 
 connector's in-band isolation hook does not run (CUDA, Ascend; set inband_isolation: false
 there), and why a cold request is answered as a warm one.
 
+Prefill/decode (--prefill and --decode, or `chunkstore proxy`): the first token from a
+prefill instance, the rest from a decode instance that loads the whole prompt from the
+store; the reply joined, or streamed.
+
 Routing: with several instances, each request goes to the one whose daemon holds most of its
 tokens, per request in flight there; health checked every few seconds, an instance that
 cannot be connected to is skipped. --model, --dtype, --separator, --isolation and
@@ -33,44 +37,63 @@ See docs/router.md."""
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from chunkstore.kv.keys import Isolation
-    from chunkstore.router.app import Router, RouterSettings
+    from chunkstore.router.app import RouterSettings
     from chunkstore.router.instances import parse_instance
     from chunkstore.router.plan import KeySpace
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
+    if not args.instance and not (args.prefill and args.decode):
+        print("chunkstore router: give --instance, or --prefill and --decode", file=sys.stderr)
+        return 2
+    if args.instance and (args.prefill or args.decode):
+        print("chunkstore router: --instance, or --prefill and --decode: not both", file=sys.stderr)
+        return 2
     try:
-        instances = [parse_instance(text, args.address) for text in args.instance]
-        keys = KeySpace.for_model(
-            args.model,
-            args.dtype,
-            args.separator,
-            Isolation(args.isolation),
-            args.virtual_gap,
-            args.prefix_block_tokens,
-        )
-        listener = socket.create_server((args.host, args.port))
+        routed = [parse_instance(t, args.address) for t in args.instance or args.prefill]
+        decode = [parse_instance(t, args.address) for t in args.decode or []]
+        keys = None
+        if args.model:
+            isolation = Isolation(args.isolation)
+            keys = KeySpace.for_model(
+                args.model, args.dtype, args.separator, isolation, args.virtual_gap,
+                args.prefix_block_tokens,
+            )  # fmt: skip
     except (OSError, ValueError) as err:
         print(f"chunkstore router: {err}", file=sys.stderr)
         return 2
     settings = RouterSettings(
         keys,
-        instances,
-        cold_chunks=args.cold_chunks == "on",
+        routed,
+        decode,
+        cold_chunks=args.cold_chunks == "on" and keys is not None,
         timeout=args.timeout,
         max_connections=args.max_connections,
         health_interval=args.health_interval,
         daemon_token=args.token,
     )
+    return serve(settings, args.host, args.port, args.log_level)
+
+
+def serve(settings: Any, host: str, port: int, log_level: str) -> int:
+    """Listen (the address printed as a JSON line once bound), then serve until SIGTERM or
+    SIGINT (a clean exit, 0)."""
+    import uvicorn
+
+    from chunkstore.router.app import Router
+
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
+    try:
+        listener = socket.create_server((host, port))
+    except OSError as err:
+        print(f"chunkstore: cannot listen on {host}:{port}: {err}", file=sys.stderr)
+        return 2
     app = Router(settings).app()
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=False))
-    host, port = listener.getsockname()[:2]
-    print(json.dumps({"router": f"http://{host}:{port}"}), flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False))
+    bound, bound_port = listener.getsockname()[:2]
+    print(json.dumps({"router": f"http://{bound}:{bound_port}"}), flush=True)
     # uvicorn stops gracefully on SIGTERM / SIGINT, then raises the signal again for the
     # handler it found: this one, so that a stop asked for is a clean exit.
     signal.signal(signal.SIGTERM, _exit_cleanly)
@@ -93,14 +116,28 @@ def add_commands(commands: Any) -> None:
     router.add_argument(
         "--instance",
         action="append",
-        required=True,
         metavar="URL[=DAEMON]",
         help="a vLLM instance (repeatable), with the address of the daemon its connector "
         "uses when that is not --address",
     )
+    router.add_argument(
+        "--prefill",
+        action="append",
+        metavar="URL[=DAEMON]",
+        help="prefill/decode instead: a prefill instance (kv_role kv_producer; repeatable), "
+        "routed to as --instance is",
+    )
+    router.add_argument(
+        "--decode",
+        action="append",
+        metavar="URL[=DAEMON]",
+        help="a decode instance (kv_role kv_consumer; repeatable), the least loaded is used",
+    )
     add_daemon_address(router)
     router.add_argument(
-        "--model", required=True, help="the model folder the instances serve (for the keys)"
+        "--model",
+        help="the model folder the instances serve: the keys (without it: no cold chunks, "
+        "routing by load only)",
     )
     router.add_argument(
         "--dtype", default="float32", help="the KV cache dtype vLLM runs with (float32)"

@@ -12,13 +12,16 @@ from chunkstore.processes.vllm_server import stop_group
 
 
 class RunningRouter:
-    def __init__(self, workdir: Path, *args: str | Path, timeout: float = 120.0) -> None:
-        """``chunkstore router --port 0 ARGS``; returns once it listens (its first line)."""
+    def __init__(
+        self, workdir: Path, *args: str | Path, timeout: float = 120.0, command: str = "router"
+    ) -> None:
+        """``chunkstore COMMAND --port 0 ARGS`` (router, or proxy: the router's
+        prefill/decode mode); returns once it listens (its first line)."""
         workdir.mkdir(parents=True, exist_ok=True)
         self.log_path = workdir / "router.log"
         self.log = self.log_path.open("w")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "chunkstore.cli", "router", "--port", "0", *map(str, args)],
+            [sys.executable, "-m", "chunkstore.cli", command, "--port", "0", *map(str, args)],
             stdout=subprocess.PIPE,
             stderr=self.log,
             text=True,

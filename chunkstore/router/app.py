@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 
+from . import disagg
 from .cold import ColdChunks, Warmed
 from .instances import Choice, Instance, Instances
 from .metrics import RouterMetrics
@@ -39,8 +40,9 @@ PASSED_HEADERS = ("authorization", "x-request-id")
 
 @dataclass
 class RouterSettings:
-    keys: KeySpace
-    instances: list[Instance]
+    keys: KeySpace | None  # None: no keys (no --model), so no cold chunks; routing by load
+    instances: list[Instance]  # with ``decode``: the prefill instances
+    decode: list[Instance] = field(default_factory=list)  # prefill/decode (``disagg``)
     cold_chunks: bool = True  # store a request's missing chunks before it (cold)
     timeout: float = 600.0  # seconds an instance may take to answer (streamed: between bytes)
     connect_timeout: float = 5.0
@@ -64,6 +66,7 @@ class Router:
         self.settings = settings
         self.metrics = settings.metrics
         self.instances = Instances(settings.instances)
+        self.decoders = Instances(settings.decode) if settings.decode else None
         self.stores = Stores(settings.daemon_token)
         self.http = httpx.AsyncClient(
             timeout=httpx.Timeout(settings.timeout, connect=settings.connect_timeout),
@@ -89,6 +92,9 @@ class Router:
         """To the best instance; to the next if it cannot be connected to."""
         tried: list[Instance] = []
         headers = {k: v for k in PASSED_HEADERS if (v := request.headers.get(k))}
+        if self.decoders is not None:
+            disagg.check(body, chat)
+            disagg.max_tokens(body, chat)
         # Those that answered their last health check; if none did, every one not yet
         # tried (a check can time out under load: only a refused connection rules one out).
         while candidates := self.instances.healthy(tried) or self.instances.untried(tried):
@@ -126,7 +132,10 @@ class Router:
         except BaseException:
             instance.in_flight -= 1
             raise
-        reply = await self._forward(instance, endpoint, body, headers)
+        if self.decoders is not None:
+            reply = await self._disaggregated(instance, endpoint, body, headers, chat)
+        else:
+            reply = await self._forward(instance, endpoint, body, headers)
         _describe(reply, choice, warmed)
         return reply
 
@@ -135,6 +144,9 @@ class Router:
     ) -> list[Plan] | Response:
         """The request's prompts as pieces and keys ([] where the router cannot read them,
         or the instance cannot tokenize them for a reason of its own)."""
+        keys = self.settings.keys
+        if keys is None:
+            return []
         prompts = prompts_of(body, chat)
         if prompts is None:
             self.metrics.fallbacks.labels("unparsed").inc()
@@ -147,7 +159,7 @@ class Router:
                 if isinstance(ids, Response) or ids is None:
                     return ids or []
                 prompt = ids
-            plans.append(self.settings.keys.plan(prompt, salt))
+            plans.append(keys.plan(prompt, salt))
         return plans
 
     async def _tokenize(
@@ -241,6 +253,111 @@ class Router:
             media_type=upstream.headers.get("content-type", "text/event-stream"),
             background=BackgroundTask(end),
         )
+
+    # -- prefill/decode (disagg) -------------------------------------------------------
+
+    async def _disaggregated(
+        self,
+        prefill: Instance,
+        endpoint: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        chat: bool,
+    ) -> Response:
+        """The first token from ``prefill`` (its ``in_flight`` drops when it answers), the
+        rest from the least loaded decode instance; joined, or streamed."""
+        try:
+            first = await self._post_json(
+                prefill, endpoint, disagg.prefill_body(body, chat), headers
+            )
+        finally:
+            prefill.in_flight -= 1
+        if isinstance(first, Response):
+            return first  # the prefill instance's error, as it came
+        token_ids = bool(body.get("return_token_ids"))
+        head = first["choices"][0]
+        stream = bool(body.get("stream"))
+        if disagg.max_tokens(body, chat) <= 1 or head.get("finish_reason") == "stop":
+            if stream:
+                done = disagg.first_event(first, chat, head.get("finish_reason"))
+                return Response(done + b"data: [DONE]\n\n", media_type="text/event-stream")
+            return JSONResponse(disagg.only_first(first, token_ids))
+        left = disagg.max_tokens(body, chat) - 1
+        decode = disagg.decode_body(body, chat, disagg.prompt_ids(first), left)
+        for decoder in self._decoders():
+            decoder.in_flight += 1
+            try:
+                if stream:
+                    return await self._decode_stream(decoder, decode, headers, first, chat)
+                rest = await self._post_json(decoder, COMPLETIONS, decode, headers)
+            except Unreachable:
+                decoder.healthy = False
+                continue
+            finally:
+                decoder.in_flight -= 1
+            if isinstance(rest, Response):
+                return rest
+            joined = disagg.join(first, rest, chat, token_ids)
+            return JSONResponse(disagg.only_first(joined, token_ids))
+        raise Refused(503, "no decode instance is up (see the router's /health)")
+
+    def _decoders(self) -> list[Instance]:
+        """Decode instances to try, least loaded first."""
+        assert self.decoders is not None
+        healthy = self.decoders.healthy() or self.decoders.all
+        return sorted(healthy, key=lambda i: i.in_flight)
+
+    async def _post_json(
+        self, instance: Instance, path: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> dict[str, Any] | Response:
+        """An instance's JSON reply, or its error as a response to pass back."""
+        began = time.perf_counter()
+        try:
+            reply = await self.http.post(f"{instance.url}{path}", json=body, headers=headers)
+        except httpx.ConnectError:
+            raise Unreachable(instance) from None
+        except httpx.HTTPError as err:
+            raise Refused(502, f"the instance {instance.url} did not answer: {err!r}") from None
+        self.metrics.upstream.labels("request").observe(time.perf_counter() - began)
+        if reply.status_code != 200:
+            return _as_response(reply)
+        return dict(reply.json())
+
+    async def _decode_stream(
+        self,
+        decoder: Instance,
+        decode: dict[str, Any],
+        headers: dict[str, str],
+        first: dict[str, Any],
+        chat: bool,
+    ) -> Response:
+        request = self.http.build_request(
+            "POST", f"{decoder.url}{COMPLETIONS}", json=decode, headers=headers
+        )
+        try:
+            upstream = await self.http.send(request, stream=True)
+        except httpx.ConnectError:
+            raise Unreachable(decoder) from None
+        except httpx.HTTPError as err:
+            raise Refused(502, f"the instance {decoder.url} did not answer: {err!r}") from None
+        if upstream.status_code != 200:
+            try:
+                await upstream.aread()
+            finally:
+                await upstream.aclose()
+            return _as_response(upstream)
+        decoder.in_flight += 1  # until the stream ends (the caller's count ends on return)
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                yield disagg.first_event(first, chat, None)
+                async for event in disagg.relay_events(upstream.aiter_lines(), first, chat):
+                    yield event
+            finally:
+                decoder.in_flight -= 1
+                await upstream.aclose()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
 
     # -- the rest -----------------------------------------------------------------------
 

@@ -6,7 +6,6 @@ the two as a prefill instance (kv_producer) and a decode instance (kv_consumer) 
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,12 +17,12 @@ import torch
 from openai import OpenAI
 from transformers import AutoTokenizer
 
-from chunkstore import proxy
 from chunkstore.client import ChunkStoreClient
 from chunkstore.kv.entry import EntryLayout
 from chunkstore.kv.fingerprint import fingerprint_of_folder
 from chunkstore.kv.keys import prefix_keys
 from chunkstore.processes.daemon import RunningDaemon, start_daemon
+from chunkstore.processes.router import RunningRouter
 from chunkstore.processes.vllm_server import VllmServer
 from chunkstore.protocol.shm import extents
 from chunkstore.testing.scenario import DOCS
@@ -244,18 +243,27 @@ def test_a_chat_turn_on_another_vllm_loads_the_earlier_turns_whole(pair) -> None
     assert loaded.choices[0].message.content == computed.choices[0].message.content
 
 
-def test_a_prefill_and_a_decode_instance_behind_the_proxy_answer_as_one(pair, long_prompt) -> None:
+def test_a_prefill_and_a_decode_instance_behind_the_proxy_answer_as_one(
+    pair, long_prompt, tmp_path
+) -> None:
     """20 prompts of 200 to 900 tokens (one of whole blocks, one a token short of them)
-    through ``chunkstore proxy``: the prefill instance computes each and stores it, the
-    decode instance loads every prompt token and computes only the first answer token the
-    proxy hands it; the replies are those of one instance computing the whole request."""
+    through ``chunkstore proxy`` (the router's prefill/decode mode): the prefill instance
+    computes each and stores it, the decode instance loads every prompt token and computes
+    only the first answer token the proxy hands it; the replies, joined or streamed, are
+    those of one instance computing the whole request."""
     first, second = pair
     lengths = [200 + 37 * i for i in range(18)] + [5 * BLOCK, 6 * BLOCK - 1]
     # Slices that start where no earlier prompt did: vLLM's own prefix cache has none.
     prompts = [long_prompt[100 * i + 50 : 100 * i + 50 + n] for i, n in enumerate(lengths)]
-    server = proxy.serve("127.0.0.1", 0, proxy.Proxy([first.server.url], [second.server.url]))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    client = OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="x")
+    router = RunningRouter(
+        tmp_path / "proxy",
+        "--prefill",
+        first.server.url,
+        "--decode",
+        second.server.url,
+        command="proxy",
+    )
+    client = OpenAI(base_url=f"{router.url}/v1", api_key="x")
     try:
         before = second.server.counters()
         replies = [
@@ -278,8 +286,24 @@ def test_a_prefill_and_a_decode_instance_behind_the_proxy_answer_as_one(pair, lo
         wanted = before["unchunked_prompts"] + len(prompts) + 1
         second.server.wait_for_counters({"unchunked_prompts": wanted})
         after = second.server.counters()
+        # Streamed: the first token from the prefill, the rest as the decode streams it,
+        # each in the client's format, the same text as the joined replies.
+        streamed = client.chat.completions.create(
+            model=first.server.model,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=12,
+            temperature=0.0,
+            stream=True,
+        )
+        streamed_chat = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+        parts = client.completions.create(
+            model=first.server.model, prompt=prompts[0], max_tokens=8, temperature=0.0, stream=True
+        )
+        streamed_text = "".join(c.choices[0].text for c in parts)
     finally:
-        server.shutdown()
+        assert router.stop() == 0, router.log_path.read_text()
+    assert streamed_chat == chat.choices[0].message.content
+    assert streamed_text == replies[0].choices[0].text
     # The decode instance loaded every prompt token, and computed only the first tokens.
     assert after["prefix_hit_tokens"] - before["prefix_hit_tokens"] >= sum(lengths)
     assert after["computed_prompt_tokens"] - before["computed_prompt_tokens"] == len(prompts) + 1
