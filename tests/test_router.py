@@ -158,6 +158,10 @@ def test_a_cold_request_is_answered_as_a_warm_one_with_every_chunk_loaded(stand)
     for reply in (cold, warm):
         assert reply["choices"][0]["text"] == cold["choices"][0]["text"]
         assert_logprobs_match(first_token(choice(reply)), reference.logits[-1])
+    # Cold and warm: the same greedy tokens, the same first-token logprobs within 1e-4.
+    cold_top, warm_top = (first_token(choice(r))["logprobs"] for r in (cold, warm))
+    assert cold_top.keys() == warm_top.keys()
+    assert max(abs(cold_top[t] - warm_top[t]) for t in cold_top) <= 1e-4
 
     # The same documents in another order: every one loads, nothing is sent.
     shuffled = [docs[2], docs[0], docs[3], docs[1]]

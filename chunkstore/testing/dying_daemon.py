@@ -27,7 +27,7 @@ from typing import Any
 
 from chunkstore import cli
 from chunkstore.daemon.index import Index
-from chunkstore.daemon.server import ChunkStoreService
+from chunkstore.daemon.service import ChunkStoreService
 
 
 def main() -> int:
