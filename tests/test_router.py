@@ -40,6 +40,8 @@ from chunkstore.testing.scenario import RAG_DOCS, RAG_SYS, assert_logprobs_match
 pytestmark = pytest.mark.slow
 
 QUESTION = "What is the capital of Germany?"
+API_KEY = "router-test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MORE_DOCS = [
     "Rome is the capital of Italy.",
     "Madrid is the capital of Spain.",
@@ -57,8 +59,10 @@ class Stand:
         settings = {"address": self.daemon.unix, "inband_isolation": False}
         # Each reply's usage then names the prompt tokens loaded for that request alone
         # (the chunks' own prompts load sys, and count in vLLM's counters too).
-        details = ("--enable-prompt-tokens-details",)
-        self.vllm = VllmServer(model, workdir / "vllm", settings, extra=details)
+        # The instance wants an API key: the router passes the client's on, to the
+        # instance's tokenizer and the cold chunks' prompts as to the request.
+        flags = ("--enable-prompt-tokens-details", "--api-key", API_KEY)
+        self.vllm = VllmServer(model, workdir / "vllm", settings, extra=flags)
         self.router = RunningRouter(
             workdir / "router",
             "--instance",
@@ -68,7 +72,7 @@ class Stand:
             "--model",
             model,
         )
-        self.openai = OpenAI(base_url=f"{self.router.url}/v1", api_key="unused")
+        self.openai = OpenAI(base_url=f"{self.router.url}/v1", api_key=API_KEY)
 
     def stop(self) -> None:
         self.router.stop()
@@ -88,6 +92,7 @@ class Stand:
                 "return_tokens_as_token_ids": True,
                 **body,
             },
+            headers=AUTH,
             timeout=300,
         )
         assert reply.status_code == 200, reply.text
@@ -248,8 +253,12 @@ def test_what_the_router_cannot_read_is_refused_or_passed_on(stand) -> None:
     array = httpx.post(url, json=[1, 2], timeout=30)
     assert array.status_code == 400 and "JSON object" in array.json()["error"]["message"]
     # The instance's own refusal comes back as it sent it (an unknown model).
-    unknown = httpx.post(url, json={"model": "nope", "prompt": "Hi", "max_tokens": 1}, timeout=30)
+    unknown = httpx.post(
+        url, json={"model": "nope", "prompt": "Hi", "max_tokens": 1}, headers=AUTH, timeout=30
+    )
     assert unknown.status_code == 404, unknown.text
+    keyless = httpx.post(url, json={"prompt": "Hi", "max_tokens": 1}, timeout=30)
+    assert keyless.status_code == 401, keyless.text  # the instance's, as it sent it
     health = httpx.get(f"{stand.router.url}/health", timeout=10)
     assert health.status_code == 200
     assert health.json()["instances"][0]["healthy"] is True
@@ -281,6 +290,7 @@ def test_an_instance_that_cannot_be_reached_is_routed_around(stand, tmp_path) ->
             reply = httpx.post(
                 f"{router.url}/v1/completions",
                 json={"model": str(stand.model), "prompt": "Hello", "max_tokens": 2},
+                headers=AUTH,
                 timeout=300,
             )
             assert reply.status_code == 200, reply.text

@@ -114,8 +114,6 @@ class Router:
         headers: dict[str, str],
     ) -> Response:
         plans = await self._plans(candidates[0], body, chat, headers)
-        if isinstance(plans, Response):
-            return plans  # the instance refused to tokenize it: its answer, as it came
         stored, present = await self._stored(candidates, plans)
         choice = self.instances.choose(candidates, stored)
         instance = choice.instance
@@ -127,7 +125,7 @@ class Router:
                 salt = str(body.get("cache_salt") or "")
                 model = str(body.get("model") or "")
                 warmed = await self.cold.warm(
-                    instance, plans, present[instance.daemon], model, salt
+                    instance, plans, present[instance.daemon], model, salt, headers
                 )
         except BaseException:
             instance.in_flight -= 1
@@ -141,9 +139,9 @@ class Router:
 
     async def _plans(
         self, instance: Instance, body: dict[str, Any], chat: bool, headers: dict[str, str]
-    ) -> list[Plan] | Response:
+    ) -> list[Plan]:
         """The request's prompts as pieces and keys ([] where the router cannot read them,
-        or the instance cannot tokenize them for a reason of its own)."""
+        or the instance would not tokenize them)."""
         keys = self.settings.keys
         if keys is None:
             return []
@@ -156,15 +154,17 @@ class Router:
         for prompt in prompts:
             if isinstance(prompt, dict):
                 ids = await self._tokenize(instance, prompt, headers)
-                if isinstance(ids, Response) or ids is None:
-                    return ids or []
+                if ids is None:
+                    return []
                 prompt = ids
             plans.append(keys.plan(prompt, salt))
         return plans
 
     async def _tokenize(
         self, instance: Instance, body: dict[str, Any], headers: dict[str, str]
-    ) -> list[int] | Response | None:
+    ) -> list[int] | None:
+        """The instance's token IDs for a prompt; None if it would not give them (the
+        request then goes on as it is, and the instance answers it, its error included)."""
         began = time.perf_counter()
         try:
             reply = await self.http.post(f"{instance.url}/tokenize", json=body, headers=headers)
@@ -173,8 +173,6 @@ class Router:
         except httpx.HTTPError:
             reply = None
         self.metrics.upstream.labels("tokenize").observe(time.perf_counter() - began)
-        if reply is not None and 400 <= reply.status_code < 500 and reply.status_code != 404:
-            return _as_response(reply)
         if reply is None or reply.status_code != 200:
             self.metrics.fallbacks.labels("tokenize_failed").inc()
             return None

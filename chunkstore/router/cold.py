@@ -49,9 +49,11 @@ class ColdChunks:
         present: Sequence[Sequence[bool]],
         model: str,
         salt: str,
+        headers: dict[str, str] | None = None,
     ) -> Warmed:
         """Store what ``plans`` miss (``present``: each piece held, as the instance's daemon
-        answered) through ``instance``."""
+        answered) through ``instance``, for ``model`` ("": the instance's) with the request's
+        ``cache_salt`` and headers (its API key)."""
         missing: dict[bytes, tuple[int, ...]] = {}
         for plan, found in zip(plans, present, strict=True):
             for piece, held in zip(plan.pieces, found, strict=True):
@@ -70,7 +72,7 @@ class ColdChunks:
                 mine[key] = prompt
             else:
                 theirs.append(flight)
-        stored = await self._send(instance, mine, model, salt) if mine else {}
+        stored = await self._send(instance, mine, model, salt, headers or {}) if mine else {}
         joined = await asyncio.gather(*theirs)
         self.metrics.upstream.labels("warm").observe(time.perf_counter() - began)
         self.metrics.cold_sent.inc(len(mine))
@@ -79,14 +81,19 @@ class ColdChunks:
         return Warmed(len(mine), len(theirs), failed)
 
     async def _send(
-        self, instance: Instance, prompts: dict[bytes, tuple[int, ...]], model: str, salt: str
+        self,
+        instance: Instance,
+        prompts: dict[bytes, tuple[int, ...]],
+        model: str,
+        salt: str,
+        headers: dict[str, str],
     ) -> dict[bytes, bool]:
         """Each prompt as its own request, side by side; then which were stored. Every
         flight this request opened is closed, whatever happens."""
         stored = dict.fromkeys(prompts, False)
         try:
             sent = await asyncio.gather(
-                *(self._prefill(instance, p, model, salt) for p in prompts.values())
+                *(self._prefill(instance, p, model, salt, headers) for p in prompts.values())
             )
             asked = [k for k, ok in zip(prompts, sent, strict=True) if ok]
             found = await self.stores.lookup(instance.daemon, asked)
@@ -103,13 +110,22 @@ class ColdChunks:
         return stored
 
     async def _prefill(
-        self, instance: Instance, prompt: tuple[int, ...], model: str, salt: str
+        self,
+        instance: Instance,
+        prompt: tuple[int, ...],
+        model: str,
+        salt: str,
+        headers: dict[str, str],
     ) -> bool:
-        body = {"model": model, "prompt": list(prompt), "max_tokens": 1, "temperature": 0.0}
+        body: dict[str, object] = {"prompt": list(prompt), "max_tokens": 1, "temperature": 0.0}
+        if model:
+            body["model"] = model
         if salt:
             body["cache_salt"] = salt
         try:
-            reply = await self.http.post(f"{instance.url}/v1/completions", json=body)
+            reply = await self.http.post(
+                f"{instance.url}/v1/completions", json=body, headers=headers
+            )
         except httpx.HTTPError as err:
             log.warning("chunkstore router: a cold chunk's prefill on %s: %s", instance.url, err)
             self.metrics.cold_failed.labels("prefill_error").inc()
