@@ -73,7 +73,8 @@ class ColdChunks:
             else:
                 theirs.append(flight)
         stored = await self._send(instance, mine, model, salt, headers or {}) if mine else {}
-        joined = await asyncio.gather(*theirs)
+        # Shielded: a waiter that goes away (its client hung up) leaves the flight alone.
+        joined = await asyncio.gather(*(asyncio.shield(f) for f in theirs))
         self.metrics.upstream.labels("warm").observe(time.perf_counter() - began)
         self.metrics.cold_sent.inc(len(mine))
         self.metrics.cold_joined.inc(len(theirs))
@@ -106,7 +107,8 @@ class ColdChunks:
         finally:
             for key, ok in stored.items():
                 flight = self._flying.pop((instance.daemon, key))
-                flight.set_result(ok)
+                if not flight.done():
+                    flight.set_result(ok)
         return stored
 
     async def _prefill(
