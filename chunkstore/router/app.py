@@ -275,13 +275,13 @@ class Router:
         token_ids = bool(body.get("return_token_ids"))
         head = first["choices"][0]
         stream = bool(body.get("stream"))
-        if disagg.max_tokens(body, chat) <= 1 or head.get("finish_reason") == "stop":
+        wanted = disagg.max_tokens(body, chat)
+        if wanted <= 1 or head.get("finish_reason") == "stop":
             if stream:
                 done = disagg.first_event(first, chat, head.get("finish_reason"))
                 return Response(done + b"data: [DONE]\n\n", media_type="text/event-stream")
             return JSONResponse(disagg.only_first(first, token_ids))
-        left = disagg.max_tokens(body, chat) - 1
-        decode = disagg.decode_body(body, chat, disagg.prompt_ids(first), left)
+        decode = disagg.decode_body(body, chat, disagg.prompt_ids(first), wanted - 1)
         for decoder in self._decoders():
             decoder.in_flight += 1
             try:
