@@ -5,190 +5,60 @@ unreadable until committed; a leased or pinned entry is never evicted; leases an
 reservations belong to a session and go when it ends or stops renewing them (TTL). Eviction
 takes the lowest ranked entry (``eviction.py``: least recently used, or least worth): on
 demand when a reservation needs room, and down to the low watermark once usage passes the
-high one. The index owns entries; the pool owns bytes and free blocks; one
-lock serializes both.
+high one. The index owns entries; the pool owns bytes and free blocks; one lock serializes
+both, and the parts the index keeps under it:
 
-Every entry, reservation and block is some tenant's ("" the shared namespace; tenants.py
-maps keys into namespaces before they get here). A tenant past its quota evicts its own
-least recently used entries; the pool's eviction takes the oldest entry among the tenants'
-that leaves each other tenant its reserved share (``_victim``).
+- ``sessions.py``: who holds what (sessions, their leases and reservations, quarantine);
+- ``budgets.py``: the tenants' shares (blocks held, eviction orders, what may go for whom);
+- ``spill.py``: the queue to the disk tier and what the tier did;
+- ``counts.py``: what ``stats`` reports, counted as it changes.
 
 With a disk tier (``disk.py``) every commit also queues the entry for the daemon's spill
 thread (``spill_one``), which holds its blocks while it writes them (an entry being written
 is not evictable, as a leased one); a memory miss the tier holds is read back into new
 blocks and committed (``_acquire_from_disk``). Disk I/O never runs under the lock.
-
-Every operation costs the same whatever the index holds: the eviction order holds only
-evictable entries (pinned and leased ones leave it, and return when they become evictable
-again), and what ``stats`` reports is counted as it changes, never by walking the entries, so
-a Prometheus scrape does not hold lookups up at 100k entries.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
-import secrets
 import threading
 import time
-from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from enum import StrEnum
 
 import numpy as np
 
+from chunkstore.daemon.budgets import Budgets
+from chunkstore.daemon.counts import Counts, IndexStats
 from chunkstore.daemon.disk import DiskEntry, DiskError, DiskTier
-from chunkstore.daemon.eviction import Order, make_policy
+from chunkstore.daemon.eviction import make_policy
 from chunkstore.daemon.pool import Pool
+from chunkstore.daemon.records import Budget, Entry, Lease, Reservation, Session, Spill, check_keys
+from chunkstore.daemon.sessions import Sessions
+from chunkstore.daemon.spill import DiskStats, SpillQueue
 from chunkstore.errors import (
     AlreadyExists,
-    Busy,
     ChecksumMismatch,
     InvalidRequest,
     NotFound,
     PoolFull,
     WrongState,
 )
-from chunkstore.kv.entry import ENTRY_KINDS, EntryLayout, check_entry_kind
-from chunkstore.kv.keys import KEY_BYTES
+from chunkstore.kv.entry import EntryLayout
 from chunkstore.protocol.shm import Pieces
-from chunkstore.protocol.wire import MAX_BATCH
 
 log = logging.getLogger(__name__)
 
 DISK_READERS = 4  # disk hits of one Acquire read at once
 
 
-class Spill(StrEnum):
-    """Where an entry stands with the disk tier's spill thread (NONE is falsy)."""
-
-    NONE = ""
-    QUEUED = "queued"  # waiting in the spill queue
-    WRITING = "writing"  # being written: its blocks stay, whatever evicts it
-
-
-@dataclass
-class Entry:
-    key: bytes
-    layout: EntryLayout
-    nbytes: int
-    blocks: list[int]
-    checksum: int
-    pinned: bool = False
-    leases: int = 0
-    evicted: bool = False  # out of the index; its blocks go when its last lease does
-    spill: Spill = Spill.NONE
-    tenant: str = ""  # whose namespace it is in ("" shared; tenants.py)
-    rank: float = 0.0  # its place in the eviction order, set when it became evictable
-
-
-@dataclass
-class Reservation:
-    id: int
-    key: bytes
-    session: str
-    layout: EntryLayout
-    nbytes: int
-    blocks: list[int]
-    expires_at: float
-    written: int = 0  # bytes streamed in so far (stream writes only)
-    tenant: str = ""
-
-
-@dataclass
-class Lease:
-    id: int
-    entry: Entry
-    session: str
-    expires_at: float
-
-
-@dataclass
-class Session:
-    id: str
-    name: str
-    last_seen: float
-    owner: str = ""  # whose calls may use it (tenants.Caller.owner)
-    leases: set[int] = field(default_factory=set)
-    reservations: set[int] = field(default_factory=set)
-    streams: int = 0  # open heartbeat streams: while one is, the client process lives
-    # Blocks of this session's reservations that expired while its process lived: a paused
-    # writer may still copy into them, so nobody else gets them until it is done.
-    quarantined: dict[int, list[int]] = field(default_factory=dict)
-
-
-@dataclass
-class IndexStats:
-    entries: int
-    pinned_entries: int
-    bytes_used: int
-    bytes_capacity: int
-    blocks_free: int
-    blocks_total: int
-    active_leases: int
-    active_reservations: int
-    sessions: int
-    pool_importers: int  # sessions whose process opened a device pool by IPC
-    lookups: int
-    hits: int
-    lookup_tokens: int
-    hit_tokens: int
-    evictions: dict[str, int]
-    draining: bool
-    blocks_quarantined: int
-    # By entry kind (chunk, prefix): lookups, hits, lookup_tokens, hit_tokens, entries, bytes.
-    kinds: dict[str, dict[str, int]] = field(default_factory=dict)
-    disk: DiskStats | None = None  # None: no disk tier
-    # By tenant ("" the shared namespace): entries, bytes, held_bytes, quota_bytes,
-    # reserved_bytes, lookups, hits, lookup_tokens, hit_tokens, evictions.
-    tenants: dict[str, dict[str, int]] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Budget:
-    """What one tenant's entries and reservations may hold of the pool (``quota``, 0: no
-    limit), how much of that is never evicted for another tenant (``reserved``), and how many
-    sessions it may have open (``sessions``, 0: no limit but --max-sessions)."""
-
-    quota: int = 0
-    reserved: int = 0
-    sessions: int = 0
-    disk_quota: int = 0  # the disk tier's bytes its entries may hold (0: no limit)
-
-
-NO_BUDGET = Budget()  # a tenant the file does not name (or the shared namespace): no limits
-
-
-@dataclass
-class DiskStats:
-    directory: str
-    entries: int
-    bytes_used: int  # file bytes, headers included
-    bytes_capacity: int
-    spill_queue_bytes: int  # committed entries waiting to be written
-    spills_writing: int
-    removed_at_start: int  # torn and stray files a previous daemon left
-    last_error: str  # the last failure, "" if none since start
-    # spills, spill_bytes, promotions, promoted_bytes, dropped_<why>, errors_<op>: counts
-    counts: dict[str, int] = field(default_factory=dict)
-    seconds: dict[str, float] = field(default_factory=dict)  # spent writing, reading
-
-
-def check_keys(keys: Sequence[bytes]) -> None:
-    """A call's keys: at most MAX_BATCH, each KEY_BYTES long (InvalidRequest otherwise)."""
-    if len(keys) > MAX_BATCH:
-        raise InvalidRequest(f"{len(keys)} keys in one call; at most {MAX_BATCH}")
-    for key in keys:
-        if len(key) != KEY_BYTES:
-            raise InvalidRequest(f"a key is {KEY_BYTES} bytes, got {len(key)}")
-
-
 class Index:
     def __init__(
         self,
         pool: Pool,
+        *,
         lease_ttl: float = 30.0,
         high_watermark: float = 0.95,
         low_watermark: float = 0.85,
@@ -203,49 +73,23 @@ class Index:
         if not 0 < low_watermark <= high_watermark <= 1:
             raise InvalidRequest("watermarks need 0 < low <= high <= 1")
         self.pool = pool
-        self.lease_ttl = lease_ttl
         self.high_watermark = high_watermark
         self.low_watermark = low_watermark
         self.verify_commits = verify_commits
-        self.max_sessions = max_sessions
-        self.clock = clock
         self.on_evict = on_evict
         self.lock = threading.RLock()
         self.draining = False
         self._entries: dict[bytes, Entry] = {}
-        # The evictable entries (neither pinned nor leased), by tenant, lowest rank first
-        # (eviction.py: least recently used, or least worth); ranks compare across tenants.
-        self.policy = make_policy(eviction)
-        self._orders: dict[str, Order[Entry]] = {}
-        self._evictable: Counter[str] = Counter()  # blocks of the entries in _orders, by tenant
-        # Tenants: blocks held (entries and reservations), budgets, counts (tenants.py).
-        self._held: Counter[str] = Counter()
-        self.budgets: dict[str, Budget] = {}
-        self._tenant_counts: dict[str, Counter[str]] = {"": Counter()}
         self._pinned = 0
-        self._quarantined_blocks = 0
-        self._reservations: dict[int, Reservation] = {}
-        self._reserved_keys: dict[bytes, int] = {}
-        # Recent reservations' outcomes, told only to the session that made each.
-        self._finished: OrderedDict[int, tuple[str, str]] = OrderedDict()
-        self._leases: dict[int, Lease] = {}
-        self._sessions: dict[str, Session] = {}
-        self._ids_used: set[int] = set()  # ids of live leases and reservations
-        self._counts: Counter[str] = Counter()
-        self._kind_counts: dict[str, Counter[str]] = {kind: Counter() for kind in ENTRY_KINDS}
-        self.evictions: Counter[str] = Counter()
+        self.policy = make_policy(eviction)
+        self.holders = Sessions(lease_ttl, max_sessions, clock, free=pool.free)
+        self.budgets = Budgets(self.policy, pool.block_size)
+        self.counts = Counts()
         # The disk tier: committed entries queued (bounded, in bytes) for the spill thread.
         self.disk = disk
-        self.spill_queue_bytes = spill_queue_bytes
-        self._spills: OrderedDict[bytes, Entry] = OrderedDict()
-        self._spill_bytes = 0
-        self._spills_writing = 0
-        self._spill_moved = threading.Condition(self.lock)
+        self.spill = SpillQueue(self.lock, spill_queue_bytes)
         self._promoting: dict[bytes, threading.Event] = {}  # disk hits being read in
         self._disk_readers = ThreadPoolExecutor(DISK_READERS, thread_name_prefix="disk-read")
-        self.disk_counts: Counter[str] = Counter()
-        self.disk_seconds: dict[str, float] = {"write": 0.0, "read": 0.0}
-        self.disk_error = ""
 
     # Sessions -----------------------------------------------------------------------------
 
@@ -253,25 +97,12 @@ class Index:
         """A new session; only calls whose caller is ``owner`` may use it (the server
         checks, ``session_owner``)."""
         with self.lock:
-            if len(self._sessions) >= self.max_sessions:
-                raise Busy(
-                    f"{len(self._sessions)} sessions are open, the most --max-sessions allows; "
-                    "close idle clients or raise --max-sessions"
-                )
-            cap = self.budgets.get(owner, NO_BUDGET).sessions
-            if cap and sum(s.owner == owner for s in self._sessions.values()) >= cap:
-                raise Busy(
-                    f"tenant {owner} has {cap} sessions open, the most its tenants file entry "
-                    "allows; close idle clients"
-                )
-            session_id = secrets.token_hex(8)
-            self._sessions[session_id] = Session(session_id, name, self.clock(), owner=owner)
-            return session_id
+            return self.holders.start(name, owner, self.budgets.of(owner))
 
     def session_owner(self, session_id: str) -> str | None:
         """Who may use the session (None: there is none)."""
         with self.lock:
-            session = self._sessions.get(session_id)
+            session = self.holders.open.get(session_id)
             return None if session is None else session.owner
 
     def attach_stream(self, session_id: str, holds_pool: bool = False) -> None:
@@ -280,37 +111,27 @@ class Index:
         thread, and ``max_sessions`` bounds them only so. ``holds_pool``: the process opened
         a device pool by IPC; it counts as an importer for as long as the stream lives."""
         with self.lock:
-            session = self._session(session_id)
-            if session.streams:
-                raise AlreadyExists(f"session {session_id} has its heartbeat stream already")
-            session.streams += 1
+            self.holders.attach_stream(session_id)
             if holds_pool:
                 self.pool.importers.add(session_id)
 
     def renew(self, session_id: str) -> None:
         """A sign of life: pushes back the expiry of everything the session holds."""
         with self.lock:
-            session = self._session(session_id)
-            now = self.clock()
-            session.last_seen = now
-            for lease_id in session.leases:
-                self._leases[lease_id].expires_at = now + self.lease_ttl
-            for reservation_id in session.reservations:
-                self._reservations[reservation_id].expires_at = now + self.lease_ttl
+            self.holders.renew(session_id)
 
     def end_session(self, session_id: str) -> None:
         """The client is gone: its reservations are aborted and its leases released."""
         with self.lock:
-            session = self._sessions.pop(session_id, None)
+            session = self.holders.open.pop(session_id, None)
             self.pool.importers.discard(session_id)
             if session is None:
                 return
             for reservation_id in list(session.reservations):
-                self._drop_reservation(self._reservations[reservation_id])
+                self._drop_reservation(self.holders.reservations[reservation_id])
             for lease_id in list(session.leases):
-                self._drop_lease(self._leases[lease_id])
-            for blocks in session.quarantined.values():  # its process is gone: nobody writes
-                self._unquarantine(blocks)
+                self._drop_lease(self.holders.leases[lease_id])
+            self.holders.unquarantine(session)
 
     def expire(self) -> int:
         """Reclaim leases and reservations whose holder stopped renewing them, and sessions
@@ -319,19 +140,14 @@ class Index:
         freed: its writer is paused, not dead, and may copy into them when it resumes. Returns
         how many things went."""
         with self.lock:
-            now = self.clock()
-            gone = 0
-            for reservation in [r for r in self._reservations.values() if r.expires_at <= now]:
+            reservations, leases = self.holders.expired()
+            for reservation in reservations:
                 self._drop_reservation(reservation, outcome="expired")
-                gone += 1
-            for lease in [x for x in self._leases.values() if x.expires_at <= now]:
+            for lease in leases:
                 self._drop_lease(lease)
-                gone += 1
-            for session in list(self._sessions.values()):
-                idle = now - session.last_seen > self.lease_ttl
-                if idle and not (session.leases or session.reservations or session.streams):
-                    self.end_session(session.id)
-            return gone
+            for session_id in self.holders.idle():
+                self.end_session(session_id)
+            return len(reservations) + len(leases)
 
     # Reads --------------------------------------------------------------------------------
 
@@ -358,17 +174,8 @@ class Index:
         """Count a client's lookup of ``entry_kind`` entries: keys looked up and found, and,
         when the client sent each key's token count, tokens looked up and found (hit rate
         by tokens); in all, by kind and by the caller's tenant."""
-        check_entry_kind(entry_kind)
         with self.lock:
-            by_tenant = self._tenant_counts.setdefault(tenant, Counter())
-            for counts in (self._counts, self._kind_counts[entry_kind], by_tenant):
-                counts["lookups"] += len(found)
-                counts["hits"] += sum(found)
-                if num_tokens:
-                    counts["lookup_tokens"] += sum(num_tokens)
-                    counts["hit_tokens"] += sum(
-                        n for n, hit in zip(num_tokens, found, strict=True) if hit
-                    )
+            self.counts.looked_up(found, num_tokens, entry_kind, tenant)
 
     def acquire(
         self, session_id: str, keys: Sequence[bytes], tenant: str = ""
@@ -379,7 +186,7 @@ class Index:
         check_keys(keys)
         with self.lock:
             self._refuse_if_draining()
-            self._session(session_id)
+            self.holders.get(session_id)
             out = [
                 self._lease(session_id, entry)
                 if (entry := self._entries.get(key)) and entry.tenant == tenant
@@ -420,12 +227,12 @@ class Index:
                 pending = self._promoting.get(key)
                 if pending is None:
                     found = self.disk.lookup(key)
-                    if found is None or found.tenant != tenant or key in self._reserved_keys:
+                    if found is None or found.tenant != tenant or key in self.holders.reserved_keys:
                         return None
                     try:
                         blocks = self._allocate(self.pool.blocks_for(found.nbytes), tenant)
                     except PoolFull as err:
-                        self._disk_failed("promote", err)
+                        self.spill.failed("promote", err)
                         return None
                     done = self._promoting[key] = threading.Event()
                     break
@@ -441,11 +248,9 @@ class Index:
             done.set()
             if failure is not None:
                 self._free_charged(tenant, blocks)
-                self._disk_failed("read", failure)
+                self.spill.failed("read", failure)
                 return None
-            self.disk_seconds["read"] += time.perf_counter() - began
-            self.disk_counts["promotions"] += 1
-            self.disk_counts["promoted_bytes"] += found.nbytes
+            self.spill.promoted(found.nbytes, time.perf_counter() - began)
             entry = Entry(key, found.layout, found.nbytes, blocks, found.checksum, tenant=tenant)
             self._add(entry)
             leased = self._lease(session_id, entry)
@@ -453,29 +258,20 @@ class Index:
             return leased
 
     def _lease(self, session_id: str, entry: Entry) -> tuple[Lease, Entry]:
-        session = self._session(session_id)
-        lease = Lease(self._new_id(), entry, session_id, self.clock() + self.lease_ttl)
-        self._leases[lease.id] = lease
-        session.leases.add(lease.id)
+        lease = self.holders.add_lease(session_id, entry)
         entry.leases += 1
-        self._place(entry)  # out of the eviction order; ranked again when free
+        self.budgets.place(entry)  # out of the eviction order; ranked again when free
         return lease, entry
 
     def release(self, session_id: str, lease_ids: Sequence[int]) -> None:
         with self.lock:
             for lease_id in lease_ids:
-                lease = self._leases.get(lease_id)
-                if lease is None or lease.session != session_id:
-                    raise NotFound(f"no lease {lease_id} in session {session_id}")
-                self._drop_lease(lease)
+                self._drop_lease(self.holders.lease(session_id, lease_id))
 
     def lease(self, session_id: str, lease_id: int) -> Entry:
         """The entry a held lease reads (for streaming its bytes)."""
         with self.lock:
-            lease = self._leases.get(lease_id)
-            if lease is None or lease.session != session_id:
-                raise NotFound(f"no lease {lease_id} in session {session_id}")
-            return lease.entry
+            return self.holders.lease(session_id, lease_id).entry
 
     # Writes -------------------------------------------------------------------------------
 
@@ -494,46 +290,23 @@ class Index:
                 f"an entry of {nbytes} bytes can never fit a pool of {self.pool.capacity}"
             )
         with self.lock:
-            quota = self.budgets.get(tenant, NO_BUDGET).quota
+            quota = self.budgets.of(tenant).quota
             if quota and self.pool.blocks_for(nbytes) * self.pool.block_size > quota:
                 raise InvalidRequest(
                     f"an entry of {nbytes} bytes can never fit tenant {tenant}'s quota of {quota}"
                 )
             self._refuse_if_draining()
-            session = self._session(session_id)
+            self.holders.get(session_id)
             if key in self._entries or (self.disk is not None and key in self.disk):
                 raise AlreadyExists(f"{key.hex()} is committed already")
-            if key in self._reserved_keys or key in self._promoting:
+            if key in self.holders.reserved_keys or key in self._promoting:
                 raise AlreadyExists(f"{key.hex()} is being written by another reservation")
             blocks = self._allocate(self.pool.blocks_for(nbytes), tenant)
-            reservation = Reservation(
-                self._new_id(),
-                key,
-                session_id,
-                layout,
-                nbytes,
-                blocks,
-                self.clock() + self.lease_ttl,
-                tenant=tenant,
-            )
-            self._reservations[reservation.id] = reservation
-            self._reserved_keys[key] = reservation.id
-            session.reservations.add(reservation.id)
-            return reservation
+            return self.holders.add_reservation(session_id, key, layout, blocks, tenant)
 
     def reservation(self, session_id: str, reservation_id: int) -> Reservation:
         with self.lock:
-            reservation = self._reservations.get(reservation_id)
-            outcome, owner = self._finished.get(reservation_id, ("", ""))
-            if reservation is None and outcome and owner == session_id:
-                session = self._sessions.get(session_id)
-                if session is not None and reservation_id in session.quarantined:
-                    # Its writer is back and asks about it: done copying, the blocks can go.
-                    self._unquarantine(session.quarantined.pop(reservation_id))
-                raise WrongState(f"reservation {reservation_id} was {outcome} already")
-            if reservation is None or reservation.session != session_id:
-                raise NotFound(f"no reservation {reservation_id} in session {session_id}")
-            return reservation
+            return self.holders.reservation(session_id, reservation_id)
 
     def commit(
         self,
@@ -561,7 +334,7 @@ class Index:
                         f"reservation {reservation_id}: pool bytes hash to {actual:#x}, the "
                         f"writer said {claimed_checksum:#x}; aborted"
                     )
-            self._forget_reservation(reservation, "committed")
+            self.holders.forget_reservation(reservation, "committed")
             entry = Entry(
                 reservation.key,
                 reservation.layout,
@@ -651,7 +424,7 @@ class Index:
         busy)."""
         with self.lock:
             evicted = 0
-            for order in self._orders.values():
+            for order in self.budgets.orders.values():
                 for key in list(order):  # every one goes: no need to pop them in rank order
                     self._evict(self._entries[key], "clear")
                     evicted += 1
@@ -671,7 +444,7 @@ class Index:
                 if entry.pinned != pinned:
                     entry.pinned = pinned
                     self._pinned += 1 if pinned else -1
-                    self._place(entry)
+                    self.budgets.place(entry)
             return changed
 
     def verify(self, keys: Sequence[bytes]) -> list[bytes]:
@@ -698,15 +471,10 @@ class Index:
         """The tenants' budgets from now on (a reload): nothing is evicted now; a tenant past
         a lowered quota evicts its own entries at its next write."""
         with self.lock:
-            self.budgets = dict(budgets)
+            self.budgets.budgets = dict(budgets)
             if self.disk is not None:  # read at each spill: a lowered one evicts then
                 self.disk.quotas = {t: b.disk_quota for t, b in budgets.items() if b.disk_quota}
-            for tenant in budgets:
-                self._tenant_counts.setdefault(tenant, Counter())
-            gone = [t for t, c in self._tenant_counts.items() if t and t not in budgets]
-            for tenant in gone:  # a removed tenant's figures go with its last entry
-                if not self._tenant_counts[tenant]["entries"] and not self._held[tenant]:
-                    del self._tenant_counts[tenant]
+            self.counts.tenants_now(list(budgets), self.budgets.held)
 
     def start_draining(self) -> None:
         with self.lock:
@@ -746,17 +514,13 @@ class Index:
         ``timeout`` seconds."""
         assert self.disk is not None
         with self.lock:
-            if not self._spills and not self._spill_moved.wait(timeout):
+            if not self.spill.queued and not self.spill.moved.wait(timeout):
                 return None
-            while self._spills:
-                _, entry = self._spills.popitem(last=False)
-                self._spill_bytes -= entry.nbytes
-                entry.spill = Spill.NONE
+            while (entry := self.spill.take()) is not None:
                 if entry.key in self.disk:
                     continue
-                entry.spill = Spill.WRITING
-                self._spills_writing += 1
-                self._place(entry)
+                self.spill.start(entry)
+                self.budgets.place(entry)
                 return entry, self.pool.views(entry.blocks, entry.nbytes)
             return None
 
@@ -766,18 +530,9 @@ class Index:
         """The spill thread is done with ``entry`` (``evicted``: disk entries it displaced):
         its blocks go back to the index's rules."""
         with self.lock:
-            self.disk_counts["evictions"] += evicted
-            entry.spill = Spill.NONE
-            self._spills_writing -= 1
-            self._place(entry)
+            self.spill.written(entry, seconds, failure, evicted)
+            self.budgets.place(entry)
             self._free_if_unheld(entry)
-            self._spill_moved.notify_all()
-            if failure is not None:
-                self._disk_failed("write", failure)
-                return
-            self.disk_seconds["write"] += seconds
-            self.disk_counts["spills"] += 1
-            self.disk_counts["spill_bytes"] += entry.nbytes
 
     def persist(self, timeout: float) -> int:
         """Queue every memory entry the disk tier lacks, whatever the queue's bound, and wait
@@ -790,89 +545,51 @@ class Index:
         with self.lock:
             for entry in self._entries.values():
                 self._queue_spill(entry, bounded=False)
-            while self._spills or self._spills_writing:
+            while self.spill.pending():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                self._spill_moved.wait(left)
-            return len(self._spills) + self._spills_writing
+                self.spill.moved.wait(left)
+            return self.spill.pending()
 
     def _queue_spill(self, entry: Entry, bounded: bool = True) -> None:
-        """Queue a committed entry for the disk tier (lock held). A full queue drops it (it
-        stays in memory, counted): a Reserve never waits for the disk."""
+        """Queue a committed entry for the disk tier (lock held), unless the tier holds it."""
         if self.disk is None or entry.spill or entry.key in self.disk:
             return
-        full = self._spills and self._spill_bytes + entry.nbytes > self.spill_queue_bytes
-        if bounded and full:  # an empty queue takes any entry: a big one spills too
-            self.disk_counts["dropped_queue_full"] += 1
-            return
-        entry.spill = Spill.QUEUED
-        self._spills[entry.key] = entry
-        self._spill_bytes += entry.nbytes
-        self._spill_moved.notify_all()
-
-    def _disk_failed(self, op: str, err: Exception) -> None:
-        self.disk_counts[f"errors_{op}"] += 1
-        self.disk_error = f"{op}: {err}"
-        log.warning("disk tier: %s failed: %s", op, err)
+        self.spill.add(entry, bounded)
 
     def disk_stats(self) -> DiskStats | None:
         disk = self.disk
         if disk is None:
             return None
         with self.lock:
-            return DiskStats(
-                directory=str(disk.directory),
-                entries=len(disk),
-                bytes_used=disk.used,
-                bytes_capacity=disk.capacity,
-                spill_queue_bytes=self._spill_bytes,
-                spills_writing=self._spills_writing,
-                removed_at_start=len(disk.removed_at_start),
-                last_error=self.disk_error,
-                counts={**self.disk_counts, "foreign": len(disk.foreign)},
-                seconds=dict(self.disk_seconds),
-            )
+            return self.spill.stats(disk)
 
     def stats(self) -> IndexStats:
         disk = self.disk_stats()
         with self.lock:
-            used_blocks = self.pool.num_blocks - self.pool.free_blocks
-            names = ("lookups", "hits", "lookup_tokens", "hit_tokens", "entries", "bytes")
-            kinds = {
-                kind: {name: counts[name] for name in names}
-                for kind, counts in self._kind_counts.items()
-            }
-            tenants = {
-                tenant: {
-                    **{name: counts[name] for name in (*names, "evictions")},
-                    "held_bytes": self._held[tenant] * self.pool.block_size,
-                    "quota_bytes": self.budgets.get(tenant, NO_BUDGET).quota,
-                    "reserved_bytes": self.budgets.get(tenant, NO_BUDGET).reserved,
-                }
-                for tenant, counts in self._tenant_counts.items()
-            }
+            pool, holders, counts = self.pool, self.holders, self.counts
             return IndexStats(
                 entries=len(self._entries),
                 pinned_entries=self._pinned,
-                bytes_used=used_blocks * self.pool.block_size,
-                bytes_capacity=self.pool.capacity,
-                blocks_free=self.pool.free_blocks,
-                blocks_total=self.pool.num_blocks,
-                active_leases=len(self._leases),
-                active_reservations=len(self._reservations),
-                sessions=len(self._sessions),
-                pool_importers=len(self.pool.importers),
-                lookups=self._counts["lookups"],
-                hits=self._counts["hits"],
-                lookup_tokens=self._counts["lookup_tokens"],
-                hit_tokens=self._counts["hit_tokens"],
-                evictions=dict(self.evictions),
+                bytes_used=(pool.num_blocks - pool.free_blocks) * pool.block_size,
+                bytes_capacity=pool.capacity,
+                blocks_free=pool.free_blocks,
+                blocks_total=pool.num_blocks,
+                active_leases=len(holders.leases),
+                active_reservations=len(holders.reservations),
+                sessions=len(holders.open),
+                pool_importers=len(pool.importers),
+                lookups=counts.total["lookups"],
+                hits=counts.total["hits"],
+                lookup_tokens=counts.total["lookup_tokens"],
+                hit_tokens=counts.total["hit_tokens"],
+                evictions=dict(counts.evictions),
                 draining=self.draining,
-                blocks_quarantined=self._quarantined_blocks,
-                kinds=kinds,
+                blocks_quarantined=holders.quarantined_blocks,
+                kinds=counts.by_kind(),
                 disk=disk,
-                tenants=tenants,
+                tenants=counts.by_tenant(self.budgets),
             )
 
     def entries(self) -> list[Entry]:
@@ -887,55 +604,31 @@ class Index:
 
     def sessions(self) -> list[Session]:
         with self.lock:
-            return list(self._sessions.values())
+            return list(self.holders.open.values())
 
     def reservations(self) -> list[Reservation]:
         with self.lock:
-            return list(self._reservations.values())
+            return list(self.holders.reservations.values())
 
     # Internals (called with the lock held) ------------------------------------------------
-
-    def _new_id(self) -> int:
-        """A lease or reservation id nobody holds: random, so one tenant's ids tell nothing
-        of how many others take (a counter did). Dropped from the set when its holder ends."""
-        while True:
-            candidate = secrets.randbits(62) + 1
-            if candidate not in self._ids_used and candidate not in self._finished:
-                self._ids_used.add(candidate)
-                return candidate
-
-    def _session(self, session_id: str) -> Session:
-        session = self._sessions.get(session_id)
-        if session is None:
-            raise NotFound(f"no session {session_id!r}: call Hello first (or it expired)")
-        return session
 
     def _refuse_if_draining(self) -> None:
         if self.draining:
             raise WrongState("the daemon is draining: no new reads or writes")
 
     def _allocate(self, count: int, tenant: str = "") -> list[int]:
-        """``count`` blocks, charged to ``tenant``. Past its quota, its own least recently
-        used entries go first; then, if the pool has too few free, the oldest evictable
-        entry of any tenant that stays within what its reserved share keeps (``_victim``).
-        Nothing is evicted when that could not make room."""
-        bs = self.pool.block_size
-        quota = self.budgets.get(tenant, NO_BUDGET).quota
-        if quota and (self._held[tenant] + count) * bs > quota:
-            if (self._held[tenant] - self._evictable[tenant] + count) * bs > quota:
-                raise PoolFull(
-                    f"tenant {tenant} is at its quota of {quota} bytes: it holds "
-                    f"{self._held[tenant] * bs}, {self._evictable[tenant] * bs} of them "
-                    f"evictable, and needs {count * bs} more; the rest are leased, pinned or "
-                    "reserved"
-                )
-            while (self._held[tenant] + count) * bs > quota:
-                head = self._orders[tenant].head()
-                assert head is not None  # enough of its own was evictable
-                self._evict(head, "quota")
+        """``count`` blocks, charged to ``tenant``. Past its quota, its own lowest ranked
+        entries go first; then, if the pool has too few free, the lowest ranked evictable
+        entry of any tenant that stays within what its reserved share keeps
+        (``Budgets.victim``). Nothing is evicted when that could not make room."""
+        budgets = self.budgets
+        while budgets.over_quota(tenant, count):
+            head = budgets.orders[tenant].head()
+            assert head is not None  # enough of its own was evictable (over_quota checks)
+            self._evict(head, "quota")
         blocks = self.pool.allocate(count)
         if blocks is None:
-            evictable = sum(self._evictable_for(t, tenant) for t in self._orders)
+            evictable = budgets.evictable_total(tenant)
             if self.pool.free_blocks + evictable < count:  # evicting would not make room
                 raise PoolFull(
                     f"need {count} blocks, {self.pool.free_blocks} free and {evictable} "
@@ -943,69 +636,25 @@ class Index:
                     "reserved shares"
                 )
             while blocks is None:
-                victim = self._victim(tenant)
+                victim = budgets.victim(tenant)
                 if victim is None:  # an entry straddling a reserved share's edge
                     raise PoolFull(f"need {count} blocks: other tenants' reserved shares")
                 self._evict(victim, "capacity")
                 blocks = self.pool.allocate(count)
-        self._held[tenant] += count
+        budgets.held[tenant] += count
         return blocks
 
     def _free_charged(self, tenant: str, blocks: list[int]) -> None:
         """Blocks ``_allocate`` charged to ``tenant`` back to the pool, unused."""
-        self._held[tenant] -= len(blocks)
+        self.budgets.held[tenant] -= len(blocks)
         self.pool.free(blocks)
-
-    def _place(self, entry: Entry) -> None:
-        """Keep the eviction order to the evictable entries: after any change to an entry's
-        pins or leases, in it (ranked as of now) exactly when it is committed, unpinned and
-        unleased."""
-        writing = entry.spill is Spill.WRITING
-        evictable = not (entry.leases or entry.pinned or entry.evicted or writing)
-        order = self._orders.get(entry.tenant)
-        if evictable and (order is None or entry.key not in order):
-            if order is None:
-                order = self._orders[entry.tenant] = self.policy.order()
-            entry.rank = self.policy.rank(entry)
-            order.add(entry)
-            self._evictable[entry.tenant] += len(entry.blocks)
-        elif not evictable and order is not None and order.remove(entry):
-            self._evictable[entry.tenant] -= len(entry.blocks)
-
-    def _keeps(self, tenant: str, blocks: int) -> bool:
-        """Whether ``tenant`` holding ``blocks`` fewer would dip into its reserved share."""
-        reserved = self.budgets.get(tenant, NO_BUDGET).reserved
-        return (self._held[tenant] - blocks) * self.pool.block_size < reserved
-
-    def _evictable_for(self, tenant: str, evicting_for: str | None) -> int:
-        """Blocks of ``tenant``'s that may be evicted for ``evicting_for``'s room (None: the
-        watermark's): all its evictable ones for itself, above its reserved share for
-        anyone else."""
-        evictable = self._evictable[tenant]
-        reserved = self.budgets.get(tenant, NO_BUDGET).reserved
-        if tenant == evicting_for or not reserved:
-            return evictable
-        kept = (reserved + self.pool.block_size - 1) // self.pool.block_size
-        return max(0, min(evictable, self._held[tenant] - kept))
-
-    def _victim(self, evicting_for: str | None) -> Entry | None:
-        """The lowest ranked evictable entry whose eviction leaves every other tenant's
-        reserved share whole: the heads of the tenants' orders compared (O(tenants))."""
-        best: Entry | None = None
-        for tenant, order in self._orders.items():
-            head = order.head()
-            if head is None or (tenant != evicting_for and self._keeps(tenant, len(head.blocks))):
-                continue
-            if best is None or head.rank < best.rank:
-                best = head
-        return best
 
     def _evict_to_watermark(self) -> None:
         total = self.pool.num_blocks
         if total - self.pool.free_blocks <= self.high_watermark * total:
             return
         while total - self.pool.free_blocks > self.low_watermark * total:
-            victim = self._victim(None)
+            victim = self.budgets.victim(None)
             if victim is None:
                 return
             self._evict(victim, "watermark")
@@ -1014,75 +663,38 @@ class Index:
         """A committed entry into the index, the eviction order and (if the disk tier lacks
         it) the spill queue."""
         self._entries[entry.key] = entry
-        self._held_by_kind(entry, 1)
-        self._place(entry)
+        self.counts.held(entry, 1)
+        self.budgets.place(entry)
         self._queue_spill(entry)
-
-    def _held_by_kind(self, entry: Entry, sign: int) -> None:
-        """Entries and bytes by kind and by tenant, kept as entries come and go (stats never
-        walk them)."""
-        by_tenant = self._tenant_counts.setdefault(entry.tenant, Counter())
-        for counts in (self._kind_counts[entry.layout.entry_kind], by_tenant):
-            counts["entries"] += sign
-            counts["bytes"] += sign * entry.nbytes
 
     def _evict(self, entry: Entry, reason: str) -> None:
         del self._entries[entry.key]
-        self._held_by_kind(entry, -1)
-        self._held[entry.tenant] -= len(entry.blocks)  # its tenant's, even while leases read it
-        self._tenant_counts[entry.tenant]["evictions"] += 1
+        self.counts.held(entry, -1)
+        self.counts.evicted(entry, reason)
+        self.budgets.held[entry.tenant] -= len(entry.blocks)  # even while leases read it
         entry.evicted = True
-        self._place(entry)
+        self.budgets.place(entry)
         if entry.pinned:
             self._pinned -= 1
-        if entry.spill is Spill.QUEUED:  # gone before the spill thread got to it
-            del self._spills[entry.key]
-            self._spill_bytes -= entry.nbytes
-            entry.spill = Spill.NONE
-            self.disk_counts["dropped_evicted"] += 1
+        self.spill.drop(entry)  # gone before the spill thread got to it
         if self.disk is not None and reason in ("admin", "clear", "corrupt"):
             self.disk.remove(entry.key)  # forgotten, not moved down a tier
         self._free_if_unheld(entry)
         if reason in ("capacity", "watermark", "quota"):  # for room: the worth policy ages
             self.policy.evicted(entry)
-        self.evictions[reason] += 1
         if self.on_evict:
             self.on_evict(reason, entry.nbytes)
 
-    def _forget_reservation(self, reservation: Reservation, outcome: str) -> None:
-        self._finished[reservation.id] = (outcome, reservation.session)
-        if len(self._finished) > 10_000:
-            self._finished.popitem(last=False)
-        del self._reservations[reservation.id]
-        self._ids_used.discard(reservation.id)
-        del self._reserved_keys[reservation.key]
-        session = self._sessions.get(reservation.session)
-        if session:
-            session.reservations.discard(reservation.id)
-
     def _drop_reservation(self, reservation: Reservation, outcome: str = "aborted") -> None:
-        self._forget_reservation(reservation, outcome)
-        self._held[reservation.tenant] -= len(reservation.blocks)
-        session = self._sessions.get(reservation.session)
-        if outcome == "expired" and session is not None and session.streams:
-            session.quarantined[reservation.id] = reservation.blocks
-            self._quarantined_blocks += len(reservation.blocks)
-        else:
-            self.pool.free(reservation.blocks)
-
-    def _unquarantine(self, blocks: list[int]) -> None:
-        self._quarantined_blocks -= len(blocks)
-        self.pool.free(blocks)
+        self.holders.forget_reservation(reservation, outcome)
+        self.budgets.held[reservation.tenant] -= len(reservation.blocks)
+        self.holders.free_reserved(reservation, outcome)
 
     def _drop_lease(self, lease: Lease) -> None:
-        del self._leases[lease.id]
-        self._ids_used.discard(lease.id)
+        self.holders.forget_lease(lease)
         lease.entry.leases -= 1
-        self._place(lease.entry)
+        self.budgets.place(lease.entry)
         self._free_if_unheld(lease.entry)
-        session = self._sessions.get(lease.session)
-        if session:
-            session.leases.discard(lease.id)
 
     def _free_if_unheld(self, entry: Entry) -> None:
         """An evicted entry's blocks go once no lease reads them and no spill writes them."""

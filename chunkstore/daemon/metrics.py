@@ -17,7 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_a
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import ThreadingWSGIServer
 
-from chunkstore.daemon.index import DiskStats, Index
+from chunkstore.daemon.index import Index
+from chunkstore.daemon.spill import DiskStats
 from chunkstore.daemon.tenants import SHARED_LABEL
 
 PREFIX = "chunkstore"

@@ -25,11 +25,12 @@ from chunkstore.daemon.auth import SERVICE, DecodeInHandler, TokenCheck
 from chunkstore.daemon.config import ServeConfig
 from chunkstore.daemon.disk import DiskTier
 from chunkstore.daemon.fastpath import FastPath
-from chunkstore.daemon.index import Budget, Index
+from chunkstore.daemon.index import Index
 from chunkstore.daemon.metrics import Metrics
 from chunkstore.daemon.peers import EnginePeers, PeerSource, PeerTLS, StreamPeers
 from chunkstore.daemon.pool import reclaim_stale_pools
 from chunkstore.daemon.pool_factory import create_pool
+from chunkstore.daemon.records import Budget
 from chunkstore.daemon.service import ChunkStoreService, drain
 from chunkstore.daemon.tenants import (
     Tenant,
@@ -162,11 +163,11 @@ class Daemon:
             self.tenants.secret = namespace_secret(config.peer_token, config.disk_dir)
         self.index = Index(
             self.pool,
-            config.lease_ttl_s,
-            config.high_watermark,
-            config.low_watermark,
-            config.verify_commits,
-            config.max_sessions,
+            lease_ttl=config.lease_ttl_s,
+            high_watermark=config.high_watermark,
+            low_watermark=config.low_watermark,
+            verify_commits=config.verify_commits,
+            max_sessions=config.max_sessions,
             disk=self.disk,
             spill_queue_bytes=config.resolved_spill_queue_bytes(self.pool.capacity),
             eviction=config.eviction,

@@ -18,9 +18,10 @@ import numpy as np
 
 from chunkstore import __version__
 from chunkstore.daemon.config import ServeConfig
-from chunkstore.daemon.index import Entry, Index, check_keys
+from chunkstore.daemon.index import Index
 from chunkstore.daemon.metrics import Metrics
 from chunkstore.daemon.pool import Pool
+from chunkstore.daemon.records import Entry, check_keys
 from chunkstore.daemon.tenants import (
     PEER_CALLER,
     SHARED,
@@ -36,6 +37,7 @@ from chunkstore.errors import (
     Forbidden,
     InvalidRequest,
     NotFound,
+    SessionLost,
     StoreError,
     Unauthenticated,
 )
@@ -43,7 +45,7 @@ from chunkstore.kv.entry import check_entry_kind
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol import chunkstore_pb2_grpc as pb_grpc
 from chunkstore.protocol.shm import block_runs
-from chunkstore.protocol.wire import MAX_MESSAGE, layout_from_proto, layout_to_proto
+from chunkstore.protocol.wire import MAX_MESSAGE, layout_from_proto, layout_to_proto, status_of
 
 if TYPE_CHECKING:
     from chunkstore.daemon.auth import TokenCheck
@@ -66,7 +68,7 @@ def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
             return method(self, request, context)
         except StoreError as err:
             self.metrics.errors.labels(err.code).inc()
-            context.abort(grpc.StatusCode[err.code], str(err))
+            context.abort(*status_of(err))
         finally:
             self.metrics.rpc_seconds.labels(name).observe(time.perf_counter() - began)
 
@@ -85,7 +87,7 @@ def _rpc_stream(method: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[
             yield from method(self, request, context)
         except StoreError as err:
             self.metrics.errors.labels(err.code).inc()
-            context.abort(grpc.StatusCode[err.code], str(err))
+            context.abort(*status_of(err))
         finally:
             self.metrics.rpc_seconds.labels(name).observe(time.perf_counter() - began)
 
@@ -167,7 +169,7 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
         all (the index's own words), so a session id learns nothing."""
         caller = self._caller(context)
         if self.index.session_owner(session_id) != caller.owner:  # None: no such session
-            raise NotFound(f"no session {session_id!r}: call Hello first (or it expired)")
+            raise SessionLost(f"no session {session_id!r}: call Hello first (or it expired)")
         return caller
 
     @_rpc
@@ -209,7 +211,7 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
                 self.index.renew(ping.session_id)
                 yield pb.Pong(server_time_ms=int(time.time() * 1000))
         except StoreError as err:
-            context.abort(grpc.StatusCode[err.code], str(err))
+            context.abort(*status_of(err))
         finally:
             end()
 

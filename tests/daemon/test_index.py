@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from chunkstore.daemon.disk import HEADER, DiskError, DiskTier
-from chunkstore.daemon.index import Budget, Entry, Index
+from chunkstore.daemon.index import Index
 from chunkstore.daemon.pool import SharedMemoryPool
+from chunkstore.daemon.records import Budget, Entry
 from chunkstore.errors import (
     AlreadyExists,
     ChecksumMismatch,
@@ -85,7 +86,7 @@ class IndexMachine(RuleBasedStateMachine):
     )
     def reserve(self, key, tokens, seed):
         lay = layout(tokens)
-        a_held = self.index._held["a"]
+        a_held = self.index.budgets.held["a"]
         try:
             res = self.index.reserve(self.session, key, lay, lay.nbytes, TENANT[key])
         except AlreadyExists:  # in memory, being written, or on the disk tier (committed)
@@ -103,7 +104,7 @@ class IndexMachine(RuleBasedStateMachine):
             return None
         finally:
             if TENANT[key] != "a":  # another tenant's write never takes a's reserved share
-                assert self.index._held["a"] >= min(a_held, A_BUDGET.reserved // BLOCK)
+                assert self.index.budgets.held["a"] >= min(a_held, A_BUDGET.reserved // BLOCK)
         data = np.random.default_rng(seed).integers(0, 256, lay.nbytes, dtype=np.uint8)
         scatter(self.pool.region(), res.blocks, BLOCK, data)
         self.pending[res.id] = data.tobytes()
@@ -117,7 +118,7 @@ class IndexMachine(RuleBasedStateMachine):
         claimed = checksum(np.frombuffer(data, np.uint8), [0], len(data), len(data))
         if not honest:
             claimed ^= 1
-        a_held = self.index._held["a"]
+        a_held = self.index.budgets.held["a"]
         try:
             entry = self.index.commit(self.session, res, claimed)
         except ChecksumMismatch:
@@ -128,7 +129,7 @@ class IndexMachine(RuleBasedStateMachine):
         assert honest
         self.written[entry.key] = data
         if entry.tenant != "a":  # the watermark's evictions keep a's reserved share too
-            assert self.index._held["a"] >= min(a_held, A_BUDGET.reserved // BLOCK)
+            assert self.index.budgets.held["a"] >= min(a_held, A_BUDGET.reserved // BLOCK)
 
     @rule(res=consumes(reservations))
     def abort(self, res):
@@ -243,14 +244,14 @@ class IndexMachine(RuleBasedStateMachine):
         evictable = [e for e in entries if not (e.pinned or e.leases or e.spill == "writing")]
         for tenant in ("", "a"):
             mine = [e for e in evictable if e.tenant == tenant]
-            assert set(self.index._orders.get(tenant, ())) == {e.key for e in mine}
-            assert self.index._evictable[tenant] == sum(len(e.blocks) for e in mine)
+            assert set(self.index.budgets.orders.get(tenant, ())) == {e.key for e in mine}
+            assert self.index.budgets.evictable[tenant] == sum(len(e.blocks) for e in mine)
             held = [b for e in entries if e.tenant == tenant for b in e.blocks]
             held += [b for r in self.index.reservations() if r.tenant == tenant for b in r.blocks]
-            assert self.index._held[tenant] == len(held)
+            assert self.index.budgets.held[tenant] == len(held)
             assert stats.tenants[tenant]["held_bytes"] == len(held) * BLOCK
             assert stats.tenants[tenant]["entries"] == sum(e.tenant == tenant for e in entries)
-        assert self.index._held["a"] * BLOCK <= A_BUDGET.quota
+        assert self.index.budgets.held["a"] * BLOCK <= A_BUDGET.quota
 
     @invariant()
     def uncommitted_entries_are_unreadable(self):
@@ -276,7 +277,7 @@ class TieredIndexMachine(IndexMachine):
         super().__init__()
         self.disk = DiskTier(self._dir(), 3 * (HEADER + 60 * 16))
         self.index.disk = self.disk
-        self.index.spill_queue_bytes = 2 * 60 * 16
+        self.index.spill.bound = 2 * 60 * 16
         self.history: dict[bytes, set[bytes]] = {}  # key -> every payload committed for it
         self.writing: list[tuple[Entry, list[np.ndarray]]] = []
 
@@ -316,7 +317,7 @@ class TieredIndexMachine(IndexMachine):
     def memory_runs_short(self):
         """What a Reserve that needs room does to the least recently used entry."""
         with self.index.lock:
-            victim = self.index._victim(None)
+            victim = self.index.budgets.victim(None)
             if victim is not None:
                 self.index._evict(victim, "capacity")
 
@@ -357,7 +358,10 @@ class TieredIndexMachine(IndexMachine):
     @invariant()
     def spilling_entries_keep_their_blocks(self):
         for entry, _ in self.writing:
-            assert entry.spill == "writing" and entry.key not in self.index._orders[entry.tenant]
+            assert (
+                entry.spill == "writing"
+                and entry.key not in self.index.budgets.orders[entry.tenant]
+            )
             assert not set(entry.blocks) & set(self.pool._free)
 
     @invariant()
@@ -533,10 +537,13 @@ def test_eviction_takes_the_least_recently_released_and_never_walks_pins(index: 
         index.commit(s, res.id, checksum(index.pool.region(), res.blocks, BLOCK, quarter.nbytes))
     index.set_pinned([KEYS[0]], True)
     [(lease, _)] = index.acquire(s, [KEYS[1]])  # type: ignore[misc]
-    assert list(index._orders[""]) == [KEYS[2], KEYS[3]]  # pinned and leased entries are not in it
+    assert list(index.budgets.orders[""]) == [
+        KEYS[2],
+        KEYS[3],
+    ]  # pinned and leased entries are not in it
     index.release(s, [lease.id])  # back as the most recently used
     index.set_pinned([KEYS[0]], False)
-    assert list(index._orders[""]) == [KEYS[2], KEYS[3], KEYS[1], KEYS[0]]
+    assert list(index.budgets.orders[""]) == [KEYS[2], KEYS[3], KEYS[1], KEYS[0]]
     index.reserve(s, KEYS[4], quarter, quarter.nbytes)
     assert {e.key for e in index.entries()} == {KEYS[0], KEYS[1], KEYS[3]}
     assert index.clear() == (3, 0)
