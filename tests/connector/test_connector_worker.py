@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from chunkstore_vllm.worker import LayerLoads
+from chunkstore_vllm.layer_loads import LayerLoads
 
 LAYERS = 6
 

@@ -1,0 +1,59 @@
+"""vLLM's paged KV cache as one worker registered it (worker process): what loads write into
+and saves read from. ``WorkerSide.register_kv_caches`` fills it once; ``Loads`` and
+``Saves`` only read it."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .cpu_layout import CpuKVLayout
+from .device_layout import DeviceKVLayout
+from .heads import RankHeads
+
+
+def layer_number(name: str) -> int:
+    """The layer a cache's name is for ("model.layers.3.self_attn.attn": 3)."""
+    numbers = re.findall(r"\.(\d+)\.", name)
+    return int(numbers[0]) if numbers else 0
+
+
+@dataclass
+class RegisteredCache:
+    """The caches in layer order, the access that reads and writes them (CPU or a device
+    back end), this rank's KV heads and whether reads of the cache can be trusted."""
+
+    access: CpuKVLayout | DeviceKVLayout
+    heads: RankHeads
+    block_size: int
+    layers: list[tuple[str, Any]] = field(default_factory=list)  # a tensor, or ascend's (K, V)
+    layer_index: dict[str, int] = field(default_factory=dict)
+    readable: bool = False  # a probe showed the cache reads back as the kernel wrote it
+    # Exact prefix blocks are stored as this cache's own blocks where it has a packing
+    # (``CpuKVLayout.packing``; "": token by token, as chunks are).
+    packing: str = ""
+    block_bytes: list[np.ndarray] = field(default_factory=list)  # each layer's, as bytes
+    scratch: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.uint8))
+
+    def set_layers(self, kv_caches: dict[str, Any]) -> None:
+        """vLLM's caches, by layer name, put in layer order."""
+        self.layers = sorted(kv_caches.items(), key=lambda item: layer_number(item[0]))
+        self.layer_index = {name: i for i, (name, _) in enumerate(self.layers)}
+
+    def pack(self, packing: str) -> None:
+        """Packed entries are read straight into each layer's blocks, viewed as bytes; a
+        block a load skips is read into ``scratch``."""
+        self.packing = packing
+        if packing:
+            self.block_bytes = [
+                cache.view(torch.uint8).view(cache.shape[0], -1).numpy() for _, cache in self.layers
+            ]
+            self.scratch = np.empty(self.block_bytes[0].shape[1], dtype=np.uint8)
+
+    def slots(self, block_ids: list[int], start: int, count: int) -> torch.Tensor:
+        """Slots of positions [start, start + count) of a request with this block table."""
+        return self.access.slots(torch.tensor(block_ids, dtype=torch.int64), start, count)
