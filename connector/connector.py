@@ -11,7 +11,7 @@ The scheduler side decides (``scheduler.py``), the worker side moves bytes (``wo
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -32,14 +32,32 @@ from .scheduler import SchedulerSide
 from .versions import warn_outside_matrix
 from .worker import WorkerSide
 
+if TYPE_CHECKING:  # vLLM's types at the boundary, for the type checker only
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
 log = logging.getLogger("chunkstore.connector")
 
 
 class ChunkStoreConnector(KVConnectorBase_V1):
     def __init__(
-        self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
-        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        # None where vLLM's factory passes none (older versions); the base is typed for one.
+        super().__init__(
+            vllm_config=vllm_config,
+            role=role,
+            kv_cache_config=kv_cache_config,  # type: ignore[arg-type]
+        )
         config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         if role == KVConnectorRole.SCHEDULER:
             warn_outside_matrix(log)  # once per engine: the scheduler has one connector
@@ -65,7 +83,7 @@ class ChunkStoreConnector(KVConnectorBase_V1):
         if self.worker is not None and isinstance(connector_metadata, ChunkStoreMetadata):
             self.worker.bind(connector_metadata)
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self.worker is not None
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, ChunkStoreMetadata)
@@ -76,7 +94,11 @@ class ChunkStoreConnector(KVConnectorBase_V1):
         self.worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(
-        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
     ) -> None:
         return  # saved whole in wait_for_save, once the step's KV is in the cache
 
@@ -105,7 +127,7 @@ class ChunkStoreConnector(KVConnectorBase_V1):
     @classmethod
     def build_prom_metrics(
         cls,
-        vllm_config: Any,
+        vllm_config: VllmConfig,
         metric_types: dict[type, type],
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
@@ -119,30 +141,32 @@ class ChunkStoreConnector(KVConnectorBase_V1):
 
     # Scheduler side ---------------------------------------------------------------------------
 
-    def on_new_request(self, request: Any) -> None:
+    def on_new_request(self, request: Request) -> None:
         assert self.scheduler is not None
         self.scheduler.on_new_request(request)
 
     def get_num_new_matched_tokens(
-        self, request: Any, num_computed_tokens: int
+        self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         assert self.scheduler is not None
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens), False
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         assert self.scheduler is not None
         self.scheduler.update_state_after_alloc(request, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
         return self.scheduler.build_connector_meta(scheduler_output)
 
-    def update_connector_output(self, connector_output: Any) -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.scheduler is not None
         self.scheduler.update_connector_output(connector_output)
 
     def request_finished(
-        self, request: Any, block_ids: list[int]
+        self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
         self.scheduler.request_finished(request)

@@ -12,10 +12,11 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from chunkstore.client import LeasedEntry
 from chunkstore.errors import ChunkStoreError
+from chunkstore.kv.entry import EntryKind
 from chunkstore.kv.keys import Isolation
 from chunkstore.kv.segments import Segment, SegmentKind
 
@@ -33,6 +34,12 @@ from .keys import ModelKeys, SegmentPlan
 from .metrics import ConnectorStats
 from .prefix_cache import keep_roles_apart
 from .selection import BadTransferParams, relevant, select
+
+if TYPE_CHECKING:  # vLLM's types at the boundary, for the type checker only
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
 
 log = logging.getLogger("chunkstore.connector")
 
@@ -62,7 +69,8 @@ class Tracked:
     recomputed: dict[int, range] = field(default_factory=dict)  # segment -> its offsets
     shifts: tuple[tuple[int, int, int], ...] = ()  # chunks attended elsewhere: start, end, by
     first_tokens: int = 0  # the first N tokens of every other chunk recomputed too
-    request: Any = None  # vLLM's request (plain prompts: its generated blocks are stored)
+    # vLLM's request (plain prompts: its generated blocks are stored)
+    request: Request | None = None
     salt: str = ""  # vLLM's cache_salt (plain prompts: part of every prefix key)
     # kv_consumer: the part block after the whole ones up to the token before the last,
     # looked up (never stored: a prefill instance stores its prompt's, ``save_tail``, and a
@@ -128,7 +136,7 @@ class Held:
 
 
 class SchedulerSide:
-    def __init__(self, vllm_config: Any, config: ConnectorConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, config: ConnectorConfig) -> None:
         self.config = config
         self.keys = ModelKeys.from_vllm(vllm_config, config)
         log.info(
@@ -170,7 +178,7 @@ class SchedulerSide:
                 "chunkstore: %s; the connector stays off (every request computed)", self.off
             )
 
-    def _track(self, request: Any) -> Tracked | None:
+    def _track(self, request: Request) -> Tracked | None:
         """The request's segments, split once; for a plain prompt (no separator) its prefix
         blocks (None with ``prefix_block_tokens`` 0)."""
         req_id = request.request_id
@@ -225,7 +233,7 @@ class SchedulerSide:
             self._tracked[req_id] = tracked
         return self._tracked[req_id]
 
-    def _select(self, request: Any, segments: list[Segment]) -> frozenset[int]:
+    def _select(self, request: Request, segments: list[Segment]) -> frozenset[int]:
         """The chunks (segment indices) to recompute whole (``selection``); none without a
         question, or without in-band isolation (the workers' hook recomputes them)."""
         if segments[-1].kind is not SegmentKind.QUESTION or not self.config.inband_isolation:
@@ -264,7 +272,7 @@ class SchedulerSide:
         return self.config.isolation_mode is Isolation.SYS and not self.config.virtual_gap
 
     def _relevant(
-        self, request: Any, segments: list[Segment]
+        self, request: Request, segments: list[Segment]
     ) -> tuple[dict[int, range], tuple[tuple[int, int, int], ...]]:
         """``relevant_last``: the chunks most relevant to the question (``selection``),
         attended as if they stood just before the question ((start, end, shift) of each
@@ -288,7 +296,7 @@ class SchedulerSide:
         moves = tuple((segments[i].start, segments[i].end, d) for i, d in sorted(shifts.items()))
         return recomputed, moves
 
-    def on_new_request(self, request: Any) -> None:
+    def on_new_request(self, request: Request) -> None:
         """With in-band isolation, keep vLLM's prefix cache from sharing blocks between
         tokens of different roles (``prefix_cache``), before vLLM looks the request up."""
         if self.off or not self.config.inband_isolation:
@@ -308,7 +316,7 @@ class SchedulerSide:
             self._warned_prefix_cache = True
         request.skip_reading_prefix_cache = True
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         """Lease every stored segment (one batch call); keep the leases of the hit run past
         vLLM's own prefix hits, which the workers will load."""
         began = time.perf_counter()
@@ -326,7 +334,7 @@ class SchedulerSide:
             if not tracked.chunked:
                 tracked.present = []  # nothing to look up: what it generates may fill a block
             return 0
-        held = self._acquire(segments, "chunk" if tracked.chunked else "prefix")
+        held = self._acquire(segments, EntryKind.CHUNK if tracked.chunked else EntryKind.PREFIX)
         self.stats.add("lookup_seconds", time.perf_counter() - began)
         if not held.session:
             return 0  # no daemon: compute, and plan no saves it could not take either
@@ -339,7 +347,7 @@ class SchedulerSide:
         if tail in held.leases and segments[tail].segment.start == hit_end:
             hit_end = segments[tail].segment.end
         # vLLM must compute at least the last token.
-        hit_end = min(hit_end, len(request.prompt_token_ids) - 1)
+        hit_end = min(hit_end, request.num_prompt_tokens - 1)
         tracked.present = [index in held.leases for index in range(len(tracked.cacheable))]
         self._held[req_id] = held
         self._keep(
@@ -367,7 +375,7 @@ class SchedulerSide:
         looked_up = sum(len(s.segment) for s in segments)
         self.stats.add("lookups")
         self.stats.add("lookup_tokens", looked_up)
-        if kind == "prefix":
+        if kind == EntryKind.PREFIX:
             self.stats.add("prefix_lookup_tokens", looked_up)
         leases = {i: entry for i, entry in enumerate(entries) if entry is not None}
         return Held(client.session, leases)
@@ -403,7 +411,7 @@ class SchedulerSide:
         except ChunkStoreError as err:
             self.link.trouble("release", err)
 
-    def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
         req_id = request.request_id
         tracked = self._tracked.get(req_id)
         held = self._held.get(req_id)
@@ -430,7 +438,7 @@ class SchedulerSide:
         if prefix:
             self.stats.add("prefix_hit_tokens", num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: Any) -> ChunkStoreMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ChunkStoreMetadata:
         """Each scheduled request's loads (first step, or the step that resumes it after a
         preemption) and the saves of segments this step completes: with chunked prefill a
         segment is saved in the step that computes its last token, read whole from the
@@ -442,7 +450,8 @@ class SchedulerSide:
             self._plan(meta, new.req_id, list(new.block_ids[0]), True, computed, count)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            blocks = list(cached.new_block_ids[i][0]) if cached.new_block_ids[i] else []
+            new_ids = cached.new_block_ids[i]
+            blocks = list(new_ids[0]) if new_ids else []
             resumed = req_id in cached.resumed_req_ids
             computed, count = cached.num_computed_tokens[i], scheduled.get(req_id, 0)
             self._plan(meta, req_id, blocks, resumed, computed, count)
@@ -481,6 +490,8 @@ class SchedulerSide:
         have = len(tracked.cacheable)
         if tracked.present is None or computed_end < (have + 1) * self.prefix_tokens:
             return
+        if tracked.request is None:  # a chunked prompt's: nothing grows
+            return
         tokens = list(tracked.request.all_token_ids[:computed_end])
         grown = self.keys.prefix_plan(tokens, tracked.salt, self.prefix_tokens)[have:]
         tracked.cacheable.extend(grown)
@@ -504,7 +515,7 @@ class SchedulerSide:
         recompute = tracked.blended_tokens(per_chunk) if blends else ()
         return IsolatedStep(start, end, tracked.sys_end, chunks, recompute, moves)
 
-    def update_connector_output(self, output: Any) -> None:
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
         """These requests' loads ended on the workers: their leases can go."""
         ended = output.kv_connector_worker_meta
         if isinstance(ended, LoadsEnded):
@@ -548,7 +559,7 @@ class SchedulerSide:
             saves.append(SaveItem(tail.key, seg.start, len(seg), prefix=True))
         return saves
 
-    def request_finished(self, request: Any) -> None:
+    def request_finished(self, request: Request) -> None:
         self._release(request.request_id)
         self._tracked.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
