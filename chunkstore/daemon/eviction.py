@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from typing import Any, Generic, Protocol, TypeVar
 
 from chunkstore.errors import InvalidRequest
-from chunkstore.kv.entry import EntryLayout
+from chunkstore.kv.entry import EntryKind, EntryLayout
 
 POLICIES = ("lru", "worth")
 # Tokens of context at which attention costs what the rest of a token's forward does: about
@@ -174,7 +174,7 @@ class Worth(Policy):
 
     def rank(self, entry: Ranked) -> float:
         layout = entry.layout
-        cost = recompute_cost(layout) if layout.entry_kind == "chunk" else layout.num_tokens
+        cost = recompute_cost(layout) if layout.entry_kind == EntryKind.CHUNK else layout.num_tokens
         reads = max(self.reads.get(entry.key, 0), 1)
         return self.inflation + reads * cost / max(entry.nbytes, 1)
 

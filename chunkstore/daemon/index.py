@@ -46,7 +46,7 @@ from chunkstore.errors import (
     PoolFull,
     WrongState,
 )
-from chunkstore.kv.entry import EntryLayout
+from chunkstore.kv.entry import EntryKind, EntryLayout
 from chunkstore.protocol.shm import Pieces
 
 log = logging.getLogger(__name__)
@@ -168,7 +168,7 @@ class Index:
         self,
         found: Sequence[bool],
         num_tokens: Sequence[int] = (),
-        entry_kind: str = "chunk",
+        entry_kind: str = EntryKind.CHUNK,
         tenant: str = "",
     ) -> None:
         """Count a client's lookup of ``entry_kind`` entries: keys looked up and found, and,

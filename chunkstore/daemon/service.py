@@ -41,7 +41,7 @@ from chunkstore.errors import (
     StoreError,
     Unauthenticated,
 )
-from chunkstore.kv.entry import check_entry_kind
+from chunkstore.kv.entry import EntryKind, check_entry_kind
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol import chunkstore_pb2_grpc as pb_grpc
 from chunkstore.protocol.shm import block_runs
@@ -108,7 +108,7 @@ def _token_counts(request: pb.LookupRequest | pb.AcquireRequest) -> tuple[list[i
     tokens = list(request.num_tokens)
     if tokens and len(tokens) != len(request.keys):
         raise InvalidRequest(f"{len(tokens)} token counts for {len(request.keys)} keys")
-    kind = request.entry_kind or "chunk"
+    kind = request.entry_kind or EntryKind.CHUNK
     check_entry_kind(kind)
     return tokens, kind
 

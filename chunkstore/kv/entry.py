@@ -9,6 +9,7 @@ has that same packing can use such an entry; every other reader refuses it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from chunkstore.errors import InvalidRequest
@@ -20,9 +21,16 @@ if TYPE_CHECKING:
 # layouts without importing torch (it starts in a fraction of the time).
 ITEMSIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 KINDS = ("kv", "mla")
-# What entries are, for the metrics by kind: position-independent sys and chunk segments,
-# and exact prefix blocks of plain prompts.
-ENTRY_KINDS = ("chunk", "prefix")
+
+
+class EntryKind(StrEnum):
+    """What an entry is, for the metrics by kind and the eviction's worth."""
+
+    CHUNK = "chunk"  # a position-independent sys or chunk segment
+    PREFIX = "prefix"  # an exact prefix block of a plain prompt
+
+
+ENTRY_KINDS = tuple(kind.value for kind in EntryKind)
 MAX_PACKING = 64  # characters in a packing name
 
 
@@ -41,7 +49,7 @@ class EntryLayout:
     kind: str
     num_tokens: int
     virtual_start: int
-    entry_kind: str = "chunk"
+    entry_kind: str = EntryKind.CHUNK
     packing: str = ""  # "": the token-major layout above; else an engine's cache blocks
 
     def validate(self) -> None:
@@ -80,7 +88,7 @@ def layout_of(
     keys: torch.Tensor,
     values: torch.Tensor | None,
     virtual_start: int,
-    entry_kind: str = "chunk",
+    entry_kind: str = EntryKind.CHUNK,
 ) -> EntryLayout:
     """The layout of a KV pair [layers, tokens, kv_heads, head_dim] (values None for MLA)."""
     if keys.dim() != 4 or (values is not None and values.shape != keys.shape):
