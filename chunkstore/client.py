@@ -6,6 +6,9 @@ paused, the session waits for it), then moves bytes the cheapest way it can: str
 through the shared-memory pool when it can map it (same host), else over the gRPC streams.
 Every read is checked against the checksum stored at commit; a mismatch raises
 ChecksumMismatch and the bytes are never returned.
+
+What lies beneath is ``chunkstore/transport/``: the calls (gRPC, the fast path), the
+session, and the transport the session's bytes move over, chosen when it opens.
 """
 
 from __future__ import annotations
@@ -13,93 +16,35 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import queue
-import socket
-import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 import numpy as np
 import torch
 
-from chunkstore.errors import (
-    AlreadyExists,
-    ChecksumMismatch,
-    InvalidRequest,
-    NotFound,
-    StoreError,
-    Unavailable,
-)
+from chunkstore.errors import AlreadyExists, ChecksumMismatch, InvalidRequest, StoreError
 from chunkstore.kv.entry import EntryLayout, layout_of, tensors_of, torch_dtype
 from chunkstore.protocol import chunkstore_pb2 as pb
-from chunkstore.protocol import chunkstore_pb2_grpc as pb_grpc
-from chunkstore.protocol.device_ipc import (
-    TensorDigest,
-    close_pool,
-    gather_tensor,
-    open_pool,
-    pin_host_region,
-    scatter_tensors,
-    synchronize_pool,
-    tensor_bytes,
-)
-from chunkstore.protocol.device_runtime import IpcHandle
 from chunkstore.protocol.endpoints import default_address as default_address  # re-exported
-from chunkstore.protocol.fast import FastChannel
-from chunkstore.protocol.shm import (
-    EntryDigest,
-    gather_many,
-    map_shared_pool,
-    scatter_parts,
-)
 from chunkstore.protocol.shm import (
     Pieces as Pieces,  # re-exported: where read_each puts an entry in pieces
 )
-from chunkstore.protocol.shm import populate as populate_pool
-from chunkstore.protocol.wire import (
-    MAX_BATCH,
-    MAX_MESSAGE,
-    layout_from_proto,
-    layout_to_proto,
-    typed_error,
-)
+from chunkstore.protocol.wire import MAX_BATCH, layout_to_proto
+from chunkstore.transport.base import Digest, Reads, Settings, TransportName, Wanted
+from chunkstore.transport.base import LeasedEntry as LeasedEntry  # re-exported
+from chunkstore.transport.base import as_bytes as as_bytes  # re-exported
+from chunkstore.transport.calls import DaemonCalls, open_channel
+from chunkstore.transport.session import Session
 
 log = logging.getLogger("chunkstore.client")
-
-WRITE_PIECE = 1 << 20
 
 
 def _batches(keys: Sequence[bytes]) -> Iterator[list[bytes]]:
     keys = list(keys)
     for start in range(0, len(keys), MAX_BATCH):
         yield keys[start : start + MAX_BATCH]
-
-
-def _update(digest: EntryDigest | TensorDigest, data: np.ndarray) -> None:
-    """Feed host bytes to either kind of digest."""
-    if isinstance(digest, TensorDigest):
-        digest.update(torch.from_numpy(data))
-    else:
-        digest.update(data.data)
-
-
-def as_bytes(t: torch.Tensor) -> np.ndarray:
-    """A tensor's bytes as uint8, without a copy when it is contiguous on the CPU."""
-    return t.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1).numpy()
-
-
-@dataclass
-class LeasedEntry:
-    lease_id: int
-    key: bytes
-    layout: EntryLayout
-    nbytes: int
-    blocks: list[int]
-    checksum: int
 
 
 @dataclass
@@ -136,260 +81,78 @@ class ChunkStoreClient:
         cannot, a warning says why and the pool is used pageable. ``populate``: map every
         page of a mapped shared-memory pool on a background thread at the lowest priority
         (``shm.populate``), so that reads do not pay for it on their first touch of a page
-        (a pinned pool is mapped already)."""
-        if transport not in ("auto", "shm", "stream"):
+        (a pinned pool is mapped already).
+
+        Raises:
+            InvalidRequest: an unknown ``transport``.
+            Unavailable: the daemon cannot be reached; with "shm", its pool cannot be.
+        """
+        if transport not in tuple(Wanted):
             raise InvalidRequest(f"unknown transport {transport!r}: auto, shm or stream")
-        self.address = address
-        self.timeout = timeout
-        options = [
-            ("grpc.max_receive_message_length", MAX_MESSAGE),
-            ("grpc.max_send_message_length", MAX_MESSAGE),
-        ]
-        if root_certificates is not None:
-            credentials = grpc.ssl_channel_credentials(
-                root_certificates, client_key, client_cert_chain
-            )
-            self.channel = grpc.secure_channel(address, credentials, options=options)
-        else:
-            self.channel = grpc.insecure_channel(address, options=options)
-        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self.stub = pb_grpc.ChunkStoreStub(self.channel)
-        self._token = token
-        self._use_fast = fast
-        self.copy_threads = copy_threads
-        self._fast: FastChannel | None = None
-        self._fast_names = {
-            self.stub.Lookup: "Lookup",
-            self.stub.Acquire: "Acquire",
-            self.stub.Release: "Release",
-            self.stub.Reserve: "Reserve",
-            self.stub.Commit: "Commit",
-        }
+        self.address, self.timeout, self.copy_threads = address, timeout, copy_threads
+        channel = open_channel(address, root_certificates, client_cert_chain, client_key)
+        self._calls = DaemonCalls(channel, token, timeout, fast)
+        self.channel, self.stub, self.metadata = channel, self._calls.stub, self._calls.metadata
         self.name = name or f"pid-{os.getpid()}"
-        self.requested_transport = transport
-        self.sessions_reopened = 0  # sessions lost (daemon restart, pause past the TTL)
-        self._session_lock = threading.Lock()
-        self.pin_for = pin_for
-        self.pinned = False  # the mapped pool is registered with the device runtime
-        self._unpin: Callable[[], None] | None = None
-        self.device_pool: torch.Tensor | None = None  # a device pool's import
-        self._pool_handle: IpcHandle | None = None
-        self.populate = populate
-        self._closed = threading.Event()
-        self._open_session()
+        self.requested_transport = Wanted(transport)
+        self.pin_for, self.populate = pin_for, populate
         self._shm_reads: dict[int, int] = {}  # lease id -> bytes copied out of the pool
-        self._pings: queue.Queue[pb.Ping | None] = queue.Queue()
-        self._attached = threading.Event()  # the first heartbeat stream answered (or failed)
-        self._heartbeat = threading.Thread(
-            target=self._beat, name="chunkstore-heartbeat", daemon=True
-        )
-        self._heartbeat.start()
-        # Until the daemon has the stream, an idle session can expire: a process paused (or
-        # slow) right after this returned would find its session gone when it resumes.
-        self._attached.wait(self.timeout)
+        settings = Settings(self.requested_transport, self._calls, copy_threads, pin_for, populate)
+        self._session = Session(address, self.name, settings)
 
-    def _open_session(self) -> None:
-        """Hello: a new session, and the pool mapped again (a restarted daemon has a new one)."""
-        hello = self._call(
-            self.stub.Hello,
-            pb.HelloRequest(client_name=self.name, hostname=socket.gethostname()),
-        )
-        region: np.ndarray | None = None
-        transport = self.requested_transport
-        self._open_device_pool(hello)
-        mappable = self.device_pool is None and hello.shm_path != ""
-        if transport != "stream" and mappable and hello.hostname == socket.gethostname():
-            try:
-                region = map_shared_pool(hello.shm_path, hello.block_size * hello.num_blocks)
-            except OSError as exc:
-                if transport == "shm":
-                    raise Unavailable(f"cannot map the pool at {hello.shm_path}: {exc}") from exc
-                log.info("pool not mappable (%s); using the gRPC stream", exc)
-        elif transport == "shm" and self.device_pool is None:
-            raise Unavailable("the daemon's pool is not shared memory on this host")
-        self.block_size = hello.block_size
-        self.server_info = hello
-        self._connect_fast(hello)
-        self._pin(region)
-        self.region = region
-        if region is not None and self.populate and not self.pinned:
-            threading.Thread(
-                target=self._populate, args=(region,), name="chunkstore-populate", daemon=True
-            ).start()
-        self.transport = "stream"
-        if region is not None:
-            self.transport = "shm"
-        elif self.device_pool is not None:
-            self.transport = "ipc"
-        self.session = hello.session_id
+    # What the session holds now: a lost one is opened again, with a transport of its own.
 
-    def _open_device_pool(self, hello: pb.HelloReply) -> None:
-        """Open the daemon's device pool (once per process; a restarted daemon's new pool
-        replaces the old import), or close the import if the daemon has none now."""
-        handle = IpcHandle.from_proto(hello.device_pool) if hello.HasField("device_pool") else None
-        if handle == self._pool_handle:
-            return
-        if self._pool_handle is not None:
-            close_pool(self._pool_handle)
-            self.device_pool, self._pool_handle = None, None
-        local = hello.hostname == socket.gethostname()
-        if handle is None or not local or self.requested_transport == "stream":
-            if handle is not None and self.requested_transport == "shm":
-                raise Unavailable("the daemon's device pool is on another host")
-            return
-        try:
-            self.device_pool = open_pool(handle)
-        except (StoreError, RuntimeError, OSError) as exc:
-            if self.requested_transport == "shm":
-                raise Unavailable(f"cannot open the daemon's device pool: {exc}") from exc
-            log.warning("device pool not opened (%s); using the gRPC stream", exc)
-            return
-        self._pool_handle = handle
+    @property
+    def session(self) -> str:
+        return self._session.id
 
-    def _pin(self, region: np.ndarray | None) -> None:
-        """Register a newly mapped pool with the device runtime (``pin_for``), after
-        unregistering the one before (a restarted daemon's; None: just that)."""
-        if self._unpin is not None:  # the old pool's mapping (a restarted daemon's)
-            self._unpin()
-            self._unpin, self.pinned = None, False
-        if region is None or not self.pin_for:
-            return
-        self._unpin, why = pin_host_region(region, self.pin_for)
-        self.pinned = self._unpin is not None
-        if why:
-            log.warning("chunkstore pool not pinned for %s: %s", self.pin_for, why)
+    @property
+    def server_info(self) -> pb.HelloReply:
+        return self._session.hello
 
-    def _populate(self, region: np.ndarray) -> None:
-        with contextlib.suppress(OSError):  # below vLLM's threads where they share a core
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        began = time.perf_counter()
-        done = populate_pool(region, lambda: self._closed.is_set() or self.region is not region)
-        log.debug(
-            "pool map %s in %.2f s (%d MiB)",
-            "populated" if done else "left to first touch",
-            time.perf_counter() - began,
-            region.nbytes >> 20,
-        )
+    @property
+    def block_size(self) -> int:
+        return self._session.hello.block_size
 
-    def _digest(self) -> EntryDigest | TensorDigest:
-        """The checksum the daemon's pool keeps: xxh3 stripes, or TensorDigest (device)."""
-        return TensorDigest() if self.server_info.HasField("device_pool") else EntryDigest()
+    @property
+    def sessions_reopened(self) -> int:
+        """Sessions lost (the daemon restarted, or this process paused past the TTL)."""
+        return self._session.reopened
 
-    def _reopen(self, lost: str) -> None:
-        """The daemon no longer knows session ``lost``: open a new one (once, whichever
-        thread notices first). What the old one held is gone with it."""
-        with self._session_lock:
-            if self.session != lost or self._closed.is_set():
-                return
-            self._open_session()
-            self.sessions_reopened += 1
-        log.warning(
-            "chunkstore session %s at %s was lost (daemon restarted, or this process was "
-            "paused past the lease TTL); reopened as %s",
-            lost,
-            self.address,
-            self.session,
-        )
+    @property
+    def transport(self) -> TransportName:
+        """What the session moves bytes over: "shm", "ipc" (a device pool) or "stream"."""
+        return self._session.transport.name
 
-    # Plumbing -----------------------------------------------------------------------------
+    @property
+    def region(self) -> np.ndarray | None:
+        """The daemon's shared-memory pool, mapped here (the shm transport's)."""
+        return self._session.transport.region
 
-    def _connect_fast(self, hello: pb.HelloReply) -> None:
-        if self._fast is not None:
-            self._fast.close()
-            self._fast = None
-        path = hello.fast_socket
-        if not (self._use_fast and path and hello.hostname == socket.gethostname()):
-            return
-        try:
-            self._fast = FastChannel(path, self._token, self.timeout)
-        except (OSError, StoreError) as exc:
-            log.info("fast path at %s not used (%s); the control calls over gRPC", path, exc)
+    @property
+    def device_pool(self) -> torch.Tensor | None:
+        """The daemon's device pool, opened here (the ipc transport's)."""
+        return self._session.transport.device_pool
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the mapped pool is registered with the device runtime (``pin_for``)."""
+        return self._session.transport.pinned
 
     @property
     def fast(self) -> bool:
         """Whether Lookup, Acquire, Release, Reserve and Commit go over the fast path now."""
-        return self._fast is not None
+        return self._calls.fast
 
     def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
-        fast = self._fast
-        if fast is not None and method in self._fast_names:
-            try:
-                return fast.call(self._fast_names[method], request)
-            except Unavailable as exc:  # the connection itself failed: gRPC from now on
-                self._fast = None
-                log.warning("%s; the control calls over gRPC from now on", exc)
-                raise
-        try:
-            return method(request, timeout=timeout or self.timeout, metadata=self.metadata)
-        except grpc.RpcError as err:
-            raise typed_error(err) from None
-
-    def _session_call(
-        self, method: Any, request: Callable[[str], Any], retry: bool, timeout: float = 0.0
-    ) -> Any:
-        """A call made under this client's session. If the daemon lost the session, a new
-        one is opened; ``retry``: the call is made again under it (calls that start
-        something; one that refers to what the lost session held fails)."""
-        session = self.session
-        try:
-            return self._call(method, request(session), timeout or None)
-        except NotFound as err:
-            if "no session" not in str(err):
-                raise
-            self._reopen(session)
-            if not retry:
-                raise
-        return self._call(method, request(self.session), timeout or None)
-
-    def _beat(self) -> None:
-        """Keep the session alive; when the stream ends (the daemon restarted or dropped the
-        session, which ending the stream does anyway) open a new session, until closed."""
-        while not self._closed.is_set():
-            session = self.session
-            interval = max(0.05, self.server_info.lease_ttl_ms / 3000)
-            try:
-                for _ in self.stub.Heartbeat(
-                    self._pings_of(session, interval), metadata=self.metadata
-                ):
-                    self._attached.set()  # the daemon attached the stream before answering
-                    if self._closed.is_set():
-                        return
-            except grpc.RpcError as err:
-                if not self._closed.is_set():
-                    log.warning("heartbeat to %s ended: %s", self.address, err)
-            self._attached.set()  # never keep the constructor waiting past a failed stream
-            while not self._closed.wait(interval):
-                try:
-                    self._reopen(session)
-                    break
-                except StoreError:
-                    continue  # the daemon is not back yet
-
-    def _pings_of(self, session: str, interval: float) -> Iterator[pb.Ping]:
-        yield pb.Ping(session_id=session, holds_pool=self.device_pool is not None)
-        while True:
-            try:
-                item = self._pings.get(timeout=interval)
-            except queue.Empty:
-                item = pb.Ping(session_id=session)
-            if item is None:
-                return
-            yield item
+        return self._calls.call(method, request, timeout)
 
     def close(self) -> None:
         """End the session (the daemon releases whatever it still holds) and the channel."""
-        if self._closed.is_set():
+        if self._session.closed:
             return
-        self._closed.set()
-        self._pin(None)
-        if self._pool_handle is not None:  # closed before the daemon sees the session end
-            close_pool(self._pool_handle)
-            self.device_pool, self._pool_handle = None, None
-        self._pings.put(None)
-        self._heartbeat.join(timeout=2)
-        if self._fast is not None:
-            self._fast.close()
-        self.channel.close()
+        self._session.close()
+        self._calls.close()
 
     def __enter__(self) -> ChunkStoreClient:
         return self
@@ -398,6 +161,9 @@ class ChunkStoreClient:
         self.close()
 
     # Index --------------------------------------------------------------------------------
+
+    # Any call raises Unavailable where the daemon cannot be reached, and Unauthenticated for
+    # a token it does not take; each Raises section names what else.
 
     def lookup(
         self,
@@ -411,7 +177,7 @@ class ChunkStoreClient:
         counted in the hit rate nor fetched from peers).
 
         Raises:
-            ChunkStoreError: the daemon refused or could not be reached (typed subclasses).
+            InvalidRequest: a malformed key, or over MAX_BATCH of them.
         """
         request = pb.LookupRequest(
             keys=list(keys),
@@ -423,13 +189,18 @@ class ChunkStoreClient:
         return [n if p else None for p, n in zip(reply.present, reply.num_tokens, strict=True)]
 
     def stats(self) -> pb.StatsReply:
+        """The daemon's counts: entries, bytes, leases, sessions, hits (``StatsReply``)."""
         return self._call(self.stub.Stats, pb.StatsRequest())
 
-    # Admin calls take any number of keys: they go in calls of MAX_BATCH keys each.
-
-    # ``tenant``: whose keys they are ("": the shared namespace's; tenants.py).
+    # Admin calls need the admin token. Those of keys take any number, in calls of MAX_BATCH
+    # keys each; ``tenant``: whose keys they are ("": the shared namespace's; tenants.py).
 
     def evict(self, keys: Sequence[bytes], tenant: str = "") -> pb.EvictReply:
+        """Evict entries now (a leased one is counted busy, and stays).
+
+        Raises:
+            Forbidden: not the admin token (or the daemon has none). NotFound: no such tenant.
+        """
         total = pb.EvictReply()
         for batch in _batches(keys):
             reply = self._call(self.stub.Evict, pb.EvictRequest(keys=batch, tenant=tenant))
@@ -438,13 +209,24 @@ class ChunkStoreClient:
         return total
 
     def clear(self) -> pb.ClearReply:
+        """Evict every entry that is not leased, of every tenant.
+
+        Raises:
+            Forbidden: not the admin token (or the daemon has none).
+        """
         return self._call(self.stub.Clear, pb.ClearRequest())
 
     def pin(self, keys: Sequence[bytes], tenant: str = "") -> int:
-        """Pin entries; each call of MAX_BATCH keys is all or nothing (NotFound)."""
+        """Pin entries; each call of MAX_BATCH keys is all or nothing.
+
+        Raises:
+            NotFound: a key with no entry (nothing of its batch changed), or no such tenant.
+            Forbidden: not the admin token (or the daemon has none).
+        """
         return self._set_pinned(self.stub.Pin, keys, tenant)
 
     def unpin(self, keys: Sequence[bytes], tenant: str = "") -> int:
+        """Unpin entries, as ``pin`` pins them (raising as it does)."""
         return self._set_pinned(self.stub.Unpin, keys, tenant)
 
     def _set_pinned(self, method: Any, keys: Sequence[bytes], tenant: str) -> int:
@@ -455,10 +237,20 @@ class ChunkStoreClient:
         )
 
     def undrain(self) -> bool:
-        """Serve reads and writes again after a drain; whether it was draining."""
+        """Serve reads and writes again after a drain; whether it was draining.
+
+        Raises:
+            Forbidden: not the admin token (or the daemon has none).
+        """
         return bool(self._call(self.stub.Undrain, pb.UndrainRequest()).was_draining)
 
     def drain(self, timeout: float = 0.0) -> int:
+        """Refuse new reads and writes, and wait up to ``timeout`` s (0: the daemon's own)
+        for the leases held to end; how many are left.
+
+        Raises:
+            Forbidden: not the admin token (or the daemon has none).
+        """
         reply = self._call(
             self.stub.Drain,
             pb.DrainRequest(timeout_ms=int(timeout * 1000)),
@@ -477,13 +269,25 @@ class ChunkStoreClient:
         entry_kind: str = "chunk",
     ) -> bool:
         """Store one segment's KV ([layers, tokens, kv_heads, head_dim]; values None for an
-        MLA latent). False if the key is stored (or being stored) already."""
+        MLA latent). False if the key is stored (or being stored) already.
+
+        Raises:
+            LayoutError: tensors that do not make an entry.
+            Exhausted: no room in the pool (``PoolFull``), or over the tenant's quota.
+            WrongState: the daemon is draining.
+            StoreError: another refusal, or the daemon cannot be reached (``Unavailable``).
+        """
         layout = layout_of(keys, values, virtual_start, entry_kind)
         return self._put(key, layout, [keys] + ([values] if values is not None else []))
 
     def put_packed(self, key: bytes, layout: EntryLayout, blocks: torch.Tensor) -> bool:
         """Store an entry held as a serving engine's cache blocks (``layout.packing`` names
-        their layout; ``blocks``: exactly ``layout.nbytes`` bytes, in the stored dtype)."""
+        their layout; ``blocks``: exactly ``layout.nbytes`` bytes, in the stored dtype).
+
+        Raises:
+            InvalidRequest: a layout with no packing, or blocks that do not hold it.
+            Exhausted, WrongState, StoreError: as ``put``.
+        """
         if not layout.packing:
             raise InvalidRequest("put_packed needs a layout with a packing")
         layout.validate()
@@ -493,13 +297,10 @@ class ChunkStoreClient:
         return self._put(key, layout, [blocks])
 
     def _put(self, key: bytes, layout: EntryLayout, tensors: list[torch.Tensor]) -> bool:
-        parts = [as_bytes(t) for t in tensors] if self.device_pool is None else []
-        digest = self._digest()
-        if self.transport == "stream":  # hashed here; through the pool: as it is copied
-            for part in parts:
-                _update(digest, part)
+        transport = self._session.transport
+        outgoing = transport.stage(tensors)
         try:
-            reply = self._session_call(
+            reply = self._session.call(
                 self.stub.Reserve,
                 lambda session: pb.ReserveRequest(
                     session_id=session,
@@ -512,26 +313,17 @@ class ChunkStoreClient:
         except AlreadyExists:
             return False
         session = self.session  # the reservation's
+        if self._session.transport is not transport:  # reserved in a reopened session's pool
+            transport = self._session.transport
+            outgoing = transport.stage(tensors)
         try:
-            if self.device_pool is not None:
-                assert isinstance(digest, TensorDigest)
-                sources = [tensor_bytes(t) for t in tensors]
-                scatter_tensors(self.device_pool, reply.blocks, self.block_size, sources, digest)
-                if self._pool_handle is not None:  # landed before the commit makes it readable
-                    synchronize_pool(self._pool_handle)
-            elif self.region is not None:
-                assert isinstance(digest, EntryDigest)
-                scatter_parts(
-                    self.region, reply.blocks, self.block_size, parts, digest, self.copy_threads
-                )
-            else:
-                self._stream_write(session, reply.reservation_id, parts)
-            self._session_call(
+            transport.write(session, reply, outgoing)
+            self._session.call(
                 self.stub.Commit,
                 lambda _: pb.CommitRequest(
                     session_id=session,
                     reservation_id=reply.reservation_id,
-                    checksum=digest.intdigest(),
+                    checksum=outgoing.digest.intdigest(),
                 ),
                 retry=False,
             )
@@ -544,22 +336,6 @@ class ChunkStoreClient:
             raise
         return True
 
-    def _stream_write(self, session: str, reservation_id: int, parts: list[np.ndarray]) -> None:
-        def pieces() -> Iterator[pb.WritePiece]:
-            first = True
-            for part in parts:
-                for lo in range(0, part.shape[0], WRITE_PIECE):
-                    data = part[lo : lo + WRITE_PIECE].tobytes()
-                    if first:
-                        yield pb.WritePiece(
-                            session_id=session, reservation_id=reservation_id, data=data
-                        )
-                        first = False
-                    else:
-                        yield pb.WritePiece(data=data)
-
-        self._call(self.stub.Write, pieces(), timeout=max(self.timeout, 120.0))
-
     # Reads --------------------------------------------------------------------------------
 
     def acquire(
@@ -567,8 +343,13 @@ class ChunkStoreClient:
     ) -> list[LeasedEntry | None]:
         """Leases on the keys' entries (None where absent). Release them when done.
         ``num_tokens`` (one per key) makes the daemon count this as a lookup too, of
-        ``entry_kind`` entries."""
-        reply = self._session_call(
+        ``entry_kind`` entries.
+
+        Raises:
+            InvalidRequest: a malformed key, or over MAX_BATCH of them.
+            WrongState: the daemon is draining.
+        """
+        reply = self._session.call(
             self.stub.Acquire,
             lambda session: pb.AcquireRequest(
                 session_id=session,
@@ -578,23 +359,21 @@ class ChunkStoreClient:
             ),
             retry=True,
         )
-        return [
-            LeasedEntry(
-                x.lease_id, x.key, layout_from_proto(x.layout), x.nbytes, list(x.blocks), x.checksum
-            )
-            if x.lease_id
-            else None
-            for x in reply.leases
-        ]
+        return [LeasedEntry.from_proto(lease) for lease in reply.leases]
 
     def release(self, lease_ids: Sequence[int], shm_bytes_read: int = 0) -> None:
         """End leases. ``shm_bytes_read``: bytes other clients copied out of the pool under
         them (see ``read_into``), for the daemon's transport metrics; reported even with no
-        lease left to end (a request that finished before its readers reported)."""
+        lease left to end (a request that finished before its readers reported).
+
+        Raises:
+            NotFound: a lease that is not held (it expired, or ended); ``SessionLost``: the
+                session that held them is gone (a new one is open for the next call).
+        """
         if not lease_ids and not shm_bytes_read:
             return
         shm_bytes = shm_bytes_read + sum(self._shm_reads.pop(i, 0) for i in lease_ids)
-        self._session_call(
+        self._session.call(
             self.stub.Release,
             lambda session: pb.ReleaseRequest(
                 session_id=session, lease_ids=list(lease_ids), shm_bytes_read=shm_bytes
@@ -608,7 +387,12 @@ class ChunkStoreClient:
 
         ``session``: the session holding the lease when another client took it (the vLLM
         scheduler leases, its workers read); that client reports the shared-memory bytes
-        when it releases."""
+        when it releases.
+
+        Raises:
+            ChecksumMismatch: the bytes are not those committed (do not use ``out``).
+            InvalidRequest, NotFound, StoreError: as ``read_each``.
+        """
         self.read_many([entry], [out], session)
 
     def read_many(
@@ -620,7 +404,12 @@ class ChunkStoreClient:
         """``read_into`` of several leased entries at once: through the pool their stripes
         are shared out over ``copy_threads``, so 64 small entries copy side by side as one
         large one does. Every entry is checked; the first that fails raises
-        ``ChecksumMismatch`` (the others were copied and checked)."""
+        ``ChecksumMismatch`` (the others were copied and checked).
+
+        Raises:
+            ChecksumMismatch: the first entry whose bytes are not those committed.
+            InvalidRequest, NotFound, StoreError: as ``read_each``.
+        """
         for failure in self.read_each(entries, outs, session):
             if failure is not None:
                 raise failure
@@ -642,98 +431,38 @@ class ChunkStoreClient:
         threads (``copy_threads`` when None); ``helper``: where the second one runs
         (``shm.gather_many``). ``progress(n)``: every entry's first n bytes are in its out,
         not yet checked (stripe by stripe from a mapped pool, all at the end otherwise); the
-        verdicts come after the last call."""
-        if len(entries) != len(outs):
-            raise InvalidRequest(f"{len(entries)} entries to read into {len(outs)} buffers")
-        for entry, out in zip(entries, outs, strict=True):
-            if isinstance(out, Pieces):
-                fits = out.nbytes == entry.nbytes
-            else:
-                fits = out.dtype == torch.uint8 and out.numel() == entry.nbytes
-                fits = fits and out.is_contiguous()
-            if not fits:
-                raise InvalidRequest(
-                    f"entry {entry.key.hex()} is {entry.nbytes} bytes: read it into a contiguous "
-                    f"uint8 tensor (or pieces) of as many"
-                )
-        if self.region is None and any(isinstance(out, Pieces) for out in outs):
-            whole = [
-                torch.empty(e.nbytes, dtype=torch.uint8) if isinstance(out, Pieces) else out
-                for e, out in zip(entries, outs, strict=True)
-            ]
-            checked = self.read_each(entries, whole, session, threads, helper)
-            for out, buffer in zip(outs, whole, strict=True):
-                if isinstance(out, Pieces):
-                    out.fill(buffer.numpy())
-            if progress is not None:
-                progress(max(e.nbytes for e in entries))
-            return checked
-        digests = [self._digest() for _ in entries]
-        if self.device_pool is not None:
-            for entry, out, digest in zip(entries, outs, digests, strict=True):
-                assert isinstance(digest, TensorDigest) and not isinstance(out, Pieces)
-                gather_tensor(self.device_pool, entry.blocks, self.block_size, out, digest)
-        elif self.region is not None:
-            reads = [
-                (e.blocks, out if isinstance(out, Pieces) else out.numpy())
-                for e, out in zip(entries, outs, strict=True)
-            ]
-            stripes = [d for d in digests if isinstance(d, EntryDigest)]
-            gather_many(
-                self.region,
-                self.block_size,
-                reads,
-                stripes,
-                threads or self.copy_threads,
-                helper,
-                progress,
-            )
-        if self.transport == "shm" and session is None:  # the daemon's shm byte counter
+        verdicts come after the last call.
+
+        Raises:
+            InvalidRequest: an out that is not a contiguous uint8 tensor (or pieces) of its
+                entry's length, or not one out an entry.
+            NotFound: over the stream, a lease that ended (``SessionLost``: its session).
+            ChecksumMismatch: over the stream, fewer bytes than the entry's.
+            StoreError: the daemon cannot be reached (``Unavailable``).
+        """
+        reads = Reads(
+            entries, outs, session or self.session, threads or self.copy_threads, helper, progress
+        )
+        transport = self._session.transport
+        digests = transport.read(reads)
+        if transport.reports_reads and session is None:  # the daemon's shm byte counter
             for entry in entries:
                 read = self._shm_reads.get(entry.lease_id, 0)
                 self._shm_reads[entry.lease_id] = read + entry.nbytes
-        if self.transport == "stream":
-            for entry, out, digest in zip(entries, outs, digests, strict=True):
-                assert not isinstance(out, Pieces)
-                self._stream_read(entry, out.numpy(), digest, session)
         if progress is not None and entries:
             progress(max(e.nbytes for e in entries))
-        verdicts: list[ChecksumMismatch | None] = []
-        for entry, digest in zip(entries, digests, strict=True):
-            actual = digest.intdigest()
-            if actual == entry.checksum:
-                verdicts.append(None)
-                continue
-            self._report_corrupt(entry.key)
-            verdicts.append(
-                ChecksumMismatch(
-                    f"entry {entry.key.hex()} hashes to {actual:#x}, committed as "
-                    f"{entry.checksum:#x}: not used"
-                )
-            )
-        return verdicts
+        return [self._verdict(e, digest) for e, digest in zip(entries, digests, strict=True)]
 
-    def _stream_read(
-        self,
-        entry: LeasedEntry,
-        target: np.ndarray,
-        digest: EntryDigest | TensorDigest,
-        session: str | None,
-    ) -> None:
-        offset = 0
-        request = pb.ReadRequest(session_id=session or self.session, lease_id=entry.lease_id)
-        try:
-            for piece in self.stub.Read(
-                request, timeout=max(self.timeout, 120.0), metadata=self.metadata
-            ):
-                data = np.frombuffer(piece.data, dtype=np.uint8)
-                target[offset : offset + data.shape[0]] = data
-                offset += data.shape[0]
-        except grpc.RpcError as err:
-            raise typed_error(err) from None
-        if offset != entry.nbytes:
-            raise ChecksumMismatch(f"read {offset} of {entry.nbytes} bytes")
-        _update(digest, target)
+    def _verdict(self, entry: LeasedEntry, digest: Digest) -> ChecksumMismatch | None:
+        """None if the bytes read are those committed; else the daemon is told, and why."""
+        actual = digest.intdigest()
+        if actual == entry.checksum:
+            return None
+        self._report_corrupt(entry.key)
+        return ChecksumMismatch(
+            f"entry {entry.key.hex()} hashes to {actual:#x}, committed as "
+            f"{entry.checksum:#x}: not used"
+        )
 
     def _report_corrupt(self, key: bytes) -> None:
         """Have the daemon check the entry itself: if its pool bytes are bad it evicts it,
@@ -747,7 +476,12 @@ class ChunkStoreClient:
             log.error("entry %s was corrupt in the pool; the daemon evicted it", key.hex())
 
     def get(self, key: bytes) -> StoredKV | None:
-        """One entry's KV, checked against its checksum, or None if absent."""
+        """One entry's KV, checked against its checksum, or None if absent.
+
+        Raises:
+            ChecksumMismatch: the stored bytes are not those committed.
+            StoreError: as ``acquire`` and ``read_into``.
+        """
         [entry] = self.acquire([key])
         if entry is None:
             return None

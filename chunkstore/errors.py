@@ -43,6 +43,14 @@ class NotFound(StoreError):
     code = "NOT_FOUND"
 
 
+class SessionLost(NotFound):
+    """The daemon knows no such session: it restarted, the session ended (its process gone,
+    or paused past the lease TTL without its heartbeat stream), or it is another caller's
+    (answered alike, so a session id learns nothing). What it held went with it; a client
+    opens a new one. It travels by name as well as by code (``protocol/wire.py``), so a
+    client tells it from an unknown key or lease by its type."""
+
+
 class AlreadyExists(StoreError):
     """The key is committed already, or another writer holds a reservation for it."""
 
@@ -57,7 +65,13 @@ class Exhausted(StoreError):
 
 
 class PoolFull(Exhausted):
-    """No room, even after evicting every entry that is neither leased nor pinned."""
+    """No room, even after evicting every entry that is neither leased nor pinned: the bytes
+    ``needed``, those ``free`` and those ``evictable`` for the caller (0 where not known: over
+    the wire the type travels, the figures only in the message)."""
+
+    def __init__(self, message: str, needed: int = 0, free: int = 0, evictable: int = 0) -> None:
+        super().__init__(message)
+        self.needed, self.free, self.evictable = needed, free, evictable
 
 
 class Busy(Exhausted):

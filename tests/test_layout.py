@@ -19,7 +19,15 @@ ALLOWED: list[tuple[str, tuple[str, ...]]] = [
         "chunkstore.daemon",
         ("chunkstore.daemon", "chunkstore.protocol", "chunkstore.kv", "chunkstore.errors"),
     ),
-    ("chunkstore.client", ("chunkstore.protocol", "chunkstore.kv", "chunkstore.errors")),
+    # Under the client: its calls, its session, the transports its bytes move over.
+    (
+        "chunkstore.transport",
+        ("chunkstore.transport", "chunkstore.protocol", "chunkstore.kv", "chunkstore.errors"),
+    ),
+    (
+        "chunkstore.client",
+        ("chunkstore.transport", "chunkstore.protocol", "chunkstore.kv", "chunkstore.errors"),
+    ),
     ("chunkstore.prompts", ("chunkstore.kv", "chunkstore.errors")),
     # The front door: keys as the connector makes them, the daemons asked, never the
     # connector itself (it runs where vLLM does not).
@@ -276,3 +284,32 @@ def test_every_package_is_in_the_wheel() -> None:
         if "__pycache__" not in init.parts
     }
     assert found == listed, (sorted(found - listed), sorted(listed - found))
+
+
+# Parts a facade hands work to, and the modules above them they must never import back: the
+# index's parts hold state under its lock and know nothing of it, the service or the process;
+# the worker's loads and saves are handed their cache and never reach for the facade.
+BELOW: dict[str, tuple[str, ...]] = {
+    "chunkstore.daemon.records": ("chunkstore.daemon",),
+    "chunkstore.daemon.sessions": ("chunkstore.daemon.index", "chunkstore.daemon.service"),
+    "chunkstore.daemon.budgets": ("chunkstore.daemon.index", "chunkstore.daemon.sessions"),
+    "chunkstore.daemon.spill": ("chunkstore.daemon.index", "chunkstore.daemon.budgets"),
+    "chunkstore.daemon.counts": ("chunkstore.daemon.index", "chunkstore.daemon.service"),
+    "chunkstore_vllm.loads": ("chunkstore_vllm.worker", "chunkstore_vllm.saves"),
+    "chunkstore_vllm.saves": ("chunkstore_vllm.worker", "chunkstore_vllm.loads"),
+    "chunkstore_vllm.registered_cache": ("chunkstore_vllm.worker", "chunkstore_vllm.loads"),
+}
+
+
+def test_parts_stay_below_what_they_serve() -> None:
+    sources = project_sources()
+    known = set(sources)
+    wrong = []
+    for part, above in BELOW.items():
+        assert part in sources, f"{part} is gone: update BELOW"
+        source, is_package = sources[part]
+        for name in imports_of(source, part, is_package, known):
+            # records may import what sits below the daemon, nothing of the daemon itself
+            if any(_under(name, a) for a in above) and not _under(name, part):
+                wrong.append(f"{part} imports {name}")
+    assert wrong == []

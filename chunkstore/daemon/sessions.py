@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from chunkstore.daemon.records import Budget, Entry, Lease, Reservation, Session
-from chunkstore.errors import AlreadyExists, Busy, NotFound, WrongState
+from chunkstore.errors import AlreadyExists, Busy, NotFound, SessionLost, WrongState
 from chunkstore.kv.entry import EntryLayout
 
 FINISHED_KEPT = 10_000  # recent reservations' outcomes kept for their sessions to ask about
@@ -66,7 +66,7 @@ class Sessions:
     def get(self, session_id: str) -> Session:
         session = self.open.get(session_id)
         if session is None:
-            raise NotFound(f"no session {session_id!r}: call Hello first (or it expired)")
+            raise SessionLost(f"no session {session_id!r}: call Hello first (or it expired)")
         return session
 
     def attach_stream(self, session_id: str) -> None:

@@ -12,6 +12,8 @@ from chunkstore.errors import (
     Forbidden,
     InvalidRequest,
     NotFound,
+    PoolFull,
+    SessionLost,
     StoreError,
     Unauthenticated,
     Unavailable,
@@ -66,8 +68,25 @@ _ERRORS: dict[grpc.StatusCode, type[StoreError]] = {
 }
 
 
+# Subclasses their status code alone would not bring back (SessionLost is a NOT_FOUND, as an
+# unknown key is; PoolFull a RESOURCE_EXHAUSTED, as Busy is): their details start with their
+# name, "SessionLost: no session ...".
+_NAMED: dict[str, type[StoreError]] = {kind.__name__: kind for kind in (SessionLost, PoolFull)}
+
+
+def status_of(err: StoreError) -> tuple[grpc.StatusCode, str]:
+    """The status code and details ``err`` travels as (gRPC, or the fast path)."""
+    name = type(err).__name__
+    return grpc.StatusCode[err.code], f"{name}: {err}" if name in _NAMED else str(err)
+
+
 def error_of(code: str, details: str) -> StoreError:
-    """The typed error a status code names (``grpc.StatusCode`` member name)."""
+    """The typed error a status code names (``grpc.StatusCode`` member name), or the subclass
+    the details name (``status_of``)."""
+    name, _, rest = (details or "").partition(": ")
+    named = _NAMED.get(name)
+    if named is not None and named.code == code:
+        return named(f"{code}: {rest}")
     status = grpc.StatusCode[code] if code in grpc.StatusCode.__members__ else None
     kind = _ERRORS.get(status, StoreError) if status is not None else StoreError
     return kind(f"{code}: {details}")

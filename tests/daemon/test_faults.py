@@ -20,13 +20,22 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from chunkstore.client import ChunkStoreClient, as_bytes
-from chunkstore.errors import ChecksumMismatch, Exhausted, Forbidden, NotFound, WrongState
+from chunkstore.errors import (
+    Busy,
+    ChecksumMismatch,
+    Exhausted,
+    Forbidden,
+    NotFound,
+    PoolFull,
+    SessionLost,
+    WrongState,
+)
 from chunkstore.kv.entry import layout_of
 from chunkstore.processes.daemon import RunningDaemon, serve_command, serve_env, start_daemon
 from chunkstore.processes.redis import RedisServer
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol.shm import EntryDigest
-from chunkstore.protocol.wire import layout_to_proto
+from chunkstore.protocol.wire import error_of, layout_to_proto, status_of
 from chunkstore.testing.entries import entry_key, random_kv, wait_for
 
 
@@ -349,6 +358,65 @@ def test_a_client_reopens_its_session_after_the_daemon_restarts(serve, caplog) -
         assert client.stats().sessions == 1
         assert client.sessions_reopened == 1
     assert f"chunkstore session {old_session} at {first.unix} was lost" in caplog.text
+
+
+def test_a_call_under_a_lost_session_raises_session_lost_and_the_client_reopens_it(
+    serve, caplog
+) -> None:
+    """A daemon restarted between two heartbeats has forgotten the session before the
+    heartbeat reopens it (a third of the lease TTL after its stream ended): the first call
+    that notices opens a new session. One that refers to what the old session held raises
+    SessionLost (by type: a NotFound, not an unknown lease); one that starts something is
+    made again under the new session."""
+    flags = ("--lease-ttl-s", "120", "--drain-timeout-s", "1")  # the heartbeat waits 40 s
+    first = serve(*flags)
+    with ChunkStoreClient(first.unix, transport="shm", fast=False) as client:
+        assert client.put(entry_key(1), *random_kv(4), 0)
+        [lease] = client.acquire([entry_key(1)])
+        assert lease is not None
+        old_session = client.session
+        first.stop()
+        serve(*flags)  # the same socket path, a new pool
+        with pytest.raises(SessionLost, match="NOT_FOUND: no session"):
+            client.release([lease.lease_id])
+        assert client.sessions_reopened == 1 and client.session != old_session
+        k, v = random_kv(8, seed=2)
+        assert client.put(entry_key(2), k, v, 0)  # through the new pool's mapping
+        stored = client.get(entry_key(2))
+        assert stored is not None and torch.equal(stored.keys, k)
+        assert client.sessions_reopened == 1
+    assert f"chunkstore session {old_session} at {first.unix} was lost" in caplog.text
+
+
+def test_session_lost_travels_by_type_over_grpc_and_the_fast_path(daemon: RunningDaemon) -> None:
+    """NOT_FOUND answers an unknown session, key or lease alike; only the session's comes
+    back as SessionLost, whichever way the call went."""
+    with ChunkStoreClient(daemon.unix) as client:
+        assert client.fast  # Acquire over the fast path; Abort has only gRPC
+        acquire = pb.AcquireRequest(session_id="gone", keys=[entry_key(1)])
+        with pytest.raises(SessionLost, match="NOT_FOUND: no session 'gone'"):
+            client._call(client.stub.Acquire, acquire)
+        abort = pb.AbortRequest(session_id="gone", reservation_id=1)
+        with pytest.raises(SessionLost, match="NOT_FOUND: no session 'gone'"):
+            client._call(client.stub.Abort, abort)
+        with pytest.raises(NotFound, match="no lease") as unknown_lease:
+            client.release([12345])
+        assert not isinstance(unknown_lease.value, SessionLost)
+        assert client.sessions_reopened == 0
+
+
+def test_errors_the_code_alone_would_not_name_travel_by_name_with_their_message() -> None:
+    """SessionLost (a NOT_FOUND) and PoolFull (a RESOURCE_EXHAUSTED, as Busy) come back as
+    themselves; their siblings stay what their code says."""
+    for err, kind in (
+        (SessionLost("no session 'x'"), SessionLost),
+        (PoolFull("need 8 blocks", needed=512), PoolFull),
+        (NotFound("no lease 3"), NotFound),
+        (Busy("64 sessions are open"), Exhausted),
+    ):
+        code, details = status_of(err)
+        back = error_of(code.name, details)
+        assert type(back) is kind and str(back) == f"{code.name}: {err}"
 
 
 PAUSED_READER = """
