@@ -62,7 +62,10 @@ class Budgets:
             raise PoolFull(
                 f"tenant {tenant} is at its quota of {quota} bytes: it holds {held * bs}, "
                 f"{self.evictable[tenant] * bs} of them evictable, and needs {count * bs} "
-                "more; the rest are leased, pinned or reserved"
+                "more; the rest are leased, pinned or reserved",
+                needed=count * bs,
+                free=max(0, quota - held * bs),
+                evictable=self.evictable[tenant] * bs,
             )
         return True
 

@@ -629,11 +629,15 @@ class Index:
         blocks = self.pool.allocate(count)
         if blocks is None:
             evictable = budgets.evictable_total(tenant)
-            if self.pool.free_blocks + evictable < count:  # evicting would not make room
+            free = self.pool.free_blocks
+            if free + evictable < count:  # evicting would not make room
+                bs = self.pool.block_size
                 raise PoolFull(
-                    f"need {count} blocks, {self.pool.free_blocks} free and {evictable} "
-                    "evictable; the rest are leased, pinned, reserved or other tenants' "
-                    "reserved shares"
+                    f"need {count} blocks, {free} free and {evictable} evictable; the rest are "
+                    "leased, pinned, reserved or other tenants' reserved shares",
+                    needed=count * bs,
+                    free=free * bs,
+                    evictable=evictable * bs,
                 )
             while blocks is None:
                 victim = budgets.victim(tenant)

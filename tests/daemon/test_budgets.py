@@ -34,8 +34,13 @@ def test_a_tenant_over_its_quota_evicts_its_own_or_is_refused() -> None:
     a1.leases = 1
     budgets.place(a1)
     assert budgets.evictable["a"] == 2
-    with pytest.raises(PoolFull, match="tenant a is at its quota"):
+    with pytest.raises(PoolFull, match="tenant a is at its quota") as full:
         budgets.over_quota("a", 5)  # 4 held, 2 of them leased: 2 + 5 > 6
+    assert (full.value.needed, full.value.free, full.value.evictable) == (
+        5 * BLOCK,
+        2 * BLOCK,
+        2 * BLOCK,
+    )
     assert not budgets.over_quota("b", 1000)  # no budget, no quota
 
 

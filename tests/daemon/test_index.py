@@ -452,8 +452,9 @@ def test_leased_and_pinned_entries_are_never_evicted(index: Index) -> None:
     res = index.reserve(s, KEYS[3], big, big.nbytes)  # evicts the only free victim: KEYS[2]
     assert {e.key for e in index.entries()} == {KEYS[0], KEYS[1]}
     assert index.stats().evictions == {"capacity": 1}
-    with pytest.raises(PoolFull):
+    with pytest.raises(PoolFull) as full:  # KEYS[0] leased, KEYS[1] pinned, KEYS[3] reserved
         index.reserve(s, KEYS[4], big, big.nbytes)
+    assert (full.value.needed, full.value.free, full.value.evictable) == (8 * BLOCK, 0, 0)
     assert index.evict([KEYS[0], KEYS[1]]) == (0, 2)
     index.release(s, [lease.id])
     index.abort(s, res.id)
