@@ -20,6 +20,7 @@ interrupted build never leaves a half model behind; a present model is never reb
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import random
 import shutil
@@ -290,3 +291,11 @@ def model_dir(name: str, cache_dir: Path | None = None, log: Callable[[str], Non
         shutil.rmtree(building, ignore_errors=True)
     log(f"built {name!r} in {time.monotonic() - began:.0f} s")
     return final
+
+
+def kv_bytes_per_token(model: Path) -> int:
+    """fp32 KV bytes a token of ``model`` takes (keys and values, every layer)."""
+    config = json.loads((model / "config.json").read_text())
+    heads = config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    return int(config["num_hidden_layers"] * heads * head_dim * 2 * 4)

@@ -57,7 +57,8 @@ def qwen05_dir() -> Path:
 def serve(tmp_path: Path) -> Iterator[Callable[..., RunningDaemon]]:
     """``serve(*flags, name="daemon", pool_bytes=..., block_size=..., launcher=...)`` starts a
     real daemon in ``tmp_path / name`` on free ports. When the test ends every daemon still
-    running is stopped (SIGTERM) and must drain and exit 0; one the test killed is left be."""
+    running is stopped (SIGTERM) and must drain and exit 0; of one the test killed only the
+    pool file it left is removed (in /dev/shm it holds memory)."""
     started: list[RunningDaemon] = []
 
     def start(*flags: str, name: str = "daemon", **options: Any) -> RunningDaemon:
@@ -70,5 +71,8 @@ def serve(tmp_path: Path) -> Iterator[Callable[..., RunningDaemon]]:
     finally:
         running = [daemon for daemon in started if daemon.process.poll() is None]
         codes = {daemon.workdir.name: (daemon.stop(), daemon) for daemon in running}
+        for daemon in started:
+            if daemon not in running:
+                daemon.stop()
     unclean = {name: daemon.log()[-2000:] for name, (code, daemon) in codes.items() if code}
     assert not unclean, f"daemons did not drain and exit 0: {unclean}"

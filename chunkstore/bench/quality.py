@@ -50,7 +50,7 @@ from typing import Any
 
 from chunkstore.bench import qa_cases
 from chunkstore.kv.segments import SegmentKind, build_chunked_prompt, split_prompt
-from chunkstore.models import model_dir
+from chunkstore.models import kv_bytes_per_token, model_dir
 from chunkstore.processes.daemon import start_daemon
 from chunkstore.processes.vllm_probe import run_probe
 from chunkstore_vllm.config import ConnectorConfig
@@ -82,6 +82,7 @@ SYS_TEXT = "<|im_start|>system\n" + qa_cases.SYS + "<|im_end|>\n<|im_start|>user
 QUESTION_TEXT = "\nQuestion: {}<|im_end|>\n<|im_start|>assistant\n"
 # The separator of docs/benchmarks.md's table (Answer quality), from before "auto" was the default.
 SEPARATOR = "##"
+BLOCK = 1 << 20  # the daemons' block size
 KNOBS: dict[str, type] = {
     "virtual_gap": int,
     "recompute_chunks": int,
@@ -327,6 +328,15 @@ class _Prompts:
             *(_entry(p, None, r, requested, scores) for p, r in timed),
         ]
 
+    def pool_bytes(self, token_bytes: int, segments: int, block: int) -> int:
+        """A pool that holds every segment these prompts can store whole (a prompt's
+        ``segments`` each in its own ``block``-rounded entry; ``token_bytes`` of KV a token),
+        a quarter more for slack, from 256 MiB to 4 GiB: a tiny model's run needs no 4 GiB of
+        shared memory or disk."""
+        prompts = [*self.qa, *self.timed]
+        need = sum(len(p) * token_bytes + segments * block for p in prompts)
+        return min(4 << 30, max(256 << 20, -(-need * 5 // 4 // block) * block))
+
 
 def _prompts(tok: Any, sep: list[int], cases: list[qa_cases.Case], repeats: int) -> _Prompts:
     def prompt(documents: list[str], question: str) -> list[int]:
@@ -368,6 +378,8 @@ def evaluate(
     warmup = _encode(tok, "Hello, how are you today?")
     longest = max(len(p) for p in [*prompts.timed, *prompts.qa])
     max_len = max(4096, 1 << (longest + max_tokens + 64).bit_length())
+    segments = max(len(c.documents) for c in cases) + 2  # the system part and the question
+    pool_bytes = prompts.pool_bytes(kv_bytes_per_token(model), segments, BLOCK)
     results: dict[str, dict[str, Any]] = {}
     with (
         tempfile.TemporaryDirectory(prefix="chunkstore-quality-") as tmp,
@@ -381,7 +393,7 @@ def evaluate(
             gap = settings.get("virtual_gap", 0)
             if gap not in by_gap:
                 folder = Path(tmp) / f"daemon-gap-{gap}"
-                daemon = start_daemon(folder, pool_bytes=4 << 30, block_size=1 << 20)
+                daemon = start_daemon(folder, pool_bytes=pool_bytes, block_size=BLOCK)
                 by_gap[gap] = daemons.enter_context(daemon)
             address = by_gap[gap].unix
             return {"address": address, "separator": SEPARATOR, **connector_settings(settings)}

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from chunkstore.models import WORDS, model_dir
+from chunkstore.models import WORDS, kv_bytes_per_token, model_dir
 
 BLOCK = 64 << 10  # the daemon's block: small, so that a pool share is what entries get
 SYS = "You are a helpful assistant. Answer the question using only the documents below."
@@ -196,14 +196,6 @@ def _prompt_hit_rate(scraped: dict[str, float]) -> float | None:
     saved = _summed(scraped, "vllm:prefix_cache_hits_total")
     saved += _summed(scraped, "vllm:chunkstore_hit_tokens_total")
     return round(saved / prompt, 4) if prompt else None
-
-
-def kv_bytes_per_token(model: Path) -> int:
-    """fp32 KV bytes a token of ``model`` takes (keys and values, every layer)."""
-    config = json.loads((model / "config.json").read_text())
-    heads = config.get("num_key_value_heads", config["num_attention_heads"])
-    head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
-    return int(config["num_hidden_layers"] * heads * head_dim * 2 * 4)
 
 
 def replay_hit_rate(trace: Trace, doc_tokens: list[int], share: float, policy: str) -> float:

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 UNIX_PATH_MAX = 107  # sun_path's 108 bytes, its terminating NUL left out
+MEMORY_POOL_BYTES = 64 << 20  # pools from this size up go in /dev/shm (serve_command)
+MEMORY_HEADROOM = 4 << 30  # memory left beside such a pool, for the vLLM a test starts
 
 
 @dataclass
@@ -42,7 +44,8 @@ class RunningDaemon:
         self.stop()
 
     def stop(self, timeout: float = 30.0) -> int:
-        """SIGTERM, then wait; returns the exit code (kills it if it will not stop)."""
+        """SIGTERM, then wait; returns the exit code (kills it if it will not stop). The pool
+        file a killed daemon leaves is removed: in /dev/shm it would hold memory."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
@@ -50,6 +53,8 @@ class RunningDaemon:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if self.ready.get("shm_path"):
+            Path(self.ready["shm_path"]).unlink(missing_ok=True)
         return int(self.process.returncode)
 
     def scrape(self) -> dict[str, float]:
@@ -86,11 +91,16 @@ def serve_command(
     shm_dir: Path | None = None,
 ) -> list[str]:
     """``chunkstore serve`` on free loopback ports with its socket and pool in ``workdir``
-    (the pool in ``shm_dir`` if given; the socket in a new private directory under /tmp
-    where ``workdir`` is too deep for a unix socket's path, as a test's temporary directory
-    can be); ``args`` come last, so they override any of these.
+    (the socket in a new private directory under /tmp where ``workdir`` is too deep for a
+    unix socket's path, as a test's temporary directory can be); ``args`` come last, so they
+    override any of these. The pool goes in ``shm_dir`` if given, else, from
+    ``MEMORY_POOL_BYTES`` up, in /dev/shm where memory can hold it (``memory_dir``): a pool is
+    preallocated, and on a disk a few such pools can take the last GiB a CI machine has left
+    (they did). Smaller pools stay in ``workdir``, beside the files tests look at.
     ``launcher``: the module (and its own flags) that runs ``serve``, e.g.
     ``("chunkstore.testing.dying_daemon", "--die-on", "Read", "--armed-by", path)``."""
+    if shm_dir is None and pool_bytes >= MEMORY_POOL_BYTES:
+        shm_dir = memory_dir(pool_bytes)
     return [
         sys.executable,
         "-m",
@@ -124,13 +134,29 @@ def socket_path(workdir: Path) -> Path:
 def memory_dir(nbytes: int) -> Path | None:
     """/dev/shm when it can hold a pool of ``nbytes``: where a deployed daemon keeps its pool
     (the default ``--shm-dir``), so a bench reads memory, not a file of a disk's page cache
-    (a test's temporary directory may be either). None where it cannot."""
+    (a test's temporary directory may be either). None where it cannot: /dev/shm missing,
+    read-only or too small, or the memory available (/proc/meminfo) short of the pool and
+    ``MEMORY_HEADROOM`` for the vLLM beside it."""
     shm = Path("/dev/shm")
     try:
         free = os.statvfs(shm)
     except OSError:
         return None
-    return shm if os.access(shm, os.W_OK) and free.f_bavail * free.f_frsize > nbytes else None
+    if not os.access(shm, os.W_OK) or free.f_bavail * free.f_frsize <= nbytes:
+        return None
+    available = _memory_available()
+    return shm if available is None or available > nbytes + MEMORY_HEADROOM else None
+
+
+def _memory_available() -> int | None:
+    """MemAvailable from /proc/meminfo (bytes), None where there is none."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def serve_env() -> dict[str, str]:

@@ -27,7 +27,14 @@ from chunkstore.errors import (
     WrongState,
 )
 from chunkstore.kv.entry import EntryLayout, layout_of, tensors_of
-from chunkstore.processes.daemon import RunningDaemon, serve_command, serve_env, socket_path
+from chunkstore.processes.daemon import (
+    MEMORY_POOL_BYTES,
+    RunningDaemon,
+    memory_dir,
+    serve_command,
+    serve_env,
+    socket_path,
+)
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol.shm import Pieces
 from chunkstore.protocol.wire import layout_to_proto
@@ -436,3 +443,20 @@ def test_admin_calls_work_at_any_size(serve) -> None:
     assert cleared.returncode == 0, cleared.stderr
     with ChunkStoreClient(daemon.unix) as client:
         assert client.stats().entries == 0
+
+
+def test_large_test_pools_take_memory_not_the_test_disk(serve, tmp_path: Path) -> None:
+    """A CI run once failed with its temporary directory's disk under 1 GiB free: test
+    daemons' pools are preallocated, and the large ones lived there. From MEMORY_POOL_BYTES up
+    a pool goes to /dev/shm where memory can hold it; a small one stays beside the test's
+    files; the pool of a daemon that was killed is removed when it is stopped."""
+    large = serve(name="large", pool_bytes=MEMORY_POOL_BYTES)
+    small = serve(name="small", pool_bytes=1 << 20)
+    pool = Path(large.ready["shm_path"])
+    assert pool.parent == (memory_dir(MEMORY_POOL_BYTES) or tmp_path / "large")
+    assert Path(small.ready["shm_path"]).parent == tmp_path / "small"
+    large.process.send_signal(signal.SIGKILL)
+    large.process.wait()
+    assert pool.exists()  # nobody removed it: the daemon died
+    large.stop()
+    assert not pool.exists()
