@@ -18,7 +18,9 @@ over the way's: above 1 is faster); ``*_warm`` TTFTs leave out the first fifth o
 trace, the cold start (``ttft_p99_warm_vs_apc``).
 Before them, the trace replayed through the daemon's own index at ``--curve`` pool shares
 for each policy and for furthest-next-use (Belady's offline rule: the headroom above them):
-the hit-rate curve to size a pool by (``--curve-only``: just that, in seconds).
+the hit-rate curve to size a pool by (``--curve-only``: just that, in seconds); with
+``--disk-shares``, also over a disk tier of each share, per spill rule (``serve --spill``):
+the hit rate of both tiers and the disk tokens written a request.
 The trace is also written as a JSONL dataset ``vllm bench serve --dataset-name custom``
 replays (``--dataset``).
 """
@@ -200,10 +202,28 @@ def _prompt_hit_rate(scraped: dict[str, float]) -> float | None:
 
 def replay_hit_rate(trace: Trace, doc_tokens: list[int], share: float, policy: str) -> float:
     """The token hit rate the daemon's own index, evicting by ``policy``, gets on the trace
-    with a pool of ``share`` of its working set, replayed as the connector drives it (each
-    request acquires its documents, stores the ones missed): no vLLM, no timing, exact."""
+    with a pool of ``share`` of its working set (``replay``)."""
+    return replay(trace, doc_tokens, share, policy)["store_hit_rate"]
+
+
+def replay(
+    trace: Trace,
+    doc_tokens: list[int],
+    share: float,
+    policy: str,
+    disk_share: float = 0.0,
+    spill: str = "commit",
+) -> dict[str, Any]:
+    """The trace replayed through the daemon's own index, as the connector drives it (each
+    request acquires its documents, stores the ones missed), with a pool of ``share`` of its
+    working set, evicting by ``policy``, and with ``disk_share`` a disk tier of that share
+    under it, spilling by ``spill`` (``serve --spill``; the spill thread run to the end after
+    each request): no vLLM, no timing, exact. Its token hit rate (both tiers), and the disk
+    tier's: hit tokens, tokens written a request (bytes: times the model's KV a token)."""
+    from chunkstore.daemon.disk import HEADER, DiskTier
     from chunkstore.daemon.index import Index
     from chunkstore.daemon.pool import SharedMemoryPool
+    from chunkstore.daemon.spill import SpillWhen
     from chunkstore.kv.entry import EntryLayout
 
     block = 64  # 16 bytes a token below: 4 tokens a block
@@ -211,7 +231,18 @@ def replay_hit_rate(trace: Trace, doc_tokens: list[int], share: float, policy: s
     blocks = max(1, int(share * sum(-(-doc_tokens[d] * 16 // block) for d in used)))
     with tempfile.TemporaryDirectory(prefix="chunkstore-replay-") as tmp:
         pool = SharedMemoryPool(block, blocks, directory=tmp)
-        index = Index(pool, high_watermark=1.0, low_watermark=1.0, eviction=policy)
+        disk = None
+        if disk_share:
+            files = sum(HEADER + doc_tokens[d] * 16 for d in used)
+            disk = DiskTier(Path(tmp) / "disk", max(HEADER + 4096, int(disk_share * files)))
+        index = Index(
+            pool,
+            high_watermark=1.0,
+            low_watermark=1.0,
+            eviction=policy,
+            disk=disk,
+            spill_when=SpillWhen(spill),
+        )
         session = index.open_session("replay")
         looked = hit = 0
         for request in trace.requests:
@@ -227,9 +258,18 @@ def replay_hit_rate(trace: Trace, doc_tokens: list[int], share: float, policy: s
                 if layout.nbytes > pool.capacity:
                     continue  # never fits: computed every time
                 reservation = index.reserve(session, key, layout, layout.nbytes)
-                index.commit(session, reservation.id, 0)
+                checksum = pool.checksum(reservation.blocks, layout.nbytes)  # a disk read checks
+                index.commit(session, reservation.id, checksum)
+            while disk is not None and index.spill_one(0):
+                pass
+        stats = index.disk_stats()
         pool.close()
-    return hit / looked
+    counts = stats.counts if stats is not None else {}
+    return {
+        "store_hit_rate": hit / looked,
+        "disk_hit_tokens": counts.get("promoted_bytes", 0) // 16,
+        "disk_tokens_written_per_request": counts.get("spill_bytes", 0) / 16 / len(trace.requests),
+    }
 
 
 def furthest_next_use_hit_rate(trace: Trace, doc_tokens: list[int], share: float) -> float:
@@ -264,6 +304,7 @@ def furthest_next_use_hit_rate(trace: Trace, doc_tokens: list[int], share: float
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     from transformers import AutoTokenizer
 
+    from chunkstore.daemon.spill import SpillWhen
     from chunkstore.processes.daemon import memory_dir, start_daemon
     from chunkstore.processes.vllm_server import VllmServer
     from chunkstore.prompts import AUTO, separator_ids
@@ -313,6 +354,20 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                 "pool_share": share,
                 "store_hit_rate": round(rate, 4),
             }
+        # A disk tier under the pool: what each spill rule writes, and the hit rate it keeps.
+        for disk_share in [float(x) for x in args.disk_shares.split(",") if x]:
+            for policy in args.policies.split(","):
+                for spill in SpillWhen:
+                    got = replay(trace, doc_tokens, share, policy, disk_share, spill.value)
+                    yield {
+                        "way": "replay-disk",
+                        **trace_figures,
+                        "policy": policy,
+                        "pool_share": share,
+                        "disk_share": disk_share,
+                        "spill": spill,
+                        **{k: round(v, 4) for k, v in got.items()},
+                    }
     if args.curve_only:
         return
     apc_flag = ("--enable-prefix-caching",)
@@ -424,6 +479,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="0.1,0.25,0.5,0.75,1.0",
         help="pool shares to replay the trace at through the daemon's index alone, per policy "
         "and against furthest-next-use (offline): the hit-rate curve ('' for none)",
+    )
+    parser.add_argument(
+        "--disk-shares",
+        default="",
+        help="disk tiers, as shares of the working set, to replay the curve with too (e.g. "
+        "0.5,1.0): per policy and spill rule (serve --spill), the hit rate of both tiers and "
+        "the disk tokens written a request (default: none)",
     )
     parser.add_argument(
         "--curve-only", action="store_true", help="only the curve: no vLLM (seconds)"

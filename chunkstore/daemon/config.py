@@ -15,6 +15,7 @@ from socket import gethostname
 from typing import Any
 
 from chunkstore.daemon.eviction import POLICIES
+from chunkstore.daemon.spill import SpillWhen
 from chunkstore.daemon.transfer import ENGINES, PROTOCOLS
 from chunkstore.errors import InvalidRequest
 from chunkstore.protocol.endpoints import default_socket
@@ -51,6 +52,7 @@ class ServeConfig:
     disk_size: int = 0  # 0: half the free space of disk_dir's filesystem at start
     disk_dir_allow_foreign: bool = False  # use a disk_dir holding what the tier did not write
     spill_queue_bytes: int = 0  # 0: half the pool
+    spill: str = "commit"  # when an entry goes to the disk tier (spill.SpillWhen)
     persist_on_stop: bool = True  # with a disk tier: write memory entries to it on a clean stop
     max_sessions: int = 1024  # clients at once (each holds a heartbeat stream)
     max_transfers: int = 64  # Read / Write streams at once (clients that cannot map the pool)
@@ -148,6 +150,8 @@ class ServeConfig:
     def _validate_transfer(self) -> None:
         if self.eviction not in POLICIES:
             raise InvalidRequest(f"--eviction: one of {', '.join(POLICIES)}")
+        if self.spill not in {s.value for s in SpillWhen}:
+            raise InvalidRequest(f"--spill: one of {', '.join(SpillWhen)}")
         if self.transfer_engine not in ENGINES:
             raise InvalidRequest(f"--transfer-engine: one of {', '.join(ENGINES)}")
         if self.transfer_protocol not in PROTOCOLS:
@@ -310,10 +314,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "from peers are always checked)",
         "drain_timeout_s": "on SIGTERM, how long to wait for leases to end (10); with a disk "
         "tier, as long again at most for memory entries to reach the disk",
-        "disk_dir": "directory of the disk tier (default: none, memory only): every committed "
-        "entry is also written there in the background, a memory miss it holds is read back "
-        "into the pool, and what it holds is served again after a restart or a crash. CPU "
-        "pools only, for now",
+        "disk_dir": "directory of the disk tier (default: none, memory only): committed "
+        "entries are also written there in the background (when: --spill), a memory miss it "
+        "holds is read back into the pool, and what it holds is served again after a restart "
+        "or a crash. CPU pools only, for now",
         "disk_size": "bytes the disk tier may use, e.g. 500G (default: half the free space of "
         "--disk-dir's filesystem at start); its least recently used entries go first",
         "disk_dir_allow_foreign": "use a --disk-dir whose top level holds files or folders "
@@ -323,6 +327,11 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "spill_queue_bytes": "bytes of committed entries waiting for the disk at most (default: "
         "half the pool); beyond it an entry stays in memory only (counted as dropped), so a "
         "put never waits for the disk",
+        "spill": "with --disk-dir, when an entry is written there: commit (the default: every "
+        "entry, as it is committed) or read-again (once its key is asked for a second time: "
+        "what only one request uses is never written: for a small or wear-limited disk, "
+        "which then takes fewer rewrites, at a few points of hit rate; a clean stop still "
+        "writes every memory entry; docs/benchmarks.md 'What to spill')",
         "persist_on_stop": "with --disk-dir: on a clean stop, write the memory entries the disk "
         "lacks (default true)",
         "max_sessions": "client sessions served at once; Hello beyond it is refused with "

@@ -128,12 +128,21 @@ class HeapOrder(Generic[E]):
 
 
 class Policy:
-    """Ranks entries as they become evictable; ``evicted`` hears of each eviction for room."""
+    """Ranks entries as they become evictable; ``evicted`` hears of each eviction for room.
+    Both policies keep the read history: ``worth`` ranks by it, the disk tier's ``read-again``
+    rule (``spill.py``) asks it whether a key was read twice."""
 
     name = "lru"
+    # Reads remembered per key, hits and misses alike, so an entry evicted and stored again
+    # comes back with its popularity (TinyLFU's history); every HISTORY reads each count
+    # halves (and ones go), so they follow what is read now and stay about as many as
+    # the keys read in the last 2 x HISTORY reads.
+    HISTORY = 1 << 16
 
     def __init__(self) -> None:
         self._seq = itertools.count(1)
+        self.reads: dict[bytes, int] = {}
+        self._until_halving = self.HISTORY
 
     def order(self) -> Order[Any]:
         return LruOrder()
@@ -143,6 +152,15 @@ class Policy:
 
     def read(self, key: bytes) -> None:
         """A client asked for ``key`` (hit or miss)."""
+        self.reads[key] = self.reads.get(key, 0) + 1
+        self._until_halving -= 1
+        if not self._until_halving:
+            self.reads = {k: n // 2 for k, n in self.reads.items() if n > 1}
+            self._until_halving = self.HISTORY
+
+    def read_again(self, key: bytes) -> bool:
+        """``key`` was asked for at least twice (within the history)."""
+        return self.reads.get(key, 0) >= 2
 
     def evicted(self, entry: Ranked) -> None:
         pass
@@ -150,24 +168,10 @@ class Policy:
 
 class Worth(Policy):
     name = "worth"
-    # Reads remembered per key, hits and misses alike, so an entry evicted and stored again
-    # comes back with its popularity (TinyLFU's history); every HISTORY reads each count
-    # halves (and ones go), so they follow what is read now and stay about as many as
-    # the keys read in the last 2 x HISTORY reads.
-    HISTORY = 1 << 16
 
     def __init__(self) -> None:
         super().__init__()
         self.inflation = 0.0  # L: the rank of the last entry evicted for room
-        self.reads: dict[bytes, int] = {}
-        self._until_halving = self.HISTORY
-
-    def read(self, key: bytes) -> None:
-        self.reads[key] = self.reads.get(key, 0) + 1
-        self._until_halving -= 1
-        if not self._until_halving:
-            self.reads = {k: n // 2 for k, n in self.reads.items() if n > 1}
-            self._until_halving = self.HISTORY
 
     def order(self) -> Order[Any]:
         return HeapOrder()

@@ -13,8 +13,9 @@ both, and the parts the index keeps under it:
 - ``spill.py``: the queue to the disk tier and what the tier did;
 - ``counts.py``: what ``stats`` reports, counted as it changes.
 
-With a disk tier (``disk.py``) every commit also queues the entry for the daemon's spill
-thread (``spill_one``), which holds its blocks while it writes them (an entry being written
+With a disk tier (``disk.py``) a committed entry is queued for the daemon's spill thread
+(``spill_one``) at its commit or once it is read again (``spill_when``); the thread holds
+its blocks while it writes them (an entry being written
 is not evictable, as a leased one); a memory miss the tier holds is read back into new
 blocks and committed (``_acquire_from_disk``). Disk I/O never runs under the lock.
 """
@@ -37,7 +38,7 @@ from chunkstore.daemon.eviction import make_policy
 from chunkstore.daemon.pool import Pool
 from chunkstore.daemon.records import Budget, Entry, Lease, Reservation, Session, Spill, check_keys
 from chunkstore.daemon.sessions import Sessions
-from chunkstore.daemon.spill import DiskStats, SpillQueue
+from chunkstore.daemon.spill import DiskStats, SpillQueue, SpillWhen
 from chunkstore.errors import (
     AlreadyExists,
     ChecksumMismatch,
@@ -68,6 +69,7 @@ class Index:
         on_evict: Callable[[str, int], None] | None = None,
         disk: DiskTier | None = None,
         spill_queue_bytes: int = 1 << 30,
+        spill_when: SpillWhen = SpillWhen.COMMIT,
         eviction: str = "lru",
     ) -> None:
         if not 0 < low_watermark <= high_watermark <= 1:
@@ -88,6 +90,7 @@ class Index:
         # The disk tier: committed entries queued (bounded, in bytes) for the spill thread.
         self.disk = disk
         self.spill = SpillQueue(self.lock, spill_queue_bytes)
+        self.spill_when = spill_when
         self._promoting: dict[bytes, threading.Event] = {}  # disk hits being read in
         self._disk_readers = ThreadPoolExecutor(DISK_READERS, thread_name_prefix="disk-read")
 
@@ -195,6 +198,10 @@ class Index:
             ]
             for key in keys:  # hits and misses: what the worth policy ranks by
                 self.policy.read(key)
+            if self.spill_when is SpillWhen.READ_AGAIN:
+                for got in out:
+                    if got is not None and self.policy.read_again(got[1].key):
+                        self._queue_spill(got[1])
         disk = self.disk
         missed = [i for i, got in enumerate(out) if got is None]
         on_disk = [i for i in missed if keys[i] in disk] if disk is not None else []
@@ -665,11 +672,12 @@ class Index:
 
     def _add(self, entry: Entry) -> None:
         """A committed entry into the index, the eviction order and (if the disk tier lacks
-        it) the spill queue."""
+        it, and ``spill_when`` says so now) the spill queue."""
         self._entries[entry.key] = entry
         self.counts.held(entry, 1)
         self.budgets.place(entry)
-        self._queue_spill(entry)
+        if self.spill_when is SpillWhen.COMMIT or self.policy.read_again(entry.key):
+            self._queue_spill(entry)
 
     def _evict(self, entry: Entry, reason: str) -> None:
         del self._entries[entry.key]

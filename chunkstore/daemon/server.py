@@ -32,6 +32,7 @@ from chunkstore.daemon.pool import reclaim_stale_pools
 from chunkstore.daemon.pool_factory import create_pool
 from chunkstore.daemon.records import Budget
 from chunkstore.daemon.service import ChunkStoreService, drain
+from chunkstore.daemon.spill import SpillWhen
 from chunkstore.daemon.tenants import (
     Tenant,
     Tenants,
@@ -170,6 +171,7 @@ class Daemon:
             max_sessions=config.max_sessions,
             disk=self.disk,
             spill_queue_bytes=config.resolved_spill_queue_bytes(self.pool.capacity),
+            spill_when=SpillWhen(config.spill),
             eviction=config.eviction,
         )
         self.metrics = Metrics(self.index, config.node)

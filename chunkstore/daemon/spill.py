@@ -2,6 +2,11 @@
 thread, oldest first and bounded in bytes, the ones being written, and what the tier did
 (counts, seconds, the last failure).
 
+When an entry is queued is the daemon's ``--spill`` rule (``SpillWhen``): at each commit, or
+once it is read again (its key asked for a second time: at that Acquire if it is in memory,
+at the commit that stores it again otherwise), so what one request alone ever uses is never
+written.
+
 An entry's ``spill`` state says where it stands: queued (still evictable; an eviction takes
 it out of the queue), writing (its blocks stay, whatever evicts it, until the write ends).
 A full queue drops what comes (it stays in memory, counted): a Reserve never waits for the
@@ -15,11 +20,19 @@ import logging
 import threading
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from chunkstore.daemon.disk import DiskTier
 from chunkstore.daemon.records import Entry, Spill
 
 log = logging.getLogger(__name__)
+
+
+class SpillWhen(StrEnum):
+    """When a committed entry goes to the disk tier (``serve --spill``)."""
+
+    COMMIT = "commit"  # every commit (write-through)
+    READ_AGAIN = "read-again"  # once its key is asked for a second time
 
 
 @dataclass

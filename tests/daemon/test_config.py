@@ -45,6 +45,9 @@ def test_bad_settings_are_refused_with_the_reason(tmp_path: Path) -> None:
     assert (sizes.pool_bytes, sizes.block_size) == (2 << 30, 512 << 10)
     with pytest.raises(InvalidRequest, match="set --disk-dir too"):
         load(environ={}, flags={"disk_size": "10G"})
+    with pytest.raises(InvalidRequest, match="--spill: one of commit, read-again"):
+        load(environ={"CHUNKSTORE_SPILL": "sometimes"})
+    assert load(environ={}, flags={"spill": "read-again"}).spill == "read-again"
     with pytest.raises(InvalidRequest, match="host memory"):
         load(environ={}, flags={"disk_dir": str(tmp_path), "device": "fake:0"})
     with pytest.raises(InvalidRequest, match="without a token"):

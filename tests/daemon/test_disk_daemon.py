@@ -81,6 +81,25 @@ def test_200_entries_survive_a_sigterm_and_a_sigkill(serve, tmp_path: Path) -> N
     print(f"disk tier: 200 entries served again {served_again:.2f} s after a restart began")
 
 
+def test_read_again_writes_what_is_asked_for_twice_and_a_clean_stop_the_rest(
+    serve, tmp_path: Path
+) -> None:
+    disk = str(tmp_path / "disk")
+    first = serve("--disk-dir", disk, "--spill", "read-again", name="first")
+    with ChunkStoreClient(first.unix) as client:
+        for i in range(10):
+            assert client.put(entry_key(i), *content(i), virtual_start=0)
+        for round_ in range(2):  # keys 0-2 asked for twice, 3-5 once, 6-9 never
+            assert all(holds(client, i) for i in range(3 if round_ else 6))
+        wait_for(lambda: spilled(client), timeout=30)  # queued by the Acquire, before its reply
+        stats = client.stats().disk
+        assert stats.entries == 3 and stats.counts["spill_bytes"] == 3 * 2 * content(0)[0].nbytes
+    assert first.stop() == 0  # a clean stop still writes every memory entry
+    second = serve("--disk-dir", disk, name="second")
+    with ChunkStoreClient(second.unix) as client:
+        assert client.stats().disk.entries == 10 and all(holds(client, i) for i in range(10))
+
+
 def test_a_working_set_four_times_the_pool_all_hits_in_a_second_pass(serve, tmp_path) -> None:
     """64 entries of 256 KiB through a 4 MiB pool, each put once the disk has the last
     (puts faster than the disk are dropped from the spill, by design: counted)."""

@@ -15,6 +15,7 @@ from chunkstore.daemon.disk import HEADER, DiskError, DiskTier
 from chunkstore.daemon.index import Index
 from chunkstore.daemon.pool import SharedMemoryPool
 from chunkstore.daemon.records import Budget, Entry
+from chunkstore.daemon.spill import SpillWhen
 from chunkstore.errors import (
     AlreadyExists,
     ChecksumMismatch,
@@ -390,6 +391,19 @@ WorthTieredIndexMachine.TestCase.settings = TieredIndexMachine.TestCase.settings
 TestWorthTieredIndexStateMachine = WorthTieredIndexMachine.TestCase
 
 
+class ReadAgainTieredIndexMachine(WorthTieredIndexMachine):
+    """Both tiers, entries spilled only once their key is read again (``--spill
+    read-again``): queued from an Acquire as well as from a commit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.index.spill_when = SpillWhen.READ_AGAIN
+
+
+ReadAgainTieredIndexMachine.TestCase.settings = TieredIndexMachine.TestCase.settings
+TestReadAgainTieredIndexStateMachine = ReadAgainTieredIndexMachine.TestCase
+
+
 def test_a_long_random_walk_over_both_tiers_serves_only_committed_bytes() -> None:
     """Hypothesis keeps its runs short; a promotion needs a put, a spill, an eviction and an
     acquire of one key in order. So also: 10,000 seeded random steps over the same machine,
@@ -605,3 +619,53 @@ def test_verify_hashes_each_key_once_and_outside_the_lock(index: Index) -> None:
     index.pool.region()[res.blocks[0] * BLOCK] ^= 0xFF  # a stray write
     assert index.verify([KEYS[0]] * 3) == [KEYS[0]]
     assert index.lookup([KEYS[0]]) == [None] and index.stats().evictions == {"corrupt": 1}
+
+
+def _spills_by_request(folder, spill: SpillWhen, eviction: str) -> list[set[bytes]]:
+    """What the disk tier holds after each step of three requests' worth of reads and
+    stores, under the spill rule ``spill``."""
+    folder.mkdir()
+    pool = SharedMemoryPool(BLOCK, BLOCKS, directory=folder)
+    disk = DiskTier(folder / "disk", 64 << 10)
+    index = Index(pool, disk=disk, spill_when=spill, eviction=eviction)
+    s = index.open_session("t")
+
+    def put(key: bytes) -> None:
+        res = index.reserve(s, key, layout(8), layout(8).nbytes)
+        index.commit(s, res.id, checksum(pool.region(), res.blocks, BLOCK, 128))
+
+    def on_disk() -> set[bytes]:
+        while index.spill_one(0):
+            pass
+        return {k for k in KEYS if k in disk}
+
+    put(KEYS[0])  # stored without being asked for (an ingest)
+    assert index.acquire(s, [KEYS[1]]) == [None]  # a miss, then stored
+    put(KEYS[1])
+    held = [on_disk()]
+    [got0] = index.acquire(s, [KEYS[0]])  # asked for once
+    held.append(on_disk())
+    [got1] = index.acquire(s, [KEYS[1]])  # asked for twice
+    index.release(s, [got0[0].id, got1[0].id])  # type: ignore[index]
+    held.append(on_disk())
+    assert index.acquire(s, [KEYS[2]]) == [None]
+    assert index.acquire(s, [KEYS[2]]) == [None]  # missed twice (evicted, say) ...
+    put(KEYS[2])  # ... and stored again
+    held.append(on_disk())
+    assert index.disk_stats().counts["spills"] == len(held[-1])  # type: ignore[union-attr]
+    pool.close()
+    return held
+
+
+@pytest.mark.parametrize("eviction", ["lru", "worth"])
+def test_read_again_spills_what_a_second_request_asks_for_and_nothing_else(
+    tmp_path, eviction: str
+) -> None:
+    """``--spill read-again``: an entry goes to disk once its key is asked for a second time:
+    at that Acquire when it is in memory, at its commit when it was asked for before (a miss
+    computed and stored); what only one request asks for is never written. ``commit``
+    writes everything."""
+    every = _spills_by_request(tmp_path / "commit", SpillWhen.COMMIT, eviction)
+    assert every == [{KEYS[0], KEYS[1]}] * 3 + [{*KEYS[:3]}]
+    again = _spills_by_request(tmp_path / "again", SpillWhen.READ_AGAIN, eviction)
+    assert again == [set(), set(), {KEYS[1]}, {KEYS[1], KEYS[2]}]
