@@ -15,9 +15,9 @@ both, and the parts the index keeps under it:
 
 With a disk tier (``disk.py``) a committed entry is queued for the daemon's spill thread
 (``spill_one``) at its commit or once it is read again (``spill_when``); the thread holds
-its blocks while it writes them (an entry being written
-is not evictable, as a leased one); a memory miss the tier holds is read back into new
-blocks and committed (``_acquire_from_disk``). Disk I/O never runs under the lock.
+its blocks while it writes them (an entry being written is not evictable, as a leased one);
+a memory miss the tier holds is read back into new blocks and committed
+(``_acquire_from_disk``). Disk I/O never runs under the lock.
 """
 
 from __future__ import annotations
