@@ -65,15 +65,27 @@ def test_bench_workload_through_vllm_serve_on_the_tiny_model(tmp_path: Path) -> 
     run = chunkstore(
         "bench", "workload", "--json", "--model", "tiny", "--docs", "12", "--doc-words", "30-60",
         "--requests", "16", "--concurrency", "4", "--pool-shares", "1.0", "--policies",
-        "worth", "--curve", "0.5", "--dataset", str(dataset),
+        "worth", "--curve", "0.5", "--dataset", str(dataset), "--disk-shares", "1.0",
+        "--disk-share", "1.0", "--spills", "commit",
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [json.loads(line) for line in run.stdout.splitlines()]
     curve = [r for r in rows if r["way"] == "replay"]
     assert {r["policy"] for r in curve} == {"worth", "furthest_next_use"}
     assert all(0 < r["store_hit_rate"] <= 1 for r in curve)
-    apc, worth = (r for r in rows if r["way"] != "replay")
-    assert (apc["way"], worth["way"]) == ("apc", "worth@1")
+    # Over a disk tier as large as the working set: write-through writes more than read-again
+    # (what one request alone asks for), and loses no hit rate to it.
+    disk = {r["spill"]: r for r in rows if r["way"] == "replay-disk"}
+    assert list(disk) == ["commit", "read-again"]
+    commit, again = disk["commit"], disk["read-again"]
+    written = "disk_tokens_written_per_request"
+    assert commit[written] > again[written] > 0
+    assert commit["store_hit_rate"] >= again["store_hit_rate"]
+    apc, worth = (r for r in rows if not r["way"].startswith("replay"))
+    assert (apc["way"], worth["way"]) == ("apc", "worth@1 spill=commit")
+    # Its daemon had a disk tier, written through: every entry it stored, at least once.
+    assert worth["disk_share"] == 1.0 and worth["spill"] == "commit"
+    assert worth["disk_bytes_written_per_request"] > 0
     # vLLM's prefix cache reuses a prompt up to its first reordered document; the store
     # supplies the documents wherever they stand: counted by vLLM, not timed.
     assert worth["prompt_hit_rate"] > apc["prompt_hit_rate"] + 0.2, (apc, worth)

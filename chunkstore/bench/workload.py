@@ -15,7 +15,9 @@ and what chunkstore supplied, over all), ``store_hit_rate`` (the daemon's, of th
 tokens looked up: what the policies compete on), TTFT p50/p90/p99, TPOT, request
 throughput; and ``throughput_vs_apc``, ``ttft_p50_vs_apc``, ``ttft_p99_vs_apc`` (APC's TTFT
 over the way's: above 1 is faster); ``*_warm`` TTFTs leave out the first fifth of the
-trace, the cold start (``ttft_p99_warm_vs_apc``).
+trace, the cold start (``ttft_p99_warm_vs_apc``). With ``--disk-share``, each way's daemon
+has a disk tier too, once per ``--spills`` rule (``serve --spill``): the way reports the disk
+bytes written a request and the bytes the tier served.
 Before them, the trace replayed through the daemon's own index at ``--curve`` pool shares
 for each policy and for furthest-next-use (Belady's offline rule: the headroom above them):
 the hit-rate curve to size a pool by (``--curve-only``: just that, in seconds); with
@@ -304,6 +306,7 @@ def furthest_next_use_hit_rate(trace: Trace, doc_tokens: list[int], share: float
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     from transformers import AutoTokenizer
 
+    from chunkstore.daemon.disk import HEADER
     from chunkstore.daemon.spill import SpillWhen
     from chunkstore.processes.daemon import memory_dir, start_daemon
     from chunkstore.processes.vllm_server import VllmServer
@@ -385,21 +388,28 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             server.stop()
         apc["prompt_hit_rate"] = _prompt_hit_rate(scraped)
         yield {"way": "apc", **trace_figures, **apc}
+        spills = args.spills.split(",") if args.disk_share else [""]
         ways = [
-            (share, policy, settings)
+            (share, policy, settings, rule)
             for share in [float(s) for s in args.pool_shares.split(",")]
             for policy in args.policies.split(",")
             for settings in connectors
+            for rule in spills
         ]
-        for index, (share, policy, settings) in enumerate(ways):
+        # A disk tier of --disk-share of the working set, and room for the files' headers.
+        disk_bytes = int(args.disk_share * working_set) + 4 * HEADER * len(used)
+        for index, (share, policy, settings, rule) in enumerate(ways):
             pool = max(16 * BLOCK, int(share * working_set))
             name = f"{policy}@{share:g}" + "".join(f" {k}={v}" for k, v in settings.items())
+            name += f" spill={rule}" if rule else ""
             _progress(f"{name}: pool {pool >> 20} MiB")
             way_dir = work / f"way{index}"  # not the name: a socket path must stay short
+            tier = ("--disk-dir", str(way_dir / "disk"), "--disk-size", str(disk_bytes))
             with start_daemon(
                 way_dir,
                 "--eviction",
                 policy,
+                *((*tier, "--spill", rule) if rule else ()),
                 pool_bytes=pool,
                 block_size=BLOCK,
                 shm_dir=memory_dir(pool),
@@ -421,6 +431,11 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             looked = stats.get(f"chunkstore_lookup_tokens_by_kind_total{{{chunk}}}", 0.0)
             found = stats.get(f"chunkstore_hit_tokens_by_kind_total{{{chunk}}}", 0.0)
             figures["store_hit_rate"] = round(found / looked, 4) if looked else None
+            if rule:  # what the disk tier wrote and served
+                figures["disk_share"], figures["spill"] = args.disk_share, rule
+                written = stats.get("chunkstore_disk_spill_bytes_total", 0.0)
+                figures["disk_bytes_written_per_request"] = round(written / len(prompts))
+                figures["disk_hit_bytes"] = stats.get("chunkstore_disk_promoted_bytes_total", 0)
             figures["pool_share"] = share
             figures["pool_bytes"] = pool
             figures["throughput_vs_apc"] = round(
@@ -489,6 +504,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--curve-only", action="store_true", help="only the curve: no vLLM (seconds)"
+    )
+    parser.add_argument(
+        "--disk-share",
+        type=float,
+        default=0.0,
+        help="give each chunkstore way's daemon a disk tier of this share of the working set "
+        "(0: none), once per --spills rule: the way reports the disk bytes written a request "
+        "and the bytes it served",
+    )
+    parser.add_argument(
+        "--spills",
+        default="commit,read-again",
+        help="with --disk-share: the spill rules (serve --spill) to run each way with "
+        "(commit,read-again)",
     )
     parser.add_argument(
         "--connector",
