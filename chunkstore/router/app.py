@@ -4,10 +4,12 @@ A completion or chat request goes: read (400 / 413 for what is not a JSON object
 big) -> its prompts' token IDs (``requests``; the instance's ``/tokenize``) -> their pieces
 and keys (``plan``) -> the daemons asked which they hold -> an instance chosen
 (``instances``) -> its missing chunks stored through it (``cold``) -> the request passed on
-as the client sent it, streamed back as the instance streams it. An instance that cannot be
-connected to is marked down and the request goes to the next; an instance's own error
-(4xx, 5xx) is passed back as it came. Each reply names the instance and why in
-``x-chunkstore-*`` headers.
+as the client sent it, streamed back as the instance streams it. An instance that is gone
+(it cannot be connected to, it broke off the request before answering, or it answered 5xx
+and then failed a health check: its engine died) is marked down and the request goes to the
+next: no byte had reached the client, and a completion has nothing to undo. An instance's own
+error (a 4xx; a 5xx while it stays healthy) is passed back as it came. Each reply names the
+instance and why in ``x-chunkstore-*`` headers.
 """
 
 from __future__ import annotations
@@ -53,8 +55,14 @@ class RouterSettings:
     metrics: RouterMetrics = field(default_factory=RouterMetrics)
 
 
+# Failures of a request's connection that mean the instance went away before it answered
+# (a timeout does not: the request may be long, and trying it again doubles the work).
+GONE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
+
 class Unreachable(Exception):
-    """An instance could not be connected to (it is marked down; the request moves on)."""
+    """An instance is gone: it could not be connected to, or it went away before answering
+    (it is marked down; the request moves on to the next)."""
 
     def __init__(self, instance: Instance) -> None:
         super().__init__(instance.url)
@@ -103,6 +111,7 @@ class Router:
             except Unreachable as err:
                 err.instance.healthy = False
                 tried.append(err.instance)
+                self.metrics.rerouted.labels(err.instance.url).inc()
         raise Refused(503, "no instance is up (see the router's /health)")
 
     async def _attempt(
@@ -168,7 +177,7 @@ class Router:
         began = time.perf_counter()
         try:
             reply = await self.http.post(f"{instance.url}/tokenize", json=body, headers=headers)
-        except httpx.ConnectError:
+        except GONE:
             raise Unreachable(instance) from None
         except httpx.HTTPError:
             reply = None
@@ -213,13 +222,12 @@ class Router:
             upstream = await self.http.send(upstream_request, stream=True)
         except BaseException as err:
             instance.in_flight -= 1
-            if isinstance(err, httpx.ConnectError):
+            if isinstance(err, GONE):
                 raise Unreachable(instance) from None
             if isinstance(err, httpx.HTTPError):
                 raise Refused(502, f"the instance {instance.url} did not answer: {err!r}") from None
             raise
         self.metrics.upstream.labels("request").observe(time.perf_counter() - began)
-        instance.healthy = True  # it answered
         ended = False
 
         async def end() -> None:
@@ -232,11 +240,17 @@ class Router:
         if not body.get("stream") or upstream.status_code != 200:
             try:
                 await upstream.aread()
+            except GONE:
+                raise Unreachable(instance) from None
             except httpx.HTTPError as err:
                 raise Refused(502, f"the instance {instance.url} broke off: {err!r}") from None
             finally:
                 await end()
+            if upstream.status_code >= 500 and not await self._answers_health(instance):
+                raise Unreachable(instance)
+            instance.healthy = True  # it answered
             return _as_response(upstream)
+        instance.healthy = True
 
         async def relay() -> AsyncIterator[bytes]:
             try:
@@ -251,6 +265,15 @@ class Router:
             media_type=upstream.headers.get("content-type", "text/event-stream"),
             background=BackgroundTask(end),
         )
+
+    async def _answers_health(self, instance: Instance) -> bool:
+        """Whether ``instance`` answers ``GET /health`` now (after a 5xx: a vLLM whose engine
+        died answers 500 to every request until its server stops)."""
+        try:
+            reply = await self.http.get(f"{instance.url}/health", timeout=5.0)
+        except httpx.HTTPError:
+            return False
+        return reply.status_code == 200
 
     # -- prefill/decode (disagg) -------------------------------------------------------
 
@@ -312,7 +335,7 @@ class Router:
         began = time.perf_counter()
         try:
             reply = await self.http.post(f"{instance.url}{path}", json=body, headers=headers)
-        except httpx.ConnectError:
+        except GONE:
             raise Unreachable(instance) from None
         except httpx.HTTPError as err:
             raise Refused(502, f"the instance {instance.url} did not answer: {err!r}") from None
@@ -334,7 +357,7 @@ class Router:
         )
         try:
             upstream = await self.http.send(request, stream=True)
-        except httpx.ConnectError:
+        except GONE:
             raise Unreachable(decoder) from None
         except httpx.HTTPError as err:
             raise Refused(502, f"the instance {decoder.url} did not answer: {err!r}") from None
@@ -366,7 +389,7 @@ class Router:
                     f"{instance.url}/v1/models",
                     headers={k: v for k in PASSED_HEADERS if (v := request.headers.get(k))},
                 )
-            except httpx.ConnectError:
+            except GONE:
                 instance.healthy = False
                 continue
             return _as_response(reply)

@@ -41,6 +41,14 @@ class RouterMetrics:
             ["why"],
             registry=r,
         )
+        self.rerouted = Counter(
+            "chunkstore_router_rerouted",
+            "Requests moved to another instance because this one was gone (refused the "
+            "connection, broke off before answering, or answered 5xx and failed a health "
+            "check).",
+            ["instance"],
+            registry=r,
+        )
         self.fallbacks = Counter(
             "chunkstore_router_fallbacks",
             "Requests passed on without the store's help, by why (daemon_unreachable, "
