@@ -3,6 +3,7 @@ it, and the bench through real ``vllm serve`` processes on the tiny model."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections import Counter
 from pathlib import Path
@@ -16,6 +17,7 @@ from chunkstore.bench.workload import (
     make_trace,
     prompt_text,
     replay_hit_rate,
+    spill_rules,
     write_dataset,
 )
 from chunkstore.testing.cli import chunkstore
@@ -120,3 +122,13 @@ def test_connector_settings_are_json_objects_each_a_way() -> None:
     for bad, why in (("{", "not JSON"), ("[1]", "a JSON object")):
         with pytest.raises(SystemExit, match=why):
             connector_settings([bad])
+
+
+def test_spill_rules_are_checked_before_any_way_runs() -> None:
+    def rules(disk_share: float, spills: str) -> list[str]:
+        return spill_rules(argparse.Namespace(disk_share=disk_share, spills=spills))
+
+    assert rules(0.0, "commit,typo") == [""]  # no disk tier: one way each, no rule
+    assert rules(0.5, "commit,read-again") == ["commit", "read-again"]
+    with pytest.raises(SystemExit, match="--spills sometimes: not a spill rule"):
+        rules(0.5, "commit,sometimes")

@@ -303,16 +303,96 @@ def furthest_next_use_hit_rate(trace: Trace, doc_tokens: list[int], share: float
     return hit / looked
 
 
+@dataclass(frozen=True)
+class Setup:
+    """What every way of one run shares: the trace, its prompts and its sizes."""
+
+    model: Path
+    trace: Trace
+    prompts: list[str]
+    doc_tokens: list[int]  # each corpus document's tokens
+    used: list[int]  # the documents the trace's requests retrieve
+    working_set: int  # the KV bytes of those documents
+    max_len: int  # vLLM's --max-model-len for the longest prompt
+    figures: dict[str, Any]  # the trace's own figures, in every row
+
+
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    connectors = connector_settings(args.connector)  # a typo fails here, not after apc
+    spills = spill_rules(args)
+    setup = _setup(args)
+    yield from _curve(args, setup)
+    if args.curve_only:
+        return
+    from chunkstore.processes.vllm_server import VllmServer
+
+    with tempfile.TemporaryDirectory(prefix="chunkstore-workload-") as tmp:
+        work = Path(tmp)
+        _progress(f"apc: {len(setup.prompts)} requests, working set {setup.working_set >> 20} MiB")
+        server = VllmServer(
+            setup.model, work / "apc", None, setup.max_len, extra=APC_FLAG, env=CPU_ENV
+        )
+        try:
+            apc = send(server.url, str(setup.model), setup.trace, setup.prompts, args)
+            apc["prompt_hit_rate"] = _prompt_hit_rate(_scrape(server.url))
+        finally:
+            server.stop()
+        yield {"way": "apc", **setup.figures, **apc}
+        ways = [
+            Way(share, policy, settings, rule)
+            for share in [float(s) for s in args.pool_shares.split(",")]
+            for policy in args.policies.split(",")
+            for settings in connectors
+            for rule in spills
+        ]
+        for index, way in enumerate(ways):
+            # The way's folder is not named after it: a socket path must stay short.
+            figures = _chunkstore_way(args, setup, way, work / f"way{index}")
+            _compare(figures, apc)
+            yield {"way": way.name, **setup.figures, **figures}
+
+
+APC_FLAG = ("--enable-prefix-caching",)
+# The same CPU binding for every way: vLLM otherwise reserves one more core for itself when a
+# connector is configured (docs/benchmarks.md, bench e2e).
+CPU_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+
+
+@dataclass(frozen=True)
+class Way:
+    """One chunkstore way: a pool share, an eviction policy, connector settings and (with a
+    disk tier) a spill rule ("" without one)."""
+
+    share: float
+    policy: str
+    settings: dict[str, Any]
+    spill: str
+
+    @property
+    def name(self) -> str:
+        name = f"{self.policy}@{self.share:g}"
+        name += "".join(f" {k}={v}" for k, v in self.settings.items())
+        return name + (f" spill={self.spill}" if self.spill else "")
+
+
+def spill_rules(args: argparse.Namespace) -> list[str]:
+    """The ``--spills`` rules with a disk tier (checked before any way runs), else [""]."""
+    from chunkstore.daemon.spill import SpillWhen
+
+    if not args.disk_share:
+        return [""]
+    rules = args.spills.split(",")
+    known = [str(w) for w in SpillWhen]
+    if unknown := [r for r in rules if r not in known]:
+        raise SystemExit(f"--spills {','.join(unknown)}: not a spill rule ({', '.join(known)})")
+    return rules
+
+
+def _setup(args: argparse.Namespace) -> Setup:
     from transformers import AutoTokenizer
 
-    from chunkstore.daemon.disk import HEADER
-    from chunkstore.daemon.spill import SpillWhen
-    from chunkstore.processes.daemon import memory_dir, start_daemon
-    from chunkstore.processes.vllm_server import VllmServer
     from chunkstore.prompts import AUTO, separator_ids
 
-    connectors = connector_settings(args.connector)  # a typo fails here, not after apc
     model = Path(args.model) if Path(args.model).is_dir() else model_dir(args.model)
     tok = AutoTokenizer.from_pretrained(model)
     separator = str(tok.decode(separator_ids(tok, AUTO)))
@@ -323,13 +403,11 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     prompts = [prompt_text(trace, r, separator) for r in trace.requests]
     used = sorted({d for r in trace.requests for d in r.docs})
     doc_tokens = [len(tok.encode(doc, add_special_tokens=False)) for doc in trace.docs]
-    tokens = sum(doc_tokens[d] for d in used)
-    working_set = tokens * kv_bytes_per_token(model)
+    working_set = sum(doc_tokens[d] for d in used) * kv_bytes_per_token(model)
     longest = max(len(tok.encode(p)) for p in prompts)
-    max_len = max(2048, 1 << (longest + args.output_tokens + 64).bit_length())
     if args.dataset:
         write_dataset(Path(args.dataset), prompts, args.output_tokens)
-    trace_figures: dict[str, Any] = {
+    figures = {
         "bench": "workload",
         "model": args.model,
         "requests": len(prompts),
@@ -343,110 +421,91 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         "working_set_bytes": working_set,
         "prompt_tokens_max": longest,
     }
-    # The curve to size a pool by: hit rate against pool share, by the daemon's index alone.
+    max_len = max(2048, 1 << (longest + args.output_tokens + 64).bit_length())
+    return Setup(model, trace, prompts, doc_tokens, used, working_set, max_len, figures)
+
+
+def _curve(args: argparse.Namespace, setup: Setup) -> Iterator[dict[str, Any]]:
+    """The curve to size a pool by: hit rate against pool share, by the daemon's index alone;
+    with ``--disk-shares``, over a disk tier too: what each spill rule writes, and the hit
+    rate it keeps."""
+    from chunkstore.daemon.spill import SpillWhen
+
+    trace, doc_tokens = setup.trace, setup.doc_tokens
     for share in [float(x) for x in args.curve.split(",") if x]:
         curve = {
             **{p: replay_hit_rate(trace, doc_tokens, share, p) for p in args.policies.split(",")},
             "furthest_next_use": furthest_next_use_hit_rate(trace, doc_tokens, share),
         }
         for policy, rate in curve.items():
-            yield {
-                "way": "replay",
-                **trace_figures,
-                "policy": policy,
-                "pool_share": share,
-                "store_hit_rate": round(rate, 4),
-            }
-        # A disk tier under the pool: what each spill rule writes, and the hit rate it keeps.
+            row = {"policy": policy, "pool_share": share, "store_hit_rate": round(rate, 4)}
+            yield {"way": "replay", **setup.figures, **row}
         for disk_share in [float(x) for x in args.disk_shares.split(",") if x]:
             for policy in args.policies.split(","):
                 for spill in SpillWhen:
                     got = replay(trace, doc_tokens, share, policy, disk_share, spill.value)
-                    yield {
-                        "way": "replay-disk",
-                        **trace_figures,
-                        "policy": policy,
-                        "pool_share": share,
-                        "disk_share": disk_share,
-                        "spill": spill,
-                        **{k: round(v, 4) for k, v in got.items()},
-                    }
-    if args.curve_only:
-        return
-    apc_flag = ("--enable-prefix-caching",)
-    # The same CPU binding for every way: vLLM otherwise reserves one more core for itself
-    # when a connector is configured (docs/benchmarks.md, bench e2e).
-    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
-    with tempfile.TemporaryDirectory(prefix="chunkstore-workload-") as tmp:
-        work = Path(tmp)
-        _progress(f"apc: {len(prompts)} requests, working set {working_set >> 20} MiB")
-        server = VllmServer(model, work / "apc", None, max_len, extra=apc_flag, env=env)
+                    row = {"policy": policy, "pool_share": share, "disk_share": disk_share}
+                    row |= {"spill": spill, **{k: round(v, 4) for k, v in got.items()}}
+                    yield {"way": "replay-disk", **setup.figures, **row}
+
+
+def _chunkstore_way(
+    args: argparse.Namespace, setup: Setup, way: Way, way_dir: Path
+) -> dict[str, Any]:
+    """The trace through vLLM with the connector over a daemon of ``way``'s pool: the
+    client's figures, the connector's counters a request, the daemon's hit rate (and its
+    disk tier's bytes)."""
+    from chunkstore.daemon.disk import HEADER
+    from chunkstore.processes.daemon import memory_dir, start_daemon
+    from chunkstore.processes.vllm_server import VllmServer
+
+    pool = max(16 * BLOCK, int(way.share * setup.working_set))
+    _progress(f"{way.name}: pool {pool >> 20} MiB")
+    tier: tuple[str, ...] = ()
+    if way.spill:  # a disk tier of --disk-share of the working set, and its files' headers
+        disk_bytes = int(args.disk_share * setup.working_set) + 4 * HEADER * len(setup.used)
+        tier = ("--disk-dir", str(way_dir / "disk"), "--disk-size", str(disk_bytes))
+        tier += ("--spill", way.spill)
+    with start_daemon(
+        way_dir,
+        *("--eviction", way.policy, *tier),
+        pool_bytes=pool,
+        block_size=BLOCK,
+        shm_dir=memory_dir(pool),
+    ) as daemon:
+        connector = {**way.settings, "address": daemon.unix}
+        server = VllmServer(
+            setup.model, way_dir, connector, setup.max_len, extra=APC_FLAG, env=CPU_ENV
+        )
         try:
-            apc = send(server.url, str(model), trace, prompts, args)
-            scraped = _scrape(server.url)
+            figures = send(server.url, str(setup.model), setup.trace, setup.prompts, args)
+            figures["prompt_hit_rate"] = _prompt_hit_rate(_scrape(server.url))
+            # The connector's own counters a request: where its time went.
+            requests = len(setup.prompts)
+            counters = sorted(server.counters().items())
+            figures["connector"] = {k: round(v / requests, 4) for k, v in counters}
         finally:
             server.stop()
-        apc["prompt_hit_rate"] = _prompt_hit_rate(scraped)
-        yield {"way": "apc", **trace_figures, **apc}
-        spills = args.spills.split(",") if args.disk_share else [""]
-        ways = [
-            (share, policy, settings, rule)
-            for share in [float(s) for s in args.pool_shares.split(",")]
-            for policy in args.policies.split(",")
-            for settings in connectors
-            for rule in spills
-        ]
-        # A disk tier of --disk-share of the working set, and room for the files' headers.
-        disk_bytes = int(args.disk_share * working_set) + 4 * HEADER * len(used)
-        for index, (share, policy, settings, rule) in enumerate(ways):
-            pool = max(16 * BLOCK, int(share * working_set))
-            name = f"{policy}@{share:g}" + "".join(f" {k}={v}" for k, v in settings.items())
-            name += f" spill={rule}" if rule else ""
-            _progress(f"{name}: pool {pool >> 20} MiB")
-            way_dir = work / f"way{index}"  # not the name: a socket path must stay short
-            tier = ("--disk-dir", str(way_dir / "disk"), "--disk-size", str(disk_bytes))
-            with start_daemon(
-                way_dir,
-                "--eviction",
-                policy,
-                *((*tier, "--spill", rule) if rule else ()),
-                pool_bytes=pool,
-                block_size=BLOCK,
-                shm_dir=memory_dir(pool),
-            ) as daemon:
-                connector = {**settings, "address": daemon.unix}
-                server = VllmServer(model, way_dir, connector, max_len, extra=apc_flag, env=env)
-                try:
-                    figures = send(server.url, str(model), trace, prompts, args)
-                    scraped = _scrape(server.url)
-                    figures["prompt_hit_rate"] = _prompt_hit_rate(scraped)
-                    # The connector's own counters a request: where its time went.
-                    figures["connector"] = {
-                        k: round(v / len(prompts), 4) for k, v in sorted(server.counters().items())
-                    }
-                finally:
-                    server.stop()
-                stats = daemon.scrape()
-            chunk = 'kind="chunk"'
-            looked = stats.get(f"chunkstore_lookup_tokens_by_kind_total{{{chunk}}}", 0.0)
-            found = stats.get(f"chunkstore_hit_tokens_by_kind_total{{{chunk}}}", 0.0)
-            figures["store_hit_rate"] = round(found / looked, 4) if looked else None
-            if rule:  # what the disk tier wrote and served
-                figures["disk_share"], figures["spill"] = args.disk_share, rule
-                written = stats.get("chunkstore_disk_spill_bytes_total", 0.0)
-                figures["disk_bytes_written_per_request"] = round(written / len(prompts))
-                figures["disk_hit_bytes"] = stats.get("chunkstore_disk_promoted_bytes_total", 0)
-            figures["pool_share"] = share
-            figures["pool_bytes"] = pool
-            figures["throughput_vs_apc"] = round(
-                figures["throughput_rps"] / apc["throughput_rps"], 3
-            )
-            figures["ttft_p50_vs_apc"] = round(apc["ttft_p50_s"] / figures["ttft_p50_s"], 3)
-            figures["ttft_p99_vs_apc"] = round(apc["ttft_p99_s"] / figures["ttft_p99_s"], 3)
-            figures["ttft_p99_warm_vs_apc"] = round(
-                apc["ttft_p99_warm_s"] / figures["ttft_p99_warm_s"], 3
-            )
-            yield {"way": name, **trace_figures, **figures}
+        stats = daemon.scrape()
+    chunk = 'kind="chunk"'
+    looked = stats.get(f"chunkstore_lookup_tokens_by_kind_total{{{chunk}}}", 0.0)
+    found = stats.get(f"chunkstore_hit_tokens_by_kind_total{{{chunk}}}", 0.0)
+    figures["store_hit_rate"] = round(found / looked, 4) if looked else None
+    if way.spill:  # what the disk tier wrote and served
+        figures["disk_share"], figures["spill"] = args.disk_share, way.spill
+        written = stats.get("chunkstore_disk_spill_bytes_total", 0.0)
+        figures["disk_bytes_written_per_request"] = round(written / len(setup.prompts))
+        figures["disk_hit_bytes"] = stats.get("chunkstore_disk_promoted_bytes_total", 0)
+    figures["pool_share"] = way.share
+    figures["pool_bytes"] = pool
+    return figures
+
+
+def _compare(figures: dict[str, Any], apc: dict[str, Any]) -> None:
+    """A way's figures against APC's: above 1 is better."""
+    figures["throughput_vs_apc"] = round(figures["throughput_rps"] / apc["throughput_rps"], 3)
+    for ttft in ("ttft_p50", "ttft_p99", "ttft_p99_warm"):
+        figures[f"{ttft}_vs_apc"] = round(apc[f"{ttft}_s"] / figures[f"{ttft}_s"], 3)
 
 
 def connector_settings(given: list[str] | None) -> list[dict[str, Any]]:
