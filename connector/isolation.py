@@ -6,15 +6,19 @@ The hook wraps ``forward`` of each attention layer's implementation (vLLM's CPU 
 any other is refused, loudly, and attention stays vLLM's). Each step the scheduler names the
 requests whose scheduled tokens include chunk tokens (``IsolatedStep``). Per layer:
 
-- rows of chunk tokens are computed here (``chunkstore.kv.attention.attention_after_context``):
-  each sees its own chunk causally and, in ``isolation: sys``, the sys keys, read from vLLM's
-  paged cache through the block table (seed 004). A stored chunk was computed at virtual
-  start ``v`` (right after sys, or ``virtual_gap`` past it) and is loaded with its keys
-  rotated by ``p - v``; a chunk computed
+- rows of chunk tokens are computed here: each sees its own chunk causally and, in
+  ``isolation: sys``, the sys keys, read from vLLM's paged cache through the block table
+  (seed 004). A stored chunk was computed at virtual start ``v`` (right after sys, or
+  ``virtual_gap`` past it) and is loaded with its keys rotated by ``p - v``; a chunk computed
   at ``p`` must see sys at the same distances, so the sys keys are rotated by ``+(p - v)`` for
   its scores, which is the same as rotating its queries by ``-(p - v)`` (RoPE scores depend
   on the difference). Scores inside the chunk are relative already; the keys vLLM wrote into
-  its cache stay at actual positions, as a load writes them.
+  its cache stay at actual positions, as a load writes them. All chunk rows of a step are one
+  call of vLLM's kernel (``ChunkBatch``): each chunk a sub-request over a cache of the hook's
+  own that holds what it sees, in order (its rotated sys, then its own run), causal, so no
+  mask and no merge; one partial attention per chunk and part, merged by log-sum-exp
+  (``chunkstore.kv.attention.attention_after_context``), is the reference it is tested
+  against, and what the question rows below still use.
 - with question re-weighting, the rows after the isolated chunks (question, decode) are
   computed here too: sys, then the chunks with their temperature and scale, then their own.
 - with ``recompute_tokens``, the step that computes the first causal row after the chunks
@@ -45,6 +49,7 @@ import torch
 
 from chunkstore.kv.attention import KeyBlock, attention_after_context
 from chunkstore.kv.keys import Isolation
+from chunkstore.kv.paging import request_slots
 from chunkstore.kv.remap import rotate_keys
 from chunkstore.kv.rope import RotaryConfig, rotation_table
 
@@ -119,13 +124,33 @@ class Reordered:
         return attended
 
 
+@dataclass(frozen=True)
+class ChunkBatch:
+    """A step's chunk rows as one batch for vLLM's kernel, over a cache of the hook's own
+    (``blocks`` blocks): each chunk one sub-request whose positions hold, in order, the sys
+    keys it sees (rotated by its shift) and its own run; its queries are the run's last, so
+    causal attention there is the isolation mask. Each layer copies ``sources`` (slots in
+    vLLM's cache: per chunk its sys, then its run) to ``slots`` (in the hook's cache),
+    rotating the sys keys of each (start, count, shift) in ``shifts`` on the way."""
+
+    sources: torch.Tensor
+    slots: torch.Tensor
+    shifts: list[tuple[int, int, int]]
+    blocks: int
+    batch: KernelBatch
+
+
 @dataclass
 class StepSplit:
-    rows: list[HookRows]
+    rows: list[HookRows]  # the hook's rows after the chunks (question re-weighting)
     kernel: KernelBatch | None
     blends: list[tuple[Blend, KernelBatch | Reordered]] = field(default_factory=list)
-    rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    rotations: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict
+    )  # (shift, tokens) -> the rotation table
     moves: list[Move] = field(default_factory=list)
+    chunks: ChunkBatch | None = None
+    chunk_cache: torch.Tensor | None = None  # the hook's cache for ``chunks``, for every layer
 
 
 def unsupported(impl: Any, layer: Any) -> str | None:
@@ -302,9 +327,53 @@ class IsolationHook:
                 )
                 for start, end, shift in step.moves
             ]
-        self.isolated_tokens += sum(rows.count for rows in hook_rows if rows.chunks_end == 0)
+        chunk_rows = [rows for rows in hook_rows if rows.chunks_end == 0]
+        self.isolated_tokens += sum(rows.count for rows in chunk_rows)
+        after_rows = [rows for rows in hook_rows if rows.chunks_end != 0]
         kernel = self._kernel_batch(runs, metadata, impl, layer)
-        return StepSplit(hook_rows, kernel, blends, moves=moves)
+        chunks = self._chunk_batch(chunk_rows, impl, layer)
+        return StepSplit(after_rows, kernel, blends, moves=moves, chunks=chunks)
+
+    def _chunk_batch(self, chunk_rows: list[HookRows], impl: Any, layer: Any) -> ChunkBatch | None:
+        """The chunk rows as sub-requests over a cache of the hook's own (``ChunkBatch``)."""
+        if not chunk_rows:
+            return None
+        block_size = self.layout.block_size
+        sources, slots, shifts, tables, seq_lens = [], [], [], [], []
+        at = 0  # where the next chunk's keys start in ``sources``
+        blocks = 0
+        for rows in chunk_rows:
+            seen = rows.sys_end + rows.end - rows.own_start
+            own_blocks = -(-seen // block_size)
+            table = torch.arange(blocks, blocks + own_blocks, dtype=torch.int32)
+            if rows.sys_end:
+                sources.append(self.layout.slots(rows.block_ids, 0, rows.sys_end))
+                if rows.sys_shift:
+                    shifts.append((at, rows.sys_end, rows.sys_shift))
+            sources.append(
+                self.layout.slots(rows.block_ids, rows.own_start, rows.end - rows.own_start)
+            )
+            slots.append(request_slots(table, 0, seen, block_size))
+            tables.append(table)
+            seq_lens.append(seen)
+            at += seen
+            blocks += own_blocks
+        counts = torch.tensor([rows.count for rows in chunk_rows], dtype=torch.int32)
+        query_start_loc = torch.zeros(len(chunk_rows) + 1, dtype=torch.int32)
+        torch.cumsum(counts, 0, out=query_start_loc[1:])
+        lens = torch.tensor(seq_lens, dtype=torch.int32)
+        widest = max(len(t) for t in tables)
+        block_table = torch.zeros(len(tables), widest, dtype=torch.int32)
+        for r, table in enumerate(tables):
+            block_table[r, : len(table)] = table
+        batch = KernelBatch(
+            torch.cat([torch.arange(rows.row, rows.row + rows.count) for rows in chunk_rows]),
+            query_start_loc,
+            lens,
+            block_table,
+            self._scheduler_metadata(query_start_loc, lens, impl, layer),
+        )
+        return ChunkBatch(torch.cat(sources), torch.cat(slots), shifts, blocks, batch)
 
     def _partition(
         self, step: IsolatedStep, first: int, block_ids: torch.Tensor
@@ -418,8 +487,8 @@ class IsolationHook:
         (their keys rotated), then the recomputed tokens (they overwrite the isolated KV,
         attended where it was moved), then the causal rows (they read the blend, the
         chunks where they moved)."""
-        chunk_rows = [rows for rows in split.rows if rows.chunks_end == 0]
-        self._attend_rows(split, chunk_rows, impl, query, kv_cache, output)
+        if split.chunks is not None:
+            self._attend_chunks(split, split.chunks, impl, layer, index, query, kv_cache, output)
         for move in split.moves:
             keys, values = self.layout.read(kv_cache, move.slots)
             self.layout.write_rotated(
@@ -441,8 +510,32 @@ class IsolationHook:
             self.recomputer.layer(blend, index, kv_cache, attend)
         if split.kernel is not None:
             self._kernel(split.kernel, impl, layer, query, kv_cache, output)
-        after_rows = [rows for rows in split.rows if rows.chunks_end != 0]
-        self._attend_rows(split, after_rows, impl, query, kv_cache, output)
+        self._attend_rows(split, split.rows, impl, query, kv_cache, output)
+
+    def _attend_chunks(
+        self,
+        split: StepSplit,
+        chunks: ChunkBatch,
+        impl: Any,
+        layer: Any,
+        index: int,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        output: torch.Tensor,
+    ) -> None:
+        """The chunk rows, all in one call of vLLM's kernel over the hook's cache (written
+        each layer: what each chunk sees, its sys rotated)."""
+        if split.chunk_cache is None:
+            # Zeros: the kernel reads whole blocks, and what lies past a chunk's last
+            # position must not be NaN (a masked score times garbage). Every layer writes
+            # the same slots, so the rest stays zero.
+            _, heads, block_size, width = kv_cache.shape
+            split.chunk_cache = kv_cache.new_zeros((chunks.blocks, heads, block_size, width))
+        keys, values = self.layout.read(kv_cache, chunks.sources)
+        for start, count, shift in chunks.shifts:
+            keys[start : start + count] = self._shifted(split, keys[start : start + count], shift)
+        self.layout.write(self._layer_names[index], split.chunk_cache, keys, values, chunks.slots)
+        self._kernel(chunks.batch, impl, layer, query, split.chunk_cache, output)
 
     def _attend_rows(
         self,
@@ -480,10 +573,11 @@ class IsolationHook:
         distance the chunk stands from its virtual start (``virtual_gap`` past sys)."""
         if shift == 0:
             return sys_keys
-        table = split.rotations.get(shift)
+        count = sys_keys.shape[0]  # requests of a step may have sys parts of other lengths
+        table = split.rotations.get((shift, count))
         if table is None:
-            table = split.rotations[shift] = rotation_table(
-                self.rotary, shift, sys_keys.shape[0], sys_keys.device
+            table = split.rotations[shift, count] = rotation_table(
+                self.rotary, shift, count, sys_keys.device
             )
         return rotate_keys(sys_keys, *table, self.rotary, out=torch.empty_like(sys_keys))
 

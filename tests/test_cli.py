@@ -35,6 +35,22 @@ def test_help_explains_each_command() -> None:
     )
 
 
+def test_bench_hook_json_times_both_paths_and_checks_they_agree(tiny_model_dir) -> None:
+    run = chunkstore(
+        "bench", "hook", "--json", "--model", str(tiny_model_dir), "--chunk-tokens", "20,40",
+        "--chunks", "3", "--rounds", "2",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    rows = [json.loads(line) for line in run.stdout.splitlines()]
+    assert [(r["bench"], r["chunk_tokens"], r["rows"]) for r in rows] == [
+        ("hook", 20, 20 + 13 + 6),
+        ("hook", 40, 40 + 33 + 26),
+    ]
+    for row in rows:
+        assert row["merged_ms"] > 0 and row["kernel_ms"] > 0 and row["speedup"] > 0
+        assert row["max_abs_diff"] < 1e-5
+
+
 def test_bench_remap_json_prints_one_object_per_dtype() -> None:
     run = chunkstore(
         "bench",
