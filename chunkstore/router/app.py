@@ -75,6 +75,8 @@ class Router:
         self.metrics = settings.metrics
         self.instances = Instances(settings.instances)
         self.decoders = Instances(settings.decode) if settings.decode else None
+        for instance in [*settings.instances, *settings.decode]:
+            self.metrics.rerouted.labels(instance.url)  # a zero, not an absence, until one
         self.stores = Stores(settings.daemon_token)
         self.http = httpx.AsyncClient(
             timeout=httpx.Timeout(settings.timeout, connect=settings.connect_timeout),
