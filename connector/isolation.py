@@ -49,7 +49,6 @@ import torch
 
 from chunkstore.kv.attention import KeyBlock, attention_after_context
 from chunkstore.kv.keys import Isolation
-from chunkstore.kv.paging import request_slots
 from chunkstore.kv.remap import rotate_keys
 from chunkstore.kv.rope import RotaryConfig, rotation_table
 
@@ -353,7 +352,7 @@ class IsolationHook:
             sources.append(
                 self.layout.slots(rows.block_ids, rows.own_start, rows.end - rows.own_start)
             )
-            slots.append(request_slots(table, 0, seen, block_size))
+            slots.append(self.layout.slots(table, 0, seen))
             tables.append(table)
             seq_lens.append(seen)
             at += seen
@@ -488,7 +487,7 @@ class IsolationHook:
         attended where it was moved), then the causal rows (they read the blend, the
         chunks where they moved)."""
         if split.chunks is not None:
-            self._attend_chunks(split, split.chunks, impl, layer, index, query, kv_cache, output)
+            self._attend_chunks(split, impl, layer, index, query, kv_cache, output)
         for move in split.moves:
             keys, values = self.layout.read(kv_cache, move.slots)
             self.layout.write_rotated(
@@ -515,7 +514,6 @@ class IsolationHook:
     def _attend_chunks(
         self,
         split: StepSplit,
-        chunks: ChunkBatch,
         impl: Any,
         layer: Any,
         index: int,
@@ -525,6 +523,8 @@ class IsolationHook:
     ) -> None:
         """The chunk rows, all in one call of vLLM's kernel over the hook's cache (written
         each layer: what each chunk sees, its sys rotated)."""
+        chunks = split.chunks
+        assert chunks is not None
         if split.chunk_cache is None:
             # Zeros: the kernel reads whole blocks, and what lies past a chunk's last
             # position must not be NaN (a masked score times garbage). Every layer writes

@@ -137,9 +137,7 @@ class HookStep:
         every layer of a step after the first reuses it."""
         assert self.chunks is not None
         out = torch.empty_like(self.query)
-        self.hook._attend_chunks(
-            self.split, self.chunks, self.impl, self.layer, 0, self.query, self.cache, out
-        )
+        self.hook._attend_chunks(self.split, self.impl, self.layer, 0, self.query, self.cache, out)
         return out
 
     def max_abs_diff(self) -> float:

@@ -23,7 +23,7 @@ def outputs(step: HookStep, rows: list[HookRows], query: torch.Tensor) -> torch.
     assert chunks is not None
     kernel = torch.zeros_like(query)
     split = StepSplit([], None, chunks=chunks)
-    step.hook._attend_chunks(split, chunks, step.impl, step.layer, 0, query, step.cache, kernel)
+    step.hook._attend_chunks(split, step.impl, step.layer, 0, query, step.cache, kernel)
     return torch.stack([reference, kernel])
 
 
@@ -71,9 +71,7 @@ def test_the_hooks_cache_is_made_once_a_step_and_reused_by_every_layer() -> None
     outs = []
     for _ in range(2):  # two layers of one step (the same cache stands in for both)
         out = torch.zeros_like(step.query)
-        step.hook._attend_chunks(
-            split, chunks, step.impl, step.layer, 0, step.query, step.cache, out
-        )
+        step.hook._attend_chunks(split, step.impl, step.layer, 0, step.query, step.cache, out)
         outs.append(out)
     made = split.chunk_cache
     assert made is not None and split.chunk_cache is made
