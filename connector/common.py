@@ -59,7 +59,12 @@ class IsolatedStep:
 
     ``moves`` ((start, end, shift) of each chunk, ``relevant_last``): chunks whose keys the
     hook rotates by ``shift`` positions in the cache in that same step, once their isolated
-    KV is there and before the causal rows read it."""
+    KV is there and before the causal rows read it.
+
+    ``in_place`` ((start, end) of each chunk, ``recompute_in_one_pass``): chunks of
+    ``recompute`` whose rows this step computes, computed once, where they are attended
+    (seeing what ``recompute``'s tokens see), not under the isolation mask; ``recompute``
+    then leaves their tokens out."""
 
     start: int
     end: int
@@ -67,6 +72,7 @@ class IsolatedStep:
     chunks: tuple[tuple[int, int], ...]
     recompute: tuple[tuple[int, int], ...] = ()
     moves: tuple[tuple[int, int, int], ...] = ()
+    in_place: tuple[tuple[int, int], ...] = ()
 
     @property
     def count(self) -> int:

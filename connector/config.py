@@ -70,6 +70,10 @@ class ConnectorConfig:
     relevant_span_tokens: int = DEFAULT_RELEVANT_SPAN_TOKENS
     # ... and then the first N tokens of every other chunk too (0: not).
     relevant_first_tokens: int = DEFAULT_RELEVANT_FIRST_TOKENS
+    # A chunk recomputed whole that the request computes anyway (not loaded) is computed
+    # once, where it is attended, and not stored by this request (a request that uses it
+    # isolated stores it); false: computed isolated too, stored, then recomputed.
+    recompute_in_one_pass: bool = True
     # Plain prompts (no separator) share their exact prefix KV through the store in blocks
     # of this many tokens (rounded up to a multiple of vLLM's block size; 0: off).
     prefix_block_tokens: int = DEFAULT_PREFIX_BLOCK_TOKENS

@@ -31,6 +31,10 @@ requests whose scheduled tokens include chunk tokens (``IsolatedStep``). Per lay
   their attended positions, each seeing the keys attended before it (``Reordered``: the
   cache holds the chunks in prompt order, so their KV is copied in attended order into a
   cache of the hook's own, where vLLM's kernel is causal in that order).
+- a chunk recomputed whole whose rows the step computes anyway (``in_place``) is computed
+  once: its rows are not chunk rows but join the recomputed tokens' attention, their
+  queries rotated to where the chunk is attended (``InPlace``), and vLLM takes them through
+  the rest of each layer; its KV in the cache is then the recomputed one, never isolated.
 - every other row (plain requests, sys and question tokens, decode) goes to vLLM's own kernel,
   on a batch without the chunk rows, so no row pays for attention twice; a step with no chunk
   rows calls vLLM's forward untouched.
@@ -124,6 +128,27 @@ class Reordered:
 
 
 @dataclass(frozen=True)
+class InPlace:
+    """A request's chunk rows computed once, where they are attended (``in_place``):
+    ``rows`` of the step's batch, whose queries (rotated by vLLM where they stand) are rotated
+    by each (offset in ``rows``, count, shift) in ``shifts`` to their attended positions and
+    attend with the recomputed tokens, after them in the query order."""
+
+    rows: torch.Tensor
+    shifts: list[tuple[int, int, int]]
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """One request's recomputed tokens (``blend``, None when all are ``in_place`` rows)
+    and in-place rows (None when none) in one step, and how their queries attend."""
+
+    blend: Blend | None
+    in_place: InPlace | None
+    how: KernelBatch | Reordered
+
+
+@dataclass(frozen=True)
 class ChunkBatch:
     """A step's chunk rows as one batch for vLLM's kernel, over a cache of the hook's own
     (``blocks`` blocks): each chunk one sub-request whose positions hold, in order, the sys
@@ -143,7 +168,7 @@ class ChunkBatch:
 class StepSplit:
     rows: list[HookRows]  # the hook's rows after the chunks (question re-weighting)
     kernel: KernelBatch | None
-    blends: list[tuple[Blend, KernelBatch | Reordered]] = field(default_factory=list)
+    recomputes: list[Recompute] = field(default_factory=list)
     rotations: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict
     )  # (shift, tokens) -> the rotation table
@@ -260,8 +285,10 @@ class IsolationHook:
         for _, split in self._splits.values():
             if split is None:
                 continue
-            for blend, _ in split.blends:
-                assert self.recomputer is not None
+            for recompute in split.recomputes:
+                blend = recompute.blend
+                if blend is None or self.recomputer is None:
+                    continue
                 copy = self.recomputer.isolated_copy(blend)
                 if copy is not None:
                     copies[blend.req_id] = copy
@@ -293,7 +320,7 @@ class IsolationHook:
             return None
         starts, seq_lens = metadata.query_start_loc.tolist(), metadata.seq_lens.tolist()
         hook_rows: list[HookRows] = []
-        blends: list[tuple[Blend, KernelBatch | Reordered]] = []
+        recomputes: list[Recompute] = []
         moves: list[Move] = []
         runs: list[tuple[int, int, int, int]] = []  # (request, first row, rows, seq_len)
         for r, seq_len in enumerate(seq_lens):
@@ -306,16 +333,15 @@ class IsolationHook:
             step = plan.isolation
             assert step is not None
             table = metadata.block_table[r].long()
-            rows, kernel_runs = self._partition(step, first, table)
+            rows, kernel_runs, in_place = self._partition(step, first, table)
             hook_rows += rows
             runs += [(r, *run) for run in kernel_runs]
-            if step.recompute and self.recomputer is not None:
-                attended = Reordered.attended(step) if step.moves else None
-                blend = self.recomputer.start(
-                    plan.req_id, metadata.block_table[r], step.recompute, attended
+            if (step.recompute or in_place) and self.recomputer is not None:
+                recomputes.append(
+                    self._recompute(
+                        plan.req_id, step, in_place, metadata.block_table[r], impl, layer
+                    )
                 )
-                how = self._recompute_batch(blend, attended, table, impl, layer)
-                blends.append((blend, how))
             moves += [
                 Move(
                     plan.req_id,
@@ -331,7 +357,7 @@ class IsolationHook:
         after_rows = [rows for rows in hook_rows if rows.chunks_end != 0]
         kernel = self._kernel_batch(runs, metadata, impl, layer)
         chunks = self._chunk_batch(chunk_rows, impl, layer)
-        return StepSplit(after_rows, kernel, blends, moves=moves, chunks=chunks)
+        return StepSplit(after_rows, kernel, recomputes, moves=moves, chunks=chunks)
 
     def _chunk_batch(self, chunk_rows: list[HookRows], impl: Any, layer: Any) -> ChunkBatch | None:
         """The chunk rows as sub-requests over a cache of the hook's own (``ChunkBatch``)."""
@@ -376,23 +402,28 @@ class IsolationHook:
 
     def _partition(
         self, step: IsolatedStep, first: int, block_ids: torch.Tensor
-    ) -> tuple[list[HookRows], list[tuple[int, int, int]]]:
+    ) -> tuple[list[HookRows], list[tuple[int, int, int]], list[tuple[int, int, int]]]:
         """A planned request's rows (``first`` is the row of position ``step.start``): the
-        hook's (chunk tokens; with question re-weighting, the tokens after the chunks) and
-        the kernel's runs (first row, rows, seq_len): sys tokens, the tokens after."""
+        hook's (chunk tokens; with question re-weighting, the tokens after the chunks), the
+        kernel's runs (first row, rows, seq_len): sys tokens, the tokens after, and the
+        chunks computed in place (first row, rows, position), where the hook recomputes."""
 
         def row(position: int) -> int:
             return first + position - step.start
 
         hook: list[HookRows] = []
         kernel: list[tuple[int, int, int]] = []
+        in_place: list[tuple[int, int, int]] = []
+        once = set(step.in_place) if self.recomputer is not None else set()
         sys_rows_end = min(step.end, step.sys_end)
         if sys_rows_end > step.start:
             kernel.append((row(step.start), sys_rows_end - step.start, sys_rows_end))
         sys_end = step.sys_end if self.isolate_from_sys else 0
         for chunk_start, chunk_end in step.chunks:
             lo, hi = max(chunk_start, step.start), min(chunk_end, step.end)
-            if hi > lo:
+            if (chunk_start, chunk_end) in once and (lo, hi) == (chunk_start, chunk_end):
+                in_place.append((row(chunk_start), chunk_end - chunk_start, chunk_start))
+            elif hi > lo:
                 shift = chunk_start - (step.sys_end + self.virtual_gap)
                 hook.append(HookRows(row(lo), hi - lo, block_ids, chunk_start, hi, sys_end, shift))
         after = step.chunks[-1][1]  # the causal tokens after the isolated chunks
@@ -406,7 +437,7 @@ class IsolationHook:
                 )
             else:
                 kernel.append((row(lo), step.end - lo, step.end))
-        return hook, kernel
+        return hook, kernel, in_place
 
     def _locate(self, metadata: Any) -> dict[int, RequestPlan]:
         """Each planned request's row in the batch: the one whose last token this step goes
@@ -483,9 +514,9 @@ class IsolationHook:
         output: torch.Tensor,
     ) -> None:
         """The chunk rows first (they read their chunks' isolated KV), then the moved chunks
-        (their keys rotated), then the recomputed tokens (they overwrite the isolated KV,
-        attended where it was moved), then the causal rows (they read the blend, the
-        chunks where they moved)."""
+        (their keys rotated), then the recomputed tokens and the rows computed in place
+        (they overwrite the isolated KV, attended where it was moved), then the causal rows
+        (they read the blend, the chunks where they moved)."""
         if split.chunks is not None:
             self._attend_chunks(split, impl, layer, index, query, kv_cache, output)
         for move in split.moves:
@@ -499,14 +530,23 @@ class IsolationHook:
                 move.rotation,
                 self.rotary,
             )
-        for blend, how in split.blends:
+        for recompute in split.recomputes:
             assert self.recomputer is not None
-            attend: Callable[[torch.Tensor], torch.Tensor]
-            if isinstance(how, Reordered):
-                attend = functools.partial(self._reordered, how, impl, layer, index, kv_cache)
+            attend = functools.partial(
+                self._attend_recomputed,
+                split,
+                recompute,
+                impl,
+                layer,
+                index,
+                query,
+                kv_cache,
+                output,
+            )
+            if recompute.blend is None:
+                attend(query[:0])
             else:
-                attend = functools.partial(self._paged, how, impl, layer, kv_cache=kv_cache)
-            self.recomputer.layer(blend, index, kv_cache, attend)
+                self.recomputer.layer(recompute.blend, index, kv_cache, attend)
         if split.kernel is not None:
             self._kernel(split.kernel, impl, layer, query, kv_cache, output)
         self._attend_rows(split, split.rows, impl, query, kv_cache, output)
@@ -536,6 +576,38 @@ class IsolationHook:
             keys[start : start + count] = self._shifted(split, keys[start : start + count], shift)
         self.layout.write(self._layer_names[index], split.chunk_cache, keys, values, chunks.slots)
         self._kernel(chunks.batch, impl, layer, query, split.chunk_cache, output)
+
+    def _attend_recomputed(
+        self,
+        split: StepSplit,
+        recompute: Recompute,
+        impl: Any,
+        layer: Any,
+        index: int,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        output: torch.Tensor,
+        q: torch.Tensor,
+    ) -> torch.Tensor:
+        """The recomputed tokens' queries ``q`` and the in-place rows' in one causal call:
+        the in-place rows' outputs go to ``output``, the recomputed tokens' are returned."""
+        own = recompute.in_place
+        if own is not None:
+            rows = query.index_select(0, own.rows)
+            for at, count, shift in own.shifts:
+                rows[at : at + count] = self._shifted(split, rows[at : at + count], shift)
+            q = torch.cat([q, rows.to(q.dtype)])
+        how = recompute.how
+        if isinstance(how, Reordered):
+            out = self._reordered(how, impl, layer, index, kv_cache, q)
+        else:
+            out = torch.empty_like(q)
+            out[how.rows] = self._paged(how, impl, layer, q[how.rows], kv_cache)
+        if own is None:
+            return out
+        blended = out.shape[0] - own.rows.shape[0]
+        output.index_copy_(0, own.rows, out[blended:].to(output.dtype))
+        return out[:blended]
 
     def _attend_rows(
         self,
@@ -570,7 +642,8 @@ class IsolationHook:
 
     def _shifted(self, split: StepSplit, sys_keys: torch.Tensor, shift: int) -> torch.Tensor:
         """The sys keys as a chunk's queries must see them: rotated by ``p - v``, the
-        distance the chunk stands from its virtual start (``virtual_gap`` past sys)."""
+        distance the chunk stands from its virtual start (``virtual_gap`` past sys); or
+        in-place rows' queries, rotated to where their chunk is attended."""
         if shift == 0:
             return sys_keys
         count = sys_keys.shape[0]  # requests of a step may have sys parts of other lengths
@@ -647,25 +720,47 @@ class IsolationHook:
         out[order.batch.rows] = self._paged(order.batch, impl, layer, q[order.batch.rows], own)
         return out
 
-    def _recompute_batch(
+    def _recompute(
         self,
-        blend: Blend,
-        attended: torch.Tensor | None,
-        table: torch.Tensor,
+        req_id: str,
+        step: IsolatedStep,
+        in_place: list[tuple[int, int, int]],
+        block_table: torch.Tensor,
         impl: Any,
         layer: Any,
-    ) -> KernelBatch | Reordered:
-        """How the blend's tokens attend: in the request's cache where every position is
-        attended where it stands (``attended`` None), else in attended order in a cache of
-        the hook's own (``attended``: each position's attended position)."""
+    ) -> Recompute:
+        """A request's recomputed tokens and in-place rows, and how they attend: in the
+        request's cache where every position is attended where it stands (no moves), else
+        in attended order in a cache of the hook's own."""
+        assert self.recomputer is not None
+        attended = Reordered.attended(step) if step.moves else None
+        blend = None
+        if step.recompute:
+            blend = self.recomputer.start(req_id, block_table, step.recompute, attended)
+        # Each query's attended position: the recomputed tokens', then the in-place rows'.
+        positions = [blend.attended] if blend is not None else []
+        own = None
+        if in_place:
+            shifts, at = [], 0
+            for _, count, start in in_place:
+                here = torch.arange(start, start + count)
+                there = here if attended is None else attended[here]
+                positions.append(there)
+                if int(there[0]) != start:
+                    shifts.append((at, count, int(there[0]) - start))
+                at += count
+            rows = torch.cat([torch.arange(row, row + count) for row, count, _ in in_place])
+            own = InPlace(rows, shifts)
+        where = torch.cat(positions)
+        rows = torch.argsort(where)
         if attended is None:
-            rows = torch.arange(len(blend.positions))
-            return self._runs(blend.positions, rows, blend.block_table, impl, layer)
-        end = len(attended)
-        slots = self.layout.slots(table, 0, end)[torch.argsort(attended)]
-        blocks = torch.arange(-(-end // self.layout.block_size), dtype=torch.int32)
-        rows = torch.argsort(blend.attended)
-        return Reordered(slots, self._runs(blend.attended[rows], rows, blocks, impl, layer))
+            how: KernelBatch | Reordered = self._runs(where[rows], rows, block_table, impl, layer)
+        else:
+            end = len(attended)
+            slots = self.layout.slots(block_table.long(), 0, end)[torch.argsort(attended)]
+            blocks = torch.arange(-(-end // self.layout.block_size), dtype=torch.int32)
+            how = Reordered(slots, self._runs(where[rows], rows, blocks, impl, layer))
+        return Recompute(blend, own, how)
 
     def _runs(
         self,

@@ -36,6 +36,8 @@ FIELDS = {
     "daemon's Acquire.",
     "recomputed_chunks": "Chunks chosen to be recomputed whole for answer quality "
     "(recompute_chunks, or the request's kv_transfer_params).",
+    "one_pass_chunks": "Chunks recomputed whole that a request computed once, where they are "
+    "attended, not isolated first (recompute_in_one_pass; not stored by that request).",
     "moved_chunks": "Chunks attended as if they stood just before the question, the most "
     "relevant last (relevant_last; those already there are not counted).",
     "bad_transfer_params": "Requests whose kv_transfer_params named chunks wrongly (ignored: "

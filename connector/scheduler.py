@@ -69,6 +69,8 @@ class Tracked:
     recomputed: dict[int, range] = field(default_factory=dict)  # segment -> its offsets
     shifts: tuple[tuple[int, int, int], ...] = ()  # chunks attended elsewhere: start, end, by
     first_tokens: int = 0  # the first N tokens of every other chunk recomputed too
+    # Recomputed chunks computed once, in place, in the question's step: never stored by it.
+    in_place: tuple[tuple[int, int], ...] = ()
     # vLLM's request (plain prompts: its generated blocks are stored)
     request: Request | None = None
     salt: str = ""  # vLLM's cache_salt (plain prompts: part of every prefix key)
@@ -101,15 +103,28 @@ class Tracked:
 
     def blended_tokens(self, per_chunk: int) -> tuple[tuple[int, int], ...]:
         """(position, token id) of the tokens the workers recompute: the ``recomputed``
-        offsets of their chunks and the first ``per_chunk`` of every chunk."""
+        offsets of their chunks and the first ``per_chunk`` of every chunk, but those of
+        the chunks computed in place."""
         offsets = {self.segments[i].start: r for i, r in self.recomputed.items()}
+        in_place = {start for start, _ in self.in_place}
         empty = range(0)
         return tuple(
             (seg.start + i, token)
             for seg in self._isolated_segments()
+            if seg.start not in in_place
             for i, token in enumerate(seg.token_ids)
             if i < per_chunk or i in offsets.get(seg.start, empty)
         )
+
+    def plan_in_place(self, start: int, end: int) -> int:
+        """In the step [start, end) that computes the question: the chunks recomputed
+        whole whose every row this step computes (``IsolatedStep.in_place``); how many."""
+        if not start <= self.causal_start < end:
+            return 0
+        chosen = [(self.segments[i], r) for i, r in self.recomputed.items()]
+        whole = [seg for seg, r in chosen if len(r) == len(seg) and seg.start >= start]
+        self.in_place = tuple(sorted((seg.start, seg.end) for seg in whole))
+        return len(self.in_place)
 
     @property
     def first_changed(self) -> int | None:
@@ -477,6 +492,8 @@ class SchedulerSide:
         if not tracked.chunked and self.config.save_generated:
             self._grow(tracked, end)
         loads = self._loads.pop(req_id, [])
+        if self.config.recompute_in_one_pass and self.config.inband_isolation:
+            self.stats.add("one_pass_chunks", tracked.plan_in_place(computed, end))
         saves = self._saves(tracked, end) if self.config.save else []
         isolation = self._isolated_step(tracked, computed, end)
         if loads or saves or isolation:
@@ -513,7 +530,8 @@ class SchedulerSide:
             return None
         per_chunk = max(self.config.recompute_tokens, tracked.first_tokens)
         recompute = tracked.blended_tokens(per_chunk) if blends else ()
-        return IsolatedStep(start, end, tracked.sys_end, chunks, recompute, moves)
+        in_place = tracked.in_place if blends else ()
+        return IsolatedStep(start, end, tracked.sys_end, chunks, recompute, moves, in_place)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """These requests' loads ended on the workers: their leases can go."""
@@ -531,9 +549,10 @@ class SchedulerSide:
         if tracked.present is None:
             return []  # not looked up (the daemon was unreachable): nothing to store it in
         saves = []
+        in_place = {start for start, _ in tracked.in_place}  # their KV is not isolated
         for index, (plan, found) in enumerate(zip(tracked.cacheable, tracked.present, strict=True)):
             seg = plan.segment
-            if found or index in tracked.saving or seg.end > computed_end:
+            if found or index in tracked.saving or seg.end > computed_end or seg.start in in_place:
                 continue
             causal_is_isolated = seg.kind in (SegmentKind.SYS, SegmentKind.PREFIX) or (
                 seg.kind is SegmentKind.CHUNK

@@ -20,7 +20,7 @@ from chunkstore.kv.keys import Isolation
 from chunkstore.processes.daemon import RunningDaemon
 from chunkstore.processes.redis import RedisServer
 from chunkstore.processes.vllm_probe import run_probe
-from chunkstore.reference import HFReference, default_reference
+from chunkstore.reference import HFReference, default_reference, default_treatment
 from chunkstore.testing.scenario import (
     DOCS,
     OTHER_SYS,
@@ -77,8 +77,12 @@ def test_isolation_sys_reuses_chunks_in_any_order_exactly(
         assert served["cached_tokens"] == question.start
         expected = default_reference(ref, prompt.segments, Isolation.SYS).logits[-1]
         assert_logprobs_match(served, expected)
-    # Another sys prompt: no chunk hits (computed, then its sys and every chunk saved).
+    # Another sys prompt: no chunk hits (computed, then its sys and every chunk it computed
+    # isolated saved; the one its question names, recomputed whole, it computed once, where
+    # it is attended, and did not save).
     assert served_other["cached_tokens"] == 0
+    once, _, _ = default_treatment(other_sys.segments, Isolation.SYS)
+    assert once  # the case exercises the one pass
     # The daemon's hit counters moved by exactly the tokens the connector loaded: sys on the
     # 2nd and 3rd ingest, everything but the question on the two RAG prompts.
     sys_tokens = len(first.segments[0])
@@ -86,7 +90,7 @@ def test_isolation_sys_reuses_chunks_in_any_order_exactly(
     with ChunkStoreClient(daemon.unix) as client:
         stats = client.stats()
     assert stats.hit_tokens == loaded
-    assert stats.entries == 2 * (1 + len(DOCS))  # sys and each doc, under either sys prompt
+    assert stats.entries == 2 * (1 + len(DOCS)) - len(once)  # sys and docs, either sys
     # Every byte the workers copied out of the pool is counted, though each request ended in
     # the step of its load (one token: vLLM frees it before it hands over the step's output).
     config = json.loads((model / "config.json").read_text())

@@ -20,6 +20,7 @@ from chunkstore.reference import (
     HFReference,
     blended_where_attended,
     default_reference,
+    default_treatment,
     relative_error,
 )
 from chunkstore.testing.scenario import (
@@ -66,25 +67,28 @@ def cold_half_warm(
     transfer: dict | None = None,
     question: str = QUESTIONS[0],
 ) -> tuple[ChunkedPrompt, list[dict]]:
-    """One vLLM process: the prompt cold (an empty store), warm, then with the store emptied
-    and only sys and the first two chunks stored (ingested), half warm; ``transfer``: the
-    prompt's kv_transfer_params."""
+    """One vLLM process: the prompt cold (an empty store); with the store emptied and only
+    sys and the first two chunks stored (ingested), half warm; then every chunk stored (the
+    documents without a question: a request does not store the chunks it computes once,
+    recomputed, ``recompute_in_one_pass``) and the prompt warm; ``transfer``: the prompt's
+    kv_transfer_params."""
     s = Scenario(model)
     docs = DOCS + MORE_DOCS[:1]
     prompt = s.prompt(SYS, docs, question)
     half = s.prompt(SYS, docs[:2], None)  # sys ## d1 ## d2 ##
+    whole = s.prompt(SYS, docs, None)  # sys ## d1 ## ... ## d5 ##
     ids: list[int] | dict = list(prompt.token_ids)
     if transfer is not None:
         ids = {"prompt_token_ids": ids, "kv_transfer_params": transfer}
     settings = settings or {}
     results = run_probe(
         model,
-        [ids, ids, list(half.token_ids), ids],
+        [ids, list(half.token_ids), ids, list(whole.token_ids), ids],
         workdir,
         {"address": daemon.unix, "isolation": str(isolation), **settings},
-        extra=("--max-tokens", "32", "--clear-before", "2", *extra),
+        extra=("--max-tokens", "32", "--clear-before", "1", *extra),
     )
-    cold, warm, _, half_warm = results
+    cold, _, half_warm, _, warm = results
     # Loaded when warm: all but the question (recomputed chunks too: loaded, then recomputed).
     assert cold["cached_tokens"] == 0
     assert warm["cached_tokens"] == prompt.segments[-1].start
@@ -114,7 +118,8 @@ def test_cold_half_warm_and_warm_answer_the_same(
     for served in (cold, warm, half):
         assert_logprobs_match(served, logits)
     with ChunkStoreClient(daemon.unix) as client:
-        # The cold request stored sys and every chunk; the half-warm one the two computed.
+        # Sys and every chunk: the half-warm request stored those it computed isolated, the
+        # documents without a question the rest.
         assert client.stats().entries == len(prompt.segments) - 1
 
 
@@ -302,7 +307,10 @@ def test_quality_recovery_acts_the_same_on_loaded_and_computed_chunks(
         isolated = ref.assembled_cache(segments, Isolation.SYS).logits[-1]
         with pytest.raises(AssertionError):  # recomputing changed the answer's logprobs
             assert_logprobs_match(cold, isolated)
-        with ChunkStoreClient(daemon.unix) as client:  # stored as computed in isolation
+        # Stored as computed in isolation: the half-warm request computed it once, where it
+        # is attended, and did not store it; the documents without a question did (a blended
+        # copy stored first would have stayed: a put of a stored key changes nothing).
+        with ChunkStoreClient(daemon.unix) as client:
             stored = client.get(chunk_key(tiny_model_dir, prompt, chosen[-1], 0))
         assert stored is not None
         assert_stored_as_isolated(ref, stored, segments, chosen[-1], 0)
@@ -360,16 +368,20 @@ def test_plain_prompts_batched_with_chunked_ones_answer_as_without_the_connector
     assert_logprobs_match(with_hook[1], logits)
 
 
-def test_a_cold_request_stores_every_chunk_and_they_hit_in_any_order(
+def test_a_cold_request_stores_every_chunk_it_isolates_and_they_hit_in_any_order(
     tiny_model_dir, daemon, tmp_path
 ) -> None:
-    """Eight new documents in one cold request: sys and all eight are stored (no ingest
-    needed); the same documents reordered under another question all hit."""
+    """Eight new documents in one cold request: sys and the seven it computes isolated are
+    stored (no ingest needed); the one its question names, recomputed where it is attended,
+    is computed once and not stored. The same documents reordered under another question
+    hit every stored one (the unstored one now last), and store that one."""
     s = Scenario(tiny_model_dir)
     docs = DOCS + MORE_DOCS
     assert len(docs) == 8
     cold = s.prompt(SYS, docs, QUESTIONS[0])
     reordered = s.prompt(SYS, docs[::-1], QUESTIONS[1])
+    once, _, _ = default_treatment(cold.segments, Isolation.SYS)
+    assert list(once) == [1]  # the Eiffel Tower's, last in the reordered prompt
     first, second = run_probe(
         tiny_model_dir,
         [list(cold.token_ids), list(reordered.token_ids)],
@@ -377,11 +389,12 @@ def test_a_cold_request_stores_every_chunk_and_they_hit_in_any_order(
         {"address": daemon.unix},
     )
     assert first["cached_tokens"] == 0
-    assert second["cached_tokens"] == reordered.segments[-1].start
+    stored_run = reordered.segments[-2].start
+    assert second["cached_tokens"] == stored_run
     with ChunkStoreClient(daemon.unix) as client:
         stats = client.stats()
     assert stats.entries == 1 + len(docs)
-    assert stats.hit_tokens == reordered.segments[-1].start  # the second request, whole
+    assert stats.hit_tokens == stored_run  # the second request, but the last document
     assert stats.lookup_tokens == 2 * reordered.segments[-1].start
     assert_logprobs_match(second, reference_logits(tiny_model_dir, reordered, Isolation.SYS))
 
