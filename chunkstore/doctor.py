@@ -8,7 +8,9 @@ Four stages, each reported as it ends (progress on stderr):
    chunks by (``chunkstore.kv.fingerprint``), the tokenizer and its separator, the vLLM
    installed against the tested matrix (docs/versions.md), the back end. A refusal ends here.
 2. ``exactness`` (one vLLM): a daemon and a real vLLM with the connector's defaults. A chunked
-   prompt is computed cold (its chunks stored), asked again warm (loaded): the same greedy
+   prompt is computed cold (its chunks stored, but those its question names, computed once
+   where they are attended), its documents sent alone (stored), the prompt asked again warm
+   (every chunk loaded): the same greedy
    tokens, first-token logprobs within ``WARM_TOLERANCE``; the documents asked again in
    another order under another question (loaded, re-rotated). The cold and reordered answers
    against the HF reference of the same semantics (``chunkstore.reference.default_reference``,
@@ -175,11 +177,13 @@ def exactness(model: Path, tokenizer: Any, work: Path, timeout: float) -> dict[s
     sep = separator_ids(tokenizer, AUTO)
     first = build_chunked_prompt(encode, SYS, DOCS, QUESTIONS[0], sep)
     reordered = build_chunked_prompt(encode, SYS, DOCS[::-1], QUESTIONS[1], sep)
+    documents = build_chunked_prompt(encode, SYS, DOCS, None, sep)  # stores the rest
     entries = [
-        {"prompt_token_ids": list(p.token_ids), "max_tokens": 8} for p in (first, first, reordered)
+        {"prompt_token_ids": list(p.token_ids), "max_tokens": 8}
+        for p in (first, documents, first, reordered)
     ]
     with start_daemon(work / "daemon", pool_bytes=512 << 20, block_size=1 << 20) as daemon:
-        cold, warm, moved = run_probe(
+        cold, alone, warm, moved = run_probe(
             model, entries, work / "vllm", {"address": daemon.unix}, timeout=timeout, stats=True
         )
     isolation = ConnectorConfig().isolation_mode
@@ -207,7 +211,9 @@ def exactness(model: Path, tokenizer: Any, work: Path, timeout: float) -> dict[s
         "worst_logprob_diff": {k: float(f"{v:.3g}") for k, v in worst.items()},
         "tolerance": {"warm": WARM_TOLERANCE, "reference": REFERENCE_TOLERANCE},
         "loaded_tokens": loaded,
-        "stored_segments": cold.get("connector", {}).get("saved_segments", 0),
+        "stored_segments": sum(
+            r.get("connector", {}).get("saved_segments", 0) for r in (cold, alone)
+        ),
         "load_failures": failures,
         "prompt_tokens": len(first.token_ids),
     }
