@@ -64,7 +64,14 @@ class IsolatedStep:
     ``in_place`` ((start, end) of each chunk, ``recompute_in_one_pass``): chunks of
     ``recompute`` whose rows this step computes, computed once, where they are attended
     (seeing what ``recompute``'s tokens see), not under the isolation mask; ``recompute``
-    then leaves their tokens out."""
+    then leaves their tokens out.
+
+    ``gaps`` ((position, token id) of each token, ``fill_gaps``): whole chunks inside the
+    loaded run that missed, which vLLM counts as loaded: the hook computes them this step
+    (the request's first), isolated, through vLLM's modules, before anything reads them.
+    ``gap_picks`` ((start, end) of each, ``recompute_in_one_pass``): gaps left out of
+    ``gaps`` because ``recompute`` computes them whole this step; the hook reports them as
+    failed loads if that recompute did not run."""
 
     start: int
     end: int
@@ -73,6 +80,8 @@ class IsolatedStep:
     recompute: tuple[tuple[int, int], ...] = ()
     moves: tuple[tuple[int, int, int], ...] = ()
     in_place: tuple[tuple[int, int], ...] = ()
+    gaps: tuple[tuple[int, int], ...] = ()
+    gap_picks: tuple[tuple[int, int], ...] = ()
 
     @property
     def count(self) -> int:

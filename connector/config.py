@@ -74,6 +74,10 @@ class ConnectorConfig:
     # once, where it is attended, and not stored by this request (a request that uses it
     # isolated stores it); false: computed isolated too, stored, then recomputed.
     recompute_in_one_pass: bool = True
+    # A chunk that missed between stored ones is computed by the workers' hook, isolated,
+    # so the stored chunks after it load (vLLM computes a prompt from its first miss on);
+    # Llama and Qwen2, no tensor parallelism, in-band isolation (else the loaded run stops).
+    fill_gaps: bool = True
     # Plain prompts (no separator) share their exact prefix KV through the store in blocks
     # of this many tokens (rounded up to a multiple of vLLM's block size; 0: off).
     prefix_block_tokens: int = DEFAULT_PREFIX_BLOCK_TOKENS

@@ -35,6 +35,12 @@ requests whose scheduled tokens include chunk tokens (``IsolatedStep``). Per lay
   once: its rows are not chunk rows but join the recomputed tokens' attention, their
   queries rotated to where the chunk is attended (``InPlace``), and vLLM takes them through
   the rest of each layer; its KV in the cache is then the recomputed one, never isolated.
+- chunks that missed inside a request's loaded run (``gaps``: vLLM counts them as loaded)
+  are computed here in the request's first step, before anything reads them: their tokens
+  through vLLM's modules (the recomputer), attending as chunk rows do (``Gaps``); a gap
+  recomputed whole in that step (``gap_picks``) only by its recompute, once. A request
+  whose gaps were not computed has their blocks reported as failed loads (vLLM computes
+  them) and none of its chunks stored.
 - every other row (plain requests, sys and question tokens, decode) goes to vLLM's own kernel,
   on a batch without the chunk rows, so no row pays for attention twice; a step with no chunk
   rows calls vLLM's forward untouched.
@@ -165,6 +171,17 @@ class ChunkBatch:
 
 
 @dataclass
+class Gaps:
+    """A request's chunks computed here, isolated (``IsolatedStep.gaps``): their tokens
+    through vLLM's modules (``blend``), attending as chunk rows (``chunks``, whose rows are
+    the blend's queries) over a cache of their own (``cache``, made on the first layer)."""
+
+    blend: Blend
+    chunks: ChunkBatch
+    cache: torch.Tensor | None = None
+
+
+@dataclass
 class StepSplit:
     rows: list[HookRows]  # the hook's rows after the chunks (question re-weighting)
     kernel: KernelBatch | None
@@ -175,6 +192,7 @@ class StepSplit:
     moves: list[Move] = field(default_factory=list)
     chunks: ChunkBatch | None = None
     chunk_cache: torch.Tensor | None = None  # the hook's cache for ``chunks``, for every layer
+    gaps: list[Gaps] = field(default_factory=list)
 
 
 def unsupported(impl: Any, layer: Any) -> str | None:
@@ -220,6 +238,7 @@ class IsolationHook:
         self._plans: list[RequestPlan] = []
         self._splits: dict[int, tuple[Any, StepSplit | None]] = {}
         self.isolated_tokens = 0  # chunk tokens served, since take_isolated_tokens
+        self.failed_blocks: set[int] = set()  # blocks of gaps not computed, since taken
         self._layer_names: list[str] = []
 
     # Installation ---------------------------------------------------------------------------
@@ -282,6 +301,24 @@ class IsolationHook:
         read its keys rotated)."""
         copies: dict[str, IsolatedCopy] = {}
         shifts: dict[str, dict[int, int]] = {}
+        layers = len(self._layer_names)
+        splits = [split for _, split in self._splits.values() if split is not None]
+        filled = {
+            gap.blend.req_id for s in splits for gap in s.gaps if gap.blend.next_layer == layers
+        }
+        blended = {
+            r.blend.req_id
+            for s in splits
+            for r in s.recomputes
+            if r.blend is not None and r.blend.next_layer == layers
+        }
+        for plan in self._plans:
+            step = plan.isolation
+            if step is not None and (
+                (step.gaps and plan.req_id not in filled)
+                or (step.gap_picks and plan.req_id not in blended)
+            ):
+                self._gaps_failed(plan)
         for _, split in self._splits.values():
             if split is None:
                 continue
@@ -297,6 +334,27 @@ class IsolationHook:
         self._plans = []
         self._splits.clear()
         return copies, shifts
+
+    def _gaps_failed(self, plan: RequestPlan) -> None:
+        """A request's gaps were not computed: vLLM computes their blocks (a failed load)
+        and none of the request's chunks is stored."""
+        step = plan.isolation
+        assert step is not None
+        size = self.layout.block_size
+        positions = [p for p, _ in step.gaps] + [
+            p for lo, hi in step.gap_picks for p in range(lo, hi)
+        ]
+        self.failed_blocks |= {plan.block_ids[position // size] for position in positions}
+        log.error(
+            "chunkstore: request %s: the chunks that missed inside its loaded run were not "
+            "computed; vLLM computes them (a failed load)",
+            plan.req_id,
+        )
+        self.on_miss(plan.req_id)
+
+    def take_failed_blocks(self) -> set[int]:
+        taken, self.failed_blocks = self.failed_blocks, set()
+        return taken
 
     def take_isolated_tokens(self) -> int:
         taken, self.isolated_tokens = self.isolated_tokens, 0
@@ -321,6 +379,7 @@ class IsolationHook:
         starts, seq_lens = metadata.query_start_loc.tolist(), metadata.seq_lens.tolist()
         hook_rows: list[HookRows] = []
         recomputes: list[Recompute] = []
+        gaps: list[Gaps] = []
         moves: list[Move] = []
         runs: list[tuple[int, int, int, int]] = []  # (request, first row, rows, seq_len)
         for r, seq_len in enumerate(seq_lens):
@@ -336,6 +395,10 @@ class IsolationHook:
             rows, kernel_runs, in_place = self._partition(step, first, table)
             hook_rows += rows
             runs += [(r, *run) for run in kernel_runs]
+            if step.gaps and self.recomputer is not None:
+                gaps.append(
+                    self._gaps(plan.req_id, step, table, metadata.block_table[r], impl, layer)
+                )
             if (step.recompute or in_place) and self.recomputer is not None:
                 recomputes.append(
                     self._recompute(
@@ -357,7 +420,35 @@ class IsolationHook:
         after_rows = [rows for rows in hook_rows if rows.chunks_end != 0]
         kernel = self._kernel_batch(runs, metadata, impl, layer)
         chunks = self._chunk_batch(chunk_rows, impl, layer)
-        return StepSplit(after_rows, kernel, recomputes, moves=moves, chunks=chunks)
+        self.isolated_tokens += sum(len(gap.blend.positions) for gap in gaps)
+        return StepSplit(after_rows, kernel, recomputes, moves=moves, chunks=chunks, gaps=gaps)
+
+    def _gaps(
+        self,
+        req_id: str,
+        step: IsolatedStep,
+        table: torch.Tensor,
+        block_table: torch.Tensor,
+        impl: Any,
+        layer: Any,
+    ) -> Gaps:
+        """The request's gaps: their tokens as a blend, each chunk's as chunk rows."""
+        assert self.recomputer is not None
+        blend = self.recomputer.start(req_id, block_table, step.gaps)
+        sys_end = step.sys_end if self.isolate_from_sys else 0
+        rows: list[HookRows] = []
+        at = 0  # the chunk's first query among the blend's
+        for start, end in step.chunks:
+            count = int(((blend.positions >= start) & (blend.positions < end)).sum())
+            if count:
+                if count != end - start:
+                    raise ValueError(f"gap [{start}, {end}) is not a whole chunk")
+                shift = start - (step.sys_end + self.virtual_gap)
+                rows.append(HookRows(at, count, table, start, end, sys_end, shift))
+                at += count
+        chunks = self._chunk_batch(rows, impl, layer)
+        assert chunks is not None
+        return Gaps(blend, chunks)
 
     def _chunk_batch(self, chunk_rows: list[HookRows], impl: Any, layer: Any) -> ChunkBatch | None:
         """The chunk rows as sub-requests over a cache of the hook's own (``ChunkBatch``)."""
@@ -519,6 +610,10 @@ class IsolationHook:
         (they read the blend, the chunks where they moved)."""
         if split.chunks is not None:
             self._attend_chunks(split, impl, layer, index, query, kv_cache, output)
+        for gap in split.gaps:
+            assert self.recomputer is not None
+            attend = functools.partial(self._attend_gap, split, gap, impl, layer, index, kv_cache)
+            self.recomputer.layer(gap.blend, index, kv_cache, attend)
         for move in split.moves:
             keys, values = self.layout.read(kv_cache, move.slots)
             self.layout.write_rotated(
@@ -566,16 +661,55 @@ class IsolationHook:
         chunks = split.chunks
         assert chunks is not None
         if split.chunk_cache is None:
-            # Zeros: the kernel reads whole blocks, and what lies past a chunk's last
-            # position must not be NaN (a masked score times garbage). Every layer writes
-            # the same slots, so the rest stays zero.
-            _, heads, block_size, width = kv_cache.shape
-            split.chunk_cache = kv_cache.new_zeros((chunks.blocks, heads, block_size, width))
+            split.chunk_cache = self._zeros(kv_cache, chunks.blocks)
+        sub_output = self._isolated(
+            split, chunks, split.chunk_cache, impl, layer, index, query, kv_cache
+        )
+        output.index_copy_(0, chunks.batch.rows, sub_output)
+
+    def _attend_gap(
+        self,
+        split: StepSplit,
+        gap: Gaps,
+        impl: Any,
+        layer: Any,
+        index: int,
+        kv_cache: torch.Tensor,
+        q: torch.Tensor,
+    ) -> torch.Tensor:
+        """The gaps' queries ``q`` (their KV written), as chunk rows."""
+        if gap.cache is None:
+            gap.cache = self._zeros(kv_cache, gap.chunks.blocks)
+        return self._isolated(split, gap.chunks, gap.cache, impl, layer, index, q, kv_cache)
+
+    @staticmethod
+    def _zeros(kv_cache: torch.Tensor, blocks: int) -> torch.Tensor:
+        """A cache of the hook's own. Zeros: the kernel reads whole blocks, and what lies
+        past a chunk's last position must not be NaN (a masked score times garbage). Every
+        layer writes the same slots, so the rest stays zero."""
+        _, heads, block_size, width = kv_cache.shape
+        return kv_cache.new_zeros((blocks, heads, block_size, width))
+
+    def _isolated(
+        self,
+        split: StepSplit,
+        chunks: ChunkBatch,
+        cache: torch.Tensor,
+        impl: Any,
+        layer: Any,
+        index: int,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Attention of ``chunks``' rows of ``query`` under the isolation mask: what each
+        chunk sees copied into ``cache`` (its sys rotated), then one call of vLLM's kernel."""
         keys, values = self.layout.read(kv_cache, chunks.sources)
         for start, count, shift in chunks.shifts:
             keys[start : start + count] = self._shifted(split, keys[start : start + count], shift)
-        self.layout.write(self._layer_names[index], split.chunk_cache, keys, values, chunks.slots)
-        self._kernel(chunks.batch, impl, layer, query, split.chunk_cache, output)
+        self.layout.write(self._layer_names[index], cache, keys, values, chunks.slots)
+        return self._paged(
+            chunks.batch, impl, layer, query.index_select(0, chunks.batch.rows), cache
+        )
 
     def _attend_recomputed(
         self,

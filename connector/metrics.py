@@ -38,6 +38,8 @@ FIELDS = {
     "(recompute_chunks, or the request's kv_transfer_params).",
     "one_pass_chunks": "Chunks recomputed whole that a request computed once, where they are "
     "attended, not isolated first (recompute_in_one_pass; not stored by that request).",
+    "gap_tokens": "Tokens of chunks that missed between stored ones, computed by the workers' "
+    "hook, isolated, so the stored chunks after them load (fill_gaps).",
     "moved_chunks": "Chunks attended as if they stood just before the question, the most "
     "relevant last (relevant_last; those already there are not counted).",
     "bad_transfer_params": "Requests whose kv_transfer_params named chunks wrongly (ignored: "

@@ -71,6 +71,13 @@ class Tracked:
     first_tokens: int = 0  # the first N tokens of every other chunk recomputed too
     # Recomputed chunks computed once, in place, in the question's step: never stored by it.
     in_place: tuple[tuple[int, int], ...] = ()
+    # Chunks that missed inside the loaded run (segment indices), computed by the hook in
+    # the request's first step, isolated (``fill_gaps``), and stored.
+    gaps: list[int] = field(default_factory=list)
+    gap_step: int | None = None  # where the step that computes them starts, until planned
+    # Gaps recomputed whole in that step, when it computes the question: computed once, by
+    # the recompute (never isolated), so never stored by this request ((start, end) each).
+    gap_picks: tuple[tuple[int, int], ...] = ()
     # vLLM's request (plain prompts: its generated blocks are stored)
     request: Request | None = None
     salt: str = ""  # vLLM's cache_salt (plain prompts: part of every prefix key)
@@ -125,6 +132,28 @@ class Tracked:
         whole = [seg for seg, r in chosen if len(r) == len(seg) and seg.start >= start]
         self.in_place = tuple(sorted((seg.start, seg.end) for seg in whole))
         return len(self.in_place)
+
+    def plan_gap_picks(self, start: int, end: int) -> int:
+        """In the gaps' step [start, end), if it computes the question: the gaps recomputed
+        whole there (``gap_picks``), which the recompute computes once; how many."""
+        if not self.gaps or start != self.gap_step or not start <= self.causal_start < end:
+            return 0
+        whole = [i for i in self.gaps if len(self.recomputed.get(i, ())) == len(self.segments[i])]
+        self.gap_picks = tuple((self.segments[i].start, self.segments[i].end) for i in whole)
+        return len(self.gap_picks)
+
+    def gap_tokens(self) -> tuple[tuple[int, int], ...]:
+        """(position, token id) of the gaps' tokens the hook computes isolated: all but the
+        ``gap_picks`` (another relevant one is isolated, then recomputed as a loaded one is;
+        the hook reports gaps it did not compute as failed loads)."""
+        picks = {start for start, _ in self.gap_picks}
+        gaps = (self.segments[g] for g in self.gaps)
+        return tuple(
+            (seg.start + i, token)
+            for seg in gaps
+            if seg.start not in picks
+            for i, token in enumerate(seg.token_ids)
+        )
 
     @property
     def first_changed(self) -> int | None:
@@ -188,6 +217,7 @@ class SchedulerSide:
                 no_recompute,
             )
             self.recompute_up_to = 0
+        self.fills_gaps = config.fill_gaps and config.inband_isolation and not no_recompute
         if self.off:
             log.warning(
                 "chunkstore: %s; the connector stays off (every request computed)", self.off
@@ -353,11 +383,8 @@ class SchedulerSide:
         self.stats.add("lookup_seconds", time.perf_counter() - began)
         if not held.session:
             return 0  # no daemon: compute, and plan no saves it could not take either
-        hit_end = 0
-        for index, plan in enumerate(tracked.cacheable):
-            if index not in held.leases or plan.segment.start != hit_end:
-                break
-            hit_end = plan.segment.end
+        hit_end, gaps = self._hit_run(tracked, held, num_computed_tokens)
+        tracked.gaps = gaps
         tail = len(tracked.cacheable)  # the part block's index, if it has one
         if tail in held.leases and segments[tail].segment.start == hit_end:
             hit_end = segments[tail].segment.end
@@ -373,6 +400,35 @@ class SchedulerSide:
             ),
         )
         return max(0, hit_end - num_computed_tokens)
+
+    def _hit_run(self, tracked: Tracked, held: Held, computed: int) -> tuple[int, list[int]]:
+        """Where the run of stored segments from the prompt's start ends, and the chunks
+        inside it that missed (segment indices), which the workers' hook computes
+        (``fill_gaps``: a chunk, after sys, before the question, not in vLLM's own prefix
+        hit; else the run ends at the first miss)."""
+        hit_end, reach = 0, 0
+        gaps: list[int] = []
+        pending: list[int] = []
+        for index, plan in enumerate(tracked.cacheable):
+            seg = plan.segment
+            if seg.start != reach:
+                break
+            reach = seg.end
+            if index in held.leases:
+                hit_end = seg.end
+                gaps += pending
+                pending = []
+            elif (
+                self.fills_gaps
+                and index > 0
+                and seg.kind is SegmentKind.CHUNK
+                and seg.end <= tracked.causal_start
+                and seg.start >= computed
+            ):
+                pending.append(tracked.segments.index(seg))
+            else:
+                break
+        return hit_end, gaps
 
     def _acquire(self, segments: list[SegmentPlan], kind: str) -> Held:
         client = self.link.get()
@@ -434,6 +490,10 @@ class SchedulerSide:
             supplied = tracked.local_computed + max(num_external_tokens, 0)
             prompt = len(request.prompt_token_ids or [])
             self.stats.add("computed_prompt_tokens", max(0, prompt - supplied))
+        if tracked is not None:  # vLLM computes from where the loads end: the gaps first
+            tracked.gap_step = tracked.local_computed + num_external_tokens
+            if num_external_tokens <= 0:
+                tracked.gaps = []
         if tracked is None or held is None or num_external_tokens <= 0:
             self._release(req_id)
             return
@@ -493,7 +553,8 @@ class SchedulerSide:
             self._grow(tracked, end)
         loads = self._loads.pop(req_id, [])
         if self.config.recompute_in_one_pass and self.config.inband_isolation:
-            self.stats.add("one_pass_chunks", tracked.plan_in_place(computed, end))
+            once = tracked.plan_in_place(computed, end) + tracked.plan_gap_picks(computed, end)
+            self.stats.add("one_pass_chunks", once)
         saves = self._saves(tracked, end) if self.config.save else []
         isolation = self._isolated_step(tracked, computed, end)
         if loads or saves or isolation:
@@ -526,12 +587,20 @@ class SchedulerSide:
         recomputes = self.config.recompute_tokens or tracked.recomputed
         blends = bool(recomputes) and start <= tracked.causal_start < end
         moves = tracked.shifts if start <= tracked.causal_start < end else ()
-        if not (computes_chunks or reweights or blends or moves):
+        gaps: tuple[tuple[int, int], ...] = ()
+        gap_picks: tuple[tuple[int, int], ...] = ()
+        if tracked.gaps and start == tracked.gap_step:
+            gaps, gap_picks = tracked.gap_tokens(), tracked.gap_picks
+            tracked.gap_step = None
+            self.stats.add("gap_tokens", len(gaps))
+        if not (computes_chunks or reweights or blends or moves or gaps):
             return None
         per_chunk = max(self.config.recompute_tokens, tracked.first_tokens)
         recompute = tracked.blended_tokens(per_chunk) if blends else ()
         in_place = tracked.in_place if blends else ()
-        return IsolatedStep(start, end, tracked.sys_end, chunks, recompute, moves, in_place)
+        return IsolatedStep(
+            start, end, tracked.sys_end, chunks, recompute, moves, in_place, gaps, gap_picks
+        )
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """These requests' loads ended on the workers: their leases can go."""
@@ -549,7 +618,8 @@ class SchedulerSide:
         if tracked.present is None:
             return []  # not looked up (the daemon was unreachable): nothing to store it in
         saves = []
-        in_place = {start for start, _ in tracked.in_place}  # their KV is not isolated
+        # their KV is not isolated
+        in_place = {start for start, _ in (*tracked.in_place, *tracked.gap_picks)}
         for index, (plan, found) in enumerate(zip(tracked.cacheable, tracked.present, strict=True)):
             seg = plan.segment
             if found or index in tracked.saving or seg.end > computed_end or seg.start in in_place:

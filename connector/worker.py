@@ -178,7 +178,10 @@ class WorkerSide:
         self.saves.save(metadata, self.hook)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.loads.failed_blocks()
+        failed = self.loads.failed_blocks()
+        if self.hook is not None:
+            failed |= self.hook.take_failed_blocks()
+        return failed
 
     def loads_ended(self) -> LoadsEnded | None:
         return self.loads.ended()

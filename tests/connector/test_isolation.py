@@ -399,6 +399,47 @@ def test_a_cold_request_stores_every_chunk_it_isolates_and_they_hit_in_any_order
     assert_logprobs_match(second, reference_logits(tiny_model_dir, reordered, Isolation.SYS))
 
 
+def test_a_chunk_missed_between_stored_ones_is_computed_by_the_hook_and_the_rest_loads(
+    tiny_model_dir, daemon, tmp_path
+) -> None:
+    """Sys and every chunk but one stored: the loaded run does not stop at the one that
+    missed (``fill_gaps``): the hook computes it in the request's first step, and every
+    other chunk loads. The one the question names is computed once, by its recompute
+    where it is attended (not stored by that request); another is computed isolated and
+    stored. The answer is the HF reference's either way."""
+    s = Scenario(tiny_model_dir)
+    docs = DOCS + MORE_DOCS[:1]
+    prompt = s.prompt(SYS, docs, QUESTIONS[1])
+    recomputed, _, _ = default_treatment(prompt.segments, Isolation.SYS)
+    assert list(recomputed) == [3]  # Everest's (document 2): moved last, recomputed there
+
+    def stored(*indices: int) -> list[list[int]]:
+        return [list(s.prompt(SYS, [docs[i]], None).token_ids) for i in indices]
+
+    ids = list(prompt.token_ids)
+    results = run_probe(  # the gap: Everest's document, then (the store emptied) Berlin's
+        tiny_model_dir,
+        [*stored(0, 1, 3), ids, *stored(0, 2, 3), ids],
+        tmp_path,
+        {"address": daemon.unix},
+        extra=("--max-tokens", "4", "--clear-before", "4"),
+        stats=True,
+    )
+    logits = reference_logits(tiny_model_dir, prompt, Isolation.SYS)
+    for served in (results[3], results[7]):
+        assert served["cached_tokens"] == prompt.segments[-1].start  # the gap counts
+        assert_logprobs_match(served, logits)
+    pick, other = results[3]["connector"], results[7]["connector"]
+    assert (pick["gap_tokens"], pick["one_pass_chunks"]) == (0, 1)  # Everest's: once
+    assert (other["gap_tokens"], other["one_pass_chunks"]) == (len(prompt.segments[2]), 0)
+    ref = HFReference.load(tiny_model_dir)
+    with ChunkStoreClient(daemon.unix) as client:
+        assert client.stats().entries == len(prompt.segments) - 1  # the gap stored
+        got = client.get(chunk_key(tiny_model_dir, prompt, 2))
+    assert got is not None
+    assert_stored_as_isolated(ref, got, prompt.segments, 2)
+
+
 def test_without_inband_isolation_only_causally_isolated_segments_are_stored(
     tiny_model_dir, daemon, tmp_path
 ) -> None:

@@ -126,14 +126,17 @@ def test_chat_requests_from_the_openai_client_load_every_ingested_document(
             }
         )
 
-        # Hits first: a new document in front stops the loaded run at sys; reordered, every
-        # stored one loads and only the new one is computed.
+        # Hits first: reordered, every stored one loads and only the new one is computed. As
+        # it came, the new document in front no longer stops the loaded run either: the
+        # workers' hook computes it (fill_gaps) and every stored one after it loads.
         new = ["Rome is the capital of Italy.", "Madrid is the capital of Spain."]
         with ChunkStoreClient(daemon.unix) as store:
             ordered = prompts.hits_first(store, [new[0], *DOCS])
         assert ordered == [*DOCS, new[0]]
         ask(ordered, loads=prompts.segments(ordered, QUESTION)[-2].start)
-        ask([new[1], *DOCS], loads=len(prompts.segments(DOCS, QUESTION)[0]))  # as it came: sys
+        as_it_came = [new[1], *DOCS]
+        came = prompts.segments(as_it_came, QUESTION)
+        ask(as_it_came, loads=came[-1].start - len(came[1]))
 
         # Segmentation counters: a chat without the separator is not chunked; a one-word
         # document is too short to cache (it and what follows it are computed).
