@@ -48,7 +48,6 @@ requests whose scheduled tokens include chunk tokens (``IsolatedStep``). Per lay
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from collections.abc import Callable
@@ -604,16 +603,53 @@ class IsolationHook:
         kv_cache: torch.Tensor,
         output: torch.Tensor,
     ) -> None:
-        """The chunk rows first (they read their chunks' isolated KV), then the moved chunks
-        (their keys rotated), then the recomputed tokens and the rows computed in place
-        (they overwrite the isolated KV, attended where it was moved), then the causal rows
-        (they read the blend, the chunks where they moved)."""
+        """The chunk rows first (they read their chunks' isolated KV), then the gaps, then
+        the moved chunks (their keys rotated), then the recomputed tokens and the rows
+        computed in place (they overwrite the isolated KV, attended where it was moved), then
+        the causal rows (they read the blend, the chunks where they moved). The gaps' and
+        recomputed tokens of every request go through each layer's projections and MLP in
+        one pass (``Recomputer.layer``)."""
         if split.chunks is not None:
             self._attend_chunks(split, impl, layer, index, query, kv_cache, output)
-        for gap in split.gaps:
+        recomputes = {id(r.blend): r for r in split.recomputes if r.blend is not None}
+        gaps = {id(gap.blend): gap for gap in split.gaps}
+        moved = False
+
+        def attend(blend: Blend, q: torch.Tensor) -> torch.Tensor:
+            gap = gaps.get(id(blend))
+            if gap is not None:
+                return self._attend_gap(split, gap, impl, layer, index, kv_cache, q)
+            recompute = recomputes[id(blend)]
+            return self._attend_recomputed(
+                split, recompute, impl, layer, index, query, kv_cache, output, q
+            )
+
+        def between(blend: Blend) -> None:
+            nonlocal moved
+            if not moved and id(blend) not in gaps:
+                self._move(split, index, kv_cache)
+                moved = True
+
+        blends = [gap.blend for gap in split.gaps] + [
+            r.blend for r in split.recomputes if r.blend is not None
+        ]
+        if blends:
             assert self.recomputer is not None
-            attend = functools.partial(self._attend_gap, split, gap, impl, layer, index, kv_cache)
-            self.recomputer.layer(gap.blend, index, kv_cache, attend)
+            self.recomputer.layer(blends, index, kv_cache, attend, between)
+        if not moved:
+            self._move(split, index, kv_cache)
+        for recompute in split.recomputes:  # in-place rows alone, nothing recomputed
+            if recompute.blend is None:
+                self._attend_recomputed(
+                    split, recompute, impl, layer, index, query, kv_cache, output, query[:0]
+                )
+        if split.kernel is not None:
+            self._kernel(split.kernel, impl, layer, query, kv_cache, output)
+        self._attend_rows(split, split.rows, impl, query, kv_cache, output)
+
+    def _move(self, split: StepSplit, index: int, kv_cache: torch.Tensor) -> None:
+        """The moved chunks' keys rotated in the cache (after the gaps' KV is written, before
+        the recomputed tokens' is)."""
         for move in split.moves:
             keys, values = self.layout.read(kv_cache, move.slots)
             self.layout.write_rotated(
@@ -625,26 +661,6 @@ class IsolationHook:
                 move.rotation,
                 self.rotary,
             )
-        for recompute in split.recomputes:
-            assert self.recomputer is not None
-            attend = functools.partial(
-                self._attend_recomputed,
-                split,
-                recompute,
-                impl,
-                layer,
-                index,
-                query,
-                kv_cache,
-                output,
-            )
-            if recompute.blend is None:
-                attend(query[:0])
-            else:
-                self.recomputer.layer(recompute.blend, index, kv_cache, attend)
-        if split.kernel is not None:
-            self._kernel(split.kernel, impl, layer, query, kv_cache, output)
-        self._attend_rows(split, split.rows, impl, query, kv_cache, output)
 
     def _attend_chunks(
         self,

@@ -166,42 +166,60 @@ class Recomputer:
     @torch.inference_mode()
     def layer(
         self,
-        blend: Blend,
+        blends: list[Blend],
         index: int,
         kv_cache: torch.Tensor,
-        attend: Callable[[torch.Tensor], torch.Tensor],
+        attend: Callable[[Blend, torch.Tensor], torch.Tensor],
+        between: Callable[[Blend], None] | None = None,
     ) -> None:
-        """Take the selected tokens through decoder layer ``index``: write their KV over
-        the isolated one, then ``attend`` (each query sees the cache up to where it is
-        attended)."""
-        if blend.next_layer != index:
-            raise RuntimeError(f"recompute: layer {index} ran before {blend.next_layer}")
+        """Take every blend's selected tokens through decoder layer ``index``, their
+        projections and MLP in one pass: per blend in order, write its KV over the isolated
+        one, then ``attend`` its queries (each sees the cache up to where it is attended);
+        ``between(blend)`` runs before a blend's write (what must happen to the cache
+        between two blends' attention)."""
+        for blend in blends:
+            if blend.next_layer != index:
+                raise RuntimeError(f"recompute: layer {index} ran before {blend.next_layer}")
         layer = self.decoder.layers[index]
         attn = layer.self_attn
-        hidden = blend.hidden
-        if hidden is None:
-            hidden = self.decoder.embed_tokens(blend.token_ids)
-        count = blend.positions.shape[0]
+        hidden = torch.cat(
+            [
+                b.hidden if b.hidden is not None else self.decoder.embed_tokens(b.token_ids)
+                for b in blends
+            ]
+        )
+        count = hidden.shape[0]
         qkv, _ = attn.qkv_proj(layer.input_layernorm(hidden))
         q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
         if getattr(attn, "qk_norm", False):  # per head, before rotary (Qwen2 with qk_norm)
             q = attn.q_norm(q.reshape(count, attn.num_heads, attn.head_dim)).reshape(count, -1)
             k = attn.k_norm(k.reshape(count, attn.num_kv_heads, attn.head_dim)).reshape(count, -1)
-        q, k = attn.rotary_emb(blend.attended, q, k)
+        q, k = attn.rotary_emb(torch.cat([b.attended for b in blends]), q, k)
         q = q.reshape(count, attn.num_heads, attn.head_dim)
         k = k.reshape(count, attn.num_kv_heads, attn.head_dim)
         v = v.reshape(count, attn.num_kv_heads, attn.head_dim)
 
-        blend.isolated.append(self.layout.read(kv_cache, blend.slots))
-        self.layout.write(self.layer_names[index], kv_cache, k, v, blend.slots)
-        out = attend(q.contiguous())
-        blend.next_layer = index + 1
-        if blend.next_layer == len(self.layer_names):
-            blend.hidden = None  # the last layer's MLP feeds no KV
+        outs, at = [], 0
+        for blend in blends:
+            rows = slice(at, at + blend.positions.shape[0])
+            at = rows.stop
+            if between is not None:
+                between(blend)
+            blend.isolated.append(self.layout.read(kv_cache, blend.slots))
+            self.layout.write(self.layer_names[index], kv_cache, k[rows], v[rows], blend.slots)
+            outs.append(attend(blend, q[rows].contiguous()))
+            blend.next_layer = index + 1
+        if index + 1 == len(self.layer_names):
+            for blend in blends:
+                blend.hidden = None  # the last layer's MLP feeds no KV
             return
-        out, _ = attn.o_proj(out.reshape(count, -1).to(hidden.dtype))
+        out, _ = attn.o_proj(torch.cat(outs).reshape(count, -1).to(hidden.dtype))
         normed, residual = layer.post_attention_layernorm(out, hidden)
-        blend.hidden = layer.mlp(normed) + residual
+        hidden = layer.mlp(normed) + residual
+        at = 0
+        for blend in blends:
+            blend.hidden = hidden[at : at + blend.positions.shape[0]]
+            at += blend.positions.shape[0]
 
     def isolated_copy(self, blend: Blend) -> IsolatedCopy | None:
         """What the blend overwrote, once it ran at least one layer."""
