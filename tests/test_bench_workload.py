@@ -68,7 +68,7 @@ def test_bench_workload_through_vllm_serve_on_the_tiny_model(tmp_path: Path) -> 
         "bench", "workload", "--json", "--model", "tiny", "--docs", "12", "--doc-words", "30-60",
         "--requests", "16", "--concurrency", "4", "--pool-shares", "1.0", "--policies",
         "worth", "--curve", "0.5", "--dataset", str(dataset), "--disk-shares", "1.0",
-        "--disk-share", "1.0", "--spills", "commit",
+        "--disk-share", "1.0", "--spills", "commit", "--ttfts", str(tmp_path / "ttfts.jsonl"),
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [json.loads(line) for line in run.stdout.splitlines()]
@@ -98,6 +98,12 @@ def test_bench_workload_through_vllm_serve_on_the_tiny_model(tmp_path: Path) -> 
     assert worth["pool_bytes"] >= worth["working_set_bytes"]
     # The warm percentiles leave out the first fifth of the trace (the cold start).
     assert 0 < worth["ttft_p50_warm_s"] <= worth["ttft_p99_warm_s"]
+    # Each way's TTFTs a request, in trace order, beside the figures (not in them).
+    lines = (tmp_path / "ttfts.jsonl").read_text().splitlines()
+    ttfts = {row["way"]: row["ttfts_s"] for row in map(json.loads, lines)}
+    assert list(ttfts) == ["apc", "worth@1 spill=commit"] and "ttfts_s" not in worth
+    for way, row in (("apc", apc), ("worth@1 spill=commit", worth)):
+        assert len(ttfts[way]) == 16 and max(ttfts[way]) >= row["ttft_p99_s"] > 0
 
     lines = [json.loads(line) for line in dataset.read_text().splitlines()]
     assert len(lines) == 16 and all(line["output_tokens"] == 8 for line in lines)

@@ -176,6 +176,7 @@ def send(url: str, model: str, trace: Trace, prompts: list[str], args: Any) -> d
         "tpot_s": round(statistics.median(tpots), 4) if tpots else None,
         "throughput_rps": round(len(rows) / span, 4),
         "completion_tokens_min": min(int(r["tokens"]) for r in rows),
+        "ttfts_s": [round(r["first"] - r["sent"], 4) for r in sorted(rows, key=lambda r: r["i"])],
     }
 
 
@@ -337,6 +338,7 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             apc["prompt_hit_rate"] = _prompt_hit_rate(_scrape(server.url))
         finally:
             server.stop()
+        _write_ttfts(args, "apc", apc)
         yield {"way": "apc", **setup.figures, **apc}
         ways = [
             Way(share, policy, settings, rule)
@@ -349,6 +351,7 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             # The way's folder is not named after it: a socket path must stay short.
             figures = _chunkstore_way(args, setup, way, work / f"way{index}")
             _compare(figures, apc)
+            _write_ttfts(args, way.name, figures)
             yield {"way": way.name, **setup.figures, **figures}
 
 
@@ -501,6 +504,15 @@ def _chunkstore_way(
     return figures
 
 
+def _write_ttfts(args: argparse.Namespace, way: str, figures: dict[str, Any]) -> None:
+    """A way's per-request TTFTs (trace order) to ``--ttfts``, a JSON line a way; out of the
+    figures either way (300 numbers a row)."""
+    ttfts = figures.pop("ttfts_s")
+    if args.ttfts:
+        with open(args.ttfts, "a") as out:
+            out.write(json.dumps({"way": way, "ttfts_s": ttfts}) + "\n")
+
+
 def _compare(figures: dict[str, Any], apc: dict[str, Any]) -> None:
     """A way's figures against APC's: above 1 is better."""
     figures["throughput_vs_apc"] = round(figures["throughput_rps"] / apc["throughput_rps"], 3)
@@ -584,6 +596,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the connector's settings for the chunkstore ways, JSON (default: its defaults), "
         'e.g. \'{"relevant_recompute_tokens": 0, "load_cpus": "all"}\'; given more than once, '
         "every pool share and policy runs once with each ('{}': the defaults)",
+    )
+    parser.add_argument(
+        "--ttfts",
+        default="",
+        help="append each way's per-request TTFTs (trace order) here, a JSON line a way: "
+        "which requests make the p99",
     )
     parser.add_argument(
         "--dataset", default="", help="write the trace here as a vllm bench serve JSONL dataset"
