@@ -137,6 +137,31 @@ class CpuKVLayout:
         finally:
             cache[0].copy_(saved)
 
+    def warm_up(self, layer_name: str, cache: torch.Tensor, rotary: RotaryConfig) -> None:
+        """Load the fused write kernel now, at start-up, not in the first request that moves
+        or loads a chunk: numba's import and its cached machine code took ~1 s there, which
+        was the first requests' whole TTFT gap to vLLM alone (``bench workload --ttfts``).
+        Two tokens rotated into block 0 (vLLM's null block), restored after, with arrays of
+        the kinds requests pass (so numba has the specialization they call). Only in a
+        worker process of its own: vLLM's start-up scan of loaded modules trips on numba's
+        objects, so an in-process engine started after this one would fail."""
+        import vllm.envs as envs
+
+        if not (self.plain and envs.VLLM_ENABLE_V1_MULTIPROCESSING):
+            return
+        if self.isa(layer_name) != "vec":
+            return
+        from chunkstore.kv.rope import rotation_table
+
+        saved = cache[0].clone()
+        try:
+            slots = torch.tensor([0, 1], dtype=torch.int64)
+            keys, values = self.read(cache, slots)
+            rotation = rotation_table(rotary, 1, 2, cache.device)
+            self.write_rotated(layer_name, cache, keys, values, slots, rotation, rotary)
+        finally:
+            cache[0].copy_(saved)
+
     def packing(self, layers: list[tuple[str, torch.Tensor]], kv_dtype: str) -> str:
         """The name of this cache's block layout, for entries stored as its raw blocks
         (``EntryLayout.packing``): vLLM's version, the kernel variant and the block size fix

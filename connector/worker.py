@@ -87,6 +87,8 @@ class WorkerSide:
             )
         if self.cache.heads.size == 1 and isinstance(self.cache.access, CpuKVLayout):
             self.cache.pack(self.cache.access.packing(self.cache.layers, self.keys.kv_dtype))
+        if self.cache.readable and isinstance(self.cache.access, CpuKVLayout):
+            self.cache.access.warm_up(*self.cache.layers[0], self.keys.rotary)
         if self.config.inband_isolation:
             self._install_hook()
 

@@ -3,6 +3,10 @@ write op (``cpu_attn_reshape_and_cache``, the real one) after a torch remap."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -64,3 +68,50 @@ def test_the_fused_write_is_vllms_write_of_the_remapped_keys(dtype, rotary, delt
     untouched[slots] = False
     k_all, v_all = CpuKVLayout.read(fused, torch.arange(BLOCKS * BLOCK_SIZE))
     assert not k_all[untouched].any() and not v_all[untouched].any()
+
+
+WARM_UP = """
+import sys
+import torch
+from chunkstore.kv.rope import RotaryConfig, rotation_table
+from tests.connector.test_cpu_layout import layout
+
+rotary = RotaryConfig(64, 64, 10000.0)
+cache = torch.randn(6, 3, 16, 128)
+before = cache.clone()
+plain = layout()
+assert plain.probe("layer.0", cache)
+plain.warm_up("layer.0", cache, rotary)
+assert torch.equal(cache, before), "block 0 restored"
+if "numba" not in sys.modules:
+    print("cold")
+    raise SystemExit
+from chunkstore.kv.writer_cpu import _write_vec_f32 as kernel
+
+warmed = len(kernel.signatures)
+slots = torch.tensor([20, 21, 40], dtype=torch.int64)
+keys, values = plain.read(cache, slots)  # as the hook moves a chunk
+plain.write_rotated("layer.0", cache, keys, values, slots, rotation_table(rotary, 7, 3), rotary)
+staged = torch.randn(2, 2, 3, 3, 64)  # as a load: an entry's [layers, tokens, heads, dim]
+plain.write_rotated("layer.0", cache, staged[0, 1], staged[1, 1], slots, None, rotary)
+print("warm", warmed, len(kernel.signatures))
+"""
+
+
+@pytest.mark.parametrize("multiprocessing", ["1", "0"])
+def test_the_fused_write_is_loaded_at_start_up_in_a_worker_process(multiprocessing) -> None:
+    """The kernel's import and machine code at registration, not in the first request; and
+    not in an in-process engine (vLLM's start-up scan of a later engine trips on numba)."""
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": multiprocessing}
+    run = subprocess.run(
+        [sys.executable, "-c", WARM_UP],
+        env=env,
+        cwd=Path(__file__).parents[2],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = run.stdout.split()[-3:] if multiprocessing == "1" else run.stdout.split()[-1:]
+    # The requests' calls found the specialization the warm-up made: none compiled after.
+    assert got == (["warm", "1", "1"] if multiprocessing == "1" else ["cold"]), run.stdout
