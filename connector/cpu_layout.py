@@ -144,7 +144,8 @@ class CpuKVLayout:
         Two tokens rotated into block 0 (vLLM's null block), restored after, with arrays of
         the kinds requests pass (so numba has the specialization they call). Only in a
         worker process of its own: vLLM's start-up scan of loaded modules trips on numba's
-        objects, so an in-process engine started after this one would fail."""
+        objects, so an in-process engine started after this one would fail. A failure here
+        is logged, and the first request that needs the kernel loads it, as before."""
         import vllm.envs as envs
 
         if not (self.plain and envs.VLLM_ENABLE_V1_MULTIPROCESSING):
@@ -159,6 +160,8 @@ class CpuKVLayout:
             keys, values = self.read(cache, slots)
             rotation = rotation_table(rotary, 1, 2, cache.device)
             self.write_rotated(layer_name, cache, keys, values, slots, rotation, rotary)
+        except Exception as err:  # noqa: BLE001 - start-up goes on; requests load it lazily
+            log.warning("chunkstore: the fused write kernel did not load at start-up: %s", err)
         finally:
             cache[0].copy_(saved)
 
