@@ -148,10 +148,8 @@ class CpuKVLayout:
         is logged, and the first request that needs the kernel loads it, as before."""
         import vllm.envs as envs
 
-        if not (self.plain and envs.VLLM_ENABLE_V1_MULTIPROCESSING):
-            return
-        if self.isa(layer_name) != "vec":
-            return
+        if not envs.VLLM_ENABLE_V1_MULTIPROCESSING:
+            return  # (``write_rotated`` takes the kernel only where the probe allows it)
         from chunkstore.kv.rope import rotation_table
 
         saved = cache[0].clone()

@@ -162,6 +162,7 @@ def send(url: str, model: str, trace: Trace, prompts: list[str], args: Any) -> d
             futures.append(pool.submit(one, index, prompt))
         for future in futures:
             future.result()
+    rows.sort(key=lambda r: r["i"])  # trace order
     ttfts = [r["first"] - r["sent"] for r in rows]
     # Past the cold start (the first fifth of the trace, when little is stored yet).
     warm = [t for r, t in zip(rows, ttfts, strict=True) if r["i"] >= len(rows) // 5]
@@ -176,7 +177,7 @@ def send(url: str, model: str, trace: Trace, prompts: list[str], args: Any) -> d
         "tpot_s": round(statistics.median(tpots), 4) if tpots else None,
         "throughput_rps": round(len(rows) / span, 4),
         "completion_tokens_min": min(int(r["tokens"]) for r in rows),
-        "ttfts_s": [round(r["first"] - r["sent"], 4) for r in sorted(rows, key=lambda r: r["i"])],
+        "ttfts_s": [round(t, 4) for t in ttfts],
     }
 
 
