@@ -108,19 +108,30 @@ class Tracked:
     def isolated_chunks(self) -> tuple[tuple[int, int], ...]:
         return tuple((s.start, s.end) for s in self._isolated_segments())
 
-    def blended_tokens(self, per_chunk: int) -> tuple[tuple[int, int], ...]:
+    def blended_tokens(
+        self, per_chunk: int, first_is_causal: bool = False
+    ) -> tuple[tuple[int, int], ...]:
         """(position, token id) of the tokens the workers recompute: the ``recomputed``
         offsets of their chunks and the first ``per_chunk`` of every chunk, but those of
-        the chunks computed in place."""
+        the chunks computed in place. ``first_is_causal``: the chunk attended right after
+        sys is computed isolated exactly as causally (it sees sys either way, at the same
+        positions: isolation ``sys``, no virtual gap), so its first tokens are not."""
         offsets = {self.segments[i].start: r for i, r in self.recomputed.items()}
         in_place = {start for start, _ in self.in_place}
+        shifts = {start: by for start, _, by in self.shifts}
+        first = -1
+        if first_is_causal:
+            attended = {
+                s.start + shifts.get(s.start, 0): s.start for s in self._isolated_segments()
+            }
+            first = attended.get(self.sys_end, -1)
         empty = range(0)
         return tuple(
             (seg.start + i, token)
             for seg in self._isolated_segments()
             if seg.start not in in_place
             for i, token in enumerate(seg.token_ids)
-            if i < per_chunk or i in offsets.get(seg.start, empty)
+            if (i < per_chunk and seg.start != first) or i in offsets.get(seg.start, empty)
         )
 
     def plan_in_place(self, start: int, end: int) -> int:
@@ -596,7 +607,8 @@ class SchedulerSide:
         if not (computes_chunks or reweights or blends or moves or gaps):
             return None
         per_chunk = max(self.config.recompute_tokens, tracked.first_tokens)
-        recompute = tracked.blended_tokens(per_chunk) if blends else ()
+        first_is_causal = self.config.isolation == "sys" and self.config.virtual_gap == 0
+        recompute = tracked.blended_tokens(per_chunk, first_is_causal) if blends else ()
         in_place = tracked.in_place if blends else ()
         return IsolatedStep(
             start, end, tracked.sys_end, chunks, recompute, moves, in_place, gaps, gap_picks
