@@ -240,18 +240,24 @@ def recomputed_share(
     rankings: list[list[int]],
 ) -> float:
     """The share of the prompts' chunk tokens a method recomputes: the offsets it recomputes
-    in each chunk, and the first tokens of every chunk (its separator included)."""
+    in each chunk, and the first tokens of every chunk (its separator included) but the one
+    attended right after sys (causal already, as the connector leaves it)."""
     total = recomputed = 0
     for prompt, ranking in zip(prompts, rankings, strict=True):
         chosen, last, per_chunk = treatment(settings, prompt, sep, ranking)
         chunks = [s for s in split_prompt(prompt, sep) if s.kind is SegmentKind.CHUNK]
-        first_moves = bool(last) and placement([len(c) for c in chunks], last)[0] != 0
+        lengths = [len(c) for c in chunks]
+        shifts = placement(lengths, last) if last else [0] * len(chunks)
+        first_moves = shifts[0] != 0
         if not settings.get("virtual_gap") and not first_moves:
             chosen.pop(0, None)  # first, causal already: the connector leaves it be
+        starts = [sum(lengths[:i]) + shifts[i] for i in range(len(chunks))]
+        first = starts.index(0) if not settings.get("virtual_gap") else -1
         for index, seg in enumerate(chunks):
             total += len(seg)
             span = chosen.get(index, range(0))
-            recomputed += sum(1 for p in range(len(seg)) if p < per_chunk or p in span)
+            blends = per_chunk if index != first else 0
+            recomputed += sum(1 for p in range(len(seg)) if p < blends or p in span)
     return recomputed / max(1, total)
 
 
