@@ -607,8 +607,7 @@ class SchedulerSide:
         if not (computes_chunks or reweights or blends or moves or gaps):
             return None
         per_chunk = max(self.config.recompute_tokens, tracked.first_tokens)
-        first_is_causal = self.config.isolation == "sys" and self.config.virtual_gap == 0
-        recompute = tracked.blended_tokens(per_chunk, first_is_causal) if blends else ()
+        recompute = tracked.blended_tokens(per_chunk, self._first_is_causal) if blends else ()
         in_place = tracked.in_place if blends else ()
         return IsolatedStep(
             start, end, tracked.sys_end, chunks, recompute, moves, in_place, gaps, gap_picks
