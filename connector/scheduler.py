@@ -166,13 +166,13 @@ class Tracked:
             for i, token in enumerate(seg.token_ids)
         )
 
-    @property
-    def first_changed(self) -> int | None:
+    def first_changed(self, per_chunk: int, first_is_causal: bool) -> int | None:
         """The first position whose KV in the cache may be recomputed or moved (not the
-        isolated KV at its own position)."""
-        starts = [self.segments[i].start + r.start for i, r in self.recomputed.items() if r]
-        starts += [start for start, _, _ in self.shifts]
-        return min(starts) if starts else None
+        isolated KV at its own position), the blended first tokens (``blended_tokens``)
+        included: so the chunk attended right after sys, which keeps its isolated KV where
+        it stands, is not."""
+        blended = [position for position, _ in self.blended_tokens(per_chunk, first_is_causal)]
+        return min([*blended, *(start for start, _, _ in self.shifts)], default=None)
 
 
 def causal_start(segments: list[Segment]) -> int:
@@ -360,8 +360,8 @@ class SchedulerSide:
         tracked = self._track(request)
         if tracked is None or not tracked.chunked:
             return
-        blends_all = self.config.recompute_tokens or tracked.first_tokens
-        private = tracked.sys_end if blends_all else tracked.first_changed
+        per_chunk = max(self.config.recompute_tokens, tracked.first_tokens)
+        private = tracked.first_changed(per_chunk, self._first_is_causal)
         if keep_roles_apart(request, tracked.causal_start, self.block_size, private):
             return
         if not self._warned_prefix_cache:

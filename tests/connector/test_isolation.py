@@ -522,6 +522,48 @@ def test_vllm_prefix_cache_never_serves_kv_of_another_role(
     assert_stored_as_isolated(ref, stored, chunk.segments, 2)
 
 
+def test_the_first_chunk_stays_shared_in_vllm_prefix_cache_with_first_tokens_recomputed(
+    tiny_model_dir, daemon, tmp_path
+) -> None:
+    """With the relevant chunk recomputed and every other chunk's first tokens with it, the
+    chunk attended right after sys keeps its isolated KV where it stands, which is its
+    causal KV: its cache blocks stay shared in vLLM's prefix cache. A request that starts
+    with the same sys and chunk reads them there (not from the store) and answers as one
+    that loads the chunk from the store."""
+    s = Scenario(tiny_model_dir)
+    first = long_text(300, seed=7)
+    one = s.prompt(SYS, [first, DOCS[0]], QUESTIONS[0])
+    two = s.prompt(SYS, [first, DOCS[1]], QUESTIONS[1])
+    assert one.segments[1].end > 2 * 128  # sys and the first chunk fill blocks (CPU: 128)
+    # The second chunk the relevant one: recomputed where it stands, with the first
+    # tokens of every chunk but the first.
+    relevant = {"chunk_scores": [0.0, 1.0]}
+    prompts = [
+        {"prompt_token_ids": list(p.token_ids), "kv_transfer_params": relevant} for p in (one, two)
+    ]
+    connector = {"address": daemon.unix, "relevant_last": 1}
+    probe = ("--max-tokens", "8")
+    _, shared = run_probe(
+        tiny_model_dir,
+        prompts,
+        tmp_path / "cached",
+        connector,
+        extra=("--prefix-caching", *probe),
+        stats=True,
+    )
+    with ChunkStoreClient(daemon.unix) as client:
+        client.clear()
+    _, loaded = run_probe(
+        tiny_model_dir, prompts, tmp_path / "loaded", connector, extra=probe, stats=True
+    )
+    stored_run = two.segments[1].end  # sys and the first chunk
+    assert shared["cached_tokens"] == loaded["cached_tokens"] == stored_run
+    assert loaded["connector"]["loaded_tokens"] == stored_run
+    assert shared["connector"]["loaded_tokens"] <= stored_run - 2 * 128  # vLLM had blocks 0-1
+    assert shared["connector"]["recomputed_chunks"] == 1
+    assert_same_answer(shared, loaded)
+
+
 def assert_stored_as_isolated(ref, stored, segments, index: int, gap: int = 0) -> None:
     """The store holds chunk ``index`` as computed after sys alone, ``gap`` tokens past it,
     rotated to where it stood."""

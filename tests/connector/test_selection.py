@@ -251,7 +251,15 @@ def test_the_chunk_attended_right_after_sys_keeps_its_isolated_first_tokens() ->
 
     assert positions(False) == [4, 5, 9, 10, 14, 15]
     assert positions(True) == [9, 10, 14, 15]
+    # vLLM's prefix cache may share the cache blocks before the first position changed:
+    # with the first chunk's KV its isolated (causal) KV, blocks up to the second chunk.
+    assert tracked.first_changed(2, first_is_causal=False) == 4
+    assert tracked.first_changed(2, first_is_causal=True) == 9
+    assert tracked.first_changed(0, first_is_causal=True) is None
     # The first chunk recomputed whole and attended last: the second one now follows sys.
     tracked.shifts = ((4, 9, 10), (9, 14, -5), (14, 19, -5))
     tracked.recomputed = {1: range(5)}
     assert positions(True) == [4, 5, 6, 7, 8, 14, 15]
+    assert tracked.first_changed(2, first_is_causal=True) == 4
+    tracked.recomputed = {}  # moved, not recomputed: still not where it stands
+    assert tracked.first_changed(0, first_is_causal=True) == 4
