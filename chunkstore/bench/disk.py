@@ -158,7 +158,8 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         probe.unlink(missing_ok=True)
 
     def gb_s(name: str) -> float:
-        return round(nbytes / statistics.median(rows[name]) / 1e9, 2)
+        # Three significant figures: a small entry's rate is not rounded to 0.
+        return float(f"{nbytes / statistics.median(rows[name]) / 1e9:.3g}")
 
     def ratio(tier: str, device: str) -> float:
         pairs = zip(rows[tier], rows[device], strict=True)
