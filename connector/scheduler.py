@@ -322,6 +322,12 @@ class SchedulerSide:
         self.stats.add("recomputed_chunks", len(chosen))
         return frozenset(chunks[i] for i in chosen)
 
+    def _per_chunk(self, tracked: Tracked) -> int:
+        """How many first tokens of each chunk the workers blend (``recompute_tokens``, or
+        the relevant chunks' ``relevant_first_tokens``): what the step recomputes and where
+        the request's blocks turn private in vLLM's prefix cache must agree."""
+        return max(self.config.recompute_tokens, tracked.first_tokens)
+
     @property
     def _first_is_causal(self) -> bool:
         """The first chunk's isolated KV is its causal KV: recomputing it changes nothing."""
@@ -360,8 +366,7 @@ class SchedulerSide:
         tracked = self._track(request)
         if tracked is None or not tracked.chunked:
             return
-        per_chunk = max(self.config.recompute_tokens, tracked.first_tokens)
-        private = tracked.first_changed(per_chunk, self._first_is_causal)
+        private = tracked.first_changed(self._per_chunk(tracked), self._first_is_causal)
         if keep_roles_apart(request, tracked.causal_start, self.block_size, private):
             return
         if not self._warned_prefix_cache:
@@ -606,8 +611,8 @@ class SchedulerSide:
             self.stats.add("gap_tokens", len(gaps))
         if not (computes_chunks or reweights or blends or moves or gaps):
             return None
-        per_chunk = max(self.config.recompute_tokens, tracked.first_tokens)
-        recompute = tracked.blended_tokens(per_chunk, self._first_is_causal) if blends else ()
+        first_tokens = self._per_chunk(tracked)
+        recompute = tracked.blended_tokens(first_tokens, self._first_is_causal) if blends else ()
         in_place = tracked.in_place if blends else ()
         return IsolatedStep(
             start, end, tracked.sys_end, chunks, recompute, moves, in_place, gaps, gap_picks
