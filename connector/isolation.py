@@ -118,10 +118,12 @@ class Reordered:
     The cache holds them in prompt order, so each layer copies them, in attended order, into
     a cache of the hook's own (``slots``: the request's cache slots in that order), where
     ``batch`` (the recomputed tokens as runs of consecutive attended positions) is causal
-    attention for vLLM's kernel."""
+    attention for vLLM's kernel. The whole blocks before the first moved position stand where
+    they are attended: those (``blocks``, the request's) are copied as blocks."""
 
     slots: torch.Tensor
     batch: KernelBatch
+    blocks: torch.Tensor
 
     @staticmethod
     def attended(step: IsolatedStep) -> torch.Tensor:
@@ -859,12 +861,16 @@ class IsolationHook:
         """The recomputed tokens' attention where the chunks are attended elsewhere: the
         request's KV up to the chunks' end (the recomputed tokens' written) copied in
         attended order into a cache of its own, and vLLM's kernel over it, causally."""
-        keys, values = self.layout.read(kv_cache, order.slots)
         _, heads, block_size, width = kv_cache.shape
+        whole = len(order.blocks)
+        own = kv_cache.new_empty((len(order.batch.block_table[0]), heads, block_size, width))
+        torch.index_select(kv_cache, 0, order.blocks, out=own[:whole])
         # Zeros: the kernel reads whole blocks, and what lies past the last position must
         # not be NaN (a masked score times garbage).
-        own = kv_cache.new_zeros((len(order.batch.block_table[0]), heads, block_size, width))
-        positions = torch.arange(len(order.slots), dtype=torch.int64)
+        own[whole:].zero_()
+        start = whole * block_size
+        keys, values = self.layout.read(kv_cache, order.slots[start:])
+        positions = torch.arange(start, len(order.slots), dtype=torch.int64)
         self.layout.write(self._layer_names[index], own, keys, values, positions)
         out = torch.empty_like(q)
         out[order.batch.rows] = self._paged(order.batch, impl, layer, q[order.batch.rows], own)
@@ -909,7 +915,13 @@ class IsolationHook:
             end = len(attended)
             slots = self.layout.slots(block_table.long(), 0, end)[torch.argsort(attended)]
             blocks = torch.arange(-(-end // self.layout.block_size), dtype=torch.int32)
-            how = Reordered(slots, self._runs(where[rows], rows, blocks, impl, layer))
+            moved = torch.nonzero(attended != torch.arange(end)).flatten()
+            whole = (int(moved[0]) if len(moved) else end) // self.layout.block_size
+            how = Reordered(
+                slots,
+                self._runs(where[rows], rows, blocks, impl, layer),
+                block_table[:whole].long(),
+            )
         return Recompute(blend, own, how)
 
     def _runs(

