@@ -224,6 +224,13 @@ def test_cold_equals_warm_under_chunked_prefill_and_tensor_parallelism(
 # request's kv_transfer_params). Not the first chunk: it follows sys, so its isolated KV
 # is its causal KV already.
 RECOMPUTED = {"recompute": [4], "relevant": [3], "requested": [2, 3]}
+# The question's chunk moved last, its span and every chunk's first tokens recomputed.
+RELEVANT = {
+    "relevant_last": 1,
+    "relevant_recompute_tokens": 8,
+    "relevant_span_tokens": 6,
+    "relevant_first_tokens": 2,
+}
 
 
 @pytest.mark.parametrize(
@@ -231,18 +238,8 @@ RECOMPUTED = {"recompute": [4], "relevant": [3], "requested": [2, 3]}
     [
         {"virtual_gap": 100},
         {"recompute_chunks": 1, "recompute_by": "position"},
-        {
-            "relevant_last": 1,
-            "relevant_recompute_tokens": 8,
-            "relevant_span_tokens": 6,
-            "relevant_first_tokens": 2,
-        },
-        {
-            "relevant_last": 1,
-            "relevant_recompute_tokens": 8,
-            "relevant_span_tokens": 6,
-            "relevant_first_tokens": 2,
-        },
+        RELEVANT,
+        RELEVANT,
         {},
         {"recompute_tokens": 3},
         {"recompute_tokens": 1000, "virtual_gap": 100},
