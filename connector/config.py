@@ -74,6 +74,9 @@ class ConnectorConfig:
     # once, where it is attended, and not stored by this request (a request that uses it
     # isolated stores it); false: computed isolated too, stored, then recomputed.
     recompute_in_one_pass: bool = True
+    # Recomputed tokens ride in vLLM's own forward, after its rows, one pass over the
+    # weights (vLLM not compiling: --enforce-eager); false: a pass of their own each step.
+    recompute_in_vllm_batch: bool = True
     # A chunk that missed between stored ones is computed by the workers' hook, isolated,
     # so the stored chunks after it load (vLLM computes a prompt from its first miss on);
     # Llama and Qwen2, no tensor parallelism, in-band isolation (else the loaded run stops).

@@ -195,6 +195,13 @@ class StepSplit:
     chunk_cache: torch.Tensor | None = None  # the hook's cache for ``chunks``, for every layer
     gaps: list[Gaps] = field(default_factory=list)
 
+    def blends(self) -> list[Blend]:
+        """The tokens the step takes through the layers for the hook, in their order: the
+        gaps', then the recomputed ones."""
+        return [gap.blend for gap in self.gaps] + [
+            r.blend for r in self.recomputes if r.blend is not None
+        ]
+
 
 def unsupported(impl: Any, layer: Any) -> str | None:
     """Why the hook cannot serve this attention layer, or None."""
@@ -235,12 +242,15 @@ class IsolationHook:
         self.log_scale = math.log(config.question_scale)
         self.on_miss = on_miss  # a planned request not found in the batch (computed causally)
         self.recomputes = bool(config.recompute_tokens or config.recompute_chunks)
+        self.rides = config.recompute_in_vllm_batch
         self.recomputer: Recomputer | None = None
         self._plans: list[RequestPlan] = []
         self._splits: dict[int, tuple[Any, StepSplit | None]] = {}
         self.isolated_tokens = 0  # chunk tokens served, since take_isolated_tokens
         self.failed_blocks: set[int] = set()  # blocks of gaps not computed, since taken
         self._layer_names: list[str] = []
+        self._first: Any = None  # the first attention layer (its metadata builds the split)
+        self._riding = 0  # the step's recomputed rows after vLLM's in its batch (``ride``)
 
     # Installation ---------------------------------------------------------------------------
 
@@ -260,10 +270,43 @@ class IsolationHook:
             report("chunkstore: no chunk or token is recomputed for answer quality: %s", found)
         else:
             self.recomputer = found
+            why = found.ride(vllm_config, self._riders) if self.rides else "configured"
+            if why:
+                log.info("chunkstore: recomputed tokens take a pass of their own: %s", why)
         self._layer_names = list(layer_names)
+        self._first = layers[0]
         for index, layer in enumerate(layers):
             layer.impl.forward = self._wrap(layer.impl.forward, layer.impl, index)
+            layer.impl.do_kv_cache_update = self._trimmed(layer.impl.do_kv_cache_update)
         return None
+
+    def _riders(self) -> list[Blend]:
+        """The blends of the step vLLM's forward is about to run, which ride in its batch
+        (``Recomputer.ride``): built from the first layer's attention metadata, before it."""
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        self._riding = 0
+        if not self._plans or not is_forward_context_available():
+            return []
+        metadata = get_forward_context().attn_metadata
+        if not isinstance(metadata, dict):
+            return []
+        name = self._layer_names[0]
+        split = self._split(metadata.get(name), self._first.impl, self._first)
+        blends = split.blends() if split is not None else []
+        self._riding = sum(blend.positions.shape[0] for blend in blends)
+        return blends
+
+    def _trimmed(self, original: Callable[..., None]) -> Callable[..., None]:
+        """vLLM's cache write of a layer's keys and values, without the rows riding in the
+        batch (the hook writes those, in their order among the step's attention)."""
+
+        def update(layer: Any, key: torch.Tensor, value: torch.Tensor, *args: Any) -> None:
+            if self._riding:
+                key, value = key[: -self._riding], value[: -self._riding]
+            original(layer, key, value, *args)
+
+        return update
 
     def _wrap(
         self, original: Callable[..., torch.Tensor], impl: Any, index: int
@@ -281,10 +324,12 @@ class IsolationHook:
         ) -> torch.Tensor:
             split = self._split(attn_metadata, impl, layer) if self._plans else None
             if split is None:
+                if self._riding:
+                    raise RuntimeError("recomputed rows rode in a batch the hook did not split")
                 return original(
                     layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs
                 )
-            self._attend(split, impl, layer, index, query, kv_cache, output)
+            self._attend(split, impl, layer, index, (query, key, value), kv_cache, output)
             return output
 
         return forward
@@ -294,6 +339,7 @@ class IsolationHook:
     def begin_step(self, plans: list[RequestPlan]) -> None:
         self._plans = [plan for plan in plans if plan.isolation is not None]
         self._splits.clear()
+        self._riding = 0
 
     def end_step(self) -> tuple[dict[str, IsolatedCopy], dict[str, dict[int, int]]]:
         """End the step; return, per request whose selected tokens were recomputed in it,
@@ -334,6 +380,7 @@ class IsolationHook:
                 shifts.setdefault(move.req_id, {})[move.start] = move.shift
         self._plans = []
         self._splits.clear()
+        self._riding = 0
         return copies, shifts
 
     def _gaps_failed(self, plan: RequestPlan) -> None:
@@ -601,7 +648,7 @@ class IsolationHook:
         impl: Any,
         layer: Any,
         index: int,
-        query: torch.Tensor,
+        qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         output: torch.Tensor,
     ) -> None:
@@ -609,8 +656,10 @@ class IsolationHook:
         the moved chunks (their keys rotated), then the recomputed tokens and the rows
         computed in place (they overwrite the isolated KV, attended where it was moved), then
         the causal rows (they read the blend, the chunks where they moved). The gaps' and
-        recomputed tokens of every request go through each layer's projections and MLP in
-        one pass (``Recomputer.layer``)."""
+        recomputed tokens of every request ride at the end of the batch (``self._riding``
+        rows, ``Recomputer.ride``) or go through each layer's projections and MLP in a pass
+        of their own (``Recomputer.layer``)."""
+        query = qkv[0]
         if split.chunks is not None:
             self._attend_chunks(split, impl, layer, index, query, kv_cache, output)
         recomputes = {id(r.blend): r for r in split.recomputes if r.blend is not None}
@@ -632,10 +681,13 @@ class IsolationHook:
                 self._move(split, index, kv_cache)
                 moved = True
 
-        blends = [gap.blend for gap in split.gaps] + [
-            r.blend for r in split.recomputes if r.blend is not None
-        ]
-        if blends:
+        blends = split.blends()
+        if blends and self._riding:
+            assert self.recomputer is not None
+            q, k, v = (rows[-self._riding :] for rows in qkv)
+            out = self.recomputer.attend(blends, index, kv_cache, (q, k, v), attend, between)
+            output[-self._riding :] = out.to(output.dtype)
+        elif blends:
             assert self.recomputer is not None
             self.recomputer.layer(blends, index, kv_cache, attend, between)
         if not moved:

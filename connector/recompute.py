@@ -194,14 +194,9 @@ class Recomputer:
         attend: Callable[[Blend, torch.Tensor], torch.Tensor],
         between: Callable[[Blend], None] | None = None,
     ) -> None:
-        """Take every blend's selected tokens through decoder layer ``index``, their
-        projections and MLP in one pass: per blend in order, write its KV over the isolated
-        one, then ``attend`` its queries (each sees the cache up to where it is attended);
-        ``between(blend)`` runs before a blend's write (what must happen to the cache
-        between two blends' attention)."""
-        for blend in blends:
-            if blend.next_layer != index:
-                raise RuntimeError(f"recompute: layer {index} ran before {blend.next_layer}")
+        """Take every blend's selected tokens through decoder layer ``index`` in a pass of
+        their own (where they do not ride in vLLM's batch), their projections and MLP in one
+        pass, their attention as in ``attend``."""
         layer = self.decoder.layers[index]
         attn = layer.self_attn
         hidden = torch.cat(
@@ -221,9 +216,39 @@ class Recomputer:
         q = q.reshape(count, attn.num_heads, attn.head_dim)
         k = k.reshape(count, attn.num_kv_heads, attn.head_dim)
         v = v.reshape(count, attn.num_kv_heads, attn.head_dim)
+        out = self.attend(blends, index, kv_cache, (q, k, v), attend, between)
+        if index + 1 == len(self.layer_names):
+            for blend in blends:
+                blend.hidden = None  # the last layer's MLP feeds no KV
+            return
+        out, _ = attn.o_proj(_padded(out.reshape(count, -1).to(hidden.dtype), hidden.shape[0]))
+        normed, residual = layer.post_attention_layernorm(out, hidden)
+        hidden = (layer.mlp(normed) + residual)[:count]
+        at = 0
+        for blend in blends:
+            blend.hidden = hidden[at : at + blend.positions.shape[0]]
+            at += blend.positions.shape[0]
 
+    def attend(
+        self,
+        blends: list[Blend],
+        index: int,
+        kv_cache: torch.Tensor,
+        qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        attend: Callable[[Blend, torch.Tensor], torch.Tensor],
+        between: Callable[[Blend], None] | None = None,
+    ) -> torch.Tensor:
+        """The blends' attention at layer ``index``, their queries, keys and values ``qkv``
+        ([tokens, heads, head_dim], rotated to where they are attended, the blends' tokens in
+        order): per blend in order, write its KV over the isolated one, then ``attend`` its
+        queries (each sees the cache up to where it is attended); ``between(blend)`` runs
+        before a blend's write (what must happen to the cache between two blends'
+        attention). Returns the outputs, [tokens, heads, head_dim]."""
+        q, k, v = qkv
         outs, at = [], 0
         for blend in blends:
+            if blend.next_layer != index:
+                raise RuntimeError(f"recompute: layer {index} ran before {blend.next_layer}")
             rows = slice(at, at + blend.positions.shape[0])
             at = rows.stop
             if between is not None:
@@ -232,18 +257,52 @@ class Recomputer:
             self.layout.write(self.layer_names[index], kv_cache, k[rows], v[rows], blend.slots)
             outs.append(attend(blend, q[rows].contiguous()))
             blend.next_layer = index + 1
-        if index + 1 == len(self.layer_names):
-            for blend in blends:
-                blend.hidden = None  # the last layer's MLP feeds no KV
-            return
-        out = torch.cat(outs).reshape(count, -1).to(hidden.dtype)
-        out, _ = attn.o_proj(_padded(out, hidden.shape[0]))
-        normed, residual = layer.post_attention_layernorm(out, hidden)
-        hidden = (layer.mlp(normed) + residual)[:count]
-        at = 0
-        for blend in blends:
-            blend.hidden = hidden[at : at + blend.positions.shape[0]]
-            at += blend.positions.shape[0]
+        return torch.cat(outs)
+
+    def ride(self, vllm_config: Any, riders: Callable[[], list[Blend]]) -> str | None:
+        """Run the blends' tokens inside vLLM's own forward from now on, or say why not:
+        the decoder's forward takes each step's ``riders()`` (what the step recomputes) as
+        rows after vLLM's, at the positions where they are attended, so vLLM's embedding,
+        norms, projections, rotary and MLP take them with its own rows, one pass over the
+        weights instead of two; the attention hook computes their attention (``attend``
+        with the tail of the layer's queries, keys and values), and the decoder returns
+        vLLM's rows alone. The decoder's forward is Python only when vLLM does not compile
+        the model (``--enforce-eager``); otherwise the blends keep a pass of their own."""
+        from vllm.config import CompilationMode
+        from vllm.distributed import get_pp_group
+
+        if vllm_config.compilation_config.mode != CompilationMode.NONE:
+            return "vLLM compiles the model (run it with --enforce-eager)"
+        if get_pp_group().world_size > 1:
+            return "pipeline parallelism"
+        original = self.decoder.forward
+        embed = self.decoder.embed_tokens
+
+        def forward(
+            input_ids: torch.Tensor | None,
+            positions: torch.Tensor,
+            intermediate_tensors: Any = None,
+            inputs_embeds: torch.Tensor | None = None,
+            **kwargs: Any,
+        ) -> Any:
+            blends = riders() if positions.dim() == 1 else []
+            if not blends:
+                return original(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
+            rows = positions.shape[0]
+            ids = torch.cat([b.token_ids for b in blends])
+            if inputs_embeds is not None:
+                inputs_embeds = torch.cat([inputs_embeds, embed(ids).to(inputs_embeds.dtype)])
+            else:
+                assert input_ids is not None
+                input_ids = torch.cat([input_ids, ids.to(input_ids.dtype)])
+            positions = torch.cat([positions, torch.cat([b.attended for b in blends])])
+            out = original(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
+            if isinstance(out, tuple):  # with auxiliary hidden states (speculative decoding)
+                return out[0][:rows], [aux[:rows] for aux in out[1]]
+            return out[:rows]
+
+        self.decoder.forward = forward
+        return None
 
     def isolated_copy(self, blend: Blend) -> IsolatedCopy | None:
         """What the blend overwrote, once it ran at least one layer."""

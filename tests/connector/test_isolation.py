@@ -240,6 +240,7 @@ RELEVANT = {
         {"recompute_chunks": 1, "recompute_by": "position"},
         RELEVANT,
         RELEVANT,
+        {**RELEVANT, "recompute_in_vllm_batch": False},
         {},
         {"recompute_tokens": 3},
         {"recompute_tokens": 1000, "virtual_gap": 100},
@@ -251,6 +252,7 @@ RELEVANT = {
         "recompute",
         "relevant",
         "relevant-long-sys",
+        "relevant-own-pass",
         "requested",
         "blend",
         "blend-all",
@@ -278,7 +280,9 @@ def test_quality_recovery_acts_the_same_on_loaded_and_computed_chunks(
     # A sys of whole KV blocks before the moved chunk: the recompute copies those blocks
     # whole into the cache it attends in (the rest position by position).
     long_sys = case.endswith("-long-sys")
-    case = case.removesuffix("-long-sys")
+    # The recomputed tokens in a pass of their own (as where vLLM compiles the model), not
+    # riding in vLLM's batch.
+    case = case.removesuffix("-long-sys").removesuffix("-own-pass")
     transfer = {"recompute_chunks": [1, 2]} if case == "requested" else None
     prompt, (cold, warm, half) = cold_half_warm(
         tiny_model_dir,
