@@ -96,6 +96,23 @@ class RequestPlan:
     saves: list[SaveItem] = field(default_factory=list)
     isolation: IsolatedStep | None = None
 
+    def placed(self) -> dict[int, int]:
+        """The chunks this step both moves (``isolation.moves``) and loads whole: start ->
+        shift. Their loads write their keys where they are attended, so the hook has
+        nothing to move (``Loads.placed``)."""
+        if self.isolation is None or not self.isolation.moves:
+            return {}
+        whole = {
+            (item.actual_start, item.num_tokens)
+            for item in self.loads
+            if item.entry_offset == 0 and not item.prefix
+        }
+        return {
+            start: shift
+            for start, end, shift in self.isolation.moves
+            if (start, end - start) in whole
+        }
+
 
 @dataclass
 class ChunkStoreMetadata(KVConnectorMetadata):

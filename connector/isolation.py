@@ -26,7 +26,8 @@ requests whose scheduled tokens include chunk tokens (``IsolatedStep``). Per lay
   before the causal ones, so those read the blend.
 - with ``relevant_last``, that same step rotates the keys of the chunks that move to their
   new positions in the cache (``moves``), after the chunk rows and before the recompute and
-  the causal rows: from then on the question and what is generated read them there. The
+  the causal rows: from then on the question and what is generated read them there (a
+  chunk the step loads whole was loaded rotated there: ``placed``, ``Loads.placed``). The
   tokens recomputed in such a request are recomputed where they are attended: rotated to
   their attended positions, each seeing the keys attended before it (``Reordered``: the
   cache holds the chunks in prompt order, so their KV is copied in attended order into a
@@ -232,6 +233,7 @@ class IsolationHook:
         rotary: RotaryConfig,
         config: ConnectorConfig,
         on_miss: Callable[[str], None],
+        placed: Callable[[str], dict[int, int]] = lambda req_id: {},
     ) -> None:
         self.layout = layout
         self.rotary = rotary
@@ -241,6 +243,7 @@ class IsolationHook:
         self.temperature = config.question_temperature
         self.log_scale = math.log(config.question_scale)
         self.on_miss = on_miss  # a planned request not found in the batch (computed causally)
+        self.placed = placed  # a request's chunks its loads put where they are attended
         self.recomputes = bool(config.recompute_tokens or config.recompute_chunks)
         self.rides = config.recompute_in_vllm_batch
         self.recomputer: Recomputer | None = None
@@ -453,6 +456,7 @@ class IsolationHook:
                         plan.req_id, step, in_place, metadata.block_table[r], impl, layer
                     )
                 )
+            placed = self.placed(plan.req_id)
             moves += [
                 Move(
                     plan.req_id,
@@ -462,6 +466,7 @@ class IsolationHook:
                     rotation_table(self.rotary, shift, end - start),
                 )
                 for start, end, shift in step.moves
+                if start not in placed
             ]
         chunk_rows = [rows for rows in hook_rows if rows.chunks_end == 0]
         self.isolated_tokens += sum(rows.count for rows in chunk_rows)

@@ -54,7 +54,8 @@ class Fetched:
     item: LoadItem
     keys: torch.Tensor  # [layers, tokens, local heads, head_dim], at the entry's positions
     values: torch.Tensor
-    rotation: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin of actual - virtual position
+    # cos, sin of actual - virtual position (plus the chunk's shift where it is ``placed``)
+    rotation: tuple[torch.Tensor, torch.Tensor] | None
     slots: torch.Tensor
 
 
@@ -90,6 +91,9 @@ class Loads:
         # fault in every page of it first (~2 GB/s, slower than the copy itself).
         self._staging = torch.empty(0, dtype=torch.uint8)
         self._writers: ThreadPoolExecutor | None = None
+        # This step's chunks loaded where they are attended, per request (start -> shift;
+        # ``RequestPlan.placed``): those of requests whose every load read back.
+        self.placed: dict[str, dict[int, int]] = {}
 
     def place_threads(self) -> None:
         """Where the load threads run: vLLM has bound this thread to its compute cores by
@@ -106,13 +110,15 @@ class Loads:
 
     # A step ---------------------------------------------------------------------------------
 
-    def start(self, metadata: ChunkStoreMetadata) -> None:
+    def start(self, metadata: ChunkStoreMetadata, place: bool = False) -> None:
         """Read and check every entry now, all at once over two threads (the model waits
         for this step's loads: its cores are idle). An exact prefix entry stored as this
         cache's own blocks is read straight into them, and is done; every other entry is
         read into a staging buffer, then written into the cache layer by layer on a
-        background thread (``LayerLoads``) while the model computes, or all at once."""
+        background thread (``LayerLoads``) while the model computes, or all at once.
+        ``place``: the isolation hook moves chunks (``placed``)."""
         self.finish()  # a previous step's, should vLLM not have asked for its results
+        self.placed = {}
         loads = [(plan, item) for plan in metadata.requests for item in plan.loads]
         if not loads:
             return
@@ -131,6 +137,15 @@ class Loads:
         verdicts, via_shm = self._read([loads[i] for i in readable], [targets[i] for i in readable])
         for i, verdict in zip(readable, verdicts, strict=True):
             failures[i] = verdict
+        # A chunk that moves this step (relevant_last) is loaded rotated to where it is
+        # attended, not rotated again in the cache by the hook: unless one of its request's
+        # loads failed (that step is computed again, and moves what it kept).
+        failed = {loads[i][0].req_id for i, failure in enumerate(failures) if failure}
+        self.placed = {
+            plan.req_id: placed
+            for plan in metadata.requests
+            if place and plan.req_id not in failed and (placed := plan.placed())
+        }
         fetched = self._settle(loads, failures, pieces, buffers, via_shm)
         read = time.perf_counter() - began
         self.stats.add("read_seconds", read)
@@ -383,6 +398,7 @@ class Loads:
         rows = slice(item.entry_offset, item.entry_offset + item.num_tokens)
         heads = self.cache.heads.local_slice()
         delta = item.actual_start - item.entry_offset - layout.virtual_start
+        delta += self.placed.get(plan.req_id, {}).get(item.actual_start, 0)
         return Fetched(
             plan,
             item,

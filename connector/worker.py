@@ -138,7 +138,13 @@ class WorkerSide:
             why = f"it serves vLLM's CPU attention only, not a {access.layout.name} cache"
         if why is None:
             assert isinstance(access, CpuKVLayout)
-            hook = IsolationHook(access, self.keys.rotary, self.config, self.saves.isolation_missed)
+            hook = IsolationHook(
+                access,
+                self.keys.rotary,
+                self.config,
+                self.saves.isolation_missed,
+                lambda req_id: self.loads.placed.get(req_id, {}),
+            )
             why = hook.install(self.vllm_config, [name for name, _ in self.cache.layers])
             if why is None:
                 self.hook = hook
@@ -170,7 +176,7 @@ class WorkerSide:
             self.hook.begin_step(metadata.requests)
 
     def start_load_kv(self, metadata: ChunkStoreMetadata) -> None:
-        self.loads.start(metadata)
+        self.loads.start(metadata, place=self.hook is not None)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self.loads.wait(layer_name)
