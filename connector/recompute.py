@@ -5,14 +5,16 @@ way of blending them (their KV recomputed layer by layer, seeing everything befo
 every other chunk token keeps its isolated KV).
 
 vLLM computes only a suffix of a request, and the chunks are the prefix the store loads,
-so the selected tokens cannot be scheduled. The hook runs them itself, beside vLLM's batch:
-in the step that computes the first causal row after the chunks, at each layer, after the
-chunk rows and before the causal rows, it takes the selected tokens' hidden states through
-the layer with vLLM's own modules (norms, projections, rotary, MLP), attention against the
-request's cache (sys, the chunks, the recomputed tokens in place of their isolated copies,
-causally), and writes their new KV over the isolated one. The causal rows, this step's and
-every later one (decode), then read the blend from vLLM's cache with vLLM's kernel, and the
-same happens whether the chunks were loaded or computed in the request.
+so the selected tokens cannot be scheduled. The hook runs them itself in the step that
+computes the first causal row after the chunks: they ride in vLLM's batch, rows after its
+own (``Recomputer.ride``: vLLM's embedding, norms, projections, rotary and MLP take them,
+one pass over the weights), or, where vLLM compiles the model, take each layer's modules
+in a pass of their own (``Recomputer.layer``). At each layer, after the chunk rows and
+before the causal rows, the hook computes their attention against the request's cache
+(sys, the chunks, the recomputed tokens in place of their isolated copies, causally) and
+writes their new KV over the isolated one. The causal rows, this step's and every later
+one (decode), then read the blend from vLLM's cache with vLLM's kernel, and the same
+happens whether the chunks were loaded or computed in the request.
 
 The same machinery recomputes whole chunks (``recompute_chunks``, chosen by ``selection``),
 wherever they stand among the chunks: each selected token sees the cache before it, the
