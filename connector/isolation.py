@@ -233,7 +233,7 @@ class IsolationHook:
         rotary: RotaryConfig,
         config: ConnectorConfig,
         on_miss: Callable[[str], None],
-        placed: Callable[[str], dict[int, int]] = lambda req_id: {},
+        placed: Callable[[str], dict[int, int] | None] = lambda req_id: {},
     ) -> None:
         self.layout = layout
         self.rotary = rotary
@@ -243,7 +243,9 @@ class IsolationHook:
         self.temperature = config.question_temperature
         self.log_scale = math.log(config.question_scale)
         self.on_miss = on_miss  # a planned request not found in the batch (computed causally)
-        self.placed = placed  # a request's chunks its loads put where they are attended
+        # A request's chunks its loads put where they are attended (None: a load failed,
+        # so nothing of it moves in this step, which vLLM computes again)
+        self.placed = placed
         self.recomputes = bool(config.recompute_tokens or config.recompute_chunks)
         self.rides = config.recompute_in_vllm_batch
         self.recomputer: Recomputer | None = None
@@ -466,7 +468,7 @@ class IsolationHook:
                     rotation_table(self.rotary, shift, end - start),
                 )
                 for start, end, shift in step.moves
-                if start not in placed
+                if placed is not None and start not in placed
             ]
         chunk_rows = [rows for rows in hook_rows if rows.chunks_end == 0]
         self.isolated_tokens += sum(rows.count for rows in chunk_rows)

@@ -92,8 +92,9 @@ class Loads:
         self._staging = torch.empty(0, dtype=torch.uint8)
         self._writers: ThreadPoolExecutor | None = None
         # This step's chunks loaded where they are attended, per request (start -> shift;
-        # ``RequestPlan.placed``): those of requests whose every load read back.
-        self.placed: dict[str, dict[int, int]] = {}
+        # ``RequestPlan.placed``): those of requests whose every load read back; None for a
+        # request one of whose loads failed (``moved_by_load``).
+        self.placed: dict[str, dict[int, int] | None] = {}
 
     def place_threads(self) -> None:
         """Where the load threads run: vLLM has bound this thread to its compute cores by
@@ -139,19 +140,25 @@ class Loads:
             failures[i] = verdict
         # A chunk that moves this step (relevant_last) is loaded rotated to where it is
         # attended, not rotated again in the cache by the hook: unless one of its request's
-        # loads failed (that step is computed again, and moves what it kept).
+        # loads failed (vLLM computes it again from the first failed block: the step that
+        # does moves each chunk once).
         failed = {loads[i][0].req_id for i, failure in enumerate(failures) if failure}
-        self.placed = {
-            plan.req_id: placed
-            for plan in metadata.requests
-            if place and plan.req_id not in failed and (placed := plan.placed())
-        }
+        if place:
+            self.placed = {plan.req_id: plan.placed() for plan in metadata.requests}
+            self.placed.update(dict.fromkeys(failed))
         fetched = self._settle(loads, failures, pieces, buffers, via_shm)
         read = time.perf_counter() - began
         self.stats.add("read_seconds", read)
         self.stats.add("load_seconds", read)
         if fetched:
             self._layer_loads = self._staged_writes(fetched)
+
+    def moved_by_load(self, req_id: str) -> dict[int, int] | None:
+        """The chunks of a request this step's loads put where they are attended (start ->
+        shift), or None where one of its loads failed: vLLM drops the step's result for it
+        and computes it again from the first failed block, so nothing of it may move now
+        (the chunks the failed step kept would move twice)."""
+        return self.placed.get(req_id, {})
 
     def wait(self, layer_name: str) -> None:
         """Before a layer's attention: until its loads are in the cache."""
@@ -398,7 +405,7 @@ class Loads:
         rows = slice(item.entry_offset, item.entry_offset + item.num_tokens)
         heads = self.cache.heads.local_slice()
         delta = item.actual_start - item.entry_offset - layout.virtual_start
-        delta += self.placed.get(plan.req_id, {}).get(item.actual_start, 0)
+        delta += (self.placed.get(plan.req_id) or {}).get(item.actual_start, 0)
         return Fetched(
             plan,
             item,

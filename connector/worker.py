@@ -143,7 +143,7 @@ class WorkerSide:
                 self.keys.rotary,
                 self.config,
                 self.saves.isolation_missed,
-                lambda req_id: self.loads.placed.get(req_id, {}),
+                self.loads.moved_by_load,
             )
             why = hook.install(self.vllm_config, [name for name, _ in self.cache.layers])
             if why is None:
