@@ -119,7 +119,6 @@ class Loads:
         background thread (``LayerLoads``) while the model computes, or all at once.
         ``place``: the isolation hook moves chunks (``placed``)."""
         self.finish()  # a previous step's, should vLLM not have asked for its results
-        self.placed = {}
         loads = [(plan, item) for plan in metadata.requests for item in plan.loads]
         if not loads:
             return
@@ -168,7 +167,10 @@ class Loads:
     def finish(self) -> None:
         """End of the step: the background loads are done. If the model did not wait for
         every layer it may have read one before it was loaded: those loads count as failed
-        and vLLM computes them (never wrong KV); overlap is turned off from then on."""
+        and vLLM computes them (never wrong KV); overlap is turned off from then on. What
+        was placed is forgotten: vLLM starts a step's loads after its forward where the step
+        loads nothing, so the next forward must not see this step's."""
+        self.placed = {}
         loads, self._layer_loads = self._layer_loads, None
         if loads is None:
             return

@@ -1,5 +1,6 @@
 """What tests store in a daemon, and how they wait on it: distinct entry keys, seeded random
-KV tensors, and polling until a background effect (a lease expiring, a pull landing) shows."""
+KV tensors, an entry gone bad in the pool, and polling until a background effect (a lease
+expiring, a pull landing) shows."""
 
 from __future__ import annotations
 
@@ -23,6 +24,20 @@ def random_kv(
     shape = (2, tokens, heads, head_dim)
     keys, values = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
     return (keys.to(dtype), values.to(dtype)) if dtype is not None else (keys, values)
+
+
+def corrupt_entry(daemon: Any, key: bytes) -> None:
+    """Flip one byte of a stored entry in the shared-memory pool itself (a daemon started by
+    the tests' ``serve``): its next read fails its checksum."""
+    from chunkstore.client import ChunkStoreClient
+    from chunkstore.protocol.shm import map_shared_pool
+
+    with ChunkStoreClient(daemon.unix) as client:
+        [entry] = client.acquire([key])
+        assert entry is not None, "no entry under that key"
+        region = map_shared_pool(daemon.ready["shm_path"], client.stats().bytes_capacity)
+        region[entry.blocks[0] * client.block_size + 7] ^= 0xFF
+        client.release([entry.lease_id])
 
 
 def wait_for(condition: Callable[[], object], timeout: float = 10.0) -> None:

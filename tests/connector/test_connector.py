@@ -21,6 +21,7 @@ from chunkstore.processes.daemon import RunningDaemon
 from chunkstore.processes.redis import RedisServer
 from chunkstore.processes.vllm_probe import run_probe
 from chunkstore.reference import HFReference, default_reference, default_treatment
+from chunkstore.testing.entries import corrupt_entry
 from chunkstore.testing.scenario import (
     DOCS,
     OTHER_SYS,
@@ -351,14 +352,6 @@ def corrupt_sys_entry(daemon: RunningDaemon, model: Path, sys_tokens: list[int])
     as the connector computes it in vLLM's processes."""
     from chunkstore.kv.fingerprint import fingerprint_of_folder
     from chunkstore.kv.keys import segment_key
-    from chunkstore.protocol.shm import map_shared_pool
 
     fp = fingerprint_of_folder(model, "float32")
-    key = segment_key(fp.model_fp, fp.layout_fp, b"", sys_tokens)
-    with ChunkStoreClient(daemon.unix) as client:
-        [entry] = client.acquire([key])
-        assert entry is not None, "the sys entry is not where its key says"
-        region = map_shared_pool(daemon.ready["shm_path"], client.stats().bytes_capacity)
-        offset = entry.blocks[0] * client.block_size + 7
-        region[offset] ^= 0xFF
-        client.release([entry.lease_id])
+    corrupt_entry(daemon, segment_key(fp.model_fp, fp.layout_fp, b"", sys_tokens))

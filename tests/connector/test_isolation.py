@@ -24,6 +24,7 @@ from chunkstore.reference import (
     default_treatment,
     relative_error,
 )
+from chunkstore.testing.entries import corrupt_entry
 from chunkstore.testing.scenario import (
     DOCS,
     QUESTIONS,
@@ -579,6 +580,36 @@ def test_the_first_chunk_stays_shared_in_vllm_prefix_cache_with_first_tokens_rec
     assert shared["connector"]["loaded_tokens"] <= stored_run - 2 * 128  # vLLM had blocks 0-1
     assert shared["connector"]["recomputed_chunks"] == 1
     assert_same_answer(shared, loaded)
+
+
+def test_a_load_that_fails_in_the_step_that_moves_chunks_moves_each_once(
+    tiny_model_dir, daemon, tmp_path
+) -> None:
+    """Every chunk stored, the one the question names attended last (moved, not
+    recomputed), and the entry of a chunk a cache block after it gone bad: its load fails
+    its checksum, vLLM drops the step and computes the request again from that block. The
+    chunks ahead of it that the failed step kept (the named one among them) must move once,
+    in the step that computes the question again, not in the failed step too: the answer is
+    the one with the named chunk attended last."""
+    s = Scenario(tiny_model_dir)
+    docs = [DOCS[0], DOCS[2], long_text(150, seed=11), DOCS[1]]  # Everest's the second
+    prompt = s.prompt(SYS, docs, QUESTIONS[1])
+    segments = prompt.segments
+    # Sys, the first chunk and Everest's in block 0; the bad one from block 1 on (CPU: 128).
+    assert segments[2].end <= VLLM_CPU_BLOCK <= segments[4].start
+    connector = {"address": daemon.unix, "relevant_last": 1, "relevant_recompute_tokens": 0}
+    named = {"chunk_scores": [0.0, 1.0, 0.0, 0.0]}
+    ask = {"prompt_token_ids": list(prompt.token_ids), "kv_transfer_params": named}
+    run_probe(
+        tiny_model_dir, [list(s.prompt(SYS, docs, None).token_ids)], tmp_path / "in", connector
+    )
+    corrupt_entry(daemon, chunk_key(tiny_model_dir, prompt, 4))
+    [failed] = run_probe(tiny_model_dir, [ask], tmp_path / "ask", connector, stats=True)
+    assert failed["connector"]["load_failures"] == 1
+    shifts = {2: len(segments[3]) + len(segments[4]), 3: -len(segments[2]), 4: -len(segments[2])}
+    ref = HFReference.load(tiny_model_dir)
+    moved = ref.assembled_cache(segments, Isolation.SYS, shifts=shifts).logits[-1]
+    assert_logprobs_match(failed, moved)
 
 
 def assert_stored_as_isolated(ref, stored, segments, index: int, gap: int = 0) -> None:
