@@ -89,6 +89,7 @@ class WorkerSide:
             self.cache.pack(self.cache.access.packing(self.cache.layers, self.keys.kv_dtype))
         if self.cache.readable and isinstance(self.cache.access, CpuKVLayout):
             self.cache.access.warm_up(*self.cache.layers[0], self.keys.rotary)
+        self.link.connect_early()
         if self.config.inband_isolation:
             self._install_hook()
 

@@ -26,3 +26,22 @@ def test_a_restarted_daemon_is_used_again_and_the_lost_session_counted(serve) ->
         assert link.failures == 0
     finally:
         link.close()
+
+
+def test_connecting_at_start_up_opens_the_session_or_leaves_the_first_request_to_retry(
+    serve, tmp_path
+) -> None:
+    absent = DaemonLink(
+        ConnectorConfig(address=f"unix:{tmp_path}/none.sock"), "test", ConnectorStats()
+    )
+    absent.connect_early()  # warned, not waited out: the first request tries again
+    assert absent.failures == 1
+    assert absent.get() is None and absent.failures == 2
+    daemon = serve()
+    link = DaemonLink(ConnectorConfig(address=daemon.unix), "test", ConnectorStats())
+    try:
+        assert daemon.scrape()["chunkstore_sessions"] == 0
+        link.connect_early()
+        assert daemon.scrape()["chunkstore_sessions"] == 1 and link.failures == 0
+    finally:
+        link.close()

@@ -65,6 +65,9 @@ def test_chat_requests_from_the_openai_client_load_every_ingested_document(
     settings = {"address": daemon.unix, "min_chunk_tokens": 4}
     server = VllmServer(smollm2_dir, tmp_path / "vllm", settings)
     try:
+        # The worker has its session before any request (the pool mapped and populated at
+        # start-up: the first requests paid ~0.6 s of it in bench workload's cold burst).
+        assert daemon.scrape()["chunkstore_sessions"] == 1
         corpus = write_corpus(tmp_path / "corpus.jsonl", [*DOCS, MERGES])
         ingest = chunkstore(
             "ingest", corpus, "--model", smollm2_dir, "--chat", "--sys", SYS,
