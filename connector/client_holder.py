@@ -65,7 +65,7 @@ class DaemonLink:
 
     def connect_early(self) -> None:
         """Connect now, at start-up, not in the first request: the session, the pool's map
-        and its populating (a background thread, ~0.7 s of a core for an 800 MiB pool) then
+        and its populating (a background thread, ~0.3 s of a core for an 800 MiB pool) then
         cost the first requests nothing. Unreachable: warned as any failure, and the first
         request tries again."""
         if self.get() is None:
