@@ -66,7 +66,8 @@ def test_chat_requests_from_the_openai_client_load_every_ingested_document(
     server = VllmServer(smollm2_dir, tmp_path / "vllm", settings)
     try:
         # The worker has its session before any request (the pool mapped and populated at
-        # start-up: the first requests paid ~0.6 s of it in bench workload's cold burst).
+        # start-up: 0.3 s of a core for 776 MiB, which bench workload's first cold burst
+        # paid beside vLLM's forward when the worker connected in the first request).
         assert daemon.scrape()["chunkstore_sessions"] == 1
         corpus = write_corpus(tmp_path / "corpus.jsonl", [*DOCS, MERGES])
         ingest = chunkstore(
