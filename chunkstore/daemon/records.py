@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from chunkstore.errors import InvalidRequest
 from chunkstore.kv.entry import EntryLayout
@@ -36,6 +37,9 @@ class Entry:
     spill: Spill = Spill.NONE
     tenant: str = ""  # whose namespace it is in ("" shared; tenants.py)
     rank: float = 0.0  # its place in the eviction order, set when it became evictable
+    # Its lease message less the lease's id and key (service.py's Acquire), made at its first
+    # lease and copied for each: its layout, bytes, blocks and checksum never change.
+    lease_message: Any = field(default=None, repr=False, compare=False)
 
 
 @dataclass

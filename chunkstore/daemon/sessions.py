@@ -12,7 +12,9 @@ index's lock held.
 
 from __future__ import annotations
 
+import os
 import secrets
+import struct
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -21,6 +23,9 @@ from chunkstore.errors import AlreadyExists, Busy, NotFound, SessionLost, WrongS
 from chunkstore.kv.entry import EntryLayout
 
 FINISHED_KEPT = 10_000  # recent reservations' outcomes kept for their sessions to ask about
+
+
+_IDS_DRAWN = 256  # lease and reservation ids drawn from the OS at once
 
 
 class Sessions:
@@ -42,6 +47,7 @@ class Sessions:
         # Recent reservations' outcomes, told only to the session that made each.
         self._finished: OrderedDict[int, tuple[str, str]] = OrderedDict()
         self._ids_used: set[int] = set()  # ids of live leases and reservations
+        self._spare_ids: list[int] = []  # random ids drawn ahead (_new_id)
         self.quarantined_blocks = 0
 
     # Sessions -----------------------------------------------------------------------------
@@ -199,9 +205,14 @@ class Sessions:
 
     def _new_id(self) -> int:
         """A lease or reservation id nobody holds: random, so one tenant's ids tell nothing
-        of how many others take (a counter did). Dropped from the set when its holder ends."""
+        of how many others take (a counter did). Dropped from the set when its holder ends.
+        Drawn from the OS ``_IDS_DRAWN`` at a time: one system call a lease cost an Acquire of
+        64 keys 70 us of its 0.78 ms."""
         while True:
-            candidate = secrets.randbits(62) + 1
+            if not self._spare_ids:
+                drawn = os.urandom(8 * _IDS_DRAWN)
+                self._spare_ids = [(v >> 2) + 1 for v in struct.unpack(f"<{_IDS_DRAWN}Q", drawn)]
+            candidate = self._spare_ids.pop()  # 62 random bits, never 0
             if candidate not in self._ids_used and candidate not in self._finished:
                 self._ids_used.add(candidate)
                 return candidate

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import itertools
 import mmap
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -95,7 +96,7 @@ class Pieces:
 
     def __init__(self, parts: Sequence[np.ndarray]) -> None:
         self.parts = list(parts)
-        self.ends = [int(end) for end in np.cumsum([p.shape[0] for p in self.parts])]
+        self.ends = list(itertools.accumulate(int(p.shape[0]) for p in self.parts))
         self.nbytes = self.ends[-1] if self.ends else 0
 
     def spans(self, lo: int, hi: int) -> Iterator[tuple[np.ndarray, int]]:
@@ -116,14 +117,17 @@ class Pieces:
 
 
 def _gather_stripe(
-    region: np.ndarray, blocks: Sequence[int], block_size: int, out: Pieces, stripe: int
+    region: np.ndarray, runs: Sequence[tuple[int, int]], out: Pieces, lo: int
 ) -> None:
-    lo, hi = stripe * STRIPE, min((stripe + 1) * STRIPE, out.nbytes)
+    """Copy the stripe at entry offset ``lo`` out of its ``runs`` (``extents``) into ``out``."""
     at = lo
-    for start, length in extents(blocks, block_size, lo, hi):
-        for piece, offset in out.spans(at, at + length):
-            source = start + offset - at
-            streamcopy.copy(piece, region[source : source + piece.shape[0]])
+    for start, length in runs:
+        if len(out.parts) == 1:  # one array: no pieces to split the run over
+            streamcopy.copy(out.parts[0][at : at + length], region[start : start + length])
+        else:
+            for piece, offset in out.spans(at, at + length):
+                source = start + offset - at
+                streamcopy.copy(piece, region[source : source + piece.shape[0]])
         at += length
 
 
@@ -188,12 +192,11 @@ def gather_many(
     def work(picked: Sequence[int]) -> list[int]:
         hashed = []
         for i, stripe in (stripes[k] for k in picked):
-            blocks, out = reads[i][0], outs[i]
-            _gather_stripe(region, blocks, block_size, out, stripe)
+            lo = stripe * STRIPE
+            runs = list(extents(reads[i][0], block_size, lo, min(lo + STRIPE, outs[i].nbytes)))
+            _gather_stripe(region, runs, outs[i], lo)
             if digests is not None:
-                lo = stripe * STRIPE
-                hi = min(lo + STRIPE, out.nbytes)
-                hashed.append(_stripe_in_place(region, blocks, block_size, lo, hi))
+                hashed.append(_hash_runs(region, runs))
         return hashed
 
     if progress is None:
@@ -281,9 +284,17 @@ def _stripe_in_place(
     region: np.ndarray, blocks: Sequence[int], block_size: int, lo: int, hi: int
 ) -> int:
     """The digest of the entry's stripe [lo, hi), read where it lies in the pool."""
+    return _hash_runs(region, list(extents(blocks, block_size, lo, hi)))
+
+
+def _hash_runs(region: np.ndarray, runs: Sequence[tuple[int, int]]) -> int:
+    """xxh3-64 of the pool's bytes in ``runs`` (offset, length), in order."""
+    if len(runs) == 1:  # a stripe in consecutive blocks: one call
+        start, length = runs[0]
+        return xxhash.xxh3_64_intdigest(region[start : start + length].data)
     stripe = xxhash.xxh3_64()
-    for pool_at, length in extents(blocks, block_size, lo, hi):
-        stripe.update(region[pool_at : pool_at + length].data)
+    for start, length in runs:
+        stripe.update(region[start : start + length].data)
     return stripe.intdigest()
 
 

