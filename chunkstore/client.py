@@ -361,10 +361,14 @@ class ChunkStoreClient:
         )
         return [LeasedEntry.from_proto(lease) for lease in reply.leases]
 
-    def release(self, lease_ids: Sequence[int], shm_bytes_read: int = 0) -> None:
+    def release(self, lease_ids: Sequence[int], shm_bytes_read: int = 0, wait: bool = True) -> None:
         """End leases. ``shm_bytes_read``: bytes other clients copied out of the pool under
         them (see ``read_into``), for the daemon's transport metrics; reported even with no
         lease left to end (a request that finished before its readers reported).
+        ``wait=False``: return once the call is sent where the fast path carries it (a
+        round trip less per get: 0.21 ms of a 1 MiB get's ~0.33 here); its answer is read
+        before this client's next call, and a failure is logged, not raised. What was read
+        under the leases was checked already, so nothing depends on it.
 
         Raises:
             NotFound: a lease that is not held (it expired, or ended); ``SessionLost``: the
@@ -373,13 +377,15 @@ class ChunkStoreClient:
         if not lease_ids and not shm_bytes_read:
             return
         shm_bytes = shm_bytes_read + sum(self._shm_reads.pop(i, 0) for i in lease_ids)
-        self._session.call(
-            self.stub.Release,
-            lambda session: pb.ReleaseRequest(
+
+        def request(session: str) -> pb.ReleaseRequest:
+            return pb.ReleaseRequest(
                 session_id=session, lease_ids=list(lease_ids), shm_bytes_read=shm_bytes
-            ),
-            retry=False,
-        )
+            )
+
+        if not wait and self._session.calls.post(self.stub.Release, request(self.session)):
+            return
+        self._session.call(self.stub.Release, request, retry=False)
 
     def read_into(self, entry: LeasedEntry, out: torch.Tensor, session: str | None = None) -> None:
         """Copy a leased entry's bytes into ``out`` (uint8, nbytes long; on the CPU, or on the
@@ -489,6 +495,6 @@ class ChunkStoreClient:
             buffer = torch.empty(entry.nbytes, dtype=torch.uint8)
             self.read_into(entry, buffer)
         finally:
-            self.release([entry.lease_id])
+            self.release([entry.lease_id], wait=False)
         keys, values = tensors_of(buffer, entry.layout)
         return StoredKV(keys, values, entry.layout)

@@ -11,6 +11,8 @@ It starts a real daemon (and a real redis-server) on loopback and reports:
   re-hashes at commit only with ``--verify-commits true``), into an emptied key each round;
 - 64 entries of 1 MiB read one at a time (acquire, read, release each) and 64 per call (one
   acquire, one ``read_many``, one release);
+- every read ends with ``release(wait=False)``, as ``ChunkStoreClient.get`` does: the bytes
+  are in the tensor and checked when it is sent, and its answer is read before the next call;
 - with ``--readers``: the aggregate bandwidth of N reader processes reading the chunk.
 
 ``--tier disk`` runs the disk tier's bench instead (``bench/disk.py``).
@@ -200,7 +202,7 @@ def _reads(
             try:
                 client.read_into(entry, out)
             finally:
-                client.release([entry.lease_id])
+                client.release([entry.lease_id], wait=False)
 
         return read
 
@@ -322,7 +324,7 @@ def _small_gets(
             try:
                 client.read_into(entry, out)
             finally:
-                client.release([entry.lease_id])
+                client.release([entry.lease_id], wait=False)
 
     def per_call() -> None:
         entries = client.acquire(keys)
@@ -330,7 +332,7 @@ def _small_gets(
             assert all(entries)
             client.read_many(entries, outs)  # type: ignore[arg-type]
         finally:
-            client.release([e.lease_id for e in entries if e is not None])
+            client.release([e.lease_id for e in entries if e is not None], wait=False)
 
     ways: dict[str, Callable[[], object]] = {"one_at_a_time": one_at_a_time, "batch": per_call}
     if peer is not None:

@@ -14,10 +14,12 @@ Until an ``Auth`` frame carries a token the daemon admits, it reads no call's pa
 
 from __future__ import annotations
 
+import logging
 import socket
 import struct
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import grpc
 
@@ -40,6 +42,8 @@ AUTH, OK = 0, 0
 # it; it is what a peer not yet admitted can make the daemon read and keep per connection.
 MAX_TOKEN = 4 << 10
 _HEADER = struct.Struct("<IB")
+T = TypeVar("T")
+log = logging.getLogger("chunkstore.client")
 
 
 def fast_socket_path(grpc_socket: str) -> str:
@@ -98,7 +102,13 @@ def receive(sock: socket.socket) -> tuple[int, bytes] | None:
 class FastChannel:
     """A client's connection to the fast path: one call at a time (a lock), from any
     thread. Any failure of the connection itself closes it for good and raises
-    ``Unavailable``; the caller then goes back to gRPC."""
+    ``Unavailable``; the caller then goes back to gRPC.
+
+    ``post`` sends a call without waiting for its answer: the daemon answers a connection's
+    calls in order, so the answers owed are read (a failure logged) before the next call's,
+    or once ``MAX_OWED`` are owed (the daemon must never block on a full socket)."""
+
+    MAX_OWED = 64
 
     def __init__(self, path: str, token: str | None, timeout: float) -> None:
         auth = (token or "").encode()
@@ -107,6 +117,7 @@ class FastChannel:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
         self._lock = threading.Lock()
+        self._owed: list[str] = []  # the calls posted whose answers are not read yet
         try:
             self._sock.connect(path)
             self._exchange(AUTH, auth)  # a round trip: the path is served, the token admitted
@@ -116,30 +127,66 @@ class FastChannel:
 
     def call(self, name: str, request: Any) -> Any:
         _, reply_type = METHODS[name]
-        message = request.SerializeToString()
-        if len(message) > MAX_MESSAGE:  # refused before it is sent, as gRPC does
-            raise Exhausted(
-                f"RESOURCE_EXHAUSTED: a {name} of {len(message)} bytes (at most {MAX_MESSAGE})"
-            )
-        payload = self._exchange(KINDS[name], message)
+        payload = self._exchange(KINDS[name], _message(name, request))
         return reply_type.FromString(payload)
+
+    def post(self, name: str, request: Any) -> None:
+        """Send the call; its answer is read later, and a failure only logged."""
+        message = _message(name, request)
+        with self._lock:
+            if len(self._owed) >= self.MAX_OWED:
+                self._settle()
+            self._guarded(lambda: send(self._sock, KINDS[name], message))
+            self._owed.append(name)
 
     def _exchange(self, kind: int, payload: bytes) -> bytes:
         with self._lock:
+            self._settle()
+            self._guarded(lambda: send(self._sock, kind, payload))
+            return _answer(self._receive())
+
+    def _settle(self) -> None:
+        """Read the answers owed to posted calls (holding the lock)."""
+        while self._owed:
+            frame = self._receive()
+            name = self._owed.pop(0)
             try:
-                send(self._sock, kind, payload)
-                frame = receive(self._sock)
-            except (OSError, EOFError, StoreError) as err:
-                self._sock.close()
-                raise Unavailable(f"the fast path failed: {err}") from None
+                _answer(frame)
+            except StoreError as err:
+                log.warning("a %s sent without waiting failed: %s", name, err)
+
+    def _receive(self) -> tuple[int, bytes]:
+        frame = self._guarded(lambda: receive(self._sock))
         if frame is None:
             self._sock.close()
             raise Unavailable("the daemon closed the fast path")
-        status, body = frame
-        if status == OK:
-            return body
-        code = CODES[status - 1] if status <= len(CODES) else "UNKNOWN"
-        raise error_of(code, body.decode(errors="replace"))
+        return frame
+
+    def _guarded(self, step: Callable[[], T]) -> T:
+        """``step`` on the socket; a failure of the connection closes it as ``Unavailable``."""
+        try:
+            return step()
+        except (OSError, EOFError, StoreError) as err:
+            self._sock.close()
+            raise Unavailable(f"the fast path failed: {err}") from None
 
     def close(self) -> None:
         self._sock.close()
+
+
+def _message(name: str, request: Any) -> bytes:
+    message: bytes = request.SerializeToString()
+    if len(message) > MAX_MESSAGE:  # refused before it is sent, as gRPC does
+        raise Exhausted(
+            f"RESOURCE_EXHAUSTED: a {name} of {len(message)} bytes (at most {MAX_MESSAGE})"
+        )
+    return message
+
+
+def _answer(frame: tuple[int, bytes]) -> bytes:
+    """A reply's payload, or the typed error the frame carries."""
+    status, body = frame
+    if status == OK:
+        return body
+    code = CODES[status - 1] if status <= len(CODES) else "UNKNOWN"
+    raise error_of(code, body.decode(errors="replace"))

@@ -86,6 +86,20 @@ class DaemonCalls:
         except grpc.RpcError as err:
             raise typed_error(err) from None
 
+    def post(self, method: Any, request: Any) -> bool:
+        """Send ``method`` (a stub's) over the fast path without waiting for its answer
+        (``FastChannel.post``); False where there is no fast path (nothing was sent)."""
+        fast = self._fast
+        if fast is None or method not in self._fast_names:
+            return False
+        try:
+            fast.post(self._fast_names[method], request)
+        except Unavailable as exc:
+            self._fast = None
+            log.warning("%s; the control calls over gRPC from now on", exc)
+            raise
+        return True
+
     def close(self) -> None:
         if self._fast is not None:
             self._fast.close()

@@ -6,6 +6,7 @@ no more than a token; a client without it uses gRPC."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import struct
@@ -67,6 +68,37 @@ def test_the_fast_path_keeps_the_token_rules(serve) -> None:
     for token in (None, "wrong"):  # refused at its Auth frame, before any call
         with pytest.raises(Unauthenticated, match="bearer token"):
             FastChannel(running.ready["fast"], token, 5.0)
+
+
+def test_a_release_sent_without_waiting_ends_its_leases_before_the_next_call(
+    daemon: RunningDaemon, caplog: pytest.LogCaptureFixture
+) -> None:
+    keys = [entry_key(i) for i in range(3)]
+    with ChunkStoreClient(daemon.unix) as client, ChunkStoreClient(daemon.unix) as other:
+        for key in keys:
+            assert client.put(key, *random_kv(5), virtual_start=0)
+        leases = client.acquire(keys)
+        client.release([lease.lease_id for lease in leases if lease is not None], wait=False)
+        assert client.stats().active_leases == 0  # its answer was read before this one's
+        # A failed one is logged, not raised, and the calls after it are answered as ever;
+        # past MAX_OWED the answers are read before the next is sent (nothing blocks).
+        with caplog.at_level(logging.WARNING, logger="chunkstore.client"):
+            for lease_id in range(1, FastChannel.MAX_OWED + 3):
+                client.release([lease_id], wait=False)
+            assert client.fast and client.lookup(keys)[0] is not None
+        failed = [r for r in caplog.records if "a Release sent without waiting failed" in r.message]
+        assert len(failed) == FastChannel.MAX_OWED + 2
+        assert "no lease 1 in session" in failed[0].message
+        # Without a fast path it waits, as before, and raises.
+        os.unlink(daemon.ready["fast"])
+        with ChunkStoreClient(daemon.unix) as slow:
+            assert not slow.fast
+            [lease] = slow.acquire(keys[:1])
+            assert lease is not None
+            slow.release([lease.lease_id], wait=False)
+            assert other.stats().active_leases == 0
+            with pytest.raises(NotFound):
+                slow.release([lease.lease_id], wait=False)
 
 
 def _raw(path: str) -> socket.socket:
