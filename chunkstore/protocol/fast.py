@@ -14,10 +14,12 @@ Until an ``Auth`` frame carries a token the daemon admits, it reads no call's pa
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -51,7 +53,7 @@ def fast_socket_path(grpc_socket: str) -> str:
 
 
 def send(sock: socket.socket, kind: int, payload: bytes) -> None:
-    sock.sendall(_HEADER.pack(len(payload) + 1, kind) + payload)
+    sock.sendall(_frame(kind, payload))
 
 
 def _exactly(sock: socket.socket, n: int) -> bytes | None:
@@ -104,11 +106,16 @@ class FastChannel:
     thread. Any failure of the connection itself closes it for good and raises
     ``Unavailable``; the caller then goes back to gRPC.
 
-    ``post`` sends a call without waiting for its answer: the daemon answers a connection's
-    calls in order, so the answers owed are read (a failure logged) before the next call's,
-    or once ``MAX_OWED`` are owed (the daemon must never block on a full socket)."""
+    ``post`` makes a call without waiting for its answer: its frame goes out with the next
+    call's (one wake-up of the daemon for both: a get's release rides on the next get's
+    acquire), or alone ``SEND_POSTED_S`` after it if no call comes (a thread of its own).
+    The daemon answers a connection's calls in order, so the answers owed are read (a
+    failure logged) before the next call's, or once ``MAX_OWED`` are owed (the daemon must
+    never block on a full socket)."""
 
     MAX_OWED = 64
+    SEND_POSTED_S = 0.002
+    IDLE_S = 1.0
 
     def __init__(self, path: str, token: str | None, timeout: float) -> None:
         auth = (token or "").encode()
@@ -118,6 +125,12 @@ class FastChannel:
         self._sock.settimeout(timeout)
         self._lock = threading.Lock()
         self._owed: list[str] = []  # the calls posted whose answers are not read yet
+        self._unsent: list[bytes] = []  # the frames of posted calls not sent yet
+        self._posted_at = 0.0  # when the first of them was posted
+        self._posted = threading.Condition(self._lock)
+        self._sender: threading.Thread | None = None
+        self._sender_idle = False
+        self._closed = False
         try:
             self._sock.connect(path)
             self._exchange(AUTH, auth)  # a round trip: the path is served, the token admitted
@@ -131,19 +144,64 @@ class FastChannel:
         return reply_type.FromString(payload)
 
     def post(self, name: str, request: Any) -> None:
-        """Send the call; its answer is read later, and a failure only logged."""
-        message = _message(name, request)
+        """Make the call later (``FastChannel``); its answer is read later, and a failure
+        only logged."""
+        frame = _frame(KINDS[name], _message(name, request))
         with self._lock:
             if len(self._owed) >= self.MAX_OWED:
+                self._send_unsent()
                 self._settle()
-            self._guarded(lambda: send(self._sock, KINDS[name], message))
+            if not self._unsent:
+                self._posted_at = time.monotonic()
+            if self._sender_idle:
+                self._posted.notify()
+            self._unsent.append(frame)
             self._owed.append(name)
+            if self._sender is None:
+                self._sender = threading.Thread(
+                    target=self._send_posted, name="chunkstore-fast-post", daemon=True
+                )
+                self._sender.start()
+
+    def sync(self) -> None:
+        """Send what was posted and read every answer owed: all the calls made so far are
+        done (before a call that does not go this way)."""
+        with self._lock:
+            self._send_unsent()
+            self._settle()
 
     def _exchange(self, kind: int, payload: bytes) -> bytes:
         with self._lock:
+            self._send_unsent(_frame(kind, payload))
             self._settle()
-            self._guarded(lambda: send(self._sock, kind, payload))
             return _answer(self._receive())
+
+    def _send_unsent(self, frame: bytes = b"") -> None:
+        """The posted frames, then ``frame``, in one write (holding the lock)."""
+        data = b"".join([*self._unsent, frame])
+        self._unsent.clear()
+        if data:
+            self._guarded(lambda: self._sock.sendall(data))
+
+    def _send_posted(self) -> None:
+        """Send posted frames no call took within ``SEND_POSTED_S``: it looks every
+        ``SEND_POSTED_S`` while posts come, and sleeps after ``IDLE_S`` without one (a
+        post wakes it then). Waking it at every post cost a get more than it saved."""
+        with self._lock:
+            while not self._closed:
+                now = time.monotonic()
+                if self._unsent and now - self._posted_at >= self.SEND_POSTED_S:
+                    try:
+                        self._send_unsent()
+                    except Unavailable as err:  # the next call finds the connection closed
+                        log.warning("posted calls not sent: %s", err)
+                        return
+                if self._unsent or now - self._posted_at < self.IDLE_S:
+                    self._posted.wait(self.SEND_POSTED_S)
+                else:
+                    self._sender_idle = True
+                    self._posted.wait()
+                    self._sender_idle = False
 
     def _settle(self) -> None:
         """Read the answers owed to posted calls (holding the lock)."""
@@ -171,7 +229,17 @@ class FastChannel:
             raise Unavailable(f"the fast path failed: {err}") from None
 
     def close(self) -> None:
-        self._sock.close()
+        """Close the connection, once what was posted is sent (best effort)."""
+        with self._lock:
+            self._closed = True
+            self._posted.notify()
+            with contextlib.suppress(Unavailable):
+                self._send_unsent()
+            self._sock.close()
+
+
+def _frame(kind: int, payload: bytes) -> bytes:
+    return _HEADER.pack(len(payload) + 1, kind) + payload
 
 
 def _message(name: str, request: Any) -> bytes:

@@ -74,9 +74,13 @@ class DaemonCalls:
     def call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
         """``method`` (a stub's) with ``request``: its reply, or the typed error."""
         fast = self._fast
-        if fast is not None and method in self._fast_names:
+        if fast is not None:
             try:
-                return fast.call(self._fast_names[method], request)
+                if method not in self._fast_names:
+                    fast.sync()  # what was posted is done first, as over the fast path
+                    fast = None
+                else:
+                    return fast.call(self._fast_names[method], request)
             except Unavailable as exc:  # the connection itself failed: gRPC from now on
                 self._fast = None
                 log.warning("%s; the control calls over gRPC from now on", exc)

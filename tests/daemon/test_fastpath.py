@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 import struct
+import time
 
 import pytest
 
@@ -79,7 +80,15 @@ def test_a_release_sent_without_waiting_ends_its_leases_before_the_next_call(
             assert client.put(key, *random_kv(5), virtual_start=0)
         leases = client.acquire(keys)
         client.release([lease.lease_id for lease in leases if lease is not None], wait=False)
-        assert client.stats().active_leases == 0  # its answer was read before this one's
+        assert client.stats().active_leases == 0  # sent and answered before this call
+        # With no call after it, it goes alone, soon (another client sees the lease end).
+        [lease] = client.acquire(keys[:1])
+        assert lease is not None and other.stats().active_leases == 1
+        client.release([lease.lease_id], wait=False)
+        deadline = time.monotonic() + 10
+        while other.stats().active_leases and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert other.stats().active_leases == 0
         # A failed one is logged, not raised, and the calls after it are answered as ever;
         # past MAX_OWED the answers are read before the next is sent (nothing blocks).
         with caplog.at_level(logging.WARNING, logger="chunkstore.client"):
