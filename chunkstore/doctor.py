@@ -343,7 +343,7 @@ def run(args: argparse.Namespace) -> int:
     if not model.is_dir():
         from chunkstore.models import model_dir
 
-        model = model_dir(args.model, log=lambda line: print(line, file=sys.stderr))
+        model = model_dir(args.model)
     deadline = time.monotonic() + args.max_minutes * 60
     progress = Progress(4 if args.answers else 3, quiet=args.json)
     report: dict[str, Any] = {"model": str(model)}

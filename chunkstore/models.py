@@ -269,8 +269,15 @@ _BUILDERS: dict[str, Callable[[Path, Callable[[str], None]], None]] = {
 }
 
 
-def model_dir(name: str, cache_dir: Path | None = None, log: Callable[[str], None] = print) -> Path:
-    """The folder of model ``name``, built on first use."""
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def model_dir(
+    name: str, cache_dir: Path | None = None, log: Callable[[str], None] = _to_stderr
+) -> Path:
+    """The folder of model ``name``, built on first use; its progress to ``log`` (standard
+    error: a bench's ``--json`` lines on standard output stay parseable)."""
     if name not in _BUILDERS:
         raise ValueError(f"unknown test model {name!r}; known: {', '.join(MODELS)}")
     root = cache_dir or default_cache_dir()

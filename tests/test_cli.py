@@ -89,6 +89,16 @@ def test_models_are_built_once_and_never_rebuilt(tmp_path: Path) -> None:
     assert not list(tmp_path.glob(".tiny.partial-*"))  # nothing half-built is left behind
 
 
+def test_a_model_built_on_first_use_says_so_on_stderr_not_among_json_lines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bench with ``--json`` builds its model on first use: its progress must not land
+    among the JSON lines on standard output (it did, with ``print``)."""
+    model_dir("tiny", tmp_path)
+    captured = capsys.readouterr()
+    assert captured.out == "" and "building test model 'tiny'" in captured.err
+
+
 def test_models_command_builds_nothing_that_is_present(tmp_path: Path) -> None:
     for name in DEFAULT_MODELS:
         (tmp_path / name).mkdir()

@@ -20,7 +20,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     for name in args.names or DEFAULT_MODELS:
         try:
-            built = model_dir(name, args.cache_dir, log=lambda line: print(line, file=sys.stderr))
+            built = model_dir(name, args.cache_dir)
         except ModelBuildError as error:
             print(f"chunkstore models: {name}: {error}", file=sys.stderr)
             return 1
