@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -75,16 +76,10 @@ class DaemonCalls:
         """``method`` (a stub's) with ``request``: its reply, or the typed error."""
         fast = self._fast
         if fast is not None:
-            try:
-                if method not in self._fast_names:
-                    fast.sync()  # what was posted is done first, as over the fast path
-                    fast = None
-                else:
-                    return fast.call(self._fast_names[method], request)
-            except Unavailable as exc:  # the connection itself failed: gRPC from now on
-                self._fast = None
-                log.warning("%s; the control calls over gRPC from now on", exc)
-                raise
+            name = self._fast_names.get(method)
+            if name is not None:
+                return self._on_fast(lambda: fast.call(name, request))
+            self._on_fast(fast.sync)  # what was posted is done first, as over the fast path
         try:
             return method(request, timeout=timeout or self.timeout, metadata=self.metadata)
         except grpc.RpcError as err:
@@ -93,16 +88,20 @@ class DaemonCalls:
     def post(self, method: Any, request: Any) -> bool:
         """Send ``method`` (a stub's) over the fast path without waiting for its answer
         (``FastChannel.post``); False where there is no fast path (nothing was sent)."""
-        fast = self._fast
-        if fast is None or method not in self._fast_names:
+        fast, name = self._fast, self._fast_names.get(method)
+        if fast is None or name is None:
             return False
+        self._on_fast(lambda: fast.post(name, request))
+        return True
+
+    def _on_fast(self, step: Callable[[], Any]) -> Any:
+        """``step`` on the fast path; a failure of the connection itself: gRPC from now on."""
         try:
-            fast.post(self._fast_names[method], request)
+            return step()
         except Unavailable as exc:
             self._fast = None
             log.warning("%s; the control calls over gRPC from now on", exc)
             raise
-        return True
 
     def close(self) -> None:
         if self._fast is not None:
