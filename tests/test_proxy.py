@@ -166,7 +166,14 @@ def post(url: str, body: object) -> tuple[int, dict]:
 @pytest.mark.parametrize(
     ("path", "body", "status", "says"),
     [
-        ("/v1/completions", {"prompt": "a", "n": 2}, 400, "n (and best_of)"),
+        ("/v1/completions", {"prompt": "a", "n": 2}, 400, "n must be 1"),
+        # Wrong types are the client's error (400), not the router's (500).
+        ("/v1/completions", {"prompt": "a", "n": "x"}, 400, "n must be 1"),
+        ("/v1/completions", {"prompt": "a", "best_of": [2]}, 400, "best_of must be 1"),
+        ("/v1/completions", {"prompt": "a", "max_tokens": "y"}, 400, "max_tokens must be"),
+        ("/v1/completions", {"prompt": "a", "max_tokens": 1.5}, 400, "max_tokens must be"),
+        ("/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens must be"),
+        ("/v1/chat/completions", {"messages": [], "max_tokens": {}}, 400, "max_tokens must be"),
         ("/v1/completions", {"prompt": ["a", "b"]}, 400, "one prompt"),
         ("/v1/completions", {"prompt": "a", "echo": True}, 400, "echo"),
         ("/v1/chat/completions", {"messages": []}, 400, "max_tokens"),

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import signal
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -337,3 +339,267 @@ def test_the_dashboards_router_row_shows_the_routers_series(stand, tmp_path) -> 
         assert not empty, empty
     finally:
         prometheus.stop()
+
+
+# -- callers the instance refuses, and the router's bounds on a request's work ----------------
+
+OPERATOR = "router-test-operator"
+AS_OPERATOR = {"x-chunkstore-operator": OPERATOR}
+
+
+@pytest.fixture(scope="module")
+def guarded(stand, tmp_path_factory) -> Iterator[RunningRouter]:
+    """A second router on the same instance, with an operator token and small bounds."""
+    router = RunningRouter(
+        tmp_path_factory.mktemp("guarded"),
+        "--instance",
+        stand.vllm.url,
+        "--address",
+        stand.daemon.unix,
+        "--model",
+        stand.model,
+        "--operator-token",
+        OPERATOR,
+        "--max-chunks",
+        "8",
+        "--max-prompts",
+        "4",
+        "--max-cold-per-client",
+        "6",
+    )
+    yield router
+    assert router.stop() == 0, router.log_path.read_text()
+
+
+def counters(router: RunningRouter) -> dict[str, float]:
+    """The router's counters and histogram counts, read as its operator."""
+    reply = httpx.get(
+        f"{router.url}/metrics", headers={"Authorization": f"Bearer {OPERATOR}"}, timeout=10
+    )
+    assert reply.status_code == 200, reply.text
+    found: dict[str, float] = {}
+    for line in reply.text.splitlines():
+        match = re.fullmatch(r"(chunkstore_router_\w+)(\{.*\})? (\S+)", line)
+        if match:
+            found[match[1] + (match[2] or "")] = float(match[3])
+    return found
+
+
+SENT = "chunkstore_router_cold_chunks_sent_total"
+TOKENIZED = 'chunkstore_router_upstream_seconds_count{phase="tokenize"}'
+
+
+def fallbacks(why: str) -> str:
+    return f'chunkstore_router_fallbacks_total{{why="{why}"}}'
+
+
+def fresh_docs(tag: str, count: int) -> list[str]:
+    return [
+        f"Record {tag}-{i}: the {tag} depot {i} holds {7 * i + 3} crates." for i in range(count)
+    ]
+
+
+def test_a_caller_the_instance_refuses_costs_no_work_and_learns_nothing(stand, guarded) -> None:
+    """No API key: the instance's 401, with no chunk sent, no prompt tokenized and no
+    x-chunkstore-* header (the router used to send a prefill per missing chunk, tell the
+    stored tokens, and tokenize each of a list's prompts first). The same documents asked
+    for with the key then: every chunk sent by that request and stored."""
+    prompts = RagPrompts.for_model(stand.model, RAG_SYS)
+    docs = fresh_docs("keyless", 6)
+    before = counters(guarded)
+    asked = {"model": str(stand.model), "max_tokens": 1}
+    for body in (
+        {"prompt": prompts.text(docs, QUESTION)},
+        {"prompt": [prompts.text(docs[:2], QUESTION)] * 3},
+    ):
+        for headers in ({}, {"Authorization": "Bearer wrong-key"}):
+            reply = httpx.post(
+                f"{guarded.url}/v1/completions", json=asked | body, headers=headers, timeout=60
+            )
+            assert reply.status_code == 401, reply.text
+            assert not [h for h in reply.headers if h.startswith("x-chunkstore")], reply.headers
+    after = counters(guarded)
+    assert after[SENT] == before[SENT]
+    assert after.get(TOKENIZED, 0) == before.get(TOKENIZED, 0)
+    # The key's holder: nothing of the refused requests stands in its way.
+    reply = httpx.post(
+        f"{guarded.url}/v1/completions",
+        json=asked | {"prompt": prompts.text(docs, QUESTION)},
+        headers=AUTH | AS_OPERATOR,
+        timeout=300,
+    )
+    assert reply.status_code == 200, reply.text
+    assert reply.headers["x-chunkstore-cold-chunks"] == "sent=6 joined=0 failed=0"
+
+
+def test_a_requests_work_is_bounded(stand, guarded) -> None:
+    """Past --max-chunks (8) or --max-prompts (4) the request is passed on as it came, with
+    no chunk sent and no prompt tokenized: the instance answers it."""
+    prompts = RagPrompts.for_model(stand.model, RAG_SYS)
+    before = counters(guarded)
+    asked = {"model": str(stand.model), "max_tokens": 1}
+    many = httpx.post(
+        f"{guarded.url}/v1/completions",
+        json=asked | {"prompt": prompts.text(fresh_docs("many", 12), QUESTION)},
+        headers=AUTH,
+        timeout=300,
+    )
+    assert many.status_code == 200, many.text
+    listed = httpx.post(
+        f"{guarded.url}/v1/completions",
+        json=asked | {"prompt": [prompts.text(fresh_docs("list", 2), QUESTION)] * 5},
+        headers=AUTH,
+        timeout=300,
+    )
+    assert listed.status_code == 200, listed.text
+    after = counters(guarded)
+    assert after[SENT] == before[SENT]
+    assert after[fallbacks("too_many_chunks")] == before[fallbacks("too_many_chunks")] + 1
+    assert after[fallbacks("too_many_prompts")] == before[fallbacks("too_many_prompts")] + 1
+    assert after.get(TOKENIZED, 0) == before.get(TOKENIZED, 0) + 1  # the 12 chunks' one prompt
+
+    # Past the client's share of cold chunks (--max-cold-per-client 6): the request computes
+    # the rest itself.
+    shared = httpx.post(
+        f"{guarded.url}/v1/completions",
+        json=asked | {"prompt": prompts.text(fresh_docs("share", 7), QUESTION)},
+        headers=AUTH | AS_OPERATOR,
+        timeout=300,
+    )
+    assert shared.headers["x-chunkstore-cold-chunks"] == "sent=6 joined=0 failed=0"
+    share = 'chunkstore_router_cold_chunks_failed_total{why="client_share"}'
+    assert counters(guarded)[share] == after[share] + 1
+
+
+def test_a_request_the_instance_will_refuse_is_passed_on_without_work(stand) -> None:
+    """A prompt over the model's context (--max-model-len 4096 here) in small chunks, and
+    max_tokens -1: the instance's 400, and not one chunk computed for it first."""
+    prompts = RagPrompts.for_model(stand.model, RAG_SYS)
+    before = stand.router_counters()
+    long_docs = fresh_docs("long", 300)  # ~20 tokens each: ~6,000 tokens in all
+    over = httpx.post(
+        f"{stand.router.url}/v1/completions",
+        json={"model": str(stand.model), "prompt": prompts.text(long_docs, QUESTION)},
+        headers=AUTH,
+        timeout=300,
+    )
+    assert over.status_code == 400, over.text
+    assert "context length" in over.json()["error"]["message"]
+    negative = httpx.post(
+        f"{stand.router.url}/v1/completions",
+        json={
+            "model": str(stand.model),
+            "prompt": prompts.text(fresh_docs("negative", 4), QUESTION),
+            "max_tokens": -1,
+        },
+        headers=AUTH,
+        timeout=300,
+    )
+    assert negative.status_code == 400, negative.text
+    after = stand.router_counters()
+    assert after[SENT] == before[SENT]
+    assert after[fallbacks("too_long")] == before[fallbacks("too_long")] + 1
+    assert after[fallbacks("refused_fields")] == before[fallbacks("refused_fields")] + 1
+
+
+def test_what_the_router_cannot_read_goes_to_the_instance_and_is_never_left_counted(
+    stand, guarded
+) -> None:
+    """Token IDs past any vocabulary and NaN are the instance's to judge (the router used to
+    answer 500, and a NaN it could not write back left the instance counted in flight for
+    ever, steering later traffic away from it)."""
+    url = f"{guarded.url}/v1/completions"
+    for ids in ([2**64], [-1], [1, 2**40]):
+        reply = httpx.post(
+            url, json={"model": str(stand.model), "prompt": ids, "max_tokens": 1}, headers=AUTH,
+            timeout=60,
+        )  # fmt: skip
+        assert reply.status_code == 400, reply.text  # vLLM's
+    for _ in range(3):
+        nan = httpx.post(
+            url,
+            content=b'{"model": "%s", "prompt": "Hello", "max_tokens": 2, "temperature": NaN}'
+            % str(stand.model).encode(),
+            headers=AUTH | {"content-type": "application/json"},
+            timeout=60,
+        )
+        assert nan.status_code != 500, nan.text
+    health = httpx.get(
+        f"{guarded.url}/health", headers={"Authorization": f"Bearer {OPERATOR}"}, timeout=10
+    )
+    assert [i["in_flight"] for i in health.json()["instances"]] == [0]
+
+
+def test_the_routers_internals_are_its_operators(stand, guarded) -> None:
+    """With --operator-token: instance URLs, the daemon's socket, in-flight counts, the
+    x-chunkstore-* headers and /metrics go only to a caller that presents it."""
+    prompts = RagPrompts.for_model(stand.model, RAG_SYS)
+    body = {
+        "model": str(stand.model),
+        "max_tokens": 1,
+        "prompt": prompts.text(RAG_DOCS[:2], QUESTION),
+    }
+    public = httpx.post(f"{guarded.url}/v1/completions", json=body, headers=AUTH, timeout=300)
+    assert public.status_code == 200
+    assert not [h for h in public.headers if h.startswith("x-chunkstore")], public.headers
+    told = httpx.post(
+        f"{guarded.url}/v1/completions", json=body, headers=AUTH | AS_OPERATOR, timeout=300
+    )
+    assert told.headers["x-chunkstore-instance"] == stand.vllm.url
+    health = httpx.get(f"{guarded.url}/health", timeout=10)
+    assert health.status_code == 200 and health.json() == {"status": "ok", "up": 1, "of": 1}
+    refused = httpx.get(f"{guarded.url}/metrics", timeout=10)
+    assert refused.status_code == 403
+    assert stand.vllm.url not in refused.text and str(stand.daemon.unix) not in refused.text
+    detail = httpx.get(f"{guarded.url}/health", headers=AS_OPERATOR, timeout=10).json()
+    assert detail["instances"][0]["daemon"] == str(stand.daemon.unix)
+
+
+def test_a_hung_daemon_is_waited_for_once_not_by_every_request(stand, tmp_path) -> None:
+    """A daemon that hangs (stopped, its socket still open): the first lookup waits out its
+    timeout, the requests queued behind it and those in the next --daemon-retry seconds
+    skip it at once (they used to wait their turn, 2 s each). Every request is answered."""
+    hung = start_daemon(tmp_path / "hung", pool_bytes=16 << 20, block_size=1 << 18)
+    router = RunningRouter(
+        tmp_path / "router",
+        "--instance",
+        f"{stand.vllm.url}={hung.unix}",
+        "--model",
+        stand.model,
+        "--daemon-retry",
+        "600",
+    )
+    hung.process.send_signal(signal.SIGSTOP)
+    try:
+        prompts = RagPrompts.for_model(stand.model, RAG_SYS)
+        body = {"model": str(stand.model), "max_tokens": 1}
+
+        def ask(k: int) -> int:
+            text = prompts.text(fresh_docs(f"hung{k}", 2), QUESTION)
+            reply = httpx.post(
+                f"{router.url}/v1/completions", json=body | {"prompt": text}, headers=AUTH,
+                timeout=300,
+            )  # fmt: skip
+            return reply.status_code
+
+        with ThreadPoolExecutor(4) as asking:
+            assert list(asking.map(ask, range(4))) == [200] * 4
+        assert ask(4) == 200
+        found = counters_of(router)
+        assert found[fallbacks("daemon_unreachable")] == 1, found
+        assert found[fallbacks("daemon_skipped")] == 4, found
+    finally:
+        hung.process.send_signal(signal.SIGCONT)
+        assert router.stop() == 0, router.log_path.read_text()
+        hung.stop()
+
+
+def counters_of(router: RunningRouter) -> dict[str, float]:
+    """A router without an operator token: its operators are on this host (the tests)."""
+    text = httpx.get(f"{router.url}/metrics", timeout=10).text
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        match = re.fullmatch(r"(chunkstore_router_\w+)(\{.*\})? (\S+)", line)
+        if match:
+            found[match[1] + (match[2] or "")] = float(match[3])
+    return found

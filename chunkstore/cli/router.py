@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -33,13 +34,27 @@ tokens, per request in flight there; health checked every few seconds, an instan
 cannot be connected to is skipped. --model, --dtype, --separator, --isolation and
 --virtual-gap must be the connector's: they make the keys (a mismatch is counted in
 chunkstore_router_cold_chunks_failed_total{why="not_stored"} and logged).
-See docs/router.md."""
+
+Callers: no work is done for a request, and nothing said of the store, before its instance
+admits the caller (GET /v1/models with the caller's API key, remembered --auth-ttl
+seconds): a caller the instance refuses gets the instance's 401 and nothing else. Operators
+(instance URLs, daemons, in-flight counts, the x-chunkstore-* reply headers, /metrics):
+callers with --operator-token (x-chunkstore-operator: TOKEN, or Authorization: Bearer on
+/metrics and /health); without a token, callers on this host only.
+
+Bounds (defaults a small deployment never reaches): refused with 413 (--max-body-bytes),
+408 (--body-timeout), a closed connection (--header-timeout), 503
+(--max-client-connections); passed on without the router's work, counted in
+chunkstore_router_fallbacks_total (--max-prompts, --max-chunks, and requests the instance
+would refuse); cold chunks wait for a turn (--max-cold-in-flight) or are left to the request
+(--max-cold-per-client). See docs/router.md."""
 
 
 def run(args: argparse.Namespace) -> int:
     from chunkstore.kv.keys import Isolation
     from chunkstore.router.app import RouterSettings
     from chunkstore.router.instances import parse_instance
+    from chunkstore.router.limits import Limits
     from chunkstore.router.plan import KeySpace
 
     if not args.instance and not (args.prefill and args.decode):
@@ -49,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         print("chunkstore router: --instance, or --prefill and --decode: not both", file=sys.stderr)
         return 2
     try:
+        limits = Limits(**{name: getattr(args, name) for name in LIMITS})
         routed = [parse_instance(t, args.address) for t in args.instance or args.prefill]
         decode = [parse_instance(t, args.address) for t in args.decode or []]
         keys = None
@@ -70,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
         max_connections=args.max_connections,
         health_interval=args.health_interval,
         daemon_token=args.token,
+        limits=limits,
+        operator_token=args.operator_token or os.environ.get("CHUNKSTORE_ROUTER_OPERATOR_TOKEN"),
     )
     return serve(settings, args.host, args.port, args.log_level)
 
@@ -80,6 +98,7 @@ def serve(settings: Any, host: str, port: int, log_level: str) -> int:
     import uvicorn
 
     from chunkstore.router.app import Router
+    from chunkstore.router.server import http_protocol
 
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -91,7 +110,15 @@ def serve(settings: Any, host: str, port: int, log_level: str) -> int:
         print(f"chunkstore: cannot listen on {host}:{port}: {err}", file=sys.stderr)
         return 2
     app = Router(settings).app()
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False))
+    limits = settings.limits
+    config = uvicorn.Config(
+        app,
+        log_level=log_level,
+        access_log=False,
+        http=http_protocol(limits.header_timeout),
+        limit_concurrency=limits.max_client_connections,
+    )
+    server = uvicorn.Server(config)
     bound, bound_port = listener.getsockname()[:2]
     print(json.dumps({"router": f"http://{bound}:{bound_port}"}), flush=True)
     # uvicorn stops gracefully on SIGTERM / SIGINT, then raises the signal again for the
@@ -152,6 +179,7 @@ def add_commands(commands: Any) -> None:
     router.add_argument(
         "--health-interval", type=float, default=5.0, help="seconds between health checks (5)"
     )
+    _add_bounds(router)
     router.add_argument(
         "--log-level",
         default="warning",
@@ -182,4 +210,37 @@ def _add_key_arguments(router: argparse.ArgumentParser) -> None:
         default=256,
         help="the connector's prefix_block_tokens (256): plain prompts' stored blocks count "
         "in the routing",
+    )
+
+
+# The router's bounds (chunkstore/router/limits.py): each flag, its default and what happens
+# past it ("no help": passed on without the router's work, counted in fallbacks_total).
+LIMITS = {
+    "max_body_bytes": (int, "a request body's bytes (32 MiB): 413, told while it is read"),
+    "body_timeout": (float, "seconds to read a request's body (60): 408"),
+    "header_timeout": (float, "seconds to send a request's headers (10): the connection closed"),
+    "max_client_connections": (int, "client connections at once (1024): 503 past it"),
+    "max_prompts": (int, "prompts of a request the router tokenizes (64): past it, no help"),
+    "max_chunks": (int, "pieces of a request (chunks, sys, prefix blocks) the router looks "
+                   "up and stores (1024): past it, no help"),
+    "max_cold_in_flight": (int, "cold chunks' prefills on their way, all requests (64): "
+                           "the rest wait"),
+    "max_cold_per_client": (int, "cold chunks of one client (API key, else address) sent or "
+                            "waiting (256): past it, the request computes them"),
+    "auth_ttl": (float, "seconds an instance's yes to an API key is remembered (60)"),
+    "daemon_retry": (float, "seconds a daemon that failed a lookup is not asked (5)"),
+}  # fmt: skip
+
+
+def _add_bounds(router: argparse.ArgumentParser) -> None:
+    from chunkstore.router.limits import Limits  # no router dependency: `--help` needs none
+
+    defaults = Limits()
+    for name, (kind, meaning) in LIMITS.items():
+        flag = "--" + name.replace("_", "-")
+        router.add_argument(flag, type=kind, default=getattr(defaults, name), help=meaning)
+    router.add_argument(
+        "--operator-token",
+        help="the token operators send for /metrics, /health's detail and the x-chunkstore-* "
+        "reply headers (or CHUNKSTORE_ROUTER_OPERATOR_TOKEN; unset: callers on this host)",
     )

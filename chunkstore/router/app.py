@@ -1,21 +1,28 @@
 """The router's HTTP surface: FastAPI on uvicorn, httpx to the instances.
 
-A completion or chat request goes: read (400 / 413 for what is not a JSON object or is too
-big) -> its prompts' token IDs (``requests``; the instance's ``/tokenize``) -> their pieces
-and keys (``plan``) -> the daemons asked which they hold -> an instance chosen
-(``instances``) -> its missing chunks stored through it (``cold``) -> the request passed on
-as the client sent it, streamed back as the instance streams it. An instance that is gone
+A completion or chat request goes: read (400 / 408 / 413 for what is not a JSON object, too
+slow or too big: ``limits``) -> the instance asked whether it admits the caller (``access``:
+nothing is done, and nothing said, for a caller it refuses) -> its prompts' token IDs
+(``requests``; the instance's ``/tokenize``) -> their pieces and keys (``plan``) -> the
+daemons asked which they hold -> an instance chosen (``instances``) -> its missing chunks
+stored through it (``cold``) -> the request passed on as the client sent it (its bytes),
+streamed back as the instance streams it. A request the instance would refuse (sampling
+fields, a prompt over the model's context), or past the router's bounds, is passed on
+without the router's work. An instance that is gone
 (it cannot be connected to, it broke off the request before answering, or it answered 5xx
 and then failed a health check: its engine died) is marked down and the request goes to the
 next: no byte had reached the client, and a completion has nothing to undo. An instance's own
-error (a 4xx; a 5xx while it stays healthy) is passed back as it came. Each reply names the
-instance and why in ``x-chunkstore-*`` headers.
+error (a 4xx; a 5xx while it stays healthy) is passed back as it came. Each reply to an
+operator (``access.Operators``) names the instance and why in ``x-chunkstore-*`` headers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.cookiejar
+import json
+import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -28,16 +35,21 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 
 from . import disagg
+from .access import Admission, Gate, Operators
 from .cold import ColdChunks, Warmed
 from .instances import Choice, Instance, Instances
+from .limits import Limits, client_of, parse_body, read_body, would_refuse
 from .metrics import RouterMetrics
 from .plan import KeySpace, Plan
-from .requests import Refused, error, prompts_of, read_body
-from .stores import Stores
+from .requests import Refused, error, prompts_of
+from .stores import Stores, Unasked
+
+log = logging.getLogger("chunkstore.router")
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 PASSED_HEADERS = ("authorization", "x-request-id")
+HEAVY = 1 << 16  # bytes of a body past which its parsing and planning leave the event loop
 
 
 @dataclass
@@ -50,14 +62,38 @@ class RouterSettings:
     connect_timeout: float = 5.0
     max_connections: int = 256  # to the instances, all together
     health_interval: float = 5.0
-    max_body_bytes: int = 32 << 20
     daemon_token: str | None = None
+    limits: Limits = field(default_factory=Limits)
+    operator_token: str | None = None  # None: operators are callers on this host
     metrics: RouterMetrics = field(default_factory=RouterMetrics)
 
 
 # Failures of a request's connection that mean the instance went away before it answered
 # (a timeout does not: the request may be long, and trying it again doubles the work).
 GONE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
+
+class Hold:
+    """A request counted in ``instance.in_flight`` until ``release`` (once, whatever path
+    the request ends by: every exception included)."""
+
+    def __init__(self, instance: Instance) -> None:
+        self.instance = instance
+        self._held = True
+        instance.in_flight += 1
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self.instance.in_flight -= 1
+
+
+@dataclass(frozen=True)
+class Routed:
+    """What an operator is told of a request's way (the ``x-chunkstore-*`` headers)."""
+
+    choice: Choice
+    warmed: Warmed
 
 
 class Unreachable(Exception):
@@ -74,30 +110,40 @@ class Router:
         self.settings = settings
         self.metrics = settings.metrics
         self.instances = Instances(settings.instances)
-        self.decoders = Instances(settings.decode) if settings.decode else None
+        self.decoders = Instances(settings.decode, "decode instance") if settings.decode else None
         for instance in [*settings.instances, *settings.decode]:
             self.metrics.rerouted.labels(instance.url)  # a zero, not an absence, until one
-        self.stores = Stores(settings.daemon_token)
+        self.limits = settings.limits
+        self.stores = Stores(settings.daemon_token, retry_after=self.limits.daemon_retry)
+        # No cookie jar: an instance's (or a proxy's) cookies are its client's, never sent
+        # with another client's requests.
+        no_cookies = http.cookiejar.CookieJar(
+            http.cookiejar.DefaultCookiePolicy(allowed_domains=[])
+        )
         self.http = httpx.AsyncClient(
             timeout=httpx.Timeout(settings.timeout, connect=settings.connect_timeout),
             limits=httpx.Limits(max_connections=settings.max_connections),
+            cookies=no_cookies,
         )
-        self.cold = ColdChunks(self.http, self.stores, self.metrics)
+        self.gate = Gate(self.http, self.limits.auth_ttl)
+        self.operators = Operators(settings.operator_token)
+        self.cold = ColdChunks(self.http, self.stores, self.metrics, self.limits)
 
     # -- a completion or chat request ---------------------------------------------------
 
     async def complete(self, request: Request, chat: bool) -> Response:
         endpoint = CHAT if chat else COMPLETIONS
         try:
-            body = read_body(await request.body(), self.settings.max_body_bytes)
-            reply = await self._route(request, body, endpoint, chat)
+            raw = await read_body(request, self.limits)
+            body = parse_body(raw) if len(raw) < HEAVY else await asyncio.to_thread(parse_body, raw)
+            reply = await self._route(request, raw, body, endpoint, chat)
         except Refused as err:
             reply = JSONResponse(error(err.status, str(err)), status_code=err.status)
         self.metrics.requests.labels(endpoint, str(reply.status_code)).inc()
         return reply
 
     async def _route(
-        self, request: Request, body: dict[str, Any], endpoint: str, chat: bool
+        self, request: Request, raw: bytes, body: dict[str, Any], endpoint: str, chat: bool
     ) -> Response:
         """To the best instance; to the next if it cannot be connected to."""
         tried: list[Instance] = []
@@ -105,71 +151,116 @@ class Router:
         if self.decoders is not None:
             disagg.check(body, chat)
             disagg.max_tokens(body, chat)
+        ask = Asked(raw, body, endpoint, chat, headers, client_of(request), len(raw) >= HEAVY)
         # Those that answered their last health check; if none did, every one not yet
         # tried (a check can time out under load: only a refused connection rules one out).
         while candidates := self.instances.healthy(tried) or self.instances.untried(tried):
             try:
-                return await self._attempt(candidates, body, endpoint, chat, headers)
+                reply, routed = await self._attempt(candidates, ask)
             except Unreachable as err:
                 err.instance.healthy = False
                 tried.append(err.instance)
                 self.metrics.rerouted.labels(err.instance.url).inc()
+                continue
+            if routed is not None and self.operators.allows(request):
+                _describe(reply, routed)
+            return reply
         raise Refused(503, "no instance is up (see the router's /health)")
 
     async def _attempt(
-        self,
-        candidates: list[Instance],
-        body: dict[str, Any],
-        endpoint: str,
-        chat: bool,
-        headers: dict[str, str],
-    ) -> Response:
-        plans = await self._plans(candidates[0], body, chat, headers)
+        self, candidates: list[Instance], ask: Asked
+    ) -> tuple[Response, Routed | None]:
+        first = candidates[0]
+        admission = await self._admit(first, ask.headers)
+        if isinstance(admission, Response):
+            return admission, None  # the instance refuses the caller: nothing done, said
+        plans = await self._plans(first, ask, admission) if admission else []
         stored, present = await self._stored(candidates, plans)
         choice = self.instances.choose(candidates, stored)
         instance = choice.instance
         self.metrics.routed.labels(instance.url, choice.reason).inc()
-        instance.in_flight += 1
+        held = Hold(instance)
         try:
             warmed = Warmed()
             if self.settings.cold_chunks and plans and instance.daemon in present:
-                salt = str(body.get("cache_salt") or "")
-                model = str(body.get("model") or "")
+                salt = str(ask.body.get("cache_salt") or "")
+                model = str(ask.body.get("model") or "")
                 warmed = await self.cold.warm(
-                    instance, plans, present[instance.daemon], model, salt, headers
+                    instance, plans, present[instance.daemon], model, salt, ask.headers, ask.client
                 )
+            if self.decoders is not None:
+                reply = await self._disaggregated(held, ask)
+            else:
+                reply = await self._forward(held, ask.endpoint, ask.raw, ask.headers)
         except BaseException:
-            instance.in_flight -= 1
+            held.release()
             raise
-        if self.decoders is not None:
-            reply = await self._disaggregated(instance, endpoint, body, headers, chat)
-        else:
-            reply = await self._forward(instance, endpoint, body, headers)
-        _describe(reply, choice, warmed)
-        return reply
+        return reply, Routed(choice, warmed)
 
-    async def _plans(
-        self, instance: Instance, body: dict[str, Any], chat: bool, headers: dict[str, str]
-    ) -> list[Plan]:
-        """The request's prompts as pieces and keys ([] where the router cannot read them,
-        or the instance would not tokenize them)."""
+    async def _admit(
+        self, instance: Instance, headers: dict[str, str]
+    ) -> Admission | Response | None:
+        """The instance's yes to the caller (``access.Gate``); its refusal (401 / 403) as a
+        reply to pass back; None where it answers neither (the request then goes on without
+        the router's work, and the instance answers it)."""
+        try:
+            answer = await self.gate.admit(instance, headers)
+        except GONE:
+            raise Unreachable(instance) from None
+        except httpx.HTTPError as err:
+            log.warning(
+                "chunkstore router: %s (%s) did not answer: %r", instance.name, instance.url, err
+            )
+            return None
+        if isinstance(answer, Admission):
+            return answer
+        if answer.status_code in (401, 403):
+            return _as_response(answer)
+        return None
+
+    async def _plans(self, instance: Instance, ask: Asked, admission: Admission) -> list[Plan]:
+        """The request's prompts as pieces and keys; [] where the router does not work for
+        it: it cannot read them, the instance would not tokenize them or would refuse the
+        request, or they are past the router's bounds (each counted in ``fallbacks``)."""
         keys = self.settings.keys
         if keys is None:
             return []
-        prompts = prompts_of(body, chat)
+        body = ask.body
+        if not admission.serves(body.get("model")):
+            return self._fallback("unknown_model")
+        if would_refuse(body) is not None:
+            return self._fallback("refused_fields")
+        prompts = await self._cpu(ask.heavy, prompts_of, body, ask.chat)
         if prompts is None:
-            self.metrics.fallbacks.labels("unparsed").inc()
+            return self._fallback("unparsed")
+        if len(prompts) > self.limits.max_prompts:
+            return self._fallback("too_many_prompts")
+        ids = await asyncio.gather(
+            *(
+                self._tokenize(instance, p, ask.headers) if isinstance(p, dict) else _ready(p)
+                for p in prompts
+            )
+        )
+        if any(i is None for i in ids):
             return []
+        found = [i for i in ids if i is not None]
+        context = admission.context_of(body.get("model"))
+        if context is not None and any(len(i) > context for i in found):
+            return self._fallback("too_long")
         salt = str(body.get("cache_salt") or "")
-        plans = []
-        for prompt in prompts:
-            if isinstance(prompt, dict):
-                ids = await self._tokenize(instance, prompt, headers)
-                if ids is None:
-                    return []
-                prompt = ids
-            plans.append(keys.plan(prompt, salt))
+        plans = await self._cpu(ask.heavy, lambda: [keys.plan(i, salt) for i in found])
+        if sum(len(p.pieces) for p in plans) > self.limits.max_chunks:
+            return self._fallback("too_many_chunks")
         return plans
+
+    def _fallback(self, why: str) -> list[Plan]:
+        self.metrics.fallbacks.labels(why).inc()
+        return []
+
+    @staticmethod
+    async def _cpu(heavy: bool, work: Any, *args: Any) -> Any:
+        """``work(*args)``, off the event loop where the body is big enough to matter."""
+        return await asyncio.to_thread(work, *args) if heavy else work(*args)
 
     async def _tokenize(
         self, instance: Instance, body: dict[str, Any], headers: dict[str, str]
@@ -184,10 +275,13 @@ class Router:
         except httpx.HTTPError:
             reply = None
         self.metrics.upstream.labels("tokenize").observe(time.perf_counter() - began)
-        if reply is None or reply.status_code != 200:
+        try:
+            if reply is None or reply.status_code != 200:
+                raise ValueError(reply.status_code if reply is not None else "no answer")
+            return [int(t) for t in reply.json()["tokens"]]
+        except (ValueError, KeyError, TypeError):
             self.metrics.fallbacks.labels("tokenize_failed").inc()
             return None
-        return [int(t) for t in reply.json()["tokens"]]
 
     async def _stored(
         self, candidates: Sequence[Instance], plans: list[Plan]
@@ -202,8 +296,8 @@ class Router:
         stored: dict[str, int] = {}
         present: dict[str, list[list[bool]]] = {}
         for daemon, found in zip(daemons, answers, strict=True):
-            if found is None:
-                self.metrics.fallbacks.labels("daemon_unreachable").inc()
+            if isinstance(found, Unasked):
+                self.metrics.fallbacks.labels(found.value).inc()
                 continue
             flags = iter(found)
             present[daemon] = [[next(flags) for _ in plan.pieces] for plan in plans]
@@ -212,40 +306,36 @@ class Router:
         return stored, present
 
     async def _forward(
-        self, instance: Instance, path: str, body: dict[str, Any], headers: dict[str, str]
+        self, held: Hold, path: str, raw: bytes, headers: dict[str, str]
     ) -> Response:
-        """The request to ``instance`` as the client sent it; the reply back as it comes
-        (streamed where it streams). ``instance.in_flight`` drops when the reply ends."""
+        """The request to the held instance as the client sent it (its bytes: nothing the
+        router read is written back); the reply back as it comes (streamed where it
+        streams). ``held`` is released when the reply ends."""
+        instance = held.instance
         began = time.perf_counter()
         upstream_request = self.http.build_request(
-            "POST", f"{instance.url}{path}", json=body, headers=headers
+            "POST", f"{instance.url}{path}", content=raw, headers=_json(headers)
         )
         try:
             upstream = await self.http.send(upstream_request, stream=True)
-        except BaseException as err:
-            instance.in_flight -= 1
-            if isinstance(err, GONE):
-                raise Unreachable(instance) from None
-            if isinstance(err, httpx.HTTPError):
-                raise Refused(502, f"the instance {instance.url} did not answer: {err!r}") from None
-            raise
+        except GONE:
+            raise Unreachable(instance) from None
+        except httpx.HTTPError as err:
+            raise self._no_answer(instance, "did not answer", err) from None
         self.metrics.upstream.labels("request").observe(time.perf_counter() - began)
-        ended = False
 
         async def end() -> None:
-            nonlocal ended
-            if not ended:
-                ended = True
-                instance.in_flight -= 1
-                await upstream.aclose()
+            held.release()
+            await upstream.aclose()
 
-        if not body.get("stream") or upstream.status_code != 200:
+        streamed = upstream.headers.get("content-type", "").startswith("text/event-stream")
+        if not streamed or upstream.status_code != 200:
             try:
                 await upstream.aread()
             except GONE:
                 raise Unreachable(instance) from None
             except httpx.HTTPError as err:
-                raise Refused(502, f"the instance {instance.url} broke off: {err!r}") from None
+                raise self._no_answer(instance, "broke off", err) from None
             finally:
                 await end()
             if upstream.status_code >= 500 and not await self._answers_health(instance):
@@ -268,6 +358,12 @@ class Router:
             background=BackgroundTask(end),
         )
 
+    @staticmethod
+    def _no_answer(instance: Instance, what: str, err: Exception) -> Refused:
+        """A 502 that names the instance by its place, not its address (logged)."""
+        log.warning("chunkstore router: %s (%s) %s: %r", instance.name, instance.url, what, err)
+        return Refused(502, f"{instance.name} {what} (the router's log says more)")
+
     async def _answers_health(self, instance: Instance) -> bool:
         """Whether ``instance`` answers ``GET /health`` now (after a 5xx: a vLLM whose engine
         died answers 500 to every request until its server stops)."""
@@ -279,22 +375,16 @@ class Router:
 
     # -- prefill/decode (disagg) -------------------------------------------------------
 
-    async def _disaggregated(
-        self,
-        prefill: Instance,
-        endpoint: str,
-        body: dict[str, Any],
-        headers: dict[str, str],
-        chat: bool,
-    ) -> Response:
-        """The first token from ``prefill`` (its ``in_flight`` drops when it answers), the
+    async def _disaggregated(self, held: Hold, ask: Asked) -> Response:
+        """The first token from the held prefill instance (released when it answers), the
         rest from the least loaded decode instance; joined, or streamed."""
+        body, chat, headers = ask.body, ask.chat, ask.headers
         try:
             first = await self._post_json(
-                prefill, endpoint, disagg.prefill_body(body, chat), headers
+                held.instance, ask.endpoint, disagg.prefill_body(body, chat), headers
             )
         finally:
-            prefill.in_flight -= 1
+            held.release()
         if isinstance(first, Response):
             return first  # the prefill instance's error, as it came
         token_ids = bool(body.get("return_token_ids"))
@@ -308,7 +398,7 @@ class Router:
             return JSONResponse(disagg.only_first(first, token_ids))
         decode = disagg.decode_body(body, chat, disagg.prompt_ids(first), wanted - 1)
         for decoder in self._decoders():
-            decoder.in_flight += 1
+            counted = Hold(decoder)
             try:
                 if stream:
                     return await self._decode_stream(decoder, decode, headers, first, chat)
@@ -317,7 +407,7 @@ class Router:
                 decoder.healthy = False
                 continue
             finally:
-                decoder.in_flight -= 1
+                counted.release()
             if isinstance(rest, Response):
                 return rest
             joined = disagg.join(first, rest, chat, token_ids)
@@ -336,15 +426,20 @@ class Router:
         """An instance's JSON reply, or its error as a response to pass back."""
         began = time.perf_counter()
         try:
-            reply = await self.http.post(f"{instance.url}{path}", json=body, headers=headers)
+            reply = await self.http.post(
+                f"{instance.url}{path}", content=_dumps(body), headers=_json(headers)
+            )
         except GONE:
             raise Unreachable(instance) from None
         except httpx.HTTPError as err:
-            raise Refused(502, f"the instance {instance.url} did not answer: {err!r}") from None
+            raise self._no_answer(instance, "did not answer", err) from None
         self.metrics.upstream.labels("request").observe(time.perf_counter() - began)
         if reply.status_code != 200:
             return _as_response(reply)
-        return dict(reply.json())
+        try:
+            return dict(reply.json())
+        except ValueError as err:
+            raise self._no_answer(instance, "answered what is not JSON", err) from None
 
     async def _decode_stream(
         self,
@@ -355,21 +450,25 @@ class Router:
         chat: bool,
     ) -> Response:
         request = self.http.build_request(
-            "POST", f"{decoder.url}{COMPLETIONS}", json=decode, headers=headers
+            "POST", f"{decoder.url}{COMPLETIONS}", content=_dumps(decode), headers=_json(headers)
         )
         try:
             upstream = await self.http.send(request, stream=True)
         except GONE:
             raise Unreachable(decoder) from None
         except httpx.HTTPError as err:
-            raise Refused(502, f"the instance {decoder.url} did not answer: {err!r}") from None
+            raise self._no_answer(decoder, "did not answer", err) from None
         if upstream.status_code != 200:
             try:
                 await upstream.aread()
             finally:
                 await upstream.aclose()
             return _as_response(upstream)
-        decoder.in_flight += 1  # until the stream ends (the caller's count ends on return)
+        streaming = Hold(decoder)  # until the stream ends (the caller's count ends on return)
+
+        async def end() -> None:
+            streaming.release()
+            await upstream.aclose()
 
         async def events() -> AsyncIterator[bytes]:
             try:
@@ -377,10 +476,11 @@ class Router:
                 async for event in disagg.relay_events(upstream.aiter_lines(), first, chat):
                     yield event
             finally:
-                decoder.in_flight -= 1
-                await upstream.aclose()
+                await end()
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(
+            events(), media_type="text/event-stream", background=BackgroundTask(end)
+        )
 
     # -- the rest -----------------------------------------------------------------------
 
@@ -397,13 +497,26 @@ class Router:
             return _as_response(reply)
         return JSONResponse(error(503, "no instance is up"), status_code=503)
 
-    def health(self) -> Response:
+    def health(self, request: Request) -> Response:
+        """200 while an instance is up; to an operator, each instance's state too."""
+        up = sum(i.healthy for i in self.instances.all)
+        status = 200 if up else 503
+        if not self.operators.allows(request, bearer=True):
+            summary = {"status": "ok" if up else "no instance is up", "up": up}
+            return JSONResponse(summary | {"of": len(self.instances.all)}, status_code=status)
         instances = [
             {"url": i.url, "daemon": i.daemon, "healthy": i.healthy, "in_flight": i.in_flight}
             for i in self.instances.all
         ]
-        up = any(i.healthy for i in self.instances.all)
-        return JSONResponse({"instances": instances}, status_code=200 if up else 503)
+        return JSONResponse({"instances": instances}, status_code=status)
+
+    def operator_metrics(self, request: Request) -> Response:
+        if not self.operators.allows(request, bearer=True):
+            why = (
+                "the router's metrics are its operator's: Authorization: Bearer <--operator-token>"
+            )
+            return JSONResponse(error(403, why), status_code=403)
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def app(self) -> FastAPI:
         @contextlib.asynccontextmanager
@@ -433,12 +546,12 @@ class Router:
             return await self.models(request)
 
         @app.get("/health")
-        async def health() -> Response:
-            return self.health()
+        async def health(request: Request) -> Response:
+            return self.health(request)
 
         @app.get("/metrics")
-        async def metrics() -> Response:
-            return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        async def metrics(request: Request) -> Response:
+            return self.operator_metrics(request)
 
         return app
 
@@ -451,7 +564,35 @@ def _as_response(reply: httpx.Response) -> Response:
     )
 
 
-def _describe(reply: Response, choice: Choice, warmed: Warmed) -> None:
+@dataclass(frozen=True)
+class Asked:
+    """A request as read: its bytes, its body, and who sent it."""
+
+    raw: bytes
+    body: dict[str, Any]
+    endpoint: str
+    chat: bool
+    headers: dict[str, str]  # those passed on (the API key)
+    client: str  # its share of cold chunks (``limits.client_of``)
+    heavy: bool  # big enough that reading it leaves the event loop
+
+
+async def _ready(ids: list[int]) -> list[int]:
+    return ids
+
+
+def _json(headers: dict[str, str]) -> dict[str, str]:
+    return headers | {"content-type": "application/json"}
+
+
+def _dumps(body: dict[str, Any]) -> bytes:
+    """A body the router wrote (prefill/decode), as Python's json writes it: NaN and
+    Infinity as the instance's own JSON reader takes them."""
+    return json.dumps(body).encode()
+
+
+def _describe(reply: Response, routed: Routed) -> None:
+    choice, warmed = routed.choice, routed.warmed
     reply.headers["x-chunkstore-instance"] = choice.instance.url
     reply.headers["x-chunkstore-route"] = str(choice.reason)
     reply.headers["x-chunkstore-stored-tokens"] = str(choice.stored_tokens)

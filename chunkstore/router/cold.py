@@ -3,10 +3,18 @@ requests (``plan.Piece.alone``, one output token each), all in flight together, 
 request itself.
 
 Single flight: a chunk already being sent to the same daemon's instance by another request
-is waited for, not sent again. After a warm-up the daemon is asked again: a chunk sent and
-not stored (the router's settings differ from the connector's, the pool is full, the save
-failed) is counted and reported, and the request computes it itself, as it would have
-without the router. Nothing is ever served that the connector did not store.
+is waited for, not sent again. Only callers the instance admitted open or join a flight
+(``access.Gate``), for a model it serves, so no caller's request is made to fail by an
+unauthenticated one holding its chunks' flights open. After a warm-up the daemon is asked
+again: a chunk sent and not stored (the router's settings differ from the connector's, the
+pool is full, the save failed) is counted and reported, and the request computes it itself,
+as it would have without the router. Nothing is ever served that the connector did not
+store.
+
+Bounded (``limits.Limits``): at most ``max_cold_in_flight`` prefills on their way at once,
+all requests together (the rest wait their turn), and at most ``max_cold_per_client`` chunks
+sent or waited for by one client at a time; a request past its client's share computes the
+rest itself (``cold_chunks_failed_total{why="client_share"}``).
 """
 
 from __future__ import annotations
@@ -20,9 +28,10 @@ from dataclasses import dataclass
 import httpx
 
 from .instances import Instance
+from .limits import Limits
 from .metrics import RouterMetrics
 from .plan import Plan
-from .stores import Stores
+from .stores import Stores, Unasked
 
 log = logging.getLogger("chunkstore.router")
 
@@ -35,11 +44,20 @@ class Warmed:
 
 
 class ColdChunks:
-    def __init__(self, http: httpx.AsyncClient, stores: Stores, metrics: RouterMetrics) -> None:
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        stores: Stores,
+        metrics: RouterMetrics,
+        limits: Limits | None = None,
+    ) -> None:
         self.http = http
         self.stores = stores
         self.metrics = metrics
+        self.limits = limits or Limits()
         self._flying: dict[tuple[str, bytes], asyncio.Future[bool]] = {}
+        self._prefills = asyncio.Semaphore(self.limits.max_cold_in_flight)
+        self._per_client: dict[str, int] = {}
         self._warned = False
 
     async def warm(
@@ -50,17 +68,38 @@ class ColdChunks:
         model: str,
         salt: str,
         headers: dict[str, str] | None = None,
+        client: str = "",
     ) -> Warmed:
         """Store what ``plans`` miss (``present``: each piece held, as the instance's daemon
         answered) through ``instance``, for ``model`` ("": the instance's) with the request's
-        ``cache_salt`` and headers (its API key)."""
+        ``cache_salt`` and headers (its API key), within ``client``'s share."""
         missing: dict[bytes, tuple[int, ...]] = {}
         for plan, found in zip(plans, present, strict=True):
             for piece, held in zip(plan.pieces, found, strict=True):
                 if not held and piece.alone is not None:
                     missing.setdefault(piece.key, piece.alone)
+        share = self.limits.max_cold_per_client - self._per_client.get(client, 0)
+        if len(missing) > share:
+            self.metrics.cold_failed.labels("client_share").inc(len(missing) - max(share, 0))
+            missing = dict(list(missing.items())[: max(share, 0)])
         if not missing:
             return Warmed()
+        self._per_client[client] = self._per_client.get(client, 0) + len(missing)
+        try:
+            return await self._warm(instance, missing, model, salt, headers or {})
+        finally:
+            left = self._per_client.pop(client) - len(missing)
+            if left:
+                self._per_client[client] = left
+
+    async def _warm(
+        self,
+        instance: Instance,
+        missing: dict[bytes, tuple[int, ...]],
+        model: str,
+        salt: str,
+        headers: dict[str, str],
+    ) -> Warmed:
         began = time.perf_counter()
         mine: dict[bytes, tuple[int, ...]] = {}
         theirs: list[asyncio.Future[bool]] = []
@@ -72,7 +111,7 @@ class ColdChunks:
                 mine[key] = prompt
             else:
                 theirs.append(flight)
-        stored = await self._send(instance, mine, model, salt, headers or {}) if mine else {}
+        stored = await self._send(instance, mine, model, salt, headers) if mine else {}
         # Shielded: a waiter that goes away (its client hung up) leaves the flight alone.
         joined = await asyncio.gather(*(asyncio.shield(f) for f in theirs))
         self.metrics.upstream.labels("warm").observe(time.perf_counter() - began)
@@ -98,7 +137,9 @@ class ColdChunks:
             )
             asked = [k for k, ok in zip(prompts, sent, strict=True) if ok]
             found = await self.stores.lookup(instance.daemon, asked)
-            for key, held in zip(asked, found or [False] * len(asked), strict=True):
+            if isinstance(found, Unasked):
+                found = [False] * len(asked)
+            for key, held in zip(asked, found, strict=True):
                 stored[key] = held
             lost = len(asked) - sum(stored.values())
             if lost:
@@ -125,9 +166,10 @@ class ColdChunks:
         if salt:
             body["cache_salt"] = salt
         try:
-            reply = await self.http.post(
-                f"{instance.url}/v1/completions", json=body, headers=headers
-            )
+            async with self._prefills:
+                reply = await self.http.post(
+                    f"{instance.url}/v1/completions", json=body, headers=headers
+                )
         except httpx.HTTPError as err:
             log.warning("chunkstore router: a cold chunk's prefill on %s: %s", instance.url, err)
             self.metrics.cold_failed.labels("prefill_error").inc()

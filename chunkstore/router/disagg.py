@@ -45,18 +45,26 @@ CHAT_ONLY = (
 
 
 def max_tokens(body: dict[str, Any], chat: bool) -> int:
-    value = body.get("max_completion_tokens") if chat else None
-    value = body.get("max_tokens") if value is None else value
+    name = (
+        "max_completion_tokens"
+        if chat and body.get("max_completion_tokens") is not None
+        else "max_tokens"
+    )
+    value = body.get(name)
     if value is None:
         if chat:
             raise Refused(400, "set max_tokens: prefill/decode splits a request at its first token")
         return 16  # the OpenAI completions default
-    return int(value)
+    if type(value) is not int or value < 1:
+        raise Refused(400, f"{name} must be an integer >= 1, not {value!r:.40}")
+    return value
 
 
 def check(body: dict[str, Any], chat: bool) -> None:
-    if int(body.get("n") or 1) != 1 or body.get("best_of", 1) not in (1, None):
-        raise Refused(400, "n (and best_of) must be 1 with prefill/decode")
+    for name in ("n", "best_of"):
+        value = body.get(name)
+        if value is not None and (type(value) is not int or value != 1):
+            raise Refused(400, f"{name} must be 1 with prefill/decode, not {value!r:.40}")
     if body.get("echo"):
         raise Refused(400, "echo is not supported with prefill/decode")
     if not chat:
@@ -85,8 +93,9 @@ def decode_body(body: dict[str, Any], chat: bool, prompt: list[int], left: int) 
         decode["logprobs"] = max(int(body.get("top_logprobs") or 0), 1)
     if chat and body.get("stream"):
         decode["stream_options"] = body.get("stream_options") or {}
-    if body.get("min_tokens"):
-        decode["min_tokens"] = max(0, int(body["min_tokens"]) - 1)
+    least = body.get("min_tokens")
+    if type(least) is int and least > 0:
+        decode["min_tokens"] = least - 1
     return decode
 
 

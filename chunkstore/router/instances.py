@@ -36,6 +36,7 @@ class Instance:
     daemon: str  # the address of the daemon whose pool this instance's connector uses
     healthy: bool = True
     in_flight: int = 0
+    name: str = "an instance"  # what a client is told it is (not its address): "instance 2"
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
@@ -57,10 +58,12 @@ def parse_instance(text: str, default_daemon: str) -> Instance:
 
 
 class Instances:
-    def __init__(self, instances: Sequence[Instance]) -> None:
+    def __init__(self, instances: Sequence[Instance], kind: str = "instance") -> None:
         if not instances:
             raise ValueError("the router needs at least one instance")
         self.all = list(instances)
+        for number, instance in enumerate(self.all, 1):
+            instance.name = f"{kind} {number}"
         self._turn = itertools.count()
 
     def healthy(self, excluded: Sequence[Instance] = ()) -> list[Instance]:

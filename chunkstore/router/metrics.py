@@ -36,8 +36,8 @@ class RouterMetrics:
         self.cold_failed = Counter(
             "chunkstore_router_cold_chunks_failed",
             "Missing chunks whose prefill failed, or that were sent and not stored under the "
-            "keys the router computed (its settings differ from the connector's): the request "
-            "computes them itself.",
+            "keys the router computed (its settings differ from the connector's), or past the "
+            "client's share (client_share): the request computes them itself.",
             ["why"],
             registry=r,
         )
@@ -51,8 +51,10 @@ class RouterMetrics:
         )
         self.fallbacks = Counter(
             "chunkstore_router_fallbacks",
-            "Requests passed on without the store's help, by why (daemon_unreachable, "
-            "tokenize_failed).",
+            "Requests passed on without the store's help, by why: unparsed, tokenize_failed, "
+            "daemon_unreachable, daemon_skipped (it failed within --daemon-retry), "
+            "too_many_prompts, too_many_chunks, refused_fields (sampling fields the instance "
+            "refuses), unknown_model, too_long (over the model's context).",
             ["why"],
             registry=r,
         )
@@ -66,7 +68,21 @@ class RouterMetrics:
         )
         # Every reason a series from the start (at 0), so that dashboards and alerts see a
         # zero, not an absence, until the first one.
-        for why in ("prefill_error", "not_stored"):
+        for why in COLD_FAILED:
             self.cold_failed.labels(why)
-        for why in ("unparsed", "tokenize_failed", "daemon_unreachable"):
+        for why in FALLBACKS:
             self.fallbacks.labels(why)
+
+
+COLD_FAILED = ("prefill_error", "not_stored", "client_share")
+FALLBACKS = (
+    "unparsed",
+    "tokenize_failed",
+    "daemon_unreachable",
+    "daemon_skipped",
+    "too_many_prompts",
+    "too_many_chunks",
+    "refused_fields",
+    "unknown_model",
+    "too_long",
+)

@@ -10,7 +10,6 @@ without the router's help.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 # The chat request fields that decide its token IDs (vLLM's TokenizeChatRequest).
@@ -33,20 +32,15 @@ class Refused(Exception):
         self.status = status
 
 
-def read_body(raw: bytes, limit: int) -> dict[str, Any]:
-    if len(raw) > limit:
-        raise Refused(413, f"the request body is {len(raw)} bytes; the router takes {limit}")
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise Refused(400, f"the request body is not JSON: {err}") from None
-    if not isinstance(body, dict):
-        raise Refused(400, "the request body must be a JSON object")
-    return body
+TOKEN_ID_LIMIT = 1 << 31  # past any vocabulary; what is not below it is the instance's to refuse
 
 
 def _is_ids(value: object) -> bool:
-    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(type(t) is int and 0 <= t < TOKEN_ID_LIMIT for t in value)
+    )
 
 
 def prompts_of(body: dict[str, Any], chat: bool) -> list[list[int] | dict[str, Any]] | None:
@@ -78,7 +72,12 @@ def prompts_of(body: dict[str, Any], chat: bool) -> list[list[int] | dict[str, A
 
 def error(status: int, message: str) -> dict[str, Any]:
     """The OpenAI error body, as vLLM writes it."""
-    kind = {400: "BadRequestError", 413: "RequestTooLarge", 503: "ServiceUnavailable"}
+    kind = {
+        400: "BadRequestError",
+        408: "RequestTimeout",
+        413: "RequestTooLarge",
+        503: "ServiceUnavailable",
+    }
     return {
         "error": {
             "message": message,
