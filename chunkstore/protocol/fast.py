@@ -45,6 +45,7 @@ AUTH, OK = 0, 0
 MAX_TOKEN = 4 << 10
 _HEADER = struct.Struct("<IB")
 T = TypeVar("T")
+Posted = tuple[str, Any]  # a call made without waiting: its method's name, its request
 log = logging.getLogger("chunkstore.client")
 
 
@@ -101,10 +102,18 @@ def receive(sock: socket.socket) -> tuple[int, bytes] | None:
     return kind, receive_payload(sock, length)
 
 
+class NotSent(Unavailable):
+    """The fast path failed before a call's frame was all written: the daemon never had the
+    call, so it can be made over gRPC instead."""
+
+
 class FastChannel:
     """A client's connection to the fast path: one call at a time (a lock), from any
     thread. Any failure of the connection itself closes it for good and raises
-    ``Unavailable``; the caller then goes back to gRPC.
+    ``Unavailable`` (``NotSent`` when the call did not go out); the caller then goes back to
+    gRPC. The posted calls not answered by then go to ``resend`` (the daemon may never have
+    had them: a release lost would pin its entries for the session's life), from the thread
+    that found the failure, holding the lock: no call on this channel overtakes them.
 
     ``post`` makes a call without waiting for its answer: its frame goes out with the next
     call's (one wake-up of the daemon for both: a get's release rides on the next get's
@@ -117,20 +126,27 @@ class FastChannel:
     SEND_POSTED_S = 0.002
     IDLE_S = 1.0
 
-    def __init__(self, path: str, token: str | None, timeout: float) -> None:
+    def __init__(
+        self,
+        path: str,
+        token: str | None,
+        timeout: float,
+        resend: Callable[[list[Posted]], None] | None = None,
+    ) -> None:
         auth = (token or "").encode()
         if len(auth) > MAX_TOKEN:  # the daemon would refuse it: gRPC carries it instead
             raise Unavailable(f"a token of {len(auth)} bytes (the fast path's at most {MAX_TOKEN})")
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
         self._lock = threading.Lock()
-        self._owed: list[str] = []  # the calls posted whose answers are not read yet
+        self._owed: list[Posted] = []  # the calls posted whose answers are not read yet
         self._unsent: list[bytes] = []  # the frames of posted calls not sent yet
         self._posted_at = 0.0  # when the first of them was posted
         self._posted = threading.Condition(self._lock)
         self._sender: threading.Thread | None = None
         self._sender_idle = False
         self._closed = False
+        self._resend = resend or _lost
         try:
             self._sock.connect(path)
             self._exchange(AUTH, auth)  # a round trip: the path is served, the token admitted
@@ -148,6 +164,7 @@ class FastChannel:
         only logged."""
         frame = _frame(KINDS[name], _message(name, request))
         with self._lock:
+            self._refuse_if_closed()
             if len(self._owed) >= self.MAX_OWED:
                 self._send_unsent()
                 self._settle()
@@ -156,7 +173,7 @@ class FastChannel:
             if self._sender_idle:
                 self._posted.notify()
             self._unsent.append(frame)
-            self._owed.append(name)
+            self._owed.append((name, request))
             if self._sender is None:
                 self._sender = threading.Thread(
                     target=self._send_posted, name="chunkstore-fast-post", daemon=True
@@ -167,21 +184,31 @@ class FastChannel:
         """Send what was posted and read every answer owed: all the calls made so far are
         done (before a call that does not go this way)."""
         with self._lock:
+            self._refuse_if_closed()
             self._send_unsent()
             self._settle()
 
     def _exchange(self, kind: int, payload: bytes) -> bytes:
         with self._lock:
+            self._refuse_if_closed()
             self._send_unsent(_frame(kind, payload))
             self._settle()
             return _answer(self._receive())
 
+    def _refuse_if_closed(self) -> None:
+        if self._closed:  # failed before (a posted call's send), or closed
+            raise NotSent("the fast path is closed")
+
     def _send_unsent(self, frame: bytes = b"") -> None:
-        """The posted frames, then ``frame``, in one write (holding the lock)."""
+        """The posted frames, then ``frame``, in one write (holding the lock); a failure is
+        ``NotSent``: the write stopped short of its end, so the daemon has no ``frame``."""
         data = b"".join([*self._unsent, frame])
         self._unsent.clear()
         if data:
-            self._guarded(lambda: self._sock.sendall(data))
+            try:
+                self._guarded(lambda: self._sock.sendall(data))
+            except Unavailable as err:
+                raise NotSent(str(err)) from None
 
     def _send_posted(self) -> None:
         """Send posted frames no call took within ``SEND_POSTED_S``: it looks every
@@ -193,8 +220,7 @@ class FastChannel:
                 if self._unsent and now - self._posted_at >= self.SEND_POSTED_S:
                     try:
                         self._send_unsent()
-                    except Unavailable as err:  # the next call finds the connection closed
-                        log.warning("posted calls not sent: %s", err)
+                    except Unavailable:  # resent over gRPC; the next call finds it closed
                         return
                 if self._unsent or now - self._posted_at < self.IDLE_S:
                     self._posted.wait(self.SEND_POSTED_S)
@@ -207,7 +233,7 @@ class FastChannel:
         """Read the answers owed to posted calls (holding the lock)."""
         while self._owed:
             frame = self._receive()
-            name = self._owed.pop(0)
+            name, _ = self._owed.pop(0)
             try:
                 _answer(frame)
             except StoreError as err:
@@ -216,8 +242,7 @@ class FastChannel:
     def _receive(self) -> tuple[int, bytes]:
         frame = self._guarded(lambda: receive(self._sock))
         if frame is None:
-            self._sock.close()
-            raise Unavailable("the daemon closed the fast path")
+            raise self._failed("the daemon closed the fast path")
         return frame
 
     def _guarded(self, step: Callable[[], T]) -> T:
@@ -225,17 +250,35 @@ class FastChannel:
         try:
             return step()
         except (OSError, EOFError, StoreError) as err:
-            self._sock.close()
-            raise Unavailable(f"the fast path failed: {err}") from None
+            raise self._failed(f"the fast path failed: {err}") from None
+
+    def _failed(self, why: str) -> Unavailable:
+        """Close the connection for good and hand the posted calls it did not answer to
+        ``resend`` (holding the lock); the error to raise."""
+        self._closed = True
+        self._posted.notify()
+        self._sock.close()
+        unanswered, self._owed = self._owed, []
+        self._unsent.clear()
+        if unanswered:
+            self._resend(unanswered)
+        return Unavailable(why)
 
     def close(self) -> None:
-        """Close the connection, once what was posted is sent (best effort)."""
+        """Close the connection, once what was posted is sent (best effort: the session
+        ends with it, and its leases with the session)."""
         with self._lock:
-            self._closed = True
-            self._posted.notify()
-            with contextlib.suppress(Unavailable):
-                self._send_unsent()
+            if not self._closed:
+                self._closed = True
+                self._posted.notify()
+                with contextlib.suppress(OSError):
+                    self._sock.sendall(b"".join(self._unsent))
+                self._unsent.clear()
             self._sock.close()
+
+
+def _lost(posted: list[Posted]) -> None:
+    log.warning("%d calls sent without waiting were lost with the fast path", len(posted))
 
 
 def _frame(kind: int, payload: bytes) -> bytes:

@@ -110,6 +110,49 @@ def test_a_release_sent_without_waiting_ends_its_leases_before_the_next_call(
                 slow.release([lease.lease_id], wait=False)
 
 
+def _drop_fast_path(client: ChunkStoreClient) -> None:
+    """What a dropped connection leaves the client: the fast path's socket shut down."""
+    channel = client._calls._fast
+    assert channel is not None
+    channel._sock.shutdown(socket.SHUT_RDWR)
+
+
+def test_a_release_sent_without_waiting_outlives_a_fast_path_failing_before_it_went_out(
+    daemon: RunningDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(FastChannel, "SEND_POSTED_S", 60.0)  # it waits for the next call
+    key = entry_key(1)
+    with ChunkStoreClient(daemon.unix) as client, ChunkStoreClient(daemon.unix) as other:
+        assert client.put(key, *random_kv(5), virtual_start=0)
+        [lease] = client.acquire([key])
+        assert lease is not None
+        client.release([lease.lease_id], wait=False)
+        _drop_fast_path(client)
+        # The call that finds the fast path failed goes on over gRPC, after the release.
+        assert client.lookup([key])[0] is not None and not client.fast
+        assert other.stats().active_leases == 0
+        assert other.evict([key]).evicted == 1  # not pinned by the lease
+        assert client.posted_calls_lost == 0
+
+
+def test_a_release_the_posting_thread_cannot_send_goes_over_grpc(
+    daemon: RunningDaemon,
+) -> None:
+    key = entry_key(1)
+    with ChunkStoreClient(daemon.unix) as client, ChunkStoreClient(daemon.unix) as other:
+        assert client.put(key, *random_kv(5), virtual_start=0)
+        [lease] = client.acquire([key])
+        assert lease is not None and other.stats().active_leases == 1
+        _drop_fast_path(client)
+        client.release([lease.lease_id], wait=False)  # then no call: it goes alone, and fails
+        deadline = time.monotonic() + 10
+        while other.stats().active_leases and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert other.stats().active_leases == 0
+        assert other.evict([key]).evicted == 1
+        assert client.lookup([key]) == [None] and not client.fast
+
+
 def _raw(path: str) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(5)
