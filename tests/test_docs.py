@@ -248,6 +248,16 @@ def test_relative_links_lead_somewhere(path: Path) -> None:
     assert not broken, f"{path.relative_to(ROOT)}:\n" + "\n".join(broken)
 
 
+@pytest.mark.parametrize("path", doc_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_pages_name_only_what_a_clone_holds(path: Path) -> None:
+    """Nothing outside the repository, linked or named in backquotes: the pages beside a
+    checkout (../shared/) are not in a clone."""
+    above = "../" * len(path.parent.relative_to(ROOT).parts) + "../"  # the clone's parent
+    lines = path.read_text().splitlines()
+    outside = [line for line in lines if above in line or "../shared/" in line]
+    assert outside == [], f"{path.relative_to(ROOT)} names what a clone does not hold"
+
+
 def test_the_extraction_reads_shell_as_bash_does() -> None:
     """The parsing rules above, on the shapes the docs use."""
     script = (
