@@ -4,8 +4,10 @@ user's kind of documents, with the setting to use.
 
 Four stages, each reported as it ends (progress on stderr):
 
-1. ``support`` (no vLLM, seconds): the rotary variant and the KV layout the connector keys
-   chunks by (``chunkstore.kv.fingerprint``), the tokenizer and its separator, the vLLM
+1. ``support`` (no vLLM, seconds): the model's files (regular files, with weights: a FIFO
+   would block its reader) and config (its sizes within ``SIZE_CAPS``), the rotary variant and
+   the KV layout the connector keys chunks by (``chunkstore.kv.fingerprint``, without hashing
+   the weights: that takes minutes on a big model), the tokenizer and its separator, the vLLM
    installed against the tested matrix (docs/versions.md), the back end. A refusal ends here.
 2. ``exactness`` (one vLLM): a daemon and a real vLLM with the connector's defaults. A chunked
    prompt is computed cold (its chunks stored, but those its question names, computed once
@@ -29,21 +31,54 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import os
+import reprlib
+import signal
+import stat
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from chunkstore.errors import ChunkStoreError
+
+if TYPE_CHECKING:
+    from chunkstore.kv.keys import KVLayout
+    from chunkstore.kv.rope import RotaryConfig
 
 WARM_TOLERANCE = 1e-4  # first-token logprobs, loaded against computed in the same vLLM
 REFERENCE_TOLERANCE = 1e-3  # against HF transformers fp32 (tests/connector's bound)
 KEEP, GAP = 0.9, 0.8  # the verdict's bar: share of full prefill's answers, share of the gap
 # Exit codes: the verdict's, so a deployment script can gate on it.
 USE, NOT_EXACT, REFUSED, BELOW_BAR = 0, 1, 2, 3
+# What the doctor reads itself (config.json, --docs, --questions) it reads whole, so at most
+# this: a config is kilobytes, and one run's questions and documents far less than this.
+MAX_FILE_BYTES = 64 << 20
+# A config's sizes: each an integer from 1 to its cap, checked before transformers or vLLM
+# size anything by them. Generous: the largest open models have ~130 layers, 128 heads, a
+# hidden size of 16384, ~260k tokens and (MLA) 576 cached dims a token.
+SIZE_CAPS = {
+    "num_hidden_layers": 1024,
+    "num_attention_heads": 1024,
+    "num_key_value_heads": 1024,
+    "hidden_size": 1 << 20,
+    "head_dim": 1 << 16,
+    "vocab_size": 1 << 24,
+}
+WEIGHTS = (".safetensors", ".bin", ".gguf")  # what vLLM loads (and weights_digest hashes)
+# What transformers raises on a config or tokenizer file it cannot make sense of.
+READ_ERRORS = (
+    OSError,
+    AttributeError,
+    KeyError,
+    TypeError,
+    ValueError,
+    ZeroDivisionError,
+    RecursionError,
+)
 
 SYS = "You are a careful assistant. Answer only from the documents below."
 DOCS = [
@@ -83,22 +118,18 @@ class Progress:
 
 def support(model: Path) -> tuple[list[Check], Any]:
     """Stage 1: the checks, and the tokenizer (None where a refusal came first)."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from chunkstore.kv.fingerprint import fingerprint
-    from chunkstore.prompts import AUTO, resolve_separator, separator_ids
-    from chunkstore_vllm.versions import vllm_warning
-
     checks: list[Check] = []
+    path = model / "config.json"
     try:
-        config = AutoConfig.from_pretrained(model)
-        dtype = getattr(config, "dtype", None) or "float32"  # what vLLM's dtype "auto" takes
-        fp = fingerprint(config, model, str(dtype).removeprefix("torch."))
+        _check_folder(model)
+        _check_config(_json(read_text(path), str(path)), str(path))  # before transformers
+        rotary, layout, dtype = _kv_shape(model)
+    except DoctorInputError as err:
+        return [Check("model", False, str(err))], None
     except ChunkStoreError as err:  # UnsupportedRotaryError, LayoutError
         return [Check("rotary", False, f"{type(err).__name__}: {err}")], None
-    except (OSError, ValueError) as err:
-        return [Check("config", False, f"no model config in {model}: {err}")], None
-    rotary, layout = fp.rotary, fp.layout
+    except READ_ERRORS as err:
+        return [Check("model", False, f"{path}: {type(err).__name__}: {err}")], None
     partial = "" if rotary.rotary_dim == rotary.head_dim else f" of {rotary.head_dim}"
     checks.append(
         Check(
@@ -113,14 +144,19 @@ def support(model: Path) -> tuple[list[Check], Any]:
             "layout",
             True,
             f"{layout.kind}: {layout.num_layers} layers x {layout.num_kv_heads} KV heads x "
-            f"{layout.head_dim} dims, stored in {fp.kv_dtype}",
+            f"{layout.head_dim} dims, stored in {dtype}",
         )
     )
+    from transformers import AutoTokenizer
+
+    from chunkstore.prompts import AUTO, resolve_separator, separator_ids
+    from chunkstore_vllm.versions import vllm_warning
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(model)
         separator = resolve_separator(tokenizer, AUTO)
         ids = separator_ids(tokenizer, AUTO)
-    except (OSError, ValueError) as err:
+    except READ_ERRORS as err:
         return [*checks, Check("tokenizer", False, f"{type(err).__name__}: {err}")], None
     checks.append(
         Check("separator", True, f"'auto' is {separator!r} ({len(ids)} token(s)) in this model")
@@ -133,6 +169,64 @@ def support(model: Path) -> tuple[list[Check], Any]:
     checks.append(Check("vllm", None if warning else True, warning or f"{version}, tested"))
     checks.append(_back_end())
     return checks, tokenizer
+
+
+def _kv_shape(model: Path) -> tuple[RotaryConfig, KVLayout, str]:
+    """The rotary set-up and KV layout the connector keys chunks by, as transformers reads the
+    config (its sizes checked again: defaults and derived head dims included), and the dtype
+    vLLM's "auto" takes."""
+    from transformers import AutoConfig
+
+    from chunkstore.kv.fingerprint import kv_shape
+
+    config = AutoConfig.from_pretrained(model)
+    rotary, layout = kv_shape(config)
+    shape = {
+        "num_hidden_layers": layout.num_layers,
+        "num_key_value_heads": layout.num_kv_heads,
+        "head_dim": layout.head_dim,
+    }
+    _check_config(shape, f"{model / 'config.json'} (as transformers reads it)")
+    dtype = getattr(config, "dtype", None) or "float32"
+    return rotary, layout, str(dtype).removeprefix("torch.")
+
+
+def _check_folder(model: Path) -> None:
+    """Refuse, before anything opens them, what would block its reader (a FIFO, a device)
+    among the files transformers and vLLM open; and a folder without weights."""
+    weights = False
+    for entry in sorted(model.iterdir()):
+        try:
+            mode = entry.stat().st_mode
+        except OSError:
+            continue  # a broken link: whatever needs it says so
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise DoctorInputError(f"{entry}: {_kind(mode)}, not a regular file")
+        weights |= stat.S_ISREG(mode) and entry.suffix in WEIGHTS
+    if not weights:
+        raise DoctorInputError(f"{model}: no weights ({', '.join('*' + s for s in WEIGHTS)})")
+
+
+def _check_config(config: Any, where: str) -> None:
+    """A model config's sizes (``SIZE_CAPS``) and rotary parameters, before transformers
+    reads them: 0 heads divides by zero, 10**18 layers sizes lists, then vLLM's caches."""
+    if not isinstance(config, dict):
+        raise DoctorInputError(f"{where}: want a JSON object")
+    for part in (config, config.get("text_config")):  # a multimodal model's sizes: text_config
+        if not isinstance(part, dict):
+            continue
+        for key, cap in SIZE_CAPS.items():
+            value = part.get(key)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= cap
+            ):
+                raise DoctorInputError(
+                    f"{where}: {key} is {reprlib.repr(value)}: want an integer from 1 to {cap}"
+                )
+        for key in ("rope_parameters", "rope_scaling"):
+            value = part.get(key)
+            if value is not None and not isinstance(value, dict):
+                raise DoctorInputError(f"{where}: {key} is {reprlib.repr(value)}: want an object")
 
 
 def _vllm_version() -> str | None:
@@ -226,8 +320,9 @@ def _worst(served: dict[str, float], expected: dict[str, float]) -> float:
 
 def user_cases(docs_file: Path | None, questions_file: Path) -> list[Any]:
     """The user's questions as QA cases. ``docs_file``: JSON lines ``{"id", "text"}``;
-    ``questions_file``: JSON lines ``{"question", "answers" (every one must appear in the
-    answer; or "answer"), "docs" (ids, in prompt order) or "documents" (texts)}``."""
+    ``questions_file``: JSON lines ``{"question", "answers" (a list: every one must appear in
+    the answer; or "answer", one string), "docs" (ids, in prompt order) or "documents"
+    (texts), "relevant" (ids, optional)}``."""
     from chunkstore.bench.qa_cases import Case
 
     documents: dict[str, str] = {}
@@ -238,44 +333,102 @@ def user_cases(docs_file: Path | None, questions_file: Path) -> list[Any]:
     cases = []
     for number, item in _json_lines(questions_file):
         where = f"{questions_file}:{number}"
-        answers = item.get("answers", [item["answer"]] if "answer" in item else None)
-        if not isinstance(item.get("question"), str) or not answers:
-            raise DoctorInputError(f'{where}: want "question" and "answers" (or "answer")')
-        if "documents" in item:
-            texts = [str(t) for t in item["documents"]]
-        else:
-            missing = [d for d in item.get("docs", []) if d not in documents]
-            if missing or not item.get("docs"):
+        answers = _strings(item, "answers", where)
+        if answers is None and isinstance(item.get("answer"), str):
+            answers = [item["answer"]]
+        if not isinstance(item.get("question"), str) or not answers or not all(answers):
+            raise DoctorInputError(
+                f'{where}: want "question": str and "answers": [str, ...] (or "answer": str), '
+                "the answers not empty"
+            )
+        ids = _strings(item, "docs", where) or []
+        texts = _strings(item, "documents", where)
+        if texts is None:
+            missing = [d for d in ids if d not in documents]
+            if missing or not ids:
                 raise DoctorInputError(
                     f'{where}: "docs" names {missing or "nothing"} of {docs_file or "no --docs"}'
                 )
-            texts = [documents[d] for d in item["docs"]]
-        relevant = tuple(
-            i for i, d in enumerate(item.get("docs", [])) if d in item.get("relevant", [])
+            texts = [documents[d] for d in ids]
+        elif not texts:
+            raise DoctorInputError(f'{where}: "documents" is empty')
+        relevant = _strings(item, "relevant", where) or []
+        cases.append(
+            Case(
+                "user",
+                tuple(texts),
+                item["question"],
+                tuple(answers),
+                tuple(i for i, d in enumerate(ids) if d in relevant),
+            )
         )
-        cases.append(Case("user", tuple(texts), item["question"], tuple(answers), relevant))
     if not cases:
         raise DoctorInputError(f"{questions_file}: no questions")
     return cases
 
 
+def _strings(item: dict[str, Any], key: str, where: str) -> list[str] | None:
+    """``item[key]``, a list of strings (None where absent). A string is refused, not taken
+    for the list of its characters ("answers": "Paris" would want P, a, r, i and s)."""
+    if key not in item:
+        return None
+    value = item[key]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise DoctorInputError(f'{where}: "{key}" is {reprlib.repr(value)}: want a list of strings')
+    return value
+
+
 def _json_lines(path: Path) -> list[tuple[int, dict[str, Any]]]:
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as err:
-        raise DoctorInputError(f"{path}: {err.strerror}") from None
     items = []
-    for number, line in enumerate(lines, 1):
+    # JSON lines end at "\n" alone: str.splitlines would also split at a U+2028 in a string.
+    for number, line in enumerate(read_text(path).split("\n"), 1):
         if not line.strip():
             continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DoctorInputError(f"{path}:{number}: not JSON: {err.msg}") from None
+        item = _json(line, f"{path}:{number}")
         if not isinstance(item, dict):
             raise DoctorInputError(f"{path}:{number}: want a JSON object")
         items.append((number, item))
     return items
+
+
+def read_text(path: Path) -> str:
+    """A file the doctor reads itself: a regular file (a FIFO or a device would block it or
+    never end), of at most ``MAX_FILE_BYTES``, in UTF-8."""
+    try:
+        mode = path.stat().st_mode
+        if not stat.S_ISREG(mode):
+            raise DoctorInputError(f"{path}: {_kind(mode)}, not a regular file")
+        # Non-blocking: were it swapped for a FIFO since, the open does not wait for a writer.
+        with open(path, "rb", opener=lambda name, flags: os.open(name, flags | os.O_NONBLOCK)) as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+    except OSError as err:
+        raise DoctorInputError(f"{path}: {err.strerror}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise DoctorInputError(f"{path}: over {MAX_FILE_BYTES >> 20} MiB")
+    try:
+        return data.decode()
+    except UnicodeDecodeError as err:
+        raise DoctorInputError(f"{path}: not UTF-8 (byte {err.start})") from None
+
+
+def _json(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as err:  # not JSON, or an integer of over 4300 digits
+        raise DoctorInputError(f"{where}: not JSON: {getattr(err, 'msg', err)}") from None
+    except RecursionError:
+        raise DoctorInputError(f"{where}: not JSON: nested too deeply") from None
+
+
+def _kind(mode: int) -> str:
+    kinds = (
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    return next((name for test, name in kinds if test(mode)), "a special file")
 
 
 def verdict(exact: dict[str, Any] | None, rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -337,18 +490,12 @@ def _setting(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from chunkstore.bench import quality
-
-    model = Path(args.model)
-    if not model.is_dir():
-        from chunkstore.models import model_dir
-
-        model = model_dir(args.model)
     deadline = time.monotonic() + args.max_minutes * 60
     progress = Progress(4 if args.answers else 3, quiet=args.json)
-    report: dict[str, Any] = {"model": str(model)}
     if args.questions:
         cases = user_cases(args.docs_file, args.questions)  # read before anything runs
+    model = _model_folder(args.model, deadline)
+    report: dict[str, Any] = {"model": str(model)}
     checks, tokenizer = support(model)
     report["support"] = [asdict(c) for c in checks]
     progress.stage("support: " + "; ".join(f"{c.name} {_mark(c.ok)}" for c in checks))
@@ -375,6 +522,8 @@ def run(args: argparse.Namespace) -> int:
         progress.stage(f"exactness: worst logprob differences {json.dumps(worst)}")
         rows: list[dict[str, Any]] = []
         if args.answers and report["exactness"]["ok"]:
+            from chunkstore.bench import quality
+
             if not args.questions:
                 cases, _ = quality.cases_of_length(args, tokenizer, args.doc_tokens, args.split)
             report["reproduce"] = _bench_command(args, model)
@@ -390,6 +539,40 @@ def run(args: argparse.Namespace) -> int:
     report["verdict"] = verdict(report["exactness"], rows)
     progress.stage("verdict")
     return _finish(args, report)
+
+
+def _model_folder(name: str, deadline: float) -> Path:
+    """The folder ``name`` is, or the model of `chunkstore models` it names, built on first use
+    by a child given the time left (a build downloads and converts for minutes)."""
+    from chunkstore.models import MODELS
+
+    if Path(name).is_dir():
+        return Path(name)
+    if name not in MODELS:
+        why = "not a folder" if Path(name).exists() else "no such folder"
+        raise DoctorInputError(
+            f"{name}: {why}, nor a model of `chunkstore models` ({', '.join(MODELS)})"
+        )
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the doctor ran past --max-minutes")
+    command = [sys.executable, "-m", "chunkstore.cli", "models", name]
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    try:
+        out, _ = child.communicate(timeout=left)
+    except subprocess.TimeoutExpired:
+        child.send_signal(signal.SIGINT)  # KeyboardInterrupt: model_dir removes its partial build
+        try:
+            child.wait(30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        raise
+    if child.returncode != 0:
+        raise DoctorInputError(
+            f"{name}: `chunkstore models {name}` failed (exit {child.returncode})"
+        )
+    return Path(out.strip())
 
 
 def _left(deadline: float) -> float:

@@ -5,14 +5,19 @@ reference, and the answers stage is bench quality's own evaluation of the same c
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from chunkstore.cli import main
 from chunkstore.doctor import BELOW_BAR, REFERENCE_TOLERANCE, REFUSED, USE, WARM_TOLERANCE
+from chunkstore.testing.cli import chunkstore
 
 
 def doctor(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -62,6 +67,147 @@ def test_doctor_names_the_file_and_line_of_bad_input(tmp_path, tiny_model_dir, c
     questions.write_text("not json\n")
     assert main(["doctor", str(tiny_model_dir), "--questions", str(questions)]) == 2
     assert f"{questions}:1: not JSON" in capsys.readouterr().err
+
+
+def model_with(tiny: Path, folder: Path, **changes: Any) -> Path:
+    """A copy of the tiny model with ``changes`` made to its config.json."""
+    shutil.copytree(tiny, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+    return folder
+
+
+def make_bad(path: Path, fault: str) -> None:
+    """``path`` made a FIFO, /dev/zero, over 64 MiB, not UTF-8, or JSON nested too deeply."""
+    path.unlink(missing_ok=True)
+    if fault == "a FIFO":
+        os.mkfifo(path)
+    elif fault == "/dev/zero":
+        path.symlink_to("/dev/zero")
+    elif fault == "65 MiB":
+        with path.open("wb") as f:
+            f.truncate(65 << 20)  # sparse: no disk taken
+    elif fault == "latin-1":
+        path.write_bytes('{"question": "Où?", "answer": "là"}\n'.encode("latin-1"))
+    elif fault == "nested":
+        path.write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+
+
+# Config sizes out of bounds (each from 1 to its cap), or not integers; rotary parameters
+# not an object.
+SIZES = {  # the size, a bad value, its cap
+    "num_attention_heads": (0, 1024),
+    "num_key_value_heads": (0, 1024),
+    "num_hidden_layers": (10**18, 1024),
+    "hidden_size": (2**40, 1 << 20),
+    "head_dim": (0, 1 << 16),
+    "vocab_size": ("661", 1 << 24),
+}
+ROPES = {"rope_parameters": [{"rope_type": "default"}], "rope_scaling": [2.0]}
+FILES = [  # a file of the model's or the user's, how it is bad, what the error says of it
+    ("config.json", "a FIFO", "config.json: a FIFO, not a regular file"),
+    ("config.json", "/dev/zero", "config.json: a character device, not a regular file"),
+    ("config.json", "latin-1", "config.json: not UTF-8 (byte 15)"),
+    ("config.json", "nested", "config.json: not JSON: nested too deeply"),
+    ("model.safetensors", "a FIFO", "model.safetensors: a FIFO, not a regular file"),
+    ("questions.jsonl", "a FIFO", "questions.jsonl: a FIFO, not a regular file"),
+    ("questions.jsonl", "/dev/zero", "questions.jsonl: a character device, not a regular file"),
+    ("questions.jsonl", "65 MiB", "questions.jsonl: over 64 MiB"),
+    ("questions.jsonl", "latin-1", "questions.jsonl: not UTF-8 (byte 15)"),
+    ("questions.jsonl", "nested", "questions.jsonl:1: not JSON: nested too deeply"),
+    ("docs.jsonl", "latin-1", "docs.jsonl: not UTF-8 (byte 15)"),
+]
+# A string or a number where a list of strings belongs is refused, not read as one item a
+# character ("answers": "Paris" wanted P, a, r, i and s; "answer": "Paris" is the one answer).
+FIELDS = [
+    ("answers", "Paris"),
+    ("answers", 7),
+    ("answers", [7]),
+    ("docs", "paris"),
+    ("docs", 5),
+    ("documents", "In France."),
+    ("documents", 3),
+    ("relevant", "paris"),
+]
+QUESTIONS = {  # other bad questions, and what the error says of them
+    "an empty answer": ({"answers": [""]}, 'want "question": str and "answers": [str, ...]'),
+    "answer a list": ({"answers": None, "answer": ["France"]}, 'want "question": str and'),
+    "no documents": ({"documents": []}, '"documents" is empty'),
+}
+NAMES = {  # a model given by a name or folder that is none, and what the error says of it
+    "tinyy": "tinyy: no such folder, nor a model of `chunkstore models` (tiny, smollm2",
+    "{tmp}/modle": "/modle: no such folder, nor a model of `chunkstore models`",
+    "/dev/zero": "/dev/zero: not a folder, nor a model of `chunkstore models`",
+}
+WANT = "want an integer from 1 to"
+BAD_INPUTS = [
+    *(pytest.param("config", {k: v}, f"{k} is {v!r}: {WANT} {cap}", id=f"{k} {v!r}")
+      for k, (v, cap) in SIZES.items()),
+    *(pytest.param("config", {k: v}, f"{k} is {v!r}: want an object", id=f"{k} a list")
+      for k, v in ROPES.items()),
+    *(pytest.param(file, fault, error, id=f"{file} {fault}") for file, fault, error in FILES),
+    *(pytest.param("question", {k: v}, f'questions.jsonl:1: "{k}" is {v!r}: want a list of '
+                   "strings", id=f"{k} {v!r}")
+      for k, v in FIELDS),
+    *(pytest.param("question", fault, f"questions.jsonl:1: {error}", id=name)
+      for name, (fault, error) in QUESTIONS.items()),
+    *(pytest.param("model", name, error, id=f"model {name}") for name, error in NAMES.items()),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("crafted", "fault", "error"), BAD_INPUTS)
+def test_doctor_refuses_bad_input_naming_the_file_and_what_is_wrong(
+    crafted, fault, error, tiny_model_dir, tmp_path
+) -> None:
+    """Exit 2 and one line naming the file and the fault, before anything starts: no
+    traceback, no hang on a FIFO or /dev/zero, no vLLM (past --max-minutes 0.2 it would exit
+    1), in seconds."""
+    model = model_with(tiny_model_dir, tmp_path / "model", **(fault if crafted == "config" else {}))
+    docs, questions = tmp_path / "docs.jsonl", tmp_path / "questions.jsonl"
+    docs.write_text('{"id": "paris", "text": "Paris is the capital of France."}\n')
+    question = {"question": "Where is Paris?", "answers": ["France"], "docs": ["paris"]}
+    if crafted == "question":
+        question = {k: v for k, v in {**question, **fault}.items() if v is not None}
+    questions.write_text(json.dumps(question) + "\n")
+    if crafted in ("config.json", "model.safetensors"):
+        make_bad(model / crafted, fault)
+    elif crafted in ("questions.jsonl", "docs.jsonl"):
+        make_bad(tmp_path / crafted, fault)
+    given = fault.format(tmp=tmp_path) if crafted == "model" else model
+    run = chunkstore(
+        "doctor", given, "--docs", docs, "--questions", questions, "--max-minutes", "0.2",
+        timeout=60,
+    )  # fmt: skip
+    output = run.stdout + run.stderr
+    assert run.returncode == REFUSED, output[-3000:]
+    assert error in output and "Traceback" not in output, output[-3000:]
+
+
+def test_doctor_does_not_read_the_weights_before_vllm(tiny_model_dir, tmp_path) -> None:
+    """Stage 1 reads the config, not the weights (hashing 1 TiB took minutes, past
+    --max-minutes): here the time limit stops the run at stage 2, in seconds."""
+    model = model_with(tiny_model_dir, tmp_path / "model")
+    with (model / "model-00002-of-00002.safetensors").open("wb") as f:
+        f.truncate(1 << 40)  # sparse: no disk taken
+    began = time.monotonic()
+    run = chunkstore("doctor", model, "--max-minutes", "0.2", "--json", timeout=120)
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert json.loads(run.stdout)["verdict"]["line"] == (
+        "FAILED: stage 2 did not run through: the doctor ran past --max-minutes"
+    )
+    assert time.monotonic() - began < 60
+
+
+def test_doctor_builds_a_named_model_within_max_minutes(tmp_path, monkeypatch) -> None:
+    """A model of `chunkstore models` not built yet is built in the time --max-minutes leaves,
+    and a build cut short leaves nothing half built behind."""
+    monkeypatch.setenv("CHUNKSTORE_MODEL_CACHE", str(tmp_path))
+    began = time.monotonic()
+    run = chunkstore("doctor", "smollm2", "--max-minutes", "0.05", timeout=120)
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert "ran past --max-minutes" in run.stderr
+    assert time.monotonic() - began < 60
+    assert list(tmp_path.iterdir()) == []  # not built whole (the old code: 0.5 GB, ~30 s)
 
 
 def test_doctor_on_the_tiny_model_with_a_users_documents(tmp_path, tiny_model_dir, capsys) -> None:

@@ -11,8 +11,9 @@ from typing import Any
 
 # The help's paragraphs, each filled to the terminal's usual width.
 DESCRIPTION = (
-    "Four stages: (1) support: the rotary variant, KV layout, separator, vLLM "
-    "version and back end (no vLLM run; a refusal says exactly why); (2) exactness: a "
+    "Four stages: (1) support: the model's files and sizes, the rotary variant, KV "
+    "layout, separator, vLLM version and back end (no vLLM run, the weights not read; a "
+    "refusal says exactly why); (2) exactness: a "
     "daemon and a real vLLM with the connector's defaults: a chunked prompt computed cold "
     "and loaded warm gives the same tokens (logprobs within 1e-4), and cold and reordered "
     "answers equal the HF transformers fp32 reference (1e-3); (3) answers: full prefill, "
@@ -22,10 +23,10 @@ DESCRIPTION = (
     "Exit status: 0 use it, 1 not exact (or a stage failed), 2 refused (unsupported "
     "model or bad input), 3 exact but no method tried keeps 90% of full prefill's "
     "answers.",
-    'Files (JSON lines): --docs {"id": ..., "text": ...}; --questions '
-    '{"question": ..., "answers": [every string that must appear], "docs": [ids in '
-    'prompt order] (or "documents": [texts]), "relevant": [ids holding the answer, '
-    "optional]}.",
+    'Files (JSON lines, at most 64 MiB): --docs {"id": ..., "text": ...}; --questions '
+    '{"question": ..., "answers": [every string that must appear] (or "answer": one '
+    'string), "docs": [ids in prompt order] (or "documents": [texts]), "relevant": [ids '
+    "holding the answer, optional]}; a string where a list belongs is refused.",
 )
 
 
@@ -89,7 +90,8 @@ def add_commands(commands: Any) -> None:
         "--max-minutes",
         type=float,
         default=30.0,
-        help="stop (exit 1) past this; stage 3 takes one vLLM run a method (30)",
+        help="stop (exit 1) past this, building a model of `chunkstore models` included; "
+        "stage 3 takes one vLLM run a method (30)",
     )
     parser.add_argument(
         "--no-answers",

@@ -41,18 +41,25 @@ class ModelFingerprint:
 def fingerprint(hf_config: Any, model: str | Path, kv_dtype: str) -> ModelFingerprint:
     """``model`` is the folder vLLM loads (its weights are hashed) or, for a hub name, the
     name itself; ``kv_dtype`` the dtype of the KV cache ("float32", "bfloat16", ...)."""
-    rotary = RotaryConfig.from_hf_config(hf_config)
+    rotary, layout = kv_shape(hf_config)
     path = Path(model)
     weights = weights_digest(path) if path.is_dir() else str(model)
+    return ModelFingerprint(
+        model_fingerprint(weights, kv_dtype, rotary), layout.fingerprint(), rotary, layout, kv_dtype
+    )
+
+
+def kv_shape(hf_config: Any) -> tuple[RotaryConfig, KVLayout]:
+    """The rotary set-up and the KV layout of a fingerprint, from the config alone: what
+    ``chunkstore doctor`` checks in seconds, whatever the size of the weights."""
+    rotary = RotaryConfig.from_hf_config(hf_config)
     layout = KVLayout(
         num_layers=hf_config.num_hidden_layers,
         num_kv_heads=getattr(hf_config, "num_key_value_heads", None)
         or hf_config.num_attention_heads,
         head_dim=rotary.head_dim,
     )
-    return ModelFingerprint(
-        model_fingerprint(weights, kv_dtype, rotary), layout.fingerprint(), rotary, layout, kv_dtype
-    )
+    return rotary, layout
 
 
 def fingerprint_of_folder(model_dir: str | Path, kv_dtype: str) -> ModelFingerprint:
