@@ -27,8 +27,7 @@ from chunkstore.kv.masks import MaskForm, SegmentLayout, isolation_mask
 from chunkstore.kv.remap import remap_keys
 from chunkstore.kv.rope import RotaryConfig
 from chunkstore.kv.segments import Segment, SegmentKind
-from chunkstore_vllm.config import ConnectorConfig
-from chunkstore_vllm.selection import relevant
+from chunkstore.kv.treatment import BackEnd, QualityConfig, treat
 
 
 @dataclass
@@ -277,26 +276,13 @@ def default_treatment(
     virtual_gap: int = 0,
     recompute: bool = True,
 ) -> tuple[dict[int, range], dict[int, int], int]:
-    """What the connector's defaults do with a prompt's chunks (``relevant_last``: at most
-    three BM25 ranks highest attended last, and recomputed there, whole when short, a longer
-    one in part with ``relevant_span_tokens``, where the workers can (``recompute``: not
-    under tensor parallelism)): segment
-    index -> the offsets recomputed in it, segment index -> positions how far each chunk
-    moves, and how many first
-    tokens of every other chunk are recomputed with them (``relevant_first_tokens``, where
-    chunks are), computed by the connector's own selection for the HF reference of a
-    served prompt."""
-    first_is_causal = isolation is Isolation.SYS and not virtual_gap
-    defaults = ConnectorConfig()
-    recomputed, shifts, _ = relevant(
-        segments,
-        defaults.relevant_last,
-        defaults.relevant_recompute_tokens if recompute else 0,
-        first_is_causal=first_is_causal,
-        min_score=defaults.relevant_min_score,
-        span_tokens=defaults.relevant_span_tokens,
-    )
-    return recomputed, shifts, defaults.relevant_first_tokens if recomputed else 0
+    """What the connector's defaults do with a prompt's chunks (``chunkstore.kv.treatment``,
+    the policy the connector runs; ``recompute``: its workers can recompute, not under
+    tensor parallelism): segment index -> the offsets recomputed in it, segment index ->
+    positions each chunk moves, and how many first tokens of every other chunk are
+    recomputed with them, for the HF reference of a served prompt."""
+    treated = treat(segments, QualityConfig(), isolation, virtual_gap, BackEnd(recompute=recompute))
+    return treated.recomputed, treated.shifts, treated.first_tokens
 
 
 def default_reference(

@@ -8,28 +8,8 @@ from typing import Any
 
 from chunkstore.client import default_address
 from chunkstore.kv.keys import Isolation
+from chunkstore.kv.treatment import QualityConfig
 
-from .selection import RECOMPUTE_BY
-
-# On Qwen2.5-Coder with 8 documents: at most the three BM25 ranks highest, those scoring at
-# least half the best (the one-fact and two-fact questions; over 120 cases of each length
-# from ~50 to ~500 tokens they hold every answer document more often than a fixed two, and
-# are fewer): docs/benchmarks.md, "Answer quality".
-DEFAULT_RELEVANT_LAST = 3
-DEFAULT_RELEVANT_MIN_SCORE = 0.5
-# ... and recomputed there when each holds at most this many tokens (within
-# selection.recompute_budget): on ~200-token documents (held-out) that answers 15 of 24,
-# as full prefill does, where recomputing them where they stand answers 12 and moving them
-# alone 12.
-DEFAULT_RELEVANT_RECOMPUTE_TOKENS = 384
-# ... and a longer one's tokens around what matches the question, this many (``span``):
-# off by default, as 128 changed no answer of 24 held-out cases of ~500-token documents
-# (16 of 24 either way, full prefill 15) for 9% of the chunk tokens recomputed.
-DEFAULT_RELEVANT_SPAN_TOKENS = 0
-# ... and, when they are, the first tokens of every other chunk with them (EPIC's choice:
-# where isolation leaves each chunk an attention sink): on ~200-token documents that and
-# the relevant chunks answer 16 of 24 where the relevant chunks alone answer 13.
-DEFAULT_RELEVANT_FIRST_TOKENS = 16
 # LMCache's chunk size: a prefix entry per 256 tokens.
 DEFAULT_PREFIX_BLOCK_TOKENS = 256
 
@@ -50,26 +30,12 @@ class ConnectorConfig:
     load_cpus: str = "spare"  # where: spare (cores vLLM does not compute on) | all | vllm | "0-3"
     populate_pool: bool = True  # map the shared pool's pages in the background, not per read
     inband_isolation: bool = True  # the isolation mask inside vLLM's attention (worker hook)
+    # Chunks computed as if standing this many tokens after sys (in the keys: each needs
+    # in-band isolation).
+    virtual_gap: int = 0
     # Answer quality under isolation (each needs in-band isolation; docs/connector.md,
-    # "Answer quality"):
-    virtual_gap: int = 0  # chunks computed as if standing this many tokens after sys
-    recompute_chunks: int = 0  # N chunks recomputed whole, seeing everything before them
-    recompute_by: str = "relevance"  # which: relevance (BM25) | position (the last N)
-    recompute_max_tokens: int = 0  # at most this many chunk tokens recomputed (0: no cap)
-    recompute_tokens: int = 0  # each chunk's first N tokens recomputed seeing all before them
-    question_temperature: float = 1.0  # APE: question's scores against chunk keys / this
-    question_scale: float = 1.0  # APE: the chunks' share of its attention times this
-    # At most N chunks most relevant to the question attended last (0 where chunks or
-    # tokens are recomputed, or without in-band isolation, unless set) ...
-    relevant_last: int = DEFAULT_RELEVANT_LAST
-    # ... of those BM25 scores at least this share of the best (0: always N) ...
-    relevant_min_score: float = DEFAULT_RELEVANT_MIN_SCORE
-    # ... and recomputed there when each holds at most this many tokens (0: only moved).
-    relevant_recompute_tokens: int = DEFAULT_RELEVANT_RECOMPUTE_TOKENS
-    # ... a longer one in part: this many tokens around what matches the question (0: not).
-    relevant_span_tokens: int = DEFAULT_RELEVANT_SPAN_TOKENS
-    # ... and then the first N tokens of every other chunk too (0: not).
-    relevant_first_tokens: int = DEFAULT_RELEVANT_FIRST_TOKENS
+    # "Answer quality"), set as flat keys of the same names.
+    quality: QualityConfig = QualityConfig()
     # A chunk recomputed whole that the request computes anyway (not loaded) is computed
     # once, where it is attended, and not stored by this request (a request that uses it
     # isolated stores it); false: computed isolated too, stored, then recomputed.
@@ -89,58 +55,30 @@ class ConnectorConfig:
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
+        """From ``kv_connector_extra_config``: its keys are this class's fields and, flat
+        beside them, ``QualityConfig``'s."""
         extra = dict(extra or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(extra) - known)
+        own = {f.name for f in fields(cls)} - {"quality"}
+        quality_names = set(QualityConfig.names())
+        unknown = sorted(set(extra) - own - quality_names)
         if unknown:
             raise ValueError(
-                f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}"
+                f"unknown kv_connector_extra_config keys {unknown}; known: "
+                f"{sorted(own | quality_names)}"
             )
-        recovers_otherwise = extra.get("recompute_chunks") or extra.get("recompute_tokens")
-        if "relevant_last" not in extra and (
-            recovers_otherwise or not extra.get("inband_isolation", True)
-        ):
-            extra["relevant_last"] = 0  # the default gives way to what was asked for
-        config = cls(**extra)
+        inband = extra.get("inband_isolation", True)
+        quality = QualityConfig.from_settings(
+            {k: extra.pop(k) for k in quality_names & set(extra)}, inband=bool(inband)
+        )
+        config = cls(**extra, quality=quality)
         Isolation(config.isolation)  # raises on a bad mode
         if config.transport not in ("auto", "shm", "stream"):
             raise ValueError(f"transport must be auto, shm or stream, not {config.transport!r}")
-        counts = (
-            config.virtual_gap,
-            config.recompute_chunks,
-            config.recompute_tokens,
-            config.recompute_max_tokens,
-            config.relevant_last,
-            config.relevant_recompute_tokens,
-            config.relevant_span_tokens,
-            config.relevant_first_tokens,
-            config.prefix_block_tokens,
-        )
-        if min(counts) < 0:
-            raise ValueError(
-                "virtual_gap, recompute_chunks, recompute_tokens, recompute_max_tokens, "
-                "relevant_last, relevant_recompute_tokens, relevant_span_tokens, "
-                "relevant_first_tokens and prefix_block_tokens are counts >= 0"
-            )
-        if config.relevant_last and (config.recompute_chunks or config.recompute_tokens):
-            raise ValueError(
-                "relevant_last moves chunks, recompute_chunks and recompute_tokens recompute "
-                "them where they stand: choose one (set relevant_last to 0 to recompute)"
-            )
-        if config.recompute_by not in RECOMPUTE_BY:
-            raise ValueError(
-                f"recompute_by must be {' or '.join(RECOMPUTE_BY)}, not {config.recompute_by!r}"
-            )
+        if config.virtual_gap < 0 or config.prefix_block_tokens < 0:
+            raise ValueError("virtual_gap and prefix_block_tokens: counts >= 0")
         if config.load_threads < 1:
             raise ValueError(f"load_threads must be >= 1, not {config.load_threads}")
         load_cpus(config.load_cpus)  # raises on a bad list
-        if not 0 <= config.relevant_min_score <= 1:
-            raise ValueError(
-                f"relevant_min_score is a share of the best score, 0 to 1: "
-                f"{config.relevant_min_score}"
-            )
-        if config.question_temperature <= 0 or config.question_scale <= 0:
-            raise ValueError("question_temperature and question_scale must be > 0")
         if config.quality_recovery and not config.inband_isolation:
             raise ValueError(
                 "virtual_gap, recompute_chunks, recompute_tokens, relevant_last, "
@@ -158,18 +96,8 @@ class ConnectorConfig:
         return Isolation(self.isolation)
 
     @property
-    def reweights_questions(self) -> bool:
-        return self.question_temperature != 1.0 or self.question_scale != 1.0
-
-    @property
     def quality_recovery(self) -> bool:
-        return bool(
-            self.virtual_gap
-            or self.recompute_chunks
-            or self.recompute_tokens
-            or self.relevant_last
-            or self.reweights_questions
-        )
+        return bool(self.virtual_gap or self.quality.recovers)
 
 
 def load_cpus(text: str, bound: set[int] | None = None) -> set[int] | None:

@@ -239,14 +239,14 @@ class IsolationHook:
         self.rotary = rotary
         self.isolate_from_sys = config.isolation_mode is Isolation.SYS
         self.virtual_gap = config.virtual_gap  # chunks see sys from this far past its end
-        self.reweight = config.reweights_questions
-        self.temperature = config.question_temperature
-        self.log_scale = math.log(config.question_scale)
+        self.reweight = config.quality.reweights_questions
+        self.temperature = config.quality.question_temperature
+        self.log_scale = math.log(config.quality.question_scale)
         self.on_miss = on_miss  # a planned request not found in the batch (computed causally)
         # A request's chunks its loads put where they are attended (None: a load failed,
         # so nothing of it moves in this step, which vLLM computes again)
         self.placed = placed
-        self.recomputes = bool(config.recompute_tokens or config.recompute_chunks)
+        self.recomputes = bool(config.quality.recompute_tokens or config.quality.recompute_chunks)
         self.rides = config.recompute_in_vllm_batch
         self.recomputer: Recomputer | None = None
         self._plans: list[RequestPlan] = []

@@ -7,7 +7,6 @@ workers report the loads ended or the request ends."""
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from chunkstore.errors import ChunkStoreError
 from chunkstore.kv.entry import EntryKind
 from chunkstore.kv.keys import Isolation
 from chunkstore.kv.segments import Segment, SegmentKind
+from chunkstore.kv.treatment import BackEnd, Treatment, first_is_causal, treat
 
 from .client_holder import DaemonLink
 from .common import (
@@ -33,7 +33,6 @@ from .config import ConnectorConfig, unsupported_parallelism, unsupported_recomp
 from .keys import ModelKeys, SegmentPlan
 from .metrics import ConnectorStats
 from .prefix_cache import keep_roles_apart
-from .selection import BadTransferParams, relevant, select
 
 if TYPE_CHECKING:  # vLLM's types at the boundary, for the type checker only
     from vllm.config import VllmConfig
@@ -68,7 +67,7 @@ class Tracked:
     saving: set[int] = field(default_factory=set)  # cacheable segments whose save is planned
     recomputed: dict[int, range] = field(default_factory=dict)  # segment -> its offsets
     shifts: tuple[tuple[int, int, int], ...] = ()  # chunks attended elsewhere: start, end, by
-    first_tokens: int = 0  # the first N tokens of every other chunk recomputed too
+    first_tokens: int = 0  # the first N tokens of every other chunk blended (recomputed) too
     # Recomputed chunks computed once, in place, in the question's step: never stored by it.
     in_place: tuple[tuple[int, int], ...] = ()
     # Chunks that missed inside the loaded run (segment indices), computed by the hook in
@@ -219,15 +218,16 @@ class SchedulerSide:
         self.link = DaemonLink(config, "chunkstore-scheduler", self.stats)
         self._warned_prefix_cache = False
         self.off = unsupported_parallelism(vllm_config)
-        # Relevant chunks are attended last, and recomputed there when short where the workers can.
-        self.recompute_up_to = config.relevant_recompute_tokens
+        # What the back end can do decides the treatment (``chunkstore.kv.treatment``).
         no_recompute = unsupported_recompute(vllm_config)
-        if self.recompute_up_to and config.relevant_last and no_recompute:
+        quality = config.quality
+        if quality.relevant_recompute_tokens and quality.relevant_last and no_recompute:
             log.info(
                 "chunkstore: relevant chunks are attended last, never recomputed: %s",
                 no_recompute,
             )
-            self.recompute_up_to = 0
+        self.back_end = BackEnd(inband=config.inband_isolation, recompute=not no_recompute)
+        self.first_is_causal = first_is_causal(config.isolation_mode, config.virtual_gap)
         self.fills_gaps = config.fill_gaps and config.inband_isolation and not no_recompute
         if self.off:
             log.warning(
@@ -255,19 +255,18 @@ class SchedulerSide:
                 ]
                 short = sum(len(p.segment) < self.config.min_chunk_tokens for p in plans)
                 self.stats.add("short_segments", short)
-                recomputed = {i: range(len(segments[i])) for i in self._select(request, segments)}
-                shifts: tuple[tuple[int, int, int], ...] = ()
-                first = 0
-                if not recomputed:  # chunks recomputed as asked stay where they stand
-                    recomputed, shifts = self._relevant(request, segments)
-                    first = self.config.relevant_first_tokens if recomputed else 0
+                treated = self._treat(request, segments)
+                moves = tuple(
+                    (segments[i].start, segments[i].end, d)
+                    for i, d in sorted(treated.shifts.items())
+                )
                 tracked = Tracked(
                     segments,
                     cacheable,
                     causal,
-                    recomputed=recomputed,
-                    shifts=shifts,
-                    first_tokens=first,
+                    recomputed=dict(treated.recomputed),
+                    shifts=moves,
+                    first_tokens=treated.first_tokens,
                 )
             else:
                 self.stats.add("unchunked_prompts")
@@ -289,74 +288,28 @@ class SchedulerSide:
             self._tracked[req_id] = tracked
         return self._tracked[req_id]
 
-    def _select(self, request: Request, segments: list[Segment]) -> frozenset[int]:
-        """The chunks (segment indices) to recompute whole (``selection``); none without a
-        question, or without in-band isolation (the workers' hook recomputes them)."""
-        if segments[-1].kind is not SegmentKind.QUESTION or not self.config.inband_isolation:
-            return frozenset()
-        chunks = [i for i, s in enumerate(segments) if s.kind is SegmentKind.CHUNK]
-        if not chunks:
-            return frozenset()
-        question = segments[-1].token_ids
-        bodies = [segments[i].token_ids for i in chunks]
+    def _treat(self, request: Request, segments: list[Segment]) -> Treatment:
+        """What the request's chunks get (``chunkstore.kv.treatment``), its own choice
+        (``kv_transfer_params``) first; malformed ones are ignored, said and counted."""
         config = self.config
-        params = getattr(request, "kv_transfer_params", None)
-        first_is_causal = self._first_is_causal
-        choice = functools.partial(
-            select,
-            question,
-            bodies,
-            config.recompute_by,
-            config.recompute_chunks,
-            config.recompute_max_tokens,
-            first_is_causal=first_is_causal,
+        treated = treat(
+            segments,
+            config.quality,
+            config.isolation_mode,
+            config.virtual_gap,
+            self.back_end,
+            getattr(request, "kv_transfer_params", None),
         )
-        try:
-            chosen = choice(params=params)
-        except BadTransferParams as err:
+        if treated.ignored_params is not None:
             log.warning(
-                "chunkstore: request %s: kv_transfer_params ignored: %s", request.request_id, err
+                "chunkstore: request %s: kv_transfer_params ignored: %s",
+                request.request_id,
+                treated.ignored_params,
             )
             self.stats.add("bad_transfer_params")
-            chosen = choice()
-        self.stats.add("recomputed_chunks", len(chosen))
-        return frozenset(chunks[i] for i in chosen)
-
-    def _per_chunk(self, tracked: Tracked) -> int:
-        """How many first tokens of each chunk the workers blend (``recompute_tokens``, or
-        the relevant chunks' ``relevant_first_tokens``): what the step recomputes and where
-        the request's blocks turn private in vLLM's prefix cache must agree."""
-        return max(self.config.recompute_tokens, tracked.first_tokens)
-
-    @property
-    def _first_is_causal(self) -> bool:
-        """The first chunk's isolated KV is its causal KV: recomputing it changes nothing."""
-        return self.config.isolation_mode is Isolation.SYS and not self.config.virtual_gap
-
-    def _relevant(
-        self, request: Request, segments: list[Segment]
-    ) -> tuple[dict[int, range], tuple[tuple[int, int, int], ...]]:
-        """``relevant_last``: the chunks most relevant to the question (``selection``),
-        attended as if they stood just before the question ((start, end, shift) of each
-        chunk that moves) and recomputed there, whole or in part (segment index -> offsets)."""
-        config = self.config
-        choice = functools.partial(
-            relevant,
-            segments,
-            config.relevant_last,
-            self.recompute_up_to,
-            first_is_causal=self._first_is_causal,
-            min_score=config.relevant_min_score,
-            span_tokens=config.relevant_span_tokens,
-        )
-        try:
-            recomputed, shifts, moved = choice(getattr(request, "kv_transfer_params", None))
-        except BadTransferParams:  # reported by _select, which read them first
-            recomputed, shifts, moved = choice()
-        self.stats.add("recomputed_chunks", len(recomputed))
-        self.stats.add("moved_chunks", moved)
-        moves = tuple((segments[i].start, segments[i].end, d) for i, d in sorted(shifts.items()))
-        return recomputed, moves
+        self.stats.add("recomputed_chunks", len(treated.recomputed))
+        self.stats.add("moved_chunks", treated.moved)
+        return treated
 
     def on_new_request(self, request: Request) -> None:
         """With in-band isolation, keep vLLM's prefix cache from sharing blocks between
@@ -366,7 +319,7 @@ class SchedulerSide:
         tracked = self._track(request)
         if tracked is None or not tracked.chunked:
             return
-        private = tracked.first_changed(self._per_chunk(tracked), self._first_is_causal)
+        private = tracked.first_changed(tracked.first_tokens, self.first_is_causal)
         if keep_roles_apart(request, tracked.causal_start, self.block_size, private):
             return
         if not self._warned_prefix_cache:
@@ -599,8 +552,8 @@ class SchedulerSide:
         if not self.config.inband_isolation or start >= end or not chunks:
             return None
         computes_chunks = any(lo < end and hi > start for lo, hi in chunks)
-        reweights = self.config.reweights_questions and end > tracked.causal_start
-        recomputes = self.config.recompute_tokens or tracked.recomputed
+        reweights = self.config.quality.reweights_questions and end > tracked.causal_start
+        recomputes = tracked.first_tokens or tracked.recomputed
         blends = bool(recomputes) and start <= tracked.causal_start < end
         moves = tracked.shifts if start <= tracked.causal_start < end else ()
         gaps: tuple[tuple[int, int], ...] = ()
@@ -611,8 +564,8 @@ class SchedulerSide:
             self.stats.add("gap_tokens", len(gaps))
         if not (computes_chunks or reweights or blends or moves or gaps):
             return None
-        first_tokens = self._per_chunk(tracked)
-        recompute = tracked.blended_tokens(first_tokens, self._first_is_causal) if blends else ()
+        first_tokens = tracked.first_tokens
+        recompute = tracked.blended_tokens(first_tokens, self.first_is_causal) if blends else ()
         in_place = tracked.in_place if blends else ()
         return IsolatedStep(
             start, end, tracked.sys_end, chunks, recompute, moves, in_place, gaps, gap_picks

@@ -50,11 +50,11 @@ from typing import Any
 
 from chunkstore.bench import qa_cases
 from chunkstore.kv.segments import SegmentKind, build_chunked_prompt, split_prompt
+from chunkstore.kv.treatment import QualityConfig, Treatment, treat
 from chunkstore.models import kv_bytes_per_token, model_dir
 from chunkstore.processes.daemon import start_daemon
 from chunkstore.processes.vllm_probe import run_probe
 from chunkstore_vllm.config import ConnectorConfig
-from chunkstore_vllm.selection import placement, relevant, relevant_last, select
 
 FULL, ISOLATED, DEFAULT = "full", "isolated", "default"
 # The curve of each knob, and the combinations worth a row: sized to run in under an hour
@@ -83,19 +83,10 @@ QUESTION_TEXT = "\nQuestion: {}<|im_end|>\n<|im_start|>assistant\n"
 # The separator of docs/benchmarks.md's table (Answer quality), from before "auto" was the default.
 SEPARATOR = "##"
 BLOCK = 1 << 20  # the daemons' block size
+# A method's settings: the connector's quality settings, its virtual gap, and the bench's own.
 KNOBS: dict[str, type] = {
     "virtual_gap": int,
-    "recompute_chunks": int,
-    "recompute_by": str,
-    "recompute_max_tokens": int,
-    "recompute_tokens": int,
-    "question_temperature": float,
-    "question_scale": float,
-    "relevant_last": int,
-    "relevant_min_score": float,
-    "relevant_recompute_tokens": int,
-    "relevant_span_tokens": int,
-    "relevant_first_tokens": int,
+    **QualityConfig.names(),
     REQUEST: int,
     SCORES: str,
 }
@@ -171,56 +162,19 @@ def oracle_ranking(relevant: tuple[int, ...], chunks: int) -> list[int]:
 
 def treatment(
     settings: dict[str, Any], prompt: list[int], sep: list[int], ranking: list[int]
-) -> tuple[dict[int, range], list[int], int]:
-    """The chunks (index among the prompt's chunks -> the offsets recomputed in it) a method
-    recomputes, those it attends last, and how many first tokens of every other chunk it
-    recomputes, as the scheduler chooses them: the request's or ``recompute_chunks``' choice
-    first (whole chunks), else ``relevant_last``'s (attended last, and recomputed there,
-    whole when short, a longer one in part with ``relevant_span_tokens``, with every other
-    chunk's first ``relevant_first_tokens``). The first chunk, where it stays first with no
-    ``virtual_gap``, is causal already (``recomputed_share`` leaves it out)."""
+) -> tuple[Treatment, list[int]]:
+    """What a method does with a prompt's chunks, as the connector decides it (the one
+    policy, ``chunkstore.kv.treatment``), given the kv_transfer_params the bench sends with
+    it; and the segment index of each chunk (chunk ``c`` is segment ``chunks[c]``)."""
     segments = split_prompt(prompt, sep)
-    lengths = [len(s) for s in segments if s.kind is SegmentKind.CHUNK]
-    per_chunk = int(settings.get("recompute_tokens", 0))
     config = ConnectorConfig.from_extra(connector_settings(settings))
-    causal = config.isolation == "sys" and not config.virtual_gap
-    if settings.get(REQUEST):
-        return {i: range(lengths[i]) for i in sorted(ranking[: settings[REQUEST]])}, [], per_chunk
-    if segments[-1].kind is not SegmentKind.QUESTION:
-        return {}, [], per_chunk
-    chunk_of = {
-        s: c
-        for c, s in enumerate(i for i, seg in enumerate(segments) if seg.kind is SegmentKind.CHUNK)
-    }
-    chunks = [segments[i].token_ids for i in chunk_of]
-    params = _transfer_params(ranking, 0, settings.get(SCORES) == ORACLE)
-    chosen = select(
-        segments[-1].token_ids,
-        chunks,
-        config.recompute_by,
-        config.recompute_chunks,
-        config.recompute_max_tokens,
-        params,
+    params = _transfer_params(
+        ranking, int(settings.get(REQUEST, 0)), settings.get(SCORES) == ORACLE
     )
-    if chosen:
-        return {i: range(lengths[i]) for i in chosen}, [], per_chunk
-    choice = functools.partial(
-        relevant,
-        segments,
-        config.relevant_last,
-        config.relevant_recompute_tokens,
-        params,
-        min_score=config.relevant_min_score,
-        span_tokens=config.relevant_span_tokens,
+    treated = treat(
+        segments, config.quality, config.isolation_mode, config.virtual_gap, params=params
     )
-    recomputed = choice()[0]
-    # The first chunk alone, staying first, recomputes nothing: no first tokens either.
-    if choice(first_is_causal=causal)[0]:
-        per_chunk = max(per_chunk, config.relevant_first_tokens)
-    last = relevant_last(
-        segments[-1].token_ids, chunks, config.relevant_last, params, config.relevant_min_score
-    )
-    return {chunk_of[i]: r for i, r in recomputed.items()}, last, per_chunk
+    return treated, [i for i, seg in enumerate(segments) if seg.kind is SegmentKind.CHUNK]
 
 
 def wilson(correct: int, total: int, z: float = 1.96) -> tuple[float, float]:
@@ -241,24 +195,28 @@ def recomputed_share(
 ) -> float:
     """The share of the prompts' chunk tokens a method recomputes: the offsets it recomputes
     in each chunk, and the first tokens of every chunk (its separator included) but the one
-    attended right after sys (causal already, as the connector leaves it)."""
+    attended right after sys where that is causal already (as the connector leaves it)."""
     total = recomputed = 0
     for prompt, ranking in zip(prompts, rankings, strict=True):
-        chosen, last, per_chunk = treatment(settings, prompt, sep, ranking)
-        chunks = [s for s in split_prompt(prompt, sep) if s.kind is SegmentKind.CHUNK]
-        lengths = [len(c) for c in chunks]
-        shifts = placement(lengths, last) if last else [0] * len(chunks)
-        first_moves = shifts[0] != 0
-        if not settings.get("virtual_gap") and not first_moves:
-            chosen.pop(0, None)  # first, causal already: the connector leaves it be
-        starts = [sum(lengths[:i]) + shifts[i] for i in range(len(chunks))]
-        first = starts.index(0) if not settings.get("virtual_gap") else -1
-        for index, seg in enumerate(chunks):
+        treated, chunks = treatment(settings, prompt, sep, ranking)
+        segments = split_prompt(prompt, sep)
+        sys_end = segments[0].end
+        starts = [segments[i].start + treated.shifts.get(i, 0) for i in chunks]
+        first = chunks[starts.index(sys_end)] if treated.first_is_causal else -1
+        for index in chunks:
+            seg = segments[index]
             total += len(seg)
-            span = chosen.get(index, range(0))
-            blends = per_chunk if index != first else 0
+            span = treated.recomputed.get(index, range(0))
+            blends = treated.first_tokens if index != first else 0
             recomputed += sum(1 for p in range(len(seg)) if p < blends or p in span)
     return recomputed / max(1, total)
+
+
+def exact_and_last(treated: Treatment, chunks: list[int]) -> tuple[set[int], set[int]]:
+    """The chunks (chunk indices) a treatment gives their full-prefill KV (recomputed, or
+    the first staying first where that is causal already) and those it attends last."""
+    of = {segment: c for c, segment in enumerate(chunks)}
+    return {of[i] for i in treated.exact}, {of[i] for i in treated.last}
 
 
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
@@ -502,11 +460,14 @@ def _recomputed(
             "ttft": round(recomputed_share(timed[0], sep, settings, timed[1]), 3),
         }
     }
-    chosen = [treatment(settings, p, sep, r)[:2] for p, r in zip(qa_ids, qa_rankings, strict=True)]
+    chosen = [
+        exact_and_last(*treatment(settings, p, sep, r))
+        for p, r in zip(qa_ids, qa_rankings, strict=True)
+    ]
     known = [(case, c) for case, c in zip(cases, chosen, strict=True) if case.relevant]
     for field, which in (("answer_chunks_recomputed", 0), ("answer_chunks_last", 1)):
         if known and any(c[which] for c in chosen):  # (a user's case may not say)
-            found = sum(set(case.relevant) <= set(c[which]) for case, c in known)
+            found = sum(set(case.relevant) <= c[which] for case, c in known)
             fields[field] = round(found / len(known), 3)
     return fields
 

@@ -17,6 +17,7 @@ import pytest
 
 from chunkstore.client import ChunkStoreClient
 from chunkstore.kv.keys import Isolation
+from chunkstore.kv.selection import placed
 from chunkstore.processes.daemon import RunningDaemon
 from chunkstore.processes.redis import RedisServer
 from chunkstore.processes.vllm_probe import run_probe
@@ -31,7 +32,6 @@ from chunkstore.testing.scenario import (
     assert_logprobs_match,
 )
 from chunkstore_vllm.config import ConnectorConfig
-from chunkstore_vllm.selection import placed
 
 
 def run_vllm(
@@ -264,7 +264,7 @@ def test_isolation_none_matches_the_dense_mask_reference(
     served = results[-1]
     assert served["cached_tokens"] == rag.segments[-1].start
     ref = HFReference.load(model)
-    defaults = ConnectorConfig()
+    defaults = ConnectorConfig().quality
     _, shifts = placed(rag.segments, defaults.relevant_last, min_score=defaults.relevant_min_score)
     assert shifts  # (else the dense mask would only check plain isolation)
     assembled = ref.assembled_cache(rag.segments, Isolation.NONE, shifts=shifts).logits[-1]

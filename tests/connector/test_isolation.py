@@ -15,6 +15,7 @@ from chunkstore.client import ChunkStoreClient
 from chunkstore.kv.fingerprint import fingerprint_of_folder
 from chunkstore.kv.keys import Isolation, segment_keys
 from chunkstore.kv.segments import ChunkedPrompt
+from chunkstore.kv.selection import span
 from chunkstore.processes.daemon import RunningDaemon
 from chunkstore.processes.vllm_probe import run_probe
 from chunkstore.reference import (
@@ -33,7 +34,6 @@ from chunkstore.testing.scenario import (
     assert_logprobs_match,
     assert_same_answer,
 )
-from chunkstore_vllm.selection import span
 
 MORE_DOCS = [
     "Rome is the capital of Italy. The river Tiber flows through it.",

@@ -8,9 +8,7 @@ import pytest
 
 from chunkstore.bench.qa_cases import generate
 from chunkstore.kv.segments import Segment, SegmentKind
-from chunkstore.models import model_dir
-from chunkstore_vllm.config import ConnectorConfig
-from chunkstore_vllm.selection import (
+from chunkstore.kv.selection import (
     RECOMPUTE_FLOOR,
     RECOMPUTE_SHARE,
     BadTransferParams,
@@ -25,6 +23,8 @@ from chunkstore_vllm.selection import (
     select,
     span,
 )
+from chunkstore.models import model_dir
+from chunkstore_vllm.config import ConnectorConfig
 
 
 def test_bm25_ranks_the_chunk_sharing_the_questions_rare_tokens_first() -> None:
@@ -107,22 +107,22 @@ def test_relevant_chunks_go_last_and_are_recomputed_there_when_short() -> None:
     # Chunks 1 and 3 (segments 2 and 4) are the two most relevant, of 4 and 3 tokens: both
     # attended last, segment 2 (the more relevant) after segment 4, and recomputed there.
     moves = {2: 8, 3: -4, 4: -4}
-    assert relevant(segments, 2, 4) == ({2: range(4), 4: range(3)}, moves, 2)
+    assert relevant(segments, 2, 4) == ({2: range(4), 4: range(3)}, moves, [4, 2])
     # One of them longer than the limit: both attended last, the short one recomputed, the
     # long one only moved (no span) or recomputed in part (its span: here from its first
     # match, a quarter of 2 tokens in being 0 tokens).
-    assert relevant(segments, 2, 3) == ({4: range(3)}, moves, 2)
-    assert relevant(segments, 2, 3, span_tokens=2) == ({2: range(2), 4: range(3)}, moves, 2)
+    assert relevant(segments, 2, 3) == ({4: range(3)}, moves, [4, 2])
+    assert relevant(segments, 2, 3, span_tokens=2) == ({2: range(2), 4: range(3)}, moves, [4, 2])
     # Nothing recomputed at all: both only moved.
-    assert relevant(segments, 2, 0, span_tokens=2) == ({}, moves, 2)
+    assert relevant(segments, 2, 0, span_tokens=2) == ({}, moves, [4, 2])
     # Already last: recomputed where it stands, nothing moves.
     alone = segments[:3] + segments[-1:]
-    assert relevant(alone, 1, 10, first_is_causal=True) == ({2: range(4)}, {}, 0)
+    assert relevant(alone, 1, 10, first_is_causal=True) == ({2: range(4)}, {}, [2])
     # The only chunk follows sys: recomputing it would change nothing, so it is left out.
     first = [segments[0], segments[1], Segment(SegmentKind.QUESTION, 5, (1,))]
-    assert relevant(first, 1, 10, first_is_causal=True) == ({}, {}, 0)
-    assert relevant(first, 1, 10) == ({1: range(3)}, {}, 0)
-    assert relevant(segments, 0, 100) == ({}, {}, 0)
+    assert relevant(first, 1, 10, first_is_causal=True) == ({}, {}, [1])
+    assert relevant(first, 1, 10) == ({1: range(3)}, {}, [1])
+    assert relevant(segments, 0, 100) == ({}, {}, [])
 
 
 def test_a_long_relevant_chunk_is_recomputed_where_it_matches_the_question() -> None:
@@ -147,13 +147,17 @@ def test_a_long_relevant_chunk_is_recomputed_where_it_matches_the_question() -> 
     ]:
         segments.append(Segment(kind, start, tuple(body)))
         start += len(body)
-    assert relevant(segments, 1, 50, span_tokens=40) == ({1: range(40, 80)}, {1: 100, 2: -100}, 1)
+    assert relevant(segments, 1, 50, span_tokens=40) == (
+        {1: range(40, 80)},
+        {1: 100, 2: -100},
+        [1],
+    )
 
 
-def chosen(result: tuple[dict[int, range], dict[int, int], int]) -> tuple[list[int], int]:
+def chosen(result: tuple[dict[int, range], dict[int, int], list[int]]) -> tuple[list[int], int]:
     """The chunks ``relevant`` recomputes (whole, checked) and how many moved."""
-    recomputed, _, moved = result
-    return [i for i, r in recomputed.items() if r.start == 0], moved
+    recomputed, shifts, last = result
+    return [i for i, r in recomputed.items() if r.start == 0], sum(i in shifts for i in last)
 
 
 def test_the_relevant_chunks_recomputed_fit_a_budget_that_scales_with_the_prompt() -> None:
@@ -190,10 +194,12 @@ def test_the_relevant_chunks_recomputed_fit_a_budget_that_scales_with_the_prompt
 def test_settings_are_checked() -> None:
     # Nothing is recomputed by default; asked for a count, relevance chooses.
     default = ConnectorConfig()
-    assert (default.recompute_chunks, default.recompute_by) == (0, "relevance")
+    assert (default.quality.recompute_chunks, default.quality.recompute_by) == (0, "relevance")
     with pytest.raises(ValueError, match="need inband_isolation"):
         ConnectorConfig.from_extra({"inband_isolation": False, "recompute_chunks": 1})
-    assert ConnectorConfig.from_extra({"recompute_by": "relevance"}).recompute_by == "relevance"
+    assert ConnectorConfig.from_extra({"recompute_by": "relevance"}).quality.recompute_by == (
+        "relevance"
+    )
     with pytest.raises(ValueError, match="recompute_by must be position or relevance"):
         ConnectorConfig.from_extra({"recompute_by": "attention"})
     with pytest.raises(ValueError, match="counts >= 0"):
@@ -204,11 +210,11 @@ def test_settings_are_checked() -> None:
         ConnectorConfig.from_extra({"inband_isolation": False, "relevant_last": 1})
     with pytest.raises(ValueError, match="counts >= 0"):
         ConnectorConfig.from_extra({"relevant_recompute_tokens": -1})
-    assert (default.relevant_last, default.relevant_recompute_tokens) == (3, 384)
-    assert default.relevant_span_tokens == 0  # a longer pick is only moved, unless set
+    assert (default.quality.relevant_last, default.quality.relevant_recompute_tokens) == (3, 384)
+    assert default.quality.relevant_span_tokens == 0  # a longer pick is only moved, unless set
     with pytest.raises(ValueError, match="counts >= 0"):
         ConnectorConfig.from_extra({"relevant_span_tokens": -1})
-    assert default.relevant_min_score == 0.5
+    assert default.quality.relevant_min_score == 0.5
     with pytest.raises(ValueError, match="relevant_min_score"):
         ConnectorConfig.from_extra({"relevant_min_score": 1.5})
 

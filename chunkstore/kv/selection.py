@@ -1,5 +1,5 @@
-"""Which chunks of a chunked prompt the connector recomputes whole, and which it attends as
-if they stood last (scheduler process).
+"""Which chunks of a chunked prompt are recomputed whole, and which are attended as if they
+stood last: the pure choices the policy (``treatment``) is made of.
 
 Under isolation a real model answers from the wrong document; recomputing the chunk that
 holds the answer, seeing everything before it, brings the answer back (docs/connector.md,
@@ -267,19 +267,18 @@ def relevant(
     first_is_causal: bool = False,
     min_score: float = 0.0,
     span_tokens: int = 0,
-) -> tuple[dict[int, range], dict[int, int], int]:
+) -> tuple[dict[int, range], dict[int, int], list[int]]:
     """What the defaults do with the (at most ``count``) chunks most relevant to the
     question: attend them last, just before the question (``placed``), and recompute them
     there, the most relevant first while they fit in ``recompute_budget``: whole where it
     holds at most ``recompute_up_to`` tokens, else its ``span`` of ``span_tokens`` (0: a
     longer one is only moved). Returns segment index -> the offsets recomputed in it (in
     prompt order; a chunk that stays first, when ``first_is_causal``, is left out: its
-    isolated KV is causal already, and free), ``placed``'s shifts, and how many of the
-    chosen chunks moved. Raises BadTransferParams as ``placed``."""
+    isolated KV is causal already, and free), ``placed``'s shifts, and the chunks placed
+    last (most relevant last). Raises BadTransferParams as ``placed``."""
     last, shifts = placed(segments, count, params, min_score)
-    moved = sum(1 for i in last if i in shifts)
     if not last or not recompute_up_to:
-        return {}, shifts, moved
+        return {}, shifts, last
     chunks = [i for i, s in enumerate(segments) if s.kind is SegmentKind.CHUNK]
     bodies = [segments[i].token_ids for i in chunks]
     budget = recompute_budget(sum(len(b) for b in bodies))
@@ -298,4 +297,4 @@ def relevant(
             break
         tokens += len(offsets)
         kept[i] = offsets
-    return dict(sorted(kept.items())), shifts, moved
+    return dict(sorted(kept.items())), shifts, last

@@ -1,0 +1,233 @@
+"""The quality policy, in one place: what a chunked prompt's chunks get beyond their
+isolated KV, decided once from the prompt's segments, the quality settings and what the
+back end can do.
+
+Every caller asks this module and nothing else: the connector's scheduler (what its
+workers recompute, move and blend), ``bench quality`` (what it reports a method
+recomputes), the HF reference (the KV a served prompt must equal) and whatever routes
+requests. The choices themselves (BM25, budgets, placement) are ``selection``'s pure
+functions; this module says which apply, in what order:
+
+1. chunks named by the request (``kv_transfer_params``) or ``recompute_chunks``: recomputed
+   whole where they stand (needs the in-band hook);
+2. else ``relevant_last``: the chunks most relevant to the question attended last, just
+   before it, and recomputed there (whole when short, a longer one in part with
+   ``relevant_span_tokens``) where the workers can recompute;
+3. with either, the first ``recompute_tokens`` (or, for 2, ``relevant_first_tokens``)
+   tokens of every other chunk recomputed too.
+
+The chunk attended right after sys (``isolation: sys``, no virtual gap) is computed isolated
+exactly as causally: recomputing it changes nothing, so it is never recomputed.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from .keys import Isolation
+from .segments import Segment, SegmentKind
+from .selection import RECOMPUTE_BY, BadTransferParams, relevant, select
+
+# On Qwen2.5-Coder with 8 documents: at most the three BM25 ranks highest, those scoring at
+# least half the best (the one-fact and two-fact questions; over 120 cases of each length
+# from ~50 to ~500 tokens they hold every answer document more often than a fixed two, and
+# are fewer): docs/benchmarks.md, "Answer quality".
+DEFAULT_RELEVANT_LAST = 3
+DEFAULT_RELEVANT_MIN_SCORE = 0.5
+# ... and recomputed there when each holds at most this many tokens (within
+# selection.recompute_budget): on ~200-token documents (held-out) that answers 15 of 24,
+# as full prefill does, where recomputing them where they stand answers 12 and moving them
+# alone 12.
+DEFAULT_RELEVANT_RECOMPUTE_TOKENS = 384
+# ... and a longer one's tokens around what matches the question, this many (``span``):
+# off by default, as 128 changed no answer of 24 held-out cases of ~500-token documents
+# (16 of 24 either way, full prefill 15) for 9% of the chunk tokens recomputed.
+DEFAULT_RELEVANT_SPAN_TOKENS = 0
+# ... and, when they are, the first tokens of every other chunk with them (EPIC's choice:
+# where isolation leaves each chunk an attention sink): on ~200-token documents that and
+# the relevant chunks answer 16 of 24 where the relevant chunks alone answer 13.
+DEFAULT_RELEVANT_FIRST_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class QualityConfig:
+    """The quality settings (each a ``kv_connector_extra_config`` key of the same name;
+    docs/connector.md, "Answer quality")."""
+
+    recompute_chunks: int = 0  # N chunks recomputed whole, seeing everything before them
+    recompute_by: str = "relevance"  # which: relevance (BM25) | position (the last N)
+    recompute_max_tokens: int = 0  # at most this many chunk tokens recomputed (0: no cap)
+    recompute_tokens: int = 0  # each chunk's first N tokens recomputed seeing all before them
+    question_temperature: float = 1.0  # APE: question's scores against chunk keys / this
+    question_scale: float = 1.0  # APE: the chunks' share of its attention times this
+    # At most N chunks most relevant to the question attended last (0 where chunks or
+    # tokens are recomputed, or without in-band isolation, unless set) ...
+    relevant_last: int = DEFAULT_RELEVANT_LAST
+    # ... of those BM25 scores at least this share of the best (0: always N) ...
+    relevant_min_score: float = DEFAULT_RELEVANT_MIN_SCORE
+    # ... and recomputed there when each holds at most this many tokens (0: only moved).
+    relevant_recompute_tokens: int = DEFAULT_RELEVANT_RECOMPUTE_TOKENS
+    # ... a longer one in part: this many tokens around what matches the question (0: not).
+    relevant_span_tokens: int = DEFAULT_RELEVANT_SPAN_TOKENS
+    # ... and then the first N tokens of every other chunk too (0: not).
+    relevant_first_tokens: int = DEFAULT_RELEVANT_FIRST_TOKENS
+
+    def __post_init__(self) -> None:
+        counts = [
+            f.name
+            for f in fields(self)
+            if f.type == "int" and getattr(self, f.name) < 0  # annotations are strings here
+        ]
+        if counts:
+            raise ValueError(f"{', '.join(counts)}: counts >= 0")
+        if self.relevant_last and (self.recompute_chunks or self.recompute_tokens):
+            raise ValueError(
+                "relevant_last moves chunks, recompute_chunks and recompute_tokens recompute "
+                "them where they stand: choose one (set relevant_last to 0 to recompute)"
+            )
+        if self.recompute_by not in RECOMPUTE_BY:
+            raise ValueError(
+                f"recompute_by must be {' or '.join(RECOMPUTE_BY)}, not {self.recompute_by!r}"
+            )
+        if not 0 <= self.relevant_min_score <= 1:
+            raise ValueError(
+                f"relevant_min_score is a share of the best score, 0 to 1: "
+                f"{self.relevant_min_score}"
+            )
+        if self.question_temperature <= 0 or self.question_scale <= 0:
+            raise ValueError("question_temperature and question_scale must be > 0")
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any], inband: bool = True) -> QualityConfig:
+        """From the settings given (the others default): the default ``relevant_last`` gives
+        way where chunks or tokens are recomputed where they stand, or where there is no
+        in-band hook, unless it is set."""
+        given = dict(settings)
+        recovers_otherwise = given.get("recompute_chunks") or given.get("recompute_tokens")
+        if "relevant_last" not in given and (recovers_otherwise or not inband):
+            given["relevant_last"] = 0
+        return cls(**given)
+
+    @classmethod
+    def names(cls) -> dict[str, type]:
+        """Each setting's name and type, as a user writes it."""
+        kinds = {"int": int, "float": float, "str": str}
+        return {f.name: kinds[str(f.type)] for f in fields(cls)}
+
+    @property
+    def reweights_questions(self) -> bool:
+        return self.question_temperature != 1.0 or self.question_scale != 1.0
+
+    @property
+    def recovers(self) -> bool:
+        """Whether any of it acts (each acts in the in-band hook)."""
+        return bool(
+            self.recompute_chunks
+            or self.recompute_tokens
+            or self.relevant_last
+            or self.reweights_questions
+        )
+
+
+@dataclass(frozen=True)
+class BackEnd:
+    """What the back end serving the prompt can do."""
+
+    inband: bool = True  # the in-band isolation hook runs (chunks recomputed where they stand)
+    recompute: bool = True  # its workers recompute chunks (not under tensor parallelism)
+
+
+@dataclass(frozen=True)
+class Treatment:
+    """What a prompt's chunks get (segment indices throughout)."""
+
+    recomputed: dict[int, range]  # chunk -> the offsets recomputed in it, prompt order
+    shifts: dict[int, int]  # chunk -> positions it is attended from where it stands
+    last: tuple[int, ...] = ()  # the chunks attended last, the most relevant last
+    # The chunks given their full-prefill KV: those recomputed, and the one attended right
+    # after sys where chosen and causal already (``first_is_causal``: never recomputed).
+    exact: frozenset[int] = frozenset()
+    first_tokens: int = 0  # every other chunk's first N tokens recomputed too
+    first_is_causal: bool = False  # the chunk right after sys is its causal KV already
+    ignored_params: str | None = None  # why the request's kv_transfer_params were ignored
+
+    @property
+    def moved(self) -> int:
+        """How many of the chunks attended last moved to get there."""
+        return sum(1 for i in self.last if i in self.shifts)
+
+
+NOTHING = Treatment({}, {})
+
+
+def first_is_causal(isolation: Isolation, virtual_gap: int) -> bool:
+    """Whether the chunk attended right after sys is computed isolated exactly as causally
+    (it sees sys and itself either way, at the same positions)."""
+    return isolation is Isolation.SYS and not virtual_gap
+
+
+def treat(
+    segments: Sequence[Segment],
+    quality: QualityConfig,
+    isolation: Isolation = Isolation.SYS,
+    virtual_gap: int = 0,
+    back_end: BackEnd = BackEnd(),
+    params: Any = None,
+) -> Treatment:
+    """What ``segments`` (a chunked prompt, the question last) get under ``quality`` on
+    ``back_end``; ``params``: the request's ``kv_transfer_params`` (malformed ones are
+    ignored, and the treatment says why)."""
+    causal = first_is_causal(isolation, virtual_gap)
+    chunks = [i for i, s in enumerate(segments) if s.kind is SegmentKind.CHUNK]
+    if not chunks or segments[-1].kind is not SegmentKind.QUESTION:
+        return Treatment({}, {}, first_tokens=quality.recompute_tokens, first_is_causal=causal)
+    ignored = None
+    if back_end.inband:
+        choice = functools.partial(
+            select,
+            segments[-1].token_ids,
+            [segments[i].token_ids for i in chunks],
+            quality.recompute_by,
+            quality.recompute_chunks,
+            quality.recompute_max_tokens,
+        )
+        try:
+            chosen = choice(params=params)
+        except BadTransferParams as err:
+            ignored, params = str(err), None
+            chosen = choice()
+        kept = [i for i in chosen if not (causal and i == 0)]  # causal already: left be
+        if kept:  # recomputed where they stand: nothing moves
+            recomputed = {chunks[i]: range(len(segments[chunks[i]])) for i in kept}
+            exact = frozenset(chunks[i] for i in chosen)
+            return Treatment(recomputed, {}, (), exact, quality.recompute_tokens, causal, ignored)
+    up_to = quality.relevant_recompute_tokens if back_end.recompute else 0
+    picks = functools.partial(
+        relevant,
+        segments,
+        quality.relevant_last,
+        up_to,
+        first_is_causal=causal,
+        min_score=quality.relevant_min_score,
+        span_tokens=quality.relevant_span_tokens,
+    )
+    try:
+        recomputed, shifts, last = picks(params)
+    except BadTransferParams as err:
+        ignored = ignored or str(err)
+        recomputed, shifts, last = picks()
+    first = quality.relevant_first_tokens if recomputed else 0
+    stays_first = causal and chunks[0] in last and chunks[0] not in shifts
+    kept_first = {chunks[0]} if stays_first else set()  # staying first: causal already
+    return Treatment(
+        recomputed,
+        shifts,
+        tuple(last),
+        frozenset({*recomputed, *kept_first}),
+        max(quality.recompute_tokens, first),
+        causal,
+        ignored,
+    )

@@ -1,0 +1,96 @@
+"""The quality policy in one place (``chunkstore.kv.treatment``): what a prompt's chunks get,
+in the order the connector applies it, on back ends with and without the in-band hook."""
+
+from __future__ import annotations
+
+import pytest
+
+from chunkstore.kv.keys import Isolation
+from chunkstore.kv.segments import Segment, SegmentKind
+from chunkstore.kv.treatment import BackEnd, QualityConfig, treat
+
+NONE = Isolation.NONE
+
+
+def prompt(*bodies: list[int], question: list[int] | None = None) -> list[Segment]:
+    """sys (two tokens), the chunks, and a question (none: a prompt that asks nothing)."""
+    segments, start = [Segment(SegmentKind.SYS, 0, (9, 9))], 2
+    for body in bodies:
+        segments.append(Segment(SegmentKind.CHUNK, start, tuple(body)))
+        start += len(body)
+    if question is not None:
+        segments.append(Segment(SegmentKind.QUESTION, start, tuple(question)))
+    return segments
+
+
+# Chunks 1 and 3 (segments 2 and 4) name the question's 42; chunk 1 twice.
+RAG = prompt([1, 1, 1], [42, 42, 42, 42], [2, 2, 2, 2, 2], [42, 5, 5], question=[42])
+
+
+def test_the_default_puts_the_relevant_chunks_last_and_recomputes_them_there() -> None:
+    treated = treat(RAG, QualityConfig())
+    assert treated.last == (4, 2)  # the most relevant last
+    assert treated.shifts == {2: 8, 3: -4, 4: -4}
+    assert treated.recomputed == {2: range(4), 4: range(3)}
+    assert treated.exact == {2, 4} and treated.moved == 2
+    assert treated.first_tokens == 16  # every other chunk's first tokens with them
+    # Where the workers cannot recompute (tensor parallelism): only moved, nothing blended.
+    moved = treat(RAG, QualityConfig(), back_end=BackEnd(recompute=False))
+    assert (moved.last, moved.recomputed, moved.first_tokens) == ((4, 2), {}, 0)
+
+
+def test_chunks_named_or_counted_are_recomputed_where_they_stand() -> None:
+    quality = QualityConfig.from_settings({"recompute_chunks": 1})
+    assert quality.relevant_last == 0  # the default gives way
+    treated = treat(RAG, quality)
+    assert (treated.recomputed, treated.shifts, treated.last) == ({2: range(4)}, {}, ())
+    named = treat(RAG, QualityConfig(), params={"recompute_chunks": [2, 3]})
+    assert named.recomputed == {3: range(5), 4: range(3)} and not named.shifts
+    assert named.first_tokens == 0
+    # Without the in-band hook nothing is recomputed where it stands: the request's own
+    # choice included.
+    hookless = BackEnd(inband=False)
+    assert treat(RAG, quality, back_end=hookless).recomputed == {}
+
+
+def test_the_chunk_right_after_sys_is_never_recomputed_where_it_is_causal_already() -> None:
+    # Named alone: its isolated KV is its causal KV, nothing is left of the request's
+    # choice, and the defaults decide (the connector's behaviour since the choice was
+    # added; the bench reports it so).
+    first = treat(RAG, QualityConfig(), params={"recompute_chunks": [0]})
+    assert 1 not in first.recomputed and first.last == (4, 2)
+    # With a virtual gap (or isolation none) it is not causal: recomputed.
+    gapped = treat(RAG, QualityConfig(), NONE, params={"recompute_chunks": [0]})
+    assert gapped.recomputed == {1: range(3)} and not gapped.first_is_causal
+    # Chosen by relevance and staying first (the only chunk): exact, and free.
+    alone = prompt([42, 42], question=[42])
+    treated = treat(alone, QualityConfig(relevant_last=1))
+    assert (treated.recomputed, treated.exact, treated.last) == ({}, {1}, (1,))
+
+
+def test_malformed_transfer_params_are_ignored_and_said() -> None:
+    treated = treat(RAG, QualityConfig(), params={"recompute_chunks": [7]})
+    assert treated.ignored_params is not None and "7" in treated.ignored_params
+    assert treated.recomputed == treat(RAG, QualityConfig()).recomputed
+
+
+def test_a_prompt_without_a_question_keeps_its_chunks_isolated() -> None:
+    asks_nothing = prompt([1, 1], [42, 42])
+    treated = treat(asks_nothing, QualityConfig(recompute_tokens=4, relevant_last=0))
+    assert (treated.recomputed, treated.shifts, treated.first_tokens) == ({}, {}, 4)
+
+
+@pytest.mark.parametrize(
+    ("settings", "says"),
+    [
+        ({"recompute_max_tokens": -1}, "counts >= 0"),
+        ({"relevant_last": 2, "recompute_chunks": 1}, "choose one"),
+        ({"recompute_by": "attention"}, "recompute_by must be"),
+        ({"relevant_min_score": 1.5}, "relevant_min_score"),
+        ({"question_scale": 0}, "must be > 0"),
+    ],
+)
+def test_settings_are_checked_in_one_place(settings: dict, says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        QualityConfig.from_settings(settings)
+    assert QualityConfig.from_settings({}, inband=False).relevant_last == 0
