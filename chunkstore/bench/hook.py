@@ -10,7 +10,7 @@ alternating rounds, from that cache to the rows' outputs:
   virtual start, its own keys read, and ``attention_after_context`` (the sys part and the own
   causal part through torch's fused CPU attention, merged by their log-sum-exp): the path
   the hook took for every chunk row before this bench, and still takes for question rows;
-- ``kernel``: ``IsolationHook._attend_chunks``: every chunk's rotated sys and own keys copied
+- ``kernel``: ``StepAttention.attend_chunks``: every chunk's rotated sys and own keys copied
   to a cache of the hook's own, and one call of vLLM's ``cpu_attention_with_kv_cache``,
   causal, each chunk a sub-request.
 ``speedup`` is the median over rounds of merged time over kernel time; ``max_abs_diff`` is
@@ -36,7 +36,7 @@ from chunkstore.kv.rope import RotaryConfig
 from chunkstore.models import model_dir
 from chunkstore_vllm.config import ConnectorConfig
 from chunkstore_vllm.cpu_layout import CpuKVLayout
-from chunkstore_vllm.isolation import HookRows, IsolationHook, StepSplit
+from chunkstore_vllm.isolation import HookRows, IsolationHook, LayerCall, StepSplit
 
 LAYER = "model.layers.0.self_attn.attn"
 
@@ -102,7 +102,6 @@ class HookStep:
         layout = CpuKVLayout(vllm_config, block_size)
         rotary = RotaryConfig(head_dim=head_size, rotary_dim=head_size, theta=10000.0)
         self.hook = IsolationHook(layout, rotary, ConnectorConfig(), on_miss=lambda _: None)
-        self.hook._layer_names = [LAYER]
         self.impl = SimpleNamespace(
             num_heads=heads,
             num_kv_heads=kv_heads,
@@ -111,6 +110,7 @@ class HookStep:
             kv_cache_dtype="auto",
         )
         self.layer = SimpleNamespace(isa="vec", _k_scale_float=1.0, _v_scale_float=1.0)
+        self.call = LayerCall(0, LAYER, self.impl, self.layer, torch.float32)
         self.cache = torch.zeros(blocks, kv_heads, block_size, 2 * head_size)
         slots = layout.slots(order, 0, total)
         keys = torch.randn(total, kv_heads, head_size, generator=generator)
@@ -123,13 +123,13 @@ class HookStep:
             self.rows.append(HookRows(row, length, order, start, start + length, sys_tokens, shift))
             start += length
         self.query = torch.randn(sum(lengths), heads, head_size, generator=generator)
-        self.chunks = self.hook._chunk_batch(self.rows, self.impl, self.layer)
+        self.chunks = self.hook.splitter.chunk_batch(self.rows, self.call)
         self.split = StepSplit([], None, chunks=self.chunks)
 
     def merged(self) -> torch.Tensor:
         split = StepSplit([], None)
         out = torch.empty_like(self.query)
-        self.hook._attend_rows(split, self.rows, self.impl, self.query, self.cache, out)
+        self.hook.attention.attend_rows(split, self.rows, self.call, self.query, self.cache, out)
         return out
 
     def kernel(self) -> torch.Tensor:
@@ -137,7 +137,7 @@ class HookStep:
         every layer of a step after the first reuses it."""
         assert self.chunks is not None
         out = torch.empty_like(self.query)
-        self.hook._attend_chunks(self.split, self.impl, self.layer, 0, self.query, self.cache, out)
+        self.hook.attention.attend_chunks(self.split, self.call, self.query, self.cache, out)
         return out
 
     def max_abs_diff(self) -> float:

@@ -18,12 +18,14 @@ TOLERANCE = 1e-5
 def outputs(step: HookStep, rows: list[HookRows], query: torch.Tensor) -> torch.Tensor:
     """(reference, kernel) outputs of ``rows`` (their rows of ``query``; the rest zero)."""
     reference = torch.zeros_like(query)
-    step.hook._attend_rows(StepSplit([], None), rows, step.impl, query, step.cache, reference)
-    chunks = step.hook._chunk_batch(rows, step.impl, step.layer)
+    step.hook.attention.attend_rows(
+        StepSplit([], None), rows, step.call, query, step.cache, reference
+    )
+    chunks = step.hook.splitter.chunk_batch(rows, step.call)
     assert chunks is not None
     kernel = torch.zeros_like(query)
     split = StepSplit([], None, chunks=chunks)
-    step.hook._attend_chunks(split, step.impl, step.layer, 0, query, step.cache, kernel)
+    step.hook.attention.attend_chunks(split, step.call, query, step.cache, kernel)
     return torch.stack([reference, kernel])
 
 
@@ -65,15 +67,15 @@ def test_partial_runs_no_sys_and_two_requests_with_other_sys_lengths() -> None:
 
 def test_the_hooks_cache_is_made_once_a_step_and_reused_by_every_layer() -> None:
     step = HookStep(9, 3, 64, 24, [40, 30], block_size=32)
-    chunks = step.hook._chunk_batch(step.rows, step.impl, step.layer)
+    chunks = step.hook.splitter.chunk_batch(step.rows, step.call)
     assert chunks is not None
     split = StepSplit([], None, chunks=chunks)
     outs = []
     for _ in range(2):  # two layers of one step (the same cache stands in for both)
         out = torch.zeros_like(step.query)
-        step.hook._attend_chunks(split, step.impl, step.layer, 0, step.query, step.cache, out)
+        step.hook.attention.attend_chunks(split, step.call, step.query, step.cache, out)
         outs.append(out)
     made = split.chunk_cache
     assert made is not None and split.chunk_cache is made
     assert torch.equal(outs[0], outs[1])
-    assert step.hook._layer_names == [LAYER]
+    assert step.call.name == LAYER
