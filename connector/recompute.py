@@ -21,7 +21,7 @@ wherever they stand among the chunks: each selected token sees the cache before 
 other selected tokens before it recomputed. Where chunks are attended elsewhere
 (``relevant_last``) "before" is in the attended order: the tokens take their attended
 positions (``Blend.attended``) and the hook runs their attention over the request's KV
-copied in that order (``isolation.Reordered``).
+copied in that order (``step_split.Reordered``).
 
 The isolated KV it overwrites is kept for the step's saves (the store holds chunks as
 computed in isolation). Llama and Qwen2 models are served; anything else is refused at
