@@ -27,11 +27,12 @@ import torch
 from chunkstore.errors import AlreadyExists, ChecksumMismatch, InvalidRequest, StoreError
 from chunkstore.kv.entry import EntryLayout, layout_of, tensors_of, torch_dtype
 from chunkstore.protocol import chunkstore_pb2 as pb
+from chunkstore.protocol.convert import layout_to_proto
 from chunkstore.protocol.endpoints import default_address as default_address  # re-exported
 from chunkstore.protocol.shm import (
     Pieces as Pieces,  # re-exported: where read_each puts an entry in pieces
 )
-from chunkstore.protocol.wire import MAX_BATCH, layout_to_proto
+from chunkstore.protocol.wire import MAX_BATCH
 from chunkstore.transport.base import Digest, Reads, Settings, TransportName, Wanted
 from chunkstore.transport.base import LeasedEntry as LeasedEntry  # re-exported
 from chunkstore.transport.base import as_bytes as as_bytes  # re-exported

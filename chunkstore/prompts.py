@@ -13,7 +13,8 @@ ingest stores is keyed as a request will look it up), the keys of documents, and
 hits-first order of a request's documents. ``check`` tells whether a document's tokens change
 beside the separator: a text separator can merge with the text around it (SmolLM2's ``##``
 after a document ending in ``#``); a special token of the vocabulary is split off before BPE
-and never merges, which is why ``"auto"`` picks one where the vocabulary has a free one.
+and never merges, which is why ``"auto"`` picks one where the vocabulary has a free one
+(``chunkstore.kv.separator``). The keys are the connector's (``chunkstore.kv.keyspace``).
 """
 
 from __future__ import annotations
@@ -24,48 +25,31 @@ from pathlib import Path
 from typing import Any
 
 from chunkstore.kv.fingerprint import ModelFingerprint, fingerprint_of_folder
-from chunkstore.kv.keys import Isolation, segment_keys
+from chunkstore.kv.keys import Isolation
+from chunkstore.kv.keyspace import KeySpace
 from chunkstore.kv.segments import Segment, SegmentKind, find_separators, split_prompt
+from chunkstore.kv.separator import (
+    AUTO,
+    SPECIAL_SEPARATORS,
+    TEXT_SEPARATOR,
+    default_separator,
+    is_special,
+    resolve_separator,
+    separator_ids,
+)
+from chunkstore.kv.separator import encode as _encode
 
-AUTO = "auto"
-TEXT_SEPARATOR = "##"  # where the vocabulary has no free special token
-# Special tokens that mean "a new document/file" in their models' training and that no chat
-# template uses, by tokenizer family: SmolLM / StarCoder, Qwen2.5 / Qwen3, Llama 3.
-SPECIAL_SEPARATORS = ("<file_sep>", "<|file_sep|>", "<|reserved_special_token_0|>")
-
-
-def default_separator(tokenizer: Any) -> str:
-    """The separator ``"auto"`` stands for with this tokenizer: the first of
-    SPECIAL_SEPARATORS that is a special token of its vocabulary (one ID) and absent from its
-    chat template, else ``##``."""
-    template = str(getattr(tokenizer, "chat_template", None) or "")
-    for name in SPECIAL_SEPARATORS:
-        usable = is_special(tokenizer, name) and name not in template
-        if usable and len(_encode(tokenizer, name)) == 1:
-            return name
-    return TEXT_SEPARATOR
-
-
-def resolve_separator(tokenizer: Any, separator: str) -> str:
-    return default_separator(tokenizer) if separator == AUTO else separator
-
-
-def separator_ids(tokenizer: Any, separator: str) -> list[int]:
-    """The separator's token IDs (``"auto"`` resolved first)."""
-    ids = _encode(tokenizer, resolve_separator(tokenizer, separator))
-    if not ids:
-        raise ValueError(f"the separator {separator!r} tokenizes to nothing")
-    return ids
-
-
-def is_special(tokenizer: Any, separator: str) -> bool:
-    """A special token of the vocabulary: split off before BPE, so it never merges."""
-    decoder = getattr(tokenizer, "added_tokens_decoder", {})
-    return any(t.content == separator and getattr(t, "special", False) for t in decoder.values())
-
-
-def _encode(tokenizer: Any, text: str, special: bool = False) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
+# The separator's choice lives with the keys (``chunkstore.kv.separator``); apps find it here.
+__all__ = [
+    "AUTO",
+    "SPECIAL_SEPARATORS",
+    "TEXT_SEPARATOR",
+    "RagPrompts",
+    "default_separator",
+    "is_special",
+    "resolve_separator",
+    "separator_ids",
+]
 
 
 @dataclass
@@ -170,12 +154,14 @@ class RagPrompts:
 
     def keys(self, segments: Sequence[Segment]) -> list[bytes | None]:
         """The entry keys of one of these prompts' segments (None for the question)."""
+        return self.key_space.segment_keys(segments, self.cache_salt)
+
+    @property
+    def key_space(self) -> KeySpace:
+        """The connector's key space for these prompts' model, separator and settings."""
         if self.fingerprint is None:
             raise ValueError("keys need the model's fingerprint (RagPrompts.for_model)")
-        fp = self.fingerprint
-        return segment_keys(
-            segments, fp.model_fp, fp.layout_fp, self.isolation, self.virtual_gap, self.cache_salt
-        )
+        return KeySpace(self.fingerprint, tuple(self.sep_ids), self.isolation, self.virtual_gap)
 
     def doc_keys(self, docs: Sequence[str]) -> list[bytes | None]:
         """Each document's entry key as a request holds it (None: it does not segment)."""

@@ -8,10 +8,8 @@ from typing import Any
 
 from chunkstore.client import default_address
 from chunkstore.kv.keys import Isolation
+from chunkstore.kv.keyspace import DEFAULT_PREFIX_BLOCK_TOKENS
 from chunkstore.kv.treatment import QualityConfig
-
-# LMCache's chunk size: a prefix entry per 256 tokens.
-DEFAULT_PREFIX_BLOCK_TOKENS = 256
 
 
 @dataclass(frozen=True)

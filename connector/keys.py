@@ -1,4 +1,6 @@
-"""The model and layout fingerprints of the served model, the same in every process."""
+"""The served model's key space (``chunkstore.kv.keyspace``) as vLLM's configuration and the
+connector's settings make it, the same in every process, with the KV shape the workers
+write."""
 
 from __future__ import annotations
 
@@ -6,32 +8,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from chunkstore.kv.fingerprint import ModelFingerprint, fingerprint
-from chunkstore.kv.keys import KVLayout, prefix_keys, prefix_tail_key, segment_keys
+from chunkstore.kv.keys import KVLayout
+from chunkstore.kv.keyspace import KeySpace, Piece
 from chunkstore.kv.rope import RotaryConfig
-from chunkstore.kv.segments import Segment, SegmentKind, split_prompt
-from chunkstore.prompts import separator_ids
+from chunkstore.kv.segments import Segment
+from chunkstore.kv.separator import separator_ids
 
 from .config import ConnectorConfig
 
+SegmentPlan = Piece  # a cacheable segment of a request, with its key
+
 
 @dataclass(frozen=True)
-class SegmentPlan:
-    segment: Segment
-    key: bytes
-
-
-@dataclass
 class ModelKeys:
     """Computes segment keys for the model vLLM serves."""
 
-    model_fp: bytes
-    layout_fp: bytes
-    rotary: RotaryConfig
-    layout: KVLayout
-    kv_dtype: str
-    separator: list[int]
-    config: ConnectorConfig
-    fingerprint: ModelFingerprint
+    space: KeySpace
 
     @classmethod
     def from_vllm(cls, vllm_config: Any, config: ConnectorConfig) -> ModelKeys:
@@ -48,48 +40,48 @@ class ModelKeys:
             separator = separator_ids(tokenizer, config.separator)
         else:
             separator = [int(t) for t in config.separator]
-        return cls(fp.model_fp, fp.layout_fp, fp.rotary, fp.layout, kv_dtype, separator, config, fp)
+        space = KeySpace(
+            fp,
+            tuple(separator),
+            config.isolation_mode,
+            config.virtual_gap,
+            config.prefix_block_tokens,
+        )
+        return cls(space)
+
+    @property
+    def fingerprint(self) -> ModelFingerprint:
+        return self.space.fingerprint
+
+    @property
+    def separator(self) -> list[int]:
+        return list(self.space.separator)
+
+    @property
+    def rotary(self) -> RotaryConfig:
+        return self.space.fingerprint.rotary
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.space.fingerprint.layout
+
+    @property
+    def kv_dtype(self) -> str:
+        return self.space.fingerprint.kv_dtype
 
     def segments(self, token_ids: list[int]) -> list[Segment]:
-        return split_prompt(token_ids, self.separator)
+        return self.space.segments(token_ids)
 
     def plan(self, segments: list[Segment], salt: str = "") -> list[SegmentPlan]:
         """The cacheable segments of a prompt (sys and chunks), with their keys, in order
         (``salt``: the request's ``cache_salt``, part of every key)."""
-        keys = segment_keys(
-            segments,
-            self.model_fp,
-            self.layout_fp,
-            self.config.isolation_mode,
-            self.config.virtual_gap,
-            salt,
-        )
-        return [
-            SegmentPlan(seg, key)
-            for seg, key in zip(segments, keys, strict=True)
-            if key is not None and seg.kind is not SegmentKind.QUESTION
-        ]
+        return self.space.chunk_pieces(segments, salt)
 
     def prefix_plan(self, token_ids: list[int], salt: str, block_tokens: int) -> list[SegmentPlan]:
         """The whole ``block_tokens`` blocks of a plain prompt (or of a prompt and what was
         generated after it), as exact prefix entries with their chained keys."""
-        keys = prefix_keys(self.model_fp, self.layout_fp, token_ids, block_tokens, salt)
-        return [
-            SegmentPlan(
-                Segment(
-                    SegmentKind.PREFIX,
-                    i * block_tokens,
-                    tuple(token_ids[i * block_tokens : (i + 1) * block_tokens]),
-                ),
-                key,
-            )
-            for i, key in enumerate(keys)
-        ]
+        return self.space.prefix_pieces(token_ids, salt, block_tokens)
 
     def prefix_tail(self, token_ids: list[int], salt: str, block_tokens: int) -> SegmentPlan | None:
         """The part block after the whole ones, as an exact prefix entry (None if none)."""
-        key = prefix_tail_key(self.model_fp, self.layout_fp, token_ids, block_tokens, salt)
-        if key is None:
-            return None
-        start = len(token_ids) // block_tokens * block_tokens
-        return SegmentPlan(Segment(SegmentKind.PREFIX, start, tuple(token_ids[start:])), key)
+        return self.space.prefix_tail(token_ids, salt, block_tokens)

@@ -17,10 +17,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
+from chunkstore.kv.keyspace import KeySpace, Plan
 from chunkstore.processes.router import RunningRouter
 from chunkstore.router import app, limits
 from chunkstore.router.instances import Instance
-from chunkstore.router.plan import KeySpace, Plan
 
 
 @pytest.fixture(scope="module")

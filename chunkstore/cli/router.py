@@ -11,6 +11,8 @@ import socket
 import sys
 from typing import Any
 
+from chunkstore.kv.keyspace import DEFAULT_PREFIX_BLOCK_TOKENS
+
 from .common import add_daemon_address
 
 DESCRIPTION = """\
@@ -52,10 +54,10 @@ would refuse); cold chunks wait for a turn (--max-cold-in-flight) or are left to
 
 def run(args: argparse.Namespace) -> int:
     from chunkstore.kv.keys import Isolation
+    from chunkstore.kv.keyspace import KeySpace
     from chunkstore.router.app import RouterSettings
     from chunkstore.router.instances import parse_instance
     from chunkstore.router.limits import Limits
-    from chunkstore.router.plan import KeySpace
 
     if not args.instance and not (args.prefill and args.decode):
         print("chunkstore router: give --instance, or --prefill and --decode", file=sys.stderr)
@@ -207,9 +209,9 @@ def _add_key_arguments(router: argparse.ArgumentParser) -> None:
     router.add_argument(
         "--prefix-block-tokens",
         type=int,
-        default=256,
-        help="the connector's prefix_block_tokens (256): plain prompts' stored blocks count "
-        "in the routing",
+        default=DEFAULT_PREFIX_BLOCK_TOKENS,
+        help=f"the connector's prefix_block_tokens ({DEFAULT_PREFIX_BLOCK_TOKENS}): plain "
+        "prompts' stored blocks count in the routing",
     )
 
 

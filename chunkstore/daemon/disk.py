@@ -49,8 +49,8 @@ from chunkstore.errors import ChecksumMismatch, ChunkStoreError, InvalidRequest,
 from chunkstore.kv.entry import EntryLayout
 from chunkstore.kv.keys import KEY_BYTES
 from chunkstore.protocol import chunkstore_pb2 as pb
+from chunkstore.protocol.convert import layout_from_proto, layout_to_proto
 from chunkstore.protocol.shm import EntryDigest, Pieces
-from chunkstore.protocol.wire import layout_from_proto, layout_to_proto
 
 MAGIC = b"CSDISK01"
 HEADER = 4096  # the body starts here: aligned for direct I/O

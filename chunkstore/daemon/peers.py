@@ -22,13 +22,14 @@ import grpc
 import numpy as np
 
 from chunkstore.daemon.index import Index
-from chunkstore.daemon.transfer import Endpoint, MooncakeEngine, read_runs
+from chunkstore.daemon.transfer import MooncakeEngine, read_runs
 from chunkstore.errors import ChecksumMismatch, InvalidRequest, NotFound, Unavailable
 from chunkstore.kv.entry import EntryLayout
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol import chunkstore_pb2_grpc as pb_grpc
+from chunkstore.protocol.convert import Endpoint, LeasedEntry
 from chunkstore.protocol.shm import EntryDigest
-from chunkstore.protocol.wire import MAX_MESSAGE, layout_from_proto, typed_error
+from chunkstore.protocol.wire import MAX_MESSAGE, typed_error
 
 log = logging.getLogger("chunkstore.daemon.peers")
 
@@ -59,7 +60,7 @@ class PeerSource(Protocol):
 class PeerLease:
     """A lease this daemon holds on an entry in a peer's daemon."""
 
-    lease: pb.Lease
+    lease: LeasedEntry
     layout: EntryLayout
     block_size: int  # the peer's
     tenant: str  # whose entry: stored here as theirs
@@ -110,11 +111,12 @@ class _Peer:
             reply = self._call(self.stub.Acquire, request)
         if len(reply.leases) != 1:  # type: ignore[attr-defined]
             raise InvalidRequest(f"peer answered {len(reply.leases)} leases for one key")  # type: ignore[attr-defined]
-        [lease] = reply.leases  # type: ignore[attr-defined]
-        if not lease.lease_id:
+        [message] = reply.leases  # type: ignore[attr-defined]
+        lease = LeasedEntry.from_proto(message)
+        if lease is None:
             return None
         try:
-            layout = layout_from_proto(lease.layout)
+            layout = lease.layout
             layout.validate()  # a malformed answer is a failed pull, not a crash
             if layout.nbytes != lease.nbytes:
                 raise InvalidRequest(f"peer leased {lease.nbytes} bytes for a layout of {layout}")
@@ -123,11 +125,11 @@ class _Peer:
             raise
         return PeerLease(lease, layout, reply.block_size, tenant)  # type: ignore[attr-defined]
 
-    def release(self, lease: pb.Lease) -> None:
+    def release(self, lease: LeasedEntry) -> None:
         request = pb.ReleaseRequest(session_id=self.session, lease_ids=[lease.lease_id])
         self._call(self.stub.Release, request)
 
-    def read(self, lease: pb.Lease) -> np.ndarray:
+    def read(self, lease: LeasedEntry) -> np.ndarray:
         """The leased entry's bytes over the gRPC stream, checked against its checksum."""
         data = np.empty(lease.nbytes, dtype=np.uint8)
         digest = EntryDigest()

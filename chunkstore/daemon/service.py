@@ -44,8 +44,9 @@ from chunkstore.errors import (
 from chunkstore.kv.entry import EntryKind, check_entry_kind
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol import chunkstore_pb2_grpc as pb_grpc
+from chunkstore.protocol.convert import layout_from_proto, lease_to_proto
 from chunkstore.protocol.shm import block_runs
-from chunkstore.protocol.wire import MAX_MESSAGE, layout_from_proto, layout_to_proto, status_of
+from chunkstore.protocol.wire import MAX_MESSAGE, status_of
 
 if TYPE_CHECKING:
     from chunkstore.daemon.auth import TokenCheck
@@ -319,11 +320,8 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
                 continue
             lease, entry = got
             if entry.lease_message is None:  # a copy of it costs a quarter of making it
-                entry.lease_message = pb.Lease(
-                    layout=layout_to_proto(entry.layout),
-                    nbytes=entry.nbytes,
-                    blocks=entry.blocks,
-                    checksum=entry.checksum,
+                entry.lease_message = lease_to_proto(
+                    entry.layout, entry.nbytes, entry.blocks, entry.checksum
                 )
             message.CopyFrom(entry.lease_message)
             message.lease_id = lease.id

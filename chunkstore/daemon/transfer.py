@@ -22,45 +22,17 @@ import logging
 import signal
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from chunkstore.errors import Unavailable
-from chunkstore.protocol import chunkstore_pb2 as pb
+from chunkstore.protocol.convert import Endpoint
 from chunkstore.protocol.shm import extents
 
 log = logging.getLogger("chunkstore.daemon.transfer")
 
 ENGINES = ("none", "mooncake")
 PROTOCOLS = ("tcp", "rdma", "ascend")
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """Where a daemon's pool can be read: the engine, its protocol and session, the pool's
-    address in the daemon's registered memory and its size."""
-
-    engine: str
-    protocol: str
-    session: str
-    base: int
-    size: int
-
-    def to_proto(self) -> pb.TransferEndpoint:
-        return pb.TransferEndpoint(
-            engine=self.engine,
-            protocol=self.protocol,
-            session=self.session,
-            base=self.base,
-            size=self.size,
-        )
-
-    @classmethod
-    def from_proto(cls, message: pb.TransferEndpoint) -> Endpoint | None:
-        if not message.engine:
-            return None
-        return cls(message.engine, message.protocol, message.session, message.base, message.size)
 
 
 def _extents(blocks: Sequence[int], block_size: int, nbytes: int) -> list[tuple[int, int]]:

@@ -6,55 +6,11 @@ ends import this module; ``device_ipc`` imports them and picks one (``runtime_fo
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 
 import torch
 
 from chunkstore.errors import DeviceError
-from chunkstore.protocol import chunkstore_pb2 as pb
-
-
-@dataclass(frozen=True)
-class IpcHandle:
-    """What an importer needs to open a pool: torch's sharing tuple without its device
-    ordinal, plus the device's identity and the runtime that made it."""
-
-    runtime: str  # "cuda", "npu", "fake"
-    device: str  # identity: GPU UUID, "host-chip" on Ascend
-    handle: bytes
-    size: int
-    offset: int = 0
-    ref_counter_handle: bytes = b""
-    ref_counter_offset: int = 0
-    event_handle: bytes = b""
-    event_sync_required: bool = False
-
-    def to_proto(self) -> pb.DevicePool:
-        return pb.DevicePool(
-            runtime=self.runtime,
-            device=self.device,
-            handle=self.handle,
-            size=self.size,
-            offset=self.offset,
-            ref_counter_handle=self.ref_counter_handle,
-            ref_counter_offset=self.ref_counter_offset,
-            event_handle=self.event_handle,
-            event_sync_required=self.event_sync_required,
-        )
-
-    @staticmethod
-    def from_proto(msg: pb.DevicePool) -> IpcHandle:
-        return IpcHandle(
-            msg.runtime,
-            msg.device,
-            msg.handle,
-            msg.size,
-            msg.offset,
-            msg.ref_counter_handle,
-            msg.ref_counter_offset,
-            msg.event_handle,
-            msg.event_sync_required,
-        )
+from chunkstore.protocol.convert import IpcHandle
 
 
 class DeviceIPC(ABC):

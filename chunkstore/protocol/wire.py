@@ -1,5 +1,6 @@
-"""Conversions between the gRPC messages and chunkstore's own types, shared by the server
-and its clients (the client library, and daemons pulling from their peers)."""
+"""The wire's limits and its errors: typed errors to gRPC status codes and back, shared by the
+server and its clients (the client library, and daemons pulling from their peers). The
+messages' conversions to chunkstore's own types are ``convert``'s."""
 
 from __future__ import annotations
 
@@ -19,39 +20,9 @@ from chunkstore.errors import (
     Unavailable,
     WrongState,
 )
-from chunkstore.kv.entry import EntryLayout
-from chunkstore.protocol import chunkstore_pb2 as pb
 
 MAX_MESSAGE = 64 << 20  # bytes in one gRPC message, both ways
 MAX_BATCH = 4096  # keys in one lookup / acquire / admin call
-
-
-def layout_from_proto(msg: pb.EntryLayout) -> EntryLayout:
-    return EntryLayout(
-        msg.num_layers,
-        msg.num_kv_heads,
-        msg.head_dim,
-        msg.dtype,
-        msg.kind,
-        msg.num_tokens,
-        msg.virtual_start,
-        msg.entry_kind or "chunk",
-        msg.packing,
-    )
-
-
-def layout_to_proto(layout: EntryLayout) -> pb.EntryLayout:
-    return pb.EntryLayout(
-        num_layers=layout.num_layers,
-        num_kv_heads=layout.num_kv_heads,
-        head_dim=layout.head_dim,
-        dtype=layout.dtype,
-        kind=layout.kind,
-        num_tokens=layout.num_tokens,
-        virtual_start=layout.virtual_start,
-        entry_kind=layout.entry_kind,
-        packing=layout.packing,
-    )
 
 
 _ERRORS: dict[grpc.StatusCode, type[StoreError]] = {

@@ -1,8 +1,10 @@
 """``chunkstore router``: one OpenAI-compatible front door for vLLM instances that use the
 connector (docs/router.md).
 
-- ``plan``: a prompt's segments and their entry keys, computed as the connector computes them,
-  and the prompt that stores a missing chunk alone (``sys SEP chunk SEP``).
+- keys: a prompt's pieces and their entry keys, and the prompt that stores a missing chunk
+  alone (``sys SEP chunk SEP``): ``chunkstore.kv.keyspace``, the connector's own.
+- ``access`` and ``limits``: who may make it work (the instance admits the caller first)
+  and see how it works (operators), and the bounds on what one request may cost.
 - ``stores``: the daemons the instances use, asked which of those keys they hold.
 - ``cold``: a chunked request's missing chunks sent to the chosen instance as their own
   one-token prefill requests, all in flight together and each sent once however many

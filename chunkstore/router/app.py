@@ -34,13 +34,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 
+from chunkstore.kv.keyspace import KeySpace, Plan
+
 from . import disagg
 from .access import Admission, Gate, Operators
 from .cold import ColdChunks, Warmed
 from .instances import Choice, Instance, Instances
 from .limits import Limits, client_of, parse_body, read_body, would_refuse
 from .metrics import RouterMetrics
-from .plan import KeySpace, Plan
 from .requests import Refused, error, prompts_of
 from .stores import Stores, Unasked
 

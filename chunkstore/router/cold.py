@@ -27,10 +27,11 @@ from dataclasses import dataclass
 
 import httpx
 
+from chunkstore.kv.keyspace import Plan
+
 from .instances import Instance
 from .limits import Limits
 from .metrics import RouterMetrics
-from .plan import Plan
 from .stores import Stores, Unasked
 
 log = logging.getLogger("chunkstore.router")

@@ -15,11 +15,10 @@ import numpy as np
 import torch
 
 from chunkstore.errors import InvalidRequest
-from chunkstore.kv.entry import EntryLayout
 from chunkstore.protocol import chunkstore_pb2 as pb
+from chunkstore.protocol.convert import LeasedEntry
 from chunkstore.protocol.device_ipc import TensorDigest
 from chunkstore.protocol.shm import EntryDigest, Pieces
-from chunkstore.protocol.wire import layout_from_proto
 from chunkstore.transport.calls import DaemonCalls
 
 # The checksum the daemon's pool keeps: xxh3 stripes, or TensorDigest (a device pool).
@@ -40,49 +39,6 @@ class Wanted(StrEnum):
     AUTO = "auto"  # through the pool when this host can reach it, else the stream
     POOL = "shm"  # through the pool (shared memory or a device pool), or fail
     STREAM = "stream"
-
-
-@dataclass
-class LeasedEntry:
-    """A lease on a committed entry (``ChunkStoreClient.acquire``): what a read needs."""
-
-    lease_id: int
-    key: bytes
-    layout: EntryLayout
-    nbytes: int
-    blocks: list[int]
-    checksum: int
-
-    @classmethod
-    def from_proto(cls, lease: pb.Lease) -> LeasedEntry | None:
-        """The lease the daemon granted, or None where it has no entry (no lease id)."""
-        if not lease.lease_id:
-            return None
-        return cls(
-            lease.lease_id,
-            lease.key,
-            _layout_of(lease.layout),
-            lease.nbytes,
-            list(lease.blocks),
-            lease.checksum,
-        )
-
-
-_LAYOUTS: dict[bytes, EntryLayout] = {}  # layouts read, by their message's bytes
-_LAYOUTS_KEPT = 1024
-
-
-def _layout_of(message: pb.EntryLayout) -> EntryLayout:
-    """``layout_from_proto``, of a layout seen before from a table: the entries of one model
-    differ in a few token counts, and reading a layout's nine fields took 1.7 us of a
-    lease's 3 (an Acquire of 64 keys: 0.19 ms in the client)."""
-    wire = message.SerializeToString()
-    layout = _LAYOUTS.get(wire)
-    if layout is None:
-        if len(_LAYOUTS) >= _LAYOUTS_KEPT:
-            _LAYOUTS.clear()
-        layout = _LAYOUTS[wire] = layout_from_proto(message)
-    return layout
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,8 @@ from chunkstore.processes.daemon import (
     socket_path,
 )
 from chunkstore.protocol import chunkstore_pb2 as pb
+from chunkstore.protocol.convert import layout_to_proto
 from chunkstore.protocol.shm import Pieces
-from chunkstore.protocol.wire import layout_to_proto
 from chunkstore.testing.entries import entry_key, random_kv, wait_for
 
 
@@ -283,7 +283,7 @@ from chunkstore.client import ChunkStoreClient
 from chunkstore.kv.entry import layout_of
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol.shm import Pieces
-from chunkstore.protocol.wire import layout_to_proto
+from chunkstore.protocol.convert import layout_to_proto
 c = ChunkStoreClient({address!r}, transport="stream")
 k = torch.zeros(2, 64, 3, 64)
 layout = layout_of(k, k, 0)

@@ -34,8 +34,9 @@ from chunkstore.kv.entry import layout_of
 from chunkstore.processes.daemon import RunningDaemon, serve_command, serve_env, start_daemon
 from chunkstore.processes.redis import RedisServer
 from chunkstore.protocol import chunkstore_pb2 as pb
+from chunkstore.protocol.convert import layout_to_proto
 from chunkstore.protocol.shm import EntryDigest
-from chunkstore.protocol.wire import error_of, layout_to_proto, status_of
+from chunkstore.protocol.wire import error_of, status_of
 from chunkstore.testing.entries import entry_key, random_kv, wait_for
 
 
@@ -165,7 +166,7 @@ from chunkstore.kv.entry import layout_of
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol.shm import scatter
 from chunkstore.protocol.shm import EntryDigest
-from chunkstore.protocol.wire import layout_to_proto
+from chunkstore.protocol.convert import layout_to_proto
 c = ChunkStoreClient({address!r}, transport="shm")
 k = torch.zeros(2, 40, 3, 64)
 layout = layout_of(k, k, 0)
