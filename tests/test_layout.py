@@ -76,6 +76,7 @@ FORBIDDEN: list[tuple[str, tuple[str, ...]]] = [
     ("chunkstore.cli", ("chunkstore.testing",)),
     ("chunkstore.bench", ("chunkstore.testing",)),
     ("chunkstore.doctor", ("chunkstore.testing",)),
+    ("chunkstore.doctor_inputs", ("chunkstore.testing",)),
 ]
 
 
