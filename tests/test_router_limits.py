@@ -11,6 +11,7 @@ import contextlib
 import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -151,6 +152,8 @@ class CookieSetter(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if body.get("user") == "slow":
+            time.sleep(5)  # past a router's --timeout of 0.5 s
         sent = self.headers.get("Cookie")
         self._answer(
             {"choices": [{"index": 0, "text": sent or "", "finish_reason": "length"}]},
@@ -218,3 +221,23 @@ def test_a_big_body_is_read_and_planned_off_the_event_loop(
     assert where == {"parse": [True], "plan": [True]}
     assert asyncio.run(ask(list(range(10, 600_010)))) == 200
     assert where == {"parse": [True, False], "plan": [True, False]}
+
+
+def test_an_instance_that_does_not_answer_is_named_by_its_place_not_its_address(
+    upstream, tmp_path
+) -> None:
+    """A 502 tells the client which instance (its place in --instance), never its URL (the
+    router's log has it)."""
+    router = RunningRouter(tmp_path, "--instance", upstream, "--timeout", "0.5")
+    try:
+        reply = httpx.post(
+            f"{router.url}/v1/completions",
+            json={"prompt": "hi", "max_tokens": 1, "user": "slow"},
+            timeout=30,
+        )
+        assert reply.status_code == 502, reply.text
+        assert "instance 1 did not answer" in reply.json()["error"]["message"]
+        assert upstream.removeprefix("http://") not in reply.text
+    finally:
+        assert router.stop() == 0
+    assert upstream.removeprefix("http://") in router.log_path.read_text()
