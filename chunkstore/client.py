@@ -24,7 +24,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from chunkstore.errors import AlreadyExists, ChecksumMismatch, InvalidRequest, StoreError
+from chunkstore.errors import (
+    AlreadyExists,
+    ChecksumMismatch,
+    InvalidRequest,
+    LeaseLapsed,
+    StoreError,
+)
 from chunkstore.kv.entry import EntryLayout, layout_of, tensors_of, torch_dtype
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol.convert import layout_to_proto
@@ -405,7 +411,8 @@ class ChunkStoreClient:
         when it releases.
 
         Raises:
-            ChecksumMismatch: the bytes are not those committed (do not use ``out``).
+            ChecksumMismatch: the bytes are not those committed (do not use ``out``);
+                ``LeaseLapsed`` where the lease ended before they were read.
             InvalidRequest, NotFound, StoreError: as ``read_each``.
         """
         self.read_many([entry], [out], session)
@@ -422,7 +429,8 @@ class ChunkStoreClient:
         ``ChecksumMismatch`` (the others were copied and checked).
 
         Raises:
-            ChecksumMismatch: the first entry whose bytes are not those committed.
+            ChecksumMismatch: the first entry whose bytes are not those committed
+                (``LeaseLapsed``: its lease had ended).
             InvalidRequest, NotFound, StoreError: as ``read_each``.
         """
         for failure in self.read_each(entries, outs, session):
@@ -437,10 +445,11 @@ class ChunkStoreClient:
         threads: int | None = None,
         helper: Executor | None = None,
         progress: Callable[[int], None] | None = None,
-    ) -> list[ChecksumMismatch | None]:
+    ) -> list[StoreError | None]:
         """``read_many``, with a verdict per entry instead of raising the first: None where
         the entry was read and checked, the ``ChecksumMismatch`` where it was not (use none
-        of its bytes). An out may be ``Pieces`` (uint8 arrays whose lengths add up to the
+        of its bytes), ``LeaseLapsed`` where its lease had ended by then (the blocks may
+        hold another entry now). An out may be ``Pieces`` (uint8 arrays whose lengths add up to the
         entry's, in the order of its bytes: a cache's blocks), filled straight from a
         shared-memory pool (through a buffer otherwise). ``threads``: this read's copy
         threads (``copy_threads`` when None); ``helper``: where the second one runs
@@ -466,35 +475,47 @@ class ChunkStoreClient:
                 self._shm_reads[entry.lease_id] = read + entry.nbytes
         if progress is not None and entries:
             progress(max(e.nbytes for e in entries))
-        return [self._verdict(e, digest) for e, digest in zip(entries, digests, strict=True)]
+        return [
+            self._verdict(e, digest, reads.session)
+            for e, digest in zip(entries, digests, strict=True)
+        ]
 
-    def _verdict(self, entry: LeasedEntry, digest: Digest) -> ChecksumMismatch | None:
+    def _verdict(self, entry: LeasedEntry, digest: Digest, session: str) -> StoreError | None:
         """None if the bytes read are those committed; else the daemon is told, and why."""
         actual = digest.intdigest()
         if actual == entry.checksum:
             return None
-        self._report_corrupt(entry.key)
+        if self._report_corrupt(entry, session):
+            return LeaseLapsed(
+                f"the lease on entry {entry.key.hex()} ended before its bytes were read (its "
+                "holder paused or stalled past the lease TTL): not used"
+            )
         return ChecksumMismatch(
             f"entry {entry.key.hex()} hashes to {actual:#x}, committed as "
             f"{entry.checksum:#x}: not used"
         )
 
-    def _report_corrupt(self, key: bytes) -> None:
+    def _report_corrupt(self, entry: LeasedEntry, session: str) -> bool:
         """Have the daemon check the entry itself: if its pool bytes are bad it evicts it,
-        so the next put replaces it (best effort: the read fails either way)."""
+        so the next put replaces it (best effort: the read fails either way). Whether the
+        lease read under had lapsed by then: the blocks may have gone to another entry."""
+        key = entry.key
+        request = pb.VerifyRequest(keys=[key], session_id=session, lease_ids=[entry.lease_id])
         try:
-            corrupt = self._call(self.stub.Verify, pb.VerifyRequest(keys=[key])).corrupt
+            reply = self._call(self.stub.Verify, request)
         except StoreError as err:
             log.warning("could not report entry %s as corrupt: %s", key.hex(), err)
-            return
-        if corrupt:
+            return False
+        if reply.corrupt:
             log.error("entry %s was corrupt in the pool; the daemon evicted it", key.hex())
+        return bool(reply.lapsed)
 
     def get(self, key: bytes) -> StoredKV | None:
         """One entry's KV, checked against its checksum, or None if absent.
 
         Raises:
             ChecksumMismatch: the stored bytes are not those committed.
+            LeaseLapsed: this process paused past the lease TTL while reading (try again).
             StoreError: as ``acquire`` and ``read_into``.
         """
         [entry] = self.acquire([key])

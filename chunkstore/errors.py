@@ -78,6 +78,12 @@ class Busy(Exhausted):
     """As many sessions or transfer streams as the daemon allows are open; retry later."""
 
 
+class LeaseLapsed(NotFound):
+    """A lease ended before its entry's bytes were all read (its holder paused or stalled
+    past the lease TTL, and the blocks went to another entry): what was read fails its
+    checksum and is never used; acquire the entry again."""
+
+
 class WrongState(StoreError):
     """An operation out of order: commit after abort, double commit, short write, draining."""
 

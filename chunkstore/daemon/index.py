@@ -275,6 +275,12 @@ class Index:
             for lease_id in lease_ids:
                 self._drop_lease(self.holders.lease(session_id, lease_id))
 
+    def lapsed(self, session_id: str, lease_ids: Sequence[int]) -> list[int]:
+        """Of these leases, those the session no longer holds (expired, or released)."""
+        with self.lock:
+            held = self.holders.leases
+            return [i for i in lease_ids if i not in held or held[i].session != session_id]
+
     def lease(self, session_id: str, lease_id: int) -> Entry:
         """The entry a held lease reads (for streaming its bytes)."""
         with self.lock:

@@ -46,7 +46,7 @@ from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol import chunkstore_pb2_grpc as pb_grpc
 from chunkstore.protocol.convert import layout_from_proto, lease_to_proto
 from chunkstore.protocol.shm import block_runs
-from chunkstore.protocol.wire import MAX_MESSAGE, status_of
+from chunkstore.protocol.wire import MAX_BATCH, MAX_MESSAGE, status_of
 
 if TYPE_CHECKING:
     from chunkstore.daemon.auth import TokenCheck
@@ -430,10 +430,19 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
     def Verify(self, request: pb.VerifyRequest, context: grpc.ServicerContext) -> pb.VerifyReply:
         keys = _keys(request.keys)
         own = self._caller(context).own_keys(keys)
+        lapsed = list(request.lease_ids)
+        if len(lapsed) > MAX_BATCH:
+            raise InvalidRequest(f"{len(lapsed)} leases in one call; at most {MAX_BATCH}")
+        if lapsed:
+            with contextlib.suppress(SessionLost):  # a lost session held nothing any more
+                self._session_caller(context, request.session_id)
+                lapsed = self.index.lapsed(request.session_id, lapsed)
         corrupt = set(self.index.verify(own))
         for key in corrupt:
             log.error("entry %s failed its checksum in the pool: evicted", key.hex())
-        return pb.VerifyReply(corrupt=[k for k, o in zip(keys, own, strict=True) if o in corrupt])
+        return pb.VerifyReply(
+            corrupt=[k for k, o in zip(keys, own, strict=True) if o in corrupt], lapsed=lapsed
+        )
 
     def _admin_keys(self, tenant: str, keys: Sequence[bytes]) -> list[bytes]:
         """An admin call's keys as the index holds them in ``tenant``'s namespace."""

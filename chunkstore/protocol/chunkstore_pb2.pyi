@@ -412,16 +412,22 @@ class KindStats(_message.Message):
     def __init__(self, lookups: _Optional[int] = ..., hits: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("keys",)
+    __slots__ = ("keys", "session_id", "lease_ids")
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    session_id: str
+    lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., session_id: _Optional[str] = ..., lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
-    __slots__ = ("corrupt",)
+    __slots__ = ("corrupt", "lapsed")
     CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    LAPSED_FIELD_NUMBER: _ClassVar[int]
     corrupt: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, corrupt: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    lapsed: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, corrupt: _Optional[_Iterable[bytes]] = ..., lapsed: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
     __slots__ = ("keys", "tenant")

@@ -206,7 +206,8 @@ class ChunkStoreServicer:
     def Verify(self, request, context):
         """Hash entries' pool bytes against their commit checksums; one that fails is evicted at
         once (reason "corrupt"), so the next put replaces it. Clients call it when a read fails
-        its checksum.
+        its checksum, naming the lease they read under: one no longer held explains the failure
+        (its holder paused past the TTL, and the blocks went to another entry).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -37,7 +37,7 @@ WORKER = """
 import json, random, sys, time
 import torch
 from chunkstore.client import ChunkStoreClient
-from chunkstore.errors import ChecksumMismatch, StoreError
+from chunkstore.errors import ChecksumMismatch, LeaseLapsed, StoreError
 from chunkstore.testing.entries import entry_key, random_kv
 
 sys.path.insert(0, {tests!r})
@@ -45,7 +45,7 @@ from test_chaos import TOKENS, content, readable
 
 address, seed, until, tenant = {address!r}, {seed}, {until}, {tenant!r}
 rng = random.Random(seed)
-counts = dict(calls=0, verified=0, refused=0)
+counts = dict(calls=0, verified=0, refused=0, lapsed=0)
 token = TOKENS[tenant]
 transport = rng.choice(["shm", "stream"])
 with ChunkStoreClient(address, transport=transport, timeout=30, token=token) as c:
@@ -72,6 +72,8 @@ with ChunkStoreClient(address, transport=transport, timeout=30, token=token) as 
                 c.release([x.lease_id for x in leases])
             else:
                 c.lookup([entry_key(j) for j in range({keys})])
+        except LeaseLapsed:
+            counts["lapsed"] += 1  # paused between its lease and its copy: bytes refused
         except ChecksumMismatch as err:
             print(json.dumps({{"corrupt": i, "error": str(err)}}), flush=True)
             sys.exit(4)

@@ -456,6 +456,59 @@ def test_a_client_paused_past_the_ttl_keeps_its_session(daemon: RunningDaemon) -
             reader.kill()
 
 
+PAUSED_BEFORE_READING = """
+import sys
+import torch
+from chunkstore.client import ChunkStoreClient
+from chunkstore.errors import StoreError
+from chunkstore.testing.entries import entry_key
+c = ChunkStoreClient({address!r}, transport="shm", token="user")
+[lease] = c.acquire([entry_key(1)])
+print("leased", flush=True)
+sys.stdin.readline()  # SIGSTOPped here, past the TTL: the blocks go to other entries
+try:
+    c.read_into(lease, torch.empty(lease.nbytes, dtype=torch.uint8))
+    print("read", flush=True)
+except StoreError as err:
+    print(type(err).__name__, flush=True)
+c.close()
+"""
+
+
+def test_a_read_under_a_lease_that_lapsed_fails_as_lapsed_not_as_corrupt(serve) -> None:
+    """A reader paused past the TTL between its lease and its copy reads blocks that hold
+    another entry by then: the bytes are refused, and the failure names the lapsed lease
+    (a retry reads the entry again), not corruption (the daemon's bytes are sound)."""
+    flags = ("--lease-ttl-s", "1", "--token", "user", "--admin-token", "admin")
+    running = serve(*flags, pool_bytes=1 << 20, block_size=1 << 16)
+    with (
+        ChunkStoreClient(running.unix, token="user") as client,
+        ChunkStoreClient(running.unix, token="admin") as admin,
+    ):
+        assert client.put(entry_key(1), *random_kv(40, seed=1), 0)  # 2 of the 16 blocks
+        [held] = client.acquire([entry_key(1)])
+        client.release([held.lease_id])
+        reader = paused(PAUSED_BEFORE_READING, running.unix, "leased")
+        assert reader.stdout is not None
+        try:
+            wait_for(lambda: client.stats().active_leases == 0)
+            assert admin.evict([entry_key(1)]).evicted == 1  # the lease lapsed: not busy
+            for i in range(10, 30):  # new entries until one is written over entry 1's blocks
+                assert client.put(entry_key(i), *random_kv(40, seed=i), 0)
+                [lease] = client.acquire([entry_key(i)])
+                client.release([lease.lease_id])
+                if set(lease.blocks) & set(held.blocks):
+                    break
+            else:
+                raise AssertionError("entry 1's blocks never went to another entry")
+            resume(reader)
+            assert reader.stdout.readline() == "LeaseLapsed\n"
+            assert reader.wait(timeout=30) == 0
+            assert client.stats().evictions.get("corrupt", 0) == 0  # the daemon's bytes are sound
+        finally:
+            reader.kill()
+
+
 def faulty(armed: Path, *fault: str) -> tuple[str, ...]:
     """The launcher of a daemon that fails on purpose (``fault``) once ``armed`` exists."""
     return ("chunkstore.testing.dying_daemon", *fault, "--armed-by", str(armed))
