@@ -64,10 +64,7 @@ class ConnectorConfig:
                 f"unknown kv_connector_extra_config keys {unknown}; known: "
                 f"{sorted(own | quality_names)}"
             )
-        inband = extra.get("inband_isolation", True)
-        quality = QualityConfig.from_settings(
-            {k: extra.pop(k) for k in quality_names & set(extra)}, inband=bool(inband)
-        )
+        quality = QualityConfig.from_settings({k: extra.pop(k) for k in quality_names & set(extra)})
         config = cls(**extra, quality=quality)
         Isolation(config.isolation)  # raises on a bad mode
         if config.transport not in ("auto", "shm", "stream"):
@@ -77,11 +74,12 @@ class ConnectorConfig:
         if config.load_threads < 1:
             raise ValueError(f"load_threads must be >= 1, not {config.load_threads}")
         load_cpus(config.load_cpus)  # raises on a bad list
-        if config.quality_recovery and not config.inband_isolation:
+        if (config.virtual_gap or config.quality.needs_hook) and not config.inband_isolation:
             raise ValueError(
-                "virtual_gap, recompute_chunks, recompute_tokens, relevant_last, "
-                "question_temperature and question_scale act in the in-band isolation hook: "
-                "they need inband_isolation"
+                "virtual_gap, recompute_chunks, recompute_tokens, question_temperature and "
+                "question_scale act in the in-band isolation hook: they need inband_isolation "
+                "(relevant_last does not: without the hook, relevant chunks that stand last "
+                "are left to vLLM to compute)"
             )
         return config
 
@@ -92,10 +90,6 @@ class ConnectorConfig:
     @property
     def isolation_mode(self) -> Isolation:
         return Isolation(self.isolation)
-
-    @property
-    def quality_recovery(self) -> bool:
-        return bool(self.virtual_gap or self.quality.recovers)
 
 
 def load_cpus(text: str, bound: set[int] | None = None) -> set[int] | None:

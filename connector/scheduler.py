@@ -108,7 +108,12 @@ class SchedulerSide:
             salt = getattr(request, "cache_salt", None) or ""
             if segments and segments[0].kind is SegmentKind.SYS:  # a separator: chunked
                 self.stats.add("chunked_prompts")
+                treated = self._treat(request, segments)
                 causal = causal_start(segments)
+                recomputed = dict(treated.recomputed)
+                if not self.back_end.inband:  # relevant chunks standing last: vLLM's to compute
+                    causal = min(causal, treated.computed_from(segments) or causal)
+                    recomputed = {}
                 plans = self.keys.plan(segments, salt)
                 cacheable = [
                     plan
@@ -118,7 +123,6 @@ class SchedulerSide:
                 ]
                 short = sum(len(p.segment) < self.config.min_chunk_tokens for p in plans)
                 self.stats.add("short_segments", short)
-                treated = self._treat(request, segments)
                 moves = tuple(
                     (segments[i].start, segments[i].end, d)
                     for i, d in sorted(treated.shifts.items())
@@ -127,7 +131,7 @@ class SchedulerSide:
                     segments,
                     cacheable,
                     causal,
-                    recomputed=dict(treated.recomputed),
+                    recomputed=recomputed,
                     shifts=moves,
                     first_tokens=treated.first_tokens,
                 )

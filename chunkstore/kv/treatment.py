@@ -16,6 +16,12 @@ functions; this module says which apply, in what order:
 3. with either, the first ``recompute_tokens`` (or, for 2, ``relevant_first_tokens``)
    tokens of every other chunk recomputed too.
 
+Without the hook (CUDA, Ascend) only a prefix can be loaded: vLLM computes a prompt from its
+first token not loaded on, seeing everything before it. So 2 is what vLLM computes when the
+relevant chunks already stand last: the connector loads the run before them and leaves
+them to vLLM (``computed_from``), and the router puts them there first (``relevant_order``:
+isolated chunks do not see each other, so the order of the loaded ones changes no KV).
+
 The chunk attended right after sys (``isolation: sys``, no virtual gap) is computed isolated
 exactly as causally: recomputing it changes nothing, so it is never recomputed.
 """
@@ -101,13 +107,12 @@ class QualityConfig:
             raise ValueError("question_temperature and question_scale must be > 0")
 
     @classmethod
-    def from_settings(cls, settings: Mapping[str, Any], inband: bool = True) -> QualityConfig:
+    def from_settings(cls, settings: Mapping[str, Any]) -> QualityConfig:
         """From the settings given (the others default): the default ``relevant_last`` gives
-        way where chunks or tokens are recomputed where they stand, or where there is no
-        in-band hook, unless it is set."""
+        way where chunks or tokens are recomputed where they stand, unless it is set."""
         given = dict(settings)
         recovers_otherwise = given.get("recompute_chunks") or given.get("recompute_tokens")
-        if "relevant_last" not in given and (recovers_otherwise or not inband):
+        if "relevant_last" not in given and recovers_otherwise:
             given["relevant_last"] = 0
         return cls(**given)
 
@@ -122,14 +127,10 @@ class QualityConfig:
         return self.question_temperature != 1.0 or self.question_scale != 1.0
 
     @property
-    def recovers(self) -> bool:
-        """Whether any of it acts (each acts in the in-band hook)."""
-        return bool(
-            self.recompute_chunks
-            or self.recompute_tokens
-            or self.relevant_last
-            or self.reweights_questions
-        )
+    def needs_hook(self) -> bool:
+        """Whether a setting acts only in the in-band hook (all but ``relevant_last``, which
+        a back end without it serves by leaving relevant chunks that stand last to vLLM)."""
+        return bool(self.recompute_chunks or self.recompute_tokens or self.reweights_questions)
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,11 @@ class Treatment:
         """How many of the chunks attended last moved to get there."""
         return sum(1 for i in self.last if i in self.shifts)
 
+    def computed_from(self, segments: Sequence[Segment]) -> int | None:
+        """Without the hook: the position from which vLLM computes the prompt (the
+        ``recomputed`` chunks, which stand last), None where everything is loaded."""
+        return min((segments[i].start for i in self.recomputed), default=None)
+
 
 NOTHING = Treatment({}, {})
 
@@ -184,26 +190,27 @@ def treat(
     chunks = [i for i, s in enumerate(segments) if s.kind is SegmentKind.CHUNK]
     if not chunks or segments[-1].kind is not SegmentKind.QUESTION:
         return Treatment({}, {}, first_tokens=quality.recompute_tokens, first_is_causal=causal)
+    if not back_end.inband:
+        return _without_hook(segments, quality, causal, params)
     ignored = None
-    if back_end.inband:
-        choice = functools.partial(
-            select,
-            segments[-1].token_ids,
-            [segments[i].token_ids for i in chunks],
-            quality.recompute_by,
-            quality.recompute_chunks,
-            quality.recompute_max_tokens,
-        )
-        try:
-            chosen = choice(params=params)
-        except BadTransferParams as err:
-            ignored, params = str(err), None
-            chosen = choice()
-        kept = [i for i in chosen if not (causal and i == 0)]  # causal already: left be
-        if kept:  # recomputed where they stand: nothing moves
-            recomputed = {chunks[i]: range(len(segments[chunks[i]])) for i in kept}
-            exact = frozenset(chunks[i] for i in chosen)
-            return Treatment(recomputed, {}, (), exact, quality.recompute_tokens, causal, ignored)
+    choice = functools.partial(
+        select,
+        segments[-1].token_ids,
+        [segments[i].token_ids for i in chunks],
+        quality.recompute_by,
+        quality.recompute_chunks,
+        quality.recompute_max_tokens,
+    )
+    try:
+        chosen = choice(params=params)
+    except BadTransferParams as err:
+        ignored, params = str(err), None
+        chosen = choice()
+    kept = [i for i in chosen if not (causal and i == 0)]  # causal already: left be
+    if kept:  # recomputed where they stand: nothing moves
+        recomputed = {chunks[i]: range(len(segments[chunks[i]])) for i in kept}
+        exact = frozenset(chunks[i] for i in chosen)
+        return Treatment(recomputed, {}, (), exact, quality.recompute_tokens, causal, ignored)
     up_to = quality.relevant_recompute_tokens if back_end.recompute else 0
     picks = functools.partial(
         relevant,
@@ -231,3 +238,52 @@ def treat(
         causal,
         ignored,
     )
+
+
+def _without_hook(
+    segments: Sequence[Segment], quality: QualityConfig, causal: bool, params: Any
+) -> Treatment:
+    """``relevant_last`` where only a prefix loads: the relevant chunks recomputed whole that
+    stand last already (a trailing run of them, just before the question) are left to vLLM,
+    which computes them seeing everything before; nothing moves where it stands, nothing
+    else is recomputed."""
+    picks = functools.partial(
+        relevant,
+        segments,
+        quality.relevant_last,
+        quality.relevant_recompute_tokens,
+        first_is_causal=causal,
+        min_score=quality.relevant_min_score,
+    )
+    ignored = None
+    try:
+        recomputed, _, last = picks(params)
+    except BadTransferParams as err:
+        ignored = str(err)
+        recomputed, _, last = picks()
+    chunks = [i for i, s in enumerate(segments) if s.kind is SegmentKind.CHUNK]
+    tail: list[int] = []
+    for i in reversed(chunks):
+        if len(recomputed.get(i, ())) != len(segments[i]):
+            break
+        tail.append(i)
+    computed = {i: range(len(segments[i])) for i in sorted(tail)}
+    return Treatment(computed, {}, tuple(last), frozenset(computed), 0, causal, ignored)
+
+
+def relevant_order(
+    segments: Sequence[Segment],
+    quality: QualityConfig,
+    isolation: Isolation = Isolation.SYS,
+    virtual_gap: int = 0,
+    params: Any = None,
+) -> list[int] | None:
+    """The chunks' order (segment indices) that puts the relevant ones last, the most
+    relevant last, the others in prompt order: what a router sends a back end without the
+    hook so that ``treat`` there leaves them to vLLM; None where the order stays (nothing
+    relevant moves, or no question). Malformed ``params`` are ignored, as ``treat`` does."""
+    causal = first_is_causal(isolation, virtual_gap)
+    treated = _without_hook(segments, quality, causal, params)
+    chunks = [i for i, s in enumerate(segments) if s.kind is SegmentKind.CHUNK]
+    order = [i for i in chunks if i not in treated.last] + list(treated.last)
+    return None if order == chunks else order

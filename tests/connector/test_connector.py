@@ -226,7 +226,7 @@ def test_a_node_serves_chunks_another_node_computed(tiny_model_dir, serve, tmp_p
             tiny_model_dir,
             [list(rag.token_ids)] * 2,
             tmp_path / "on-b",
-            {"address": b.unix, "inband_isolation": False},
+            {"address": b.unix, "inband_isolation": False, "relevant_last": 0},
             extra=("--pause-before", "1:3"),
         )
         fetches = b.scrape()

@@ -39,7 +39,7 @@ def test_settings_come_from_the_extra_config_and_typos_are_refused() -> None:
 def test_quality_settings_are_checked(extra: dict, error: str) -> None:
     with pytest.raises(ValueError, match=error):
         ConnectorConfig.from_extra(extra)
-    assert ConnectorConfig.from_extra({"recompute_tokens": 16}).quality_recovery
+    assert ConnectorConfig.from_extra({"recompute_tokens": 16}).quality.needs_hook
 
 
 def test_load_cpus_name_where_the_load_threads_run() -> None:

@@ -206,8 +206,10 @@ def test_settings_are_checked() -> None:
         ConnectorConfig.from_extra({"recompute_max_tokens": -1})
     with pytest.raises(ValueError, match="choose one"):
         ConnectorConfig.from_extra({"relevant_last": 2, "recompute_chunks": 1})
-    with pytest.raises(ValueError, match="need inband_isolation"):
-        ConnectorConfig.from_extra({"inband_isolation": False, "relevant_last": 1})
+    # relevant_last acts without the hook too: relevant chunks standing last go to vLLM.
+    hookless = ConnectorConfig.from_extra({"inband_isolation": False, "relevant_last": 1})
+    assert hookless.quality.relevant_last == 1
+    assert ConnectorConfig.from_extra({"inband_isolation": False}).quality.relevant_last == 3
     with pytest.raises(ValueError, match="counts >= 0"):
         ConnectorConfig.from_extra({"relevant_recompute_tokens": -1})
     assert (default.quality.relevant_last, default.quality.relevant_recompute_tokens) == (3, 384)

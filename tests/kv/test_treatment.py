@@ -7,7 +7,7 @@ import pytest
 
 from chunkstore.kv.keys import Isolation
 from chunkstore.kv.segments import Segment, SegmentKind
-from chunkstore.kv.treatment import BackEnd, QualityConfig, treat
+from chunkstore.kv.treatment import BackEnd, QualityConfig, relevant_order, treat
 
 NONE = Isolation.NONE
 
@@ -53,6 +53,29 @@ def test_chunks_named_or_counted_are_recomputed_where_they_stand() -> None:
     assert treat(RAG, quality, back_end=hookless).recomputed == {}
 
 
+def test_without_the_hook_relevant_chunks_standing_last_are_left_to_vllm() -> None:
+    """Only a prefix loads: the relevant chunks recomputed whole that stand last already are
+    computed by vLLM (``computed_from``); one standing elsewhere cannot move, so stays
+    loaded; put last (``relevant_order``, as the router sends it) both are computed."""
+    hookless = BackEnd(inband=False)
+    treated = treat(RAG, QualityConfig(), back_end=hookless)
+    assert treated.last == (4, 2) and not treated.shifts
+    assert treated.recomputed == {4: range(3)}  # chunk 1 (segment 2) does not stand last
+    assert treated.computed_from(RAG) == RAG[4].start and treated.first_tokens == 0
+    order = relevant_order(RAG, QualityConfig())
+    assert order == [1, 3, 4, 2]  # the others in prompt order, the most relevant last
+    sent = prompt(*(RAG[i].token_ids for i in order), question=[42])
+    there = treat(sent, QualityConfig(), back_end=hookless)
+    assert there.recomputed == {3: range(3), 4: range(4)} and there.last == (3, 4)
+    assert there.computed_from(sent) == sent[3].start
+    assert relevant_order(sent, QualityConfig()) is None  # in its order already
+    # Nothing relevant, or relevant_last 0: everything loads.
+    assert treat(RAG, QualityConfig(relevant_last=0), back_end=hookless).computed_from(RAG) is None
+    # The application's scores rank, as they do with the hook.
+    scored = relevant_order(RAG, QualityConfig(), params={"chunk_scores": [9, 0, 0, 0]})
+    assert scored == [2, 3, 4, 1]
+
+
 def test_the_chunk_right_after_sys_is_never_recomputed_where_it_is_causal_already() -> None:
     # Named alone: its isolated KV is its causal KV, nothing is left of the request's
     # choice, and the defaults decide (the connector's behaviour since the choice was
@@ -93,4 +116,3 @@ def test_a_prompt_without_a_question_keeps_its_chunks_isolated() -> None:
 def test_settings_are_checked_in_one_place(settings: dict, says: str) -> None:
     with pytest.raises(ValueError, match=says):
         QualityConfig.from_settings(settings)
-    assert QualityConfig.from_settings({}, inband=False).relevant_last == 0
