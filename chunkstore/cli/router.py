@@ -27,6 +27,12 @@ on any attention back end: this is how chunks reach the store from live traffic 
 connector's in-band isolation hook does not run (CUDA, Ascend; set inband_isolation: false
 there), and why a cold request is answered as a warm one.
 
+Relevant documents last (--order, on by default): the documents most relevant to the
+question (BM25, or the request's chunk_scores) are moved just before it, and the connector
+leaves them to vLLM, which computes them seeing the others: the connector's default answers
+where its hook does not run. A completion is sent as its reordered token IDs; a chat
+request's message as its reordered text, if the instance tokenizes it to exactly those.
+
 Prefill/decode (--prefill and --decode, or `chunkstore proxy`): the first token from a
 prefill instance, the rest from a decode instance that loads the whole prompt from the
 store; the reply joined, or streamed.
@@ -84,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         routed,
         decode,
         cold_chunks=args.cold_chunks == "on" and keys is not None,
+        relevant_last=args.order == "relevant-last",
         timeout=args.timeout,
         max_connections=args.max_connections,
         health_interval=args.health_interval,
@@ -169,6 +176,16 @@ def add_commands(commands: Any) -> None:
         choices=("on", "off"),
         default="on",
         help="store a request's missing chunks before it (on; off: only route)",
+    )
+    router.add_argument(
+        "--order",
+        choices=("relevant-last", "as-sent"),
+        default="relevant-last",
+        help="relevant-last (the default): each chunked prompt is sent with the documents "
+        "most relevant to its question last, where vLLM computes them after loading the "
+        "others: the connector's default answers on a back end without its in-band hook "
+        "(CUDA, Ascend), the same KV with it; as-sent: prompts as they came (a request "
+        'keeps its order with kv_transfer_params {"keep_order": true})',
     )
     router.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     router.add_argument("--port", type=int, default=8080, help="port to listen on (8080; 0: any)")

@@ -17,7 +17,7 @@ of its own; cut from the prompt's own token IDs, so nothing is tokenized twice.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -65,6 +65,7 @@ class KeySpace:
     isolation: Isolation = Isolation.SYS
     virtual_gap: int = 0
     prefix_block_tokens: int = DEFAULT_PREFIX_BLOCK_TOKENS
+    separator_text: str = field(default="", compare=False)  # as the model's tokenizer reads it
 
     @classmethod
     def for_model(
@@ -81,7 +82,7 @@ class KeySpace:
         from transformers import AutoTokenizer
 
         from chunkstore.kv.fingerprint import fingerprint_of_folder
-        from chunkstore.kv.separator import separator_ids
+        from chunkstore.kv.separator import resolve_separator, separator_ids
 
         tokenizer = AutoTokenizer.from_pretrained(model)
         return cls(
@@ -90,6 +91,7 @@ class KeySpace:
             isolation,
             virtual_gap,
             prefix_block_tokens,
+            resolve_separator(tokenizer, separator),
         )
 
     def plan(self, token_ids: Sequence[int], salt: str = "") -> Plan:

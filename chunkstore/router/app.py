@@ -3,10 +3,12 @@
 A completion or chat request goes: read (400 / 408 / 413 for what is not a JSON object, too
 slow or too big: ``limits``) -> the instance asked whether it admits the caller (``access``:
 nothing is done, and nothing said, for a caller it refuses) -> its prompts' token IDs
-(``requests``; the instance's ``/tokenize``) -> their pieces and keys (``plan``) -> the
-daemons asked which they hold -> an instance chosen (``instances``) -> its missing chunks
-stored through it (``cold``) -> the request passed on as the client sent it (its bytes),
-streamed back as the instance streams it. A request the instance would refuse (sampling
+(``requests``; the instance's ``/tokenize``) -> each chunked prompt's relevant documents
+last (``order``: the default's answers without the in-band hook; the one change the router
+makes to a request) -> their pieces and keys (``KeySpace.plan``) -> the daemons asked which
+they hold -> an instance chosen (``instances``) -> its missing chunks stored through it
+(``cold``) -> the request passed on (as the client sent it, its bytes, where its order
+stays), streamed back as the instance streams it. A request the instance would refuse (sampling
 fields, a prompt over the model's context), or past the router's bounds, is passed on
 without the router's work. An instance that is gone
 (it cannot be connected to, it broke off the request before answering, or it answered 5xx
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import http.cookiejar
 import json
 import logging
@@ -35,8 +38,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 
 from chunkstore.kv.keyspace import KeySpace, Plan
+from chunkstore.kv.treatment import QualityConfig
 
-from . import disagg
+from . import disagg, order
 from .access import Admission, Gate, Operators
 from .cold import ColdChunks, Warmed
 from .instances import Choice, Instance, Instances
@@ -66,6 +70,9 @@ class RouterSettings:
     daemon_token: str | None = None
     limits: Limits = field(default_factory=Limits)
     operator_token: str | None = None  # None: operators are callers on this host
+    # Relevant documents last (``order``): the default's answers without the in-band hook.
+    relevant_last: bool = True
+    quality: QualityConfig = field(default_factory=QualityConfig)  # the connector's
     metrics: RouterMetrics = field(default_factory=RouterMetrics)
 
 
@@ -175,7 +182,10 @@ class Router:
         admission = await self._admit(first, ask.headers)
         if isinstance(admission, Response):
             return admission, None  # the instance refuses the caller: nothing done, said
-        plans = await self._plans(first, ask, admission) if admission else []
+        prompts = await self._prompts(first, ask, admission) if admission else []
+        if prompts and self.settings.relevant_last:
+            ask, prompts = await self._relevant_last(first, ask, prompts)
+        plans = await self._loaded(ask, prompts)
         stored, present = await self._stored(candidates, plans)
         choice = self.instances.choose(candidates, stored)
         instance = choice.instance
@@ -219,10 +229,11 @@ class Router:
             return _as_response(answer)
         return None
 
-    async def _plans(self, instance: Instance, ask: Asked, admission: Admission) -> list[Plan]:
-        """The request's prompts as pieces and keys; [] where the router does not work for
-        it: it cannot read them, the instance would not tokenize them or would refuse the
-        request, or they are past the router's bounds (each counted in ``fallbacks``)."""
+    async def _prompts(self, instance: Instance, ask: Asked, admission: Admission) -> list[Prompt]:
+        """The request's prompts: their token IDs, pieces and keys; [] where the router does
+        not work for it: it cannot read them, the instance would not tokenize them or would
+        refuse the request, or they are past the router's bounds (each counted in
+        ``fallbacks``)."""
         keys = self.settings.keys
         if keys is None:
             return []
@@ -252,11 +263,81 @@ class Router:
         plans = await self._cpu(ask.heavy, lambda: [keys.plan(i, salt) for i in found])
         if sum(len(p.pieces) for p in plans) > self.limits.max_chunks:
             return self._fallback("too_many_chunks")
-        return plans
+        return list(zip(found, plans, strict=True))
 
-    def _fallback(self, why: str) -> list[Plan]:
+    def _fallback(self, why: str) -> list[Any]:
         self.metrics.fallbacks.labels(why).inc()
         return []
+
+    async def _loaded(self, ask: Asked, prompts: list[Prompt]) -> list[Plan]:
+        """The prompts' pieces the instance loads: sent in their relevant order, the
+        relevant chunks standing last are computed there, not loaded (nor sent cold)."""
+        keys = self.settings.keys
+        if keys is None or not prompts or not self.settings.relevant_last:
+            return [plan for _, plan in prompts]
+        params = order.params_of(ask.body)
+        quality = self.settings.quality
+
+        def loaded(ids: list[int], plan: Plan) -> Plan:
+            end = order.computed_from(keys, quality, ids, params) if plan.chunked else None
+            if end is None:
+                return plan
+            return Plan(tuple(p for p in plan.pieces if p.segment.end <= end), True)
+
+        return list(await self._cpu(ask.heavy, lambda: [loaded(*p) for p in prompts]))
+
+    async def _relevant_last(
+        self, instance: Instance, ask: Asked, prompts: list[Prompt]
+    ) -> tuple[Asked, list[Prompt]]:
+        """The request with each prompt's relevant chunks last (``order``), and its prompts
+        as sent; as it came where its order stays."""
+        keys, body = self.settings.keys, ask.body
+        ids = [i for i, _ in prompts]
+        if keys is None or order.keeps_order(body, len(ids)):
+            return ask, prompts
+        params = order.params_of(body)
+        quality = self.settings.quality
+        found = await self._cpu(
+            ask.heavy, lambda: [order.new_order(keys, quality, i, params) for i in ids]
+        )
+        if not any(found):
+            return ask, prompts
+        new_ids = [ids[n] if f is None else order.reordered_ids(*f) for n, f in enumerate(found)]
+        moved = [f for f in found if f is not None]
+        renamed = order.reordered_params(params, moved[0][1]) if len(ids) == 1 else params
+        if ask.chat:
+            segments, chunk_order = moved[0]
+            messages = order.chat_messages(
+                body.get("messages"), keys.separator_text, segments, chunk_order
+            )
+            rewritten = None if messages is None else body | {"messages": messages}
+            if (
+                rewritten is None
+                or await self._tokenize_chat(instance, rewritten, ask) != new_ids[0]
+            ):
+                self.metrics.order_kept.labels("chat_text").inc()
+                return ask, prompts
+        else:
+            prompt = new_ids[0] if len(new_ids) == 1 else new_ids
+            rewritten = body | {"prompt": prompt}
+        if renamed is not params:
+            rewritten["kv_transfer_params"] = renamed
+        self.metrics.reordered.labels("chat" if ask.chat else "completion").inc()
+        raw = await self._cpu(ask.heavy, _dumps, rewritten)
+        salt = str(body.get("cache_salt") or "")
+        sent = [
+            p if f is None else (i, keys.plan(i, salt))
+            for p, f, i in zip(prompts, found, new_ids, strict=True)
+        ]
+        return dataclasses.replace(ask, raw=raw, body=rewritten), sent
+
+    async def _tokenize_chat(
+        self, instance: Instance, body: dict[str, Any], ask: Asked
+    ) -> list[int] | None:
+        prompts = prompts_of(body, chat=True)
+        if not prompts or not isinstance(prompts[0], dict):
+            return None
+        return await self._tokenize(instance, prompts[0], ask.headers)
 
     @staticmethod
     async def _cpu(heavy: bool, work: Any, *args: Any) -> Any:
@@ -576,6 +657,9 @@ class Asked:
     headers: dict[str, str]  # those passed on (the API key)
     client: str  # its share of cold chunks (``limits.client_of``)
     heavy: bool  # big enough that reading it leaves the event loop
+
+
+Prompt = tuple[list[int], Plan]  # a prompt's token IDs, and its pieces and keys
 
 
 async def _ready(ids: list[int]) -> list[int]:

@@ -58,6 +58,21 @@ class RouterMetrics:
             ["why"],
             registry=r,
         )
+        self.reordered = Counter(
+            "chunkstore_router_reordered",
+            "Requests sent with their relevant documents last (the default's answers on a "
+            "back end without the in-band hook), by shape: completion, chat.",
+            ["shape"],
+            registry=r,
+        )
+        self.order_kept = Counter(
+            "chunkstore_router_order_kept",
+            "Requests whose relevant documents were not put last though they would have "
+            "been, by why: chat_text (its messages, rewritten, did not tokenize to the "
+            "reordered prompt, or no single message held every separator).",
+            ["why"],
+            registry=r,
+        )
         self.upstream = Histogram(
             "chunkstore_router_upstream_seconds",
             "Time an instance took: warm (a request's missing chunks), request (until its "
@@ -72,6 +87,9 @@ class RouterMetrics:
             self.cold_failed.labels(why)
         for why in FALLBACKS:
             self.fallbacks.labels(why)
+        for shape in ("completion", "chat"):
+            self.reordered.labels(shape)
+        self.order_kept.labels("chat_text")
 
 
 COLD_FAILED = ("prefill_error", "not_stored", "client_share")
