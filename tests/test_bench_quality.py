@@ -13,7 +13,7 @@ import pytest
 
 from chunkstore.bench import qa_cases
 from chunkstore.bench.qa_cases import generate
-from chunkstore.bench.quality import parse_method, wilson
+from chunkstore.bench.quality import _Prompts, parse_method, wilson
 from chunkstore.bench.quality import treatment as treat_as_the_bench
 
 
@@ -259,6 +259,16 @@ def test_the_bench_reads_which_chunks_a_method_recomputes_or_moves_as_the_connec
     assert treatment(no_first, prompt, sep, ranking) == (both, [3, 1], 0)
     isolated = {"recompute_chunks": 0, "relevant_last": 0}
     assert treatment(isolated, prompt, sep, ranking) == ({}, [], 0)
+    # As behind the router, without the hook: sent with the relevant chunks last (chunk 1
+    # after chunk 3), which vLLM computes there; the ranking renamed with the prompt.
+    router = parse_method("inband_isolation=0+order=relevant")
+    assert router == {"inband_isolation": False, "order": "relevant"}
+    sent = _Prompts([prompt], [ranking], [], []).ordered(router, sep)
+    assert sent.qa_rankings == [[2, 1, 3, 0]]  # chunks 0, 2, 3, 1 in their new places
+    treated, chunks = treat_as_the_bench(router, sent.qa[0], sep, sent.qa_rankings[0])
+    assert {chunks.index(i) for i in treated.recomputed} == {2, 3} and not treated.shifts
+    with pytest.raises(ValueError, match="order=relevant"):
+        parse_method("order=first")
 
 
 @pytest.mark.parametrize(

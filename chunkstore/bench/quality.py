@@ -13,7 +13,9 @@ across two, a fact with look-alikes in other documents), each a chat prompt
   kv_transfer_params name the first N chunks of an oracle retriever's ranking (the
   documents holding the answer first), as an application passes its own; ``scores=oracle``:
   they carry that ranking as ``chunk_scores`` (what ``relevant_last`` and
-  ``recompute_chunks`` rank by when a request gives them).
+  ``recompute_chunks`` rank by when a request gives them); ``order=relevant``: each prompt
+  sent with its relevant documents last, as ``chunkstore router`` sends it
+  (``inband_isolation=0+order=relevant``: a CUDA or Ascend back end behind the router).
 Each method runs in its own vLLM process; methods whose chunks have the same keys (the same
 ``virtual_gap``) share one daemon, so the first of them computes and stores the documents
 and later ones load them (the methods act the same on loaded and computed chunks: cold ==
@@ -43,14 +45,14 @@ import math
 import statistics
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from chunkstore.bench import qa_cases
 from chunkstore.kv.segments import SegmentKind, build_chunked_prompt, split_prompt
-from chunkstore.kv.treatment import QualityConfig, Treatment, treat
+from chunkstore.kv.treatment import BackEnd, QualityConfig, Treatment, relevant_order, treat
 from chunkstore.models import kv_bytes_per_token, model_dir
 from chunkstore.processes.daemon import start_daemon
 from chunkstore.processes.vllm_probe import run_probe
@@ -84,11 +86,25 @@ QUESTION_TEXT = "\nQuestion: {}<|im_end|>\n<|im_start|>assistant\n"
 SEPARATOR = "##"
 BLOCK = 1 << 20  # the daemons' block size
 # A method's settings: the connector's quality settings, its virtual gap, and the bench's own.
-KNOBS: dict[str, type] = {
+# Not a connector setting either: ``order=relevant`` sends each prompt with its relevant
+# documents last, as the router does (``chunkstore.router.order``); with
+# ``inband_isolation=0`` that is what a CUDA or Ascend back end answers behind the router.
+ORDER, RELEVANT = "order", "relevant"
+
+
+def _flag(value: str) -> bool:
+    if value not in ("0", "1"):
+        raise ValueError(f"a flag is 0 or 1, not {value!r}")
+    return value == "1"
+
+
+KNOBS: dict[str, Callable[[str], Any]] = {
     "virtual_gap": int,
+    "inband_isolation": _flag,
     **QualityConfig.names(),
     REQUEST: int,
     SCORES: str,
+    ORDER: str,
 }
 
 
@@ -112,6 +128,8 @@ def parse_method(spec: str) -> dict[str, Any] | None:
         settings[name] = KNOBS[name](value)
     if settings.get(SCORES, ORACLE) != ORACLE:
         raise ValueError(f"bad method {spec!r}: scores=oracle is the one ranking the bench has")
+    if settings.get(ORDER, RELEVANT) != RELEVANT or (ORDER in settings and REQUEST in settings):
+        raise ValueError(f"bad method {spec!r}: order=relevant, without request=N")
     return settings
 
 
@@ -150,8 +168,8 @@ def _splits(text: str) -> list[str]:
 
 
 def connector_settings(settings: dict[str, Any]) -> dict[str, Any]:
-    """A method's settings without the bench's own ``request`` and ``scores``."""
-    return {k: v for k, v in settings.items() if k not in (REQUEST, SCORES)}
+    """A method's settings without the bench's own ``request``, ``scores`` and ``order``."""
+    return {k: v for k, v in settings.items() if k not in (REQUEST, SCORES, ORDER)}
 
 
 def oracle_ranking(relevant: tuple[int, ...], chunks: int) -> list[int]:
@@ -171,8 +189,9 @@ def treatment(
     params = _transfer_params(
         ranking, int(settings.get(REQUEST, 0)), settings.get(SCORES) == ORACLE
     )
+    back_end = BackEnd(inband=config.inband_isolation)
     treated = treat(
-        segments, config.quality, config.isolation_mode, config.virtual_gap, params=params
+        segments, config.quality, config.isolation_mode, config.virtual_gap, back_end, params
     )
     return treated, [i for i, seg in enumerate(segments) if seg.kind is SegmentKind.CHUNK]
 
@@ -292,6 +311,30 @@ class _Prompts:
             *(_entry(p, None, r, requested, scores) for p, r in timed),
         ]
 
+    def ordered(self, settings: dict[str, Any] | None, sep: list[int]) -> _Prompts:
+        """The prompts a method sends: with ``order=relevant`` each with its relevant
+        documents last, as the router sends them (their rankings renamed with them)."""
+        if not settings or settings.get(ORDER) != RELEVANT:
+            return self
+        quality = ConnectorConfig.from_extra(connector_settings(settings)).quality
+        scores = settings.get(SCORES) == ORACLE
+
+        def one(prompt: list[int], ranking: list[int]) -> tuple[list[int], list[int]]:
+            segments = split_prompt(prompt, sep)
+            params = _transfer_params(ranking, 0, scores)
+            order = relevant_order(segments, quality, params=params)
+            if order is None:
+                return prompt, ranking
+            sent = [segments[0], *(segments[i] for i in order), *segments[len(order) + 1 :]]
+            place = {i - 1: p for p, i in enumerate(order)}  # chunk -> its new place
+            return [t for seg in sent for t in seg.token_ids], [place[c] for c in ranking]
+
+        qa = [one(p, r) for p, r in zip(self.qa, self.qa_rankings, strict=True)]
+        timed = [one(p, r) for p, r in zip(self.timed, self.timed_rankings, strict=True)]
+        return _Prompts(
+            [p for p, _ in qa], [r for _, r in qa], [p for p, _ in timed], [r for _, r in timed]
+        )
+
     def pool_bytes(self, token_bytes: int, segments: int, block: int) -> int:
         """A pool that holds every segment these prompts can store whole (a prompt's
         ``segments`` each in its own ``block``-rounded entry; ``token_bytes`` of KV a token),
@@ -366,7 +409,7 @@ def evaluate(
             _say(f"[{index + 1}/{len(methods)}] {spec}: {len(cases)} cases, {shape} ...")
             rows = run_probe(
                 model,
-                [warmup, *prompts.entries(settings, max_tokens)],
+                [warmup, *prompts.ordered(settings, sep).entries(settings, max_tokens)],
                 Path(tmp) / f"method-{index}",
                 None if settings is None else connector_for(settings),
                 max_model_len=max_len,
@@ -378,7 +421,8 @@ def evaluate(
     for spec, settings in methods:
         row = _row(spec, settings, results, len(cases), labels, mean_doc)
         if settings is not None:
-            qa, timed = (prompts.qa, prompts.qa_rankings), (prompts.timed, prompts.timed_rankings)
+            sent = prompts.ordered(settings, sep)
+            qa, timed = (sent.qa, sent.qa_rankings), (sent.timed, sent.timed_rankings)
             row.update(_recomputed(settings, cases, sep, qa, timed))
         yield row
 
@@ -464,10 +508,16 @@ def _recomputed(
         exact_and_last(*treatment(settings, p, sep, r))
         for p, r in zip(qa_ids, qa_rankings, strict=True)
     ]
-    known = [(case, c) for case, c in zip(cases, chosen, strict=True) if case.relevant]
+    # The answer's chunks where the prompt has them: the oracle ranking's first (renamed
+    # with the prompt where the method reorders it).
+    known = [
+        (set(ranking[: len(case.relevant)]), c)
+        for case, ranking, c in zip(cases, qa_rankings, chosen, strict=True)
+        if case.relevant
+    ]
     for field, which in (("answer_chunks_recomputed", 0), ("answer_chunks_last", 1)):
         if known and any(c[which] for c in chosen):  # (a user's case may not say)
-            found = sum(set(case.relevant) <= c[which] for case, c in known)
+            found = sum(answer <= c[which] for answer, c in known)
             fields[field] = round(found / len(known), 3)
     return fields
 
@@ -546,7 +596,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "connector's defaults), or connector settings KNOB=VALUE joined by '+' "
         f"(KNOB: {', '.join(KNOBS)}; request=N: the request's kv_transfer_params name an "
         "oracle ranking's first N chunks; scores=oracle: they give that ranking as "
-        "chunk_scores); default: the curve of each knob",
+        "chunk_scores; order=relevant: prompts sent with their relevant documents last, as "
+        "the router sends them, so inband_isolation=0+order=relevant is what a CUDA or "
+        "Ascend back end answers behind it); default: the curve of each knob",
     )
     parser.add_argument(
         "--repeats",
