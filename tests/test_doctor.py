@@ -157,11 +157,12 @@ BAD_INPUTS = [
 
 @pytest.mark.parametrize(("crafted", "fault", "error"), BAD_INPUTS)
 def test_doctor_refuses_bad_input_naming_the_file_and_what_is_wrong(
-    crafted, fault, error, tiny_model_dir, tmp_path
+    crafted, fault, error, tiny_model_dir, tmp_path, capsys
 ) -> None:
     """Exit 2 and one line naming the file and the fault, before anything starts: no
     traceback, no hang on a FIFO or /dev/zero, no vLLM (past --max-minutes 0.2 it would exit
-    1), in seconds."""
+    1), in seconds. In this process (``chunkstore.cli.main``: 35 cases, a process each cost
+    a minute and a half of CI); one case as a process, below."""
     model = model_with(tiny_model_dir, tmp_path / "model", **(fault if crafted == "config" else {}))
     docs, questions = tmp_path / "docs.jsonl", tmp_path / "questions.jsonl"
     docs.write_text('{"id": "paris", "text": "Paris is the capital of France."}\n')
@@ -174,13 +175,27 @@ def test_doctor_refuses_bad_input_naming_the_file_and_what_is_wrong(
     elif crafted in ("questions.jsonl", "docs.jsonl"):
         make_bad(tmp_path / crafted, fault)
     given = fault.format(tmp=tmp_path) if crafted == "model" else model
+    argv = ["doctor", given, "--docs", docs, "--questions", questions, "--max-minutes", "0.2"]
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    output = captured.out + captured.err
+    assert code == REFUSED, output[-3000:]
+    assert error in output, output[-3000:]
+
+
+def test_doctor_refuses_bad_input_as_a_process_in_one_line(tiny_model_dir, tmp_path) -> None:
+    """The command as users run it: exit 2, the one line, no traceback."""
+    docs, questions = tmp_path / "docs.jsonl", tmp_path / "questions.jsonl"
+    docs.write_text('{"id": "paris", "text": "Paris is the capital of France."}\n')
+    questions.write_text('{"question": "Where is Paris?", "answers": "France", "docs": []}\n')
     run = chunkstore(
-        "doctor", given, "--docs", docs, "--questions", questions, "--max-minutes", "0.2",
-        timeout=60,
+        "doctor", tiny_model_dir, "--docs", docs, "--questions", questions,
+        "--max-minutes", "0.2", timeout=60,
     )  # fmt: skip
     output = run.stdout + run.stderr
     assert run.returncode == REFUSED, output[-3000:]
-    assert error in output and "Traceback" not in output, output[-3000:]
+    assert 'questions.jsonl:1: "answers" is \'France\'' in output, output[-3000:]
+    assert "Traceback" not in output and len(run.stderr.strip().splitlines()) == 1, output
 
 
 def test_doctor_does_not_read_the_weights_before_vllm(tiny_model_dir, tmp_path) -> None:
