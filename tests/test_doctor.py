@@ -194,7 +194,7 @@ def test_doctor_refuses_bad_input_as_a_process_in_one_line(tiny_model_dir, tmp_p
     )  # fmt: skip
     output = run.stdout + run.stderr
     assert run.returncode == REFUSED, output[-3000:]
-    assert 'questions.jsonl:1: "answers" is \'France\'' in output, output[-3000:]
+    assert "questions.jsonl:1: \"answers\" is 'France'" in output, output[-3000:]
     assert "Traceback" not in output and len(run.stderr.strip().splitlines()) == 1, output
 
 
