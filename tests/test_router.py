@@ -435,6 +435,8 @@ def guarded(stand, tmp_path_factory) -> Iterator[RunningRouter]:
         "4",
         "--max-cold-per-client",
         "6",
+        "--order",  # its tests count cold chunks: every one sent
+        "as-sent",
     )
     yield router
     assert router.stop() == 0, router.log_path.read_text()
