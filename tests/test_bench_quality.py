@@ -164,6 +164,7 @@ def test_methods_parse_and_bad_ones_say_what_is_allowed() -> None:
             parse_method(bad)
 
 
+@pytest.mark.release  # a bench mode's plumbing (~90 s): before a release, not in CI's budget
 def test_bench_quality_json_on_the_tiny_model() -> None:
     run = subprocess.run(
         [

@@ -62,6 +62,7 @@ def test_worth_keeps_more_of_a_zipf_trace_than_lru_in_a_quarter_of_its_working_s
     )
 
 
+@pytest.mark.release  # a bench mode's plumbing (~90 s): before a release, not in CI's budget
 def test_bench_workload_through_vllm_serve_on_the_tiny_model(tmp_path: Path) -> None:
     dataset = tmp_path / "trace.jsonl"
     run = chunkstore(

@@ -341,6 +341,7 @@ def test_a_peer_that_starts_but_loads_nothing_is_reported_as_not_running() -> No
     assert idle("INFO Creating v1 connector with name: ExampleConnector\n") is None
 
 
+@pytest.mark.release  # a bench mode's plumbing (~90 s): before a release, not in CI's budget
 def test_bench_e2e_json_on_the_tiny_model() -> None:
     run = chunkstore(
         "bench",
