@@ -543,8 +543,9 @@ def test_a_requests_work_is_bounded(stand, guarded) -> None:
 
 
 def test_a_request_the_instance_will_refuse_is_passed_on_without_work(stand) -> None:
-    """A prompt over the model's context (--max-model-len 4096 here) in small chunks, and
-    max_tokens -1: the instance's 400, and not one chunk computed for it first."""
+    """A prompt over the model's context (--max-model-len 4096 here) in small chunks,
+    max_tokens -1, and max_tokens over the context: the instance's 400, and not one chunk
+    computed for it first."""
     prompts = RagPrompts.for_model(stand.model, RAG_SYS)
     before = stand.router_counters()
     long_docs = fresh_docs("long", 300)  # ~20 tokens each: ~6,000 tokens in all
@@ -567,9 +568,20 @@ def test_a_request_the_instance_will_refuse_is_passed_on_without_work(stand) -> 
         timeout=300,
     )
     assert negative.status_code == 400, negative.text
+    past = httpx.post(
+        f"{stand.router.url}/v1/completions",
+        json={
+            "model": str(stand.model),
+            "prompt": prompts.text(fresh_docs("past", 4), QUESTION),
+            "max_tokens": 4097,
+        },
+        headers=AUTH,
+        timeout=300,
+    )
+    assert past.status_code == 400, past.text  # vLLM: max_tokens > max_model_len
     after = stand.router_counters()
     assert after[SENT] == before[SENT]
-    assert after[fallbacks("too_long")] == before[fallbacks("too_long")] + 1
+    assert after[fallbacks("too_long")] == before[fallbacks("too_long")] + 2
     assert after[fallbacks("refused_fields")] == before[fallbacks("refused_fields")] + 1
 
 

@@ -6,6 +6,7 @@ shapes; the application's own ranking and its wish to keep its order are honoure
 from __future__ import annotations
 
 from chunkstore.kv.keyspace import KeySpace
+from chunkstore.kv.segments import reordered_ids
 from chunkstore.kv.treatment import QualityConfig
 from chunkstore.prompts import RagPrompts
 from chunkstore.router import order
@@ -29,7 +30,7 @@ def test_a_completion_is_sent_with_its_relevant_document_last(tiny_model_dir) ->
     segments, chunk_order = found
     assert chunk_order[-1] == 2  # segment 2: the Danube's
     moved = [DOCS[i - 1] for i in chunk_order]
-    sent = order.reordered_ids(segments, chunk_order)
+    sent = reordered_ids(segments, chunk_order)
     assert sent == prompts.token_ids(moved, QUESTION)  # what the client would have sent
     # There, it is computed by vLLM after the others load; in that order nothing moves.
     start = order.computed_from(keys, QualityConfig(), sent)
@@ -41,7 +42,7 @@ def test_a_completion_is_sent_with_its_relevant_document_last(tiny_model_dir) ->
     assert scored is not None and scored[1][-1] == 1
     renamed = order.reordered_params(params, scored[1])
     assert renamed["chunk_scores"][-1] == 9.0 and sorted(renamed["chunk_scores"]) == [0, 0, 1, 9]
-    assert order.new_order(keys, QualityConfig(), order.reordered_ids(*scored), renamed) is None
+    assert order.new_order(keys, QualityConfig(), reordered_ids(*scored), renamed) is None
 
 
 def test_a_chat_message_is_rewritten_document_for_document(smollm2_dir) -> None:
@@ -55,7 +56,7 @@ def test_a_chat_message_is_rewritten_document_for_document(smollm2_dir) -> None:
     )
     moved = [DOCS[i - 1] for i in chunk_order]
     assert messages == chat.messages(moved, QUESTION)
-    assert order.reordered_ids(segments, chunk_order) == chat.token_ids(moved, QUESTION)
+    assert reordered_ids(segments, chunk_order) == chat.token_ids(moved, QUESTION)
     # Separators spread over two messages: the order stays.
     split = chat.messages(DOCS, QUESTION)
     split[0] = split[0] | {"content": split[0]["content"] + keys.separator_text}

@@ -51,7 +51,13 @@ from pathlib import Path
 from typing import Any
 
 from chunkstore.bench import qa_cases
-from chunkstore.kv.segments import SegmentKind, build_chunked_prompt, split_prompt
+from chunkstore.kv.segments import (
+    SegmentKind,
+    build_chunked_prompt,
+    chunk_places,
+    reordered_ids,
+    split_prompt,
+)
 from chunkstore.kv.treatment import BackEnd, QualityConfig, Treatment, relevant_order, treat
 from chunkstore.models import kv_bytes_per_token, model_dir
 from chunkstore.processes.daemon import start_daemon
@@ -325,9 +331,8 @@ class _Prompts:
             order = relevant_order(segments, quality, params=params)
             if order is None:
                 return prompt, ranking
-            sent = [segments[0], *(segments[i] for i in order), *segments[len(order) + 1 :]]
-            place = {i - 1: p for p, i in enumerate(order)}  # chunk -> its new place
-            return [t for seg in sent for t in seg.token_ids], [place[c] for c in ranking]
+            place = chunk_places(order)
+            return reordered_ids(segments, order), [place[c] for c in ranking]
 
         qa = [one(p, r) for p, r in zip(self.qa, self.qa_rankings, strict=True)]
         timed = [one(p, r) for p, r in zip(self.timed, self.timed_rankings, strict=True)]

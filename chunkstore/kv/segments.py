@@ -73,6 +73,23 @@ def split_prompt(token_ids: Sequence[int], separator: Sequence[int]) -> list[Seg
     return segments
 
 
+def reordered_ids(segments: Sequence[Segment], order: Sequence[int]) -> list[int]:
+    """The prompt's token IDs with its chunks in ``order`` (segment indices; each chunk
+    carries its separator): sys first, the question last."""
+    chunks = [seg for seg in segments if seg.kind is SegmentKind.CHUNK]
+    moved = [segments[i] for i in order]
+    if sorted(s.start for s in moved) != [s.start for s in chunks]:
+        raise SegmentationError(f"{list(order)} is not an order of the prompt's chunks")
+    rest = [seg for seg in segments if seg.kind is not SegmentKind.CHUNK]
+    ordered = [rest[0], *moved, *rest[1:]]
+    return [t for seg in ordered for t in seg.token_ids]
+
+
+def chunk_places(order: Sequence[int]) -> dict[int, int]:
+    """Where each chunk (0: the first) stands once its chunks are in ``order``."""
+    return {i - 1: place for place, i in enumerate(order)}  # segment 0 is sys
+
+
 @dataclass(frozen=True)
 class ChunkedPrompt:
     token_ids: tuple[int, ...]

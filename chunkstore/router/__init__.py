@@ -5,6 +5,9 @@ connector (docs/router.md).
   alone (``sys SEP chunk SEP``): ``chunkstore.kv.keyspace``, the connector's own.
 - ``access`` and ``limits``: who may make it work (the instance admits the caller first)
   and see how it works (operators), and the bounds on what one request may cost.
+- ``order``: each prompt's relevant chunks moved last, where a back end without the hook
+  computes them seeing the others (the connector's default answers there); the chunks
+  before them are loaded.
 - ``stores``: the daemons the instances use, asked which of those keys they hold.
 - ``cold``: a chunked request's missing chunks sent to the chosen instance as their own
   one-token prefill requests, all in flight together and each sent once however many

@@ -38,6 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 
 from chunkstore.kv.keyspace import KeySpace, Plan
+from chunkstore.kv.segments import Segment, reordered_ids
 from chunkstore.kv.treatment import QualityConfig
 
 from . import disagg, order
@@ -257,7 +258,9 @@ class Router:
             return []
         found = [i for i in ids if i is not None]
         context = admission.context_of(body.get("model"))
-        if context is not None and any(len(i) > context for i in found):
+        if context is not None and (
+            any(len(i) > context for i in found) or _asks_past(body, context)
+        ):
             return self._fallback("too_long")
         salt = str(body.get("cache_salt") or "")
         plans = await self._cpu(ask.heavy, lambda: [keys.plan(i, salt) for i in found])
@@ -279,6 +282,9 @@ class Router:
         quality = self.settings.quality
 
         def loaded(ids: list[int], plan: Plan) -> Plan:
+            # The policy again, on the prompt as sent: the connector decides on what it
+            # receives, and a moved chunk can decide otherwise where it now stands (the
+            # first chunk after sys is causal); a second split and BM25 is what that costs.
             end = order.computed_from(keys, quality, ids, params) if plan.chunked else None
             if end is None:
                 return plan
@@ -292,21 +298,28 @@ class Router:
         """The request with each prompt's relevant chunks last (``order``), and its prompts
         as sent; as it came where its order stays."""
         keys, body = self.settings.keys, ask.body
-        ids = [i for i, _ in prompts]
-        if keys is None or order.keeps_order(body, len(ids)):
+        if keys is None or order.keeps_order(body, len(prompts)):
             return ask, prompts
         params = order.params_of(body)
         quality = self.settings.quality
-        found = await self._cpu(
-            ask.heavy, lambda: [order.new_order(keys, quality, i, params) for i in ids]
-        )
-        if not any(found):
-            return ask, prompts
-        new_ids = [ids[n] if f is None else order.reordered_ids(*f) for n, f in enumerate(found)]
+        salt = str(body.get("cache_salt") or "")
+
+        def reorder(prompt: Prompt) -> tuple[Prompt, list[Segment], list[int]] | None:
+            found = order.new_order(keys, quality, prompt[0], params)
+            if found is None:
+                return None
+            ids = reordered_ids(*found)
+            return (ids, keys.plan(ids, salt)), *found
+
+        found = await self._cpu(ask.heavy, lambda: [reorder(p) for p in prompts])
         moved = [f for f in found if f is not None]
-        renamed = order.reordered_params(params, moved[0][1]) if len(ids) == 1 else params
+        if not moved:
+            return ask, prompts
+        sent = [p if f is None else f[0] for p, f in zip(prompts, found, strict=True)]
+        new_ids = [ids for ids, _ in sent]
+        renamed = order.reordered_params(params, moved[0][2]) if len(sent) == 1 else params
         if ask.chat:
-            segments, chunk_order = moved[0]
+            _, segments, chunk_order = moved[0]
             messages = order.chat_messages(
                 body.get("messages"), keys.separator_text, segments, chunk_order
             )
@@ -324,11 +337,6 @@ class Router:
             rewritten["kv_transfer_params"] = renamed
         self.metrics.reordered.labels("chat" if ask.chat else "completion").inc()
         raw = await self._cpu(ask.heavy, _dumps, rewritten)
-        salt = str(body.get("cache_salt") or "")
-        sent = [
-            p if f is None else (i, keys.plan(i, salt))
-            for p, f, i in zip(prompts, found, new_ids, strict=True)
-        ]
         return dataclasses.replace(ask, raw=raw, body=rewritten), sent
 
     async def _tokenize_chat(
@@ -668,6 +676,13 @@ async def _ready(ids: list[int]) -> list[int]:
 
 def _json(headers: dict[str, str]) -> dict[str, str]:
     return headers | {"content-type": "application/json"}
+
+
+def _asks_past(body: dict[str, Any], context: int) -> bool:
+    """Whether the request asks for more output tokens than the model's context holds (vLLM
+    refuses it: ``max_tokens`` or ``max_completion_tokens`` > ``max_model_len``)."""
+    asked = [body.get(name) for name in ("max_tokens", "max_completion_tokens")]
+    return any(type(n) is int and n > context for n in asked)
 
 
 def _dumps(body: dict[str, Any]) -> bytes:

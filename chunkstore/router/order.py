@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from chunkstore.kv.keyspace import KeySpace
-from chunkstore.kv.segments import Segment, SegmentKind
+from chunkstore.kv.segments import Segment, SegmentKind, chunk_places
 from chunkstore.kv.treatment import BackEnd, QualityConfig, relevant_order, treat
 
 KEEP_ORDER = "keep_order"  # in kv_transfer_params: the application forbids reordering
@@ -56,31 +56,20 @@ def new_order(
     return None if order is None else (segments, order)
 
 
-def reordered_ids(segments: Sequence[Segment], order: Sequence[int]) -> list[int]:
-    """The prompt's token IDs with its chunks in ``order`` (each chunk carries its separator):
-    sys first, the question last."""
-    chunks = [seg for seg in segments if seg.kind is SegmentKind.CHUNK]
-    moved = [segments[i] for i in order]
-    assert sorted(s.start for s in moved) == [s.start for s in chunks], "not a permutation"
-    rest = [seg for seg in segments if seg.kind is not SegmentKind.CHUNK]
-    ordered = [rest[0], *moved, *rest[1:]]
-    return [t for seg in ordered for t in seg.token_ids]
-
-
 def reordered_params(params: Any, order: Sequence[int]) -> Any:
     """The request's kv_transfer_params with the chunks they name by place (0: the first
     chunk) renamed for the new order; others as they came."""
     if not isinstance(params, dict) or not any(k in params for k in NAMED):
         return params
-    was = [i - 1 for i in order]  # the chunk each new place holds (segment 0 is sys)
+    places = chunk_places(order)
+    was = sorted(places, key=places.__getitem__)  # the chunk each new place holds
     renamed = dict(params)
     scores = params.get("chunk_scores")
     if isinstance(scores, list) and len(scores) == len(was):
         renamed["chunk_scores"] = [scores[c] for c in was]
     named = params.get("recompute_chunks")
     if isinstance(named, list) and all(isinstance(c, int) for c in named):
-        place = {c: p for p, c in enumerate(was)}
-        renamed["recompute_chunks"] = [place.get(c, c) for c in named]
+        renamed["recompute_chunks"] = [places.get(c, c) for c in named]
     return renamed  # malformed ones pass on: the connector ignores them, and says so
 
 

@@ -7,7 +7,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from chunkstore.errors import SegmentationError
-from chunkstore.kv.segments import SegmentKind, build_chunked_prompt, find_separators, split_prompt
+from chunkstore.kv.segments import (
+    SegmentKind,
+    build_chunked_prompt,
+    chunk_places,
+    find_separators,
+    reordered_ids,
+    split_prompt,
+)
 
 tokens = st.lists(st.integers(0, 5), max_size=60)
 separators = st.lists(st.integers(0, 5), min_size=1, max_size=3)
@@ -114,3 +121,13 @@ def test_build_with_a_real_tokenizer(tiny_model_dir) -> None:
     )
     assert [s.kind for s in prompt.segments] == ["sys", "chunk", "chunk", "question"]
     assert tok.decode(list(prompt.segments[1].token_ids)) == "First document.##"
+
+
+def test_a_reordered_prompt_moves_whole_chunks_and_keeps_sys_and_the_question() -> None:
+    sep = [9]
+    segments = split_prompt([1, 9, 2, 2, 9, 3, 9, 4, 4, 4, 9, 5], sep)  # sys c0 c1 c2 question
+    assert reordered_ids(segments, [3, 1, 2]) == [1, 9, 4, 4, 4, 9, 2, 2, 9, 3, 9, 5]
+    assert chunk_places([3, 1, 2]) == {2: 0, 0: 1, 1: 2}
+    for wrong in ([1, 2], [1, 1, 2], [0, 1, 2], [1, 2, 4]):
+        with pytest.raises(SegmentationError):
+            reordered_ids(segments, wrong)
