@@ -152,6 +152,9 @@ class CookieSetter(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/tokenize":  # a token per character, past the tiny model's separator
+            self._answer({"tokens": [100 + ord(c) % 100 for c in body["prompt"]]})
+            return
         if body.get("user") == "slow":
             time.sleep(5)  # past a router's --timeout of 0.5 s
         sent = self.headers.get("Cookie")
@@ -192,11 +195,12 @@ def test_a_big_body_is_read_and_planned_off_the_event_loop(
 ) -> None:
     """The router's own app in this process, in front of the stand-in upstream: a 4 MB body
     of token IDs is parsed, read and keyed on worker threads, so other requests are served
-    meanwhile (a 20 MiB body used to stall every other client's /health for 8 s); a small
-    body stays on the loop, where a thread's hand-off would cost more than it saves."""
+    meanwhile (a 20 MiB body used to stall every other client's /health for 8 s), and so is
+    the instance's /tokenize answer for a long text; a small body stays on the loop, where a
+    thread's hand-off would cost more than it saves."""
     keys = KeySpace.for_model(tiny_model_dir, "float32")
-    where: dict[str, list[bool]] = {"parse": [], "plan": []}
-    parse, plan = limits.parse_body, KeySpace.plan
+    where: dict[str, list[bool]] = {"parse": [], "plan": [], "tokens": []}
+    parse, plan, token_ids = limits.parse_body, KeySpace.plan, app._token_ids
 
     def parse_body(raw: bytes) -> dict:
         where["parse"].append(threading.current_thread() is threading.main_thread())
@@ -206,11 +210,16 @@ def test_a_big_body_is_read_and_planned_off_the_event_loop(
         where["plan"].append(threading.current_thread() is threading.main_thread())
         return plan(self, ids, salt)
 
+    def tokens_of(reply: httpx.Response) -> list[int]:
+        where["tokens"].append(threading.current_thread() is threading.main_thread())
+        return token_ids(reply)
+
     monkeypatch.setattr(app, "parse_body", parse_body)
     monkeypatch.setattr(KeySpace, "plan", plan_of)
+    monkeypatch.setattr(app, "_token_ids", tokens_of)
     router = app.Router(app.RouterSettings(keys, [Instance(upstream, "unix:/nowhere")]))
 
-    async def ask(ids: list[int]) -> int:
+    async def ask(ids: list[int] | str) -> int:
         transport = httpx.ASGITransport(app=router.app(), client=("127.0.0.1", 1))
         async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
             body = {"model": "m", "prompt": ids, "max_tokens": 1, "user": "big"}
@@ -218,9 +227,13 @@ def test_a_big_body_is_read_and_planned_off_the_event_loop(
         return reply.status_code
 
     assert asyncio.run(ask(list(range(10, 60)))) == 200
-    assert where == {"parse": [True], "plan": [True]}
+    assert where == {"parse": [True], "plan": [True], "tokens": []}
     assert asyncio.run(ask(list(range(10, 600_010)))) == 200
-    assert where == {"parse": [True, False], "plan": [True, False]}
+    assert where == {"parse": [True, False], "plan": [True, False], "tokens": []}
+    assert asyncio.run(ask("a few words")) == 200
+    assert where["tokens"] == [True]
+    assert asyncio.run(ask("word " * 20_000)) == 200  # 100 kB of text: 100,000 IDs back
+    assert where["tokens"] == [True, False]
 
 
 def test_an_instance_that_does_not_answer_is_named_by_its_place_not_its_address(

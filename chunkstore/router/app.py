@@ -368,7 +368,8 @@ class Router:
         try:
             if reply is None or reply.status_code != 200:
                 raise ValueError(reply.status_code if reply is not None else "no answer")
-            return [int(t) for t in reply.json()["tokens"]]
+            heavy = len(reply.content) >= HEAVY  # a long prompt's IDs: parsed off the loop
+            return list(await self._cpu(heavy, _token_ids, reply))
         except (ValueError, KeyError, TypeError):
             self.metrics.fallbacks.labels("tokenize_failed").inc()
             return None
@@ -676,6 +677,10 @@ async def _ready(ids: list[int]) -> list[int]:
 
 def _json(headers: dict[str, str]) -> dict[str, str]:
     return headers | {"content-type": "application/json"}
+
+
+def _token_ids(reply: httpx.Response) -> list[int]:
+    return [int(t) for t in reply.json()["tokens"]]
 
 
 def _asks_past(body: dict[str, Any], context: int) -> bool:
