@@ -70,6 +70,7 @@ def test_bench_workload_through_vllm_serve_on_the_tiny_model(tmp_path: Path) -> 
         "--requests", "16", "--concurrency", "4", "--pool-shares", "1.0", "--policies",
         "worth", "--curve", "0.5", "--dataset", str(dataset), "--disk-shares", "1.0",
         "--disk-share", "1.0", "--spills", "commit", "--ttfts", str(tmp_path / "ttfts.jsonl"),
+        "--router",
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [json.loads(line) for line in run.stdout.splitlines()]
@@ -84,8 +85,14 @@ def test_bench_workload_through_vllm_serve_on_the_tiny_model(tmp_path: Path) -> 
     written = "disk_tokens_written_per_request"
     assert commit[written] > again[written] > 0
     assert commit["store_hit_rate"] >= again["store_hit_rate"]
-    apc, worth = (r for r in rows if not r["way"].startswith("replay"))
+    apc, worth, routed = (r for r in rows if not r["way"].startswith("replay"))
     assert (apc["way"], worth["way"]) == ("apc", "worth@1 spill=commit")
+    # Behind the router with the hook off: documents sent cold first, the relevant ones last.
+    assert routed["way"] == "worth@1 spill=commit router"
+    assert routed["router"]["reordered"] > 0 and routed["router"]["cold_chunks_sent"] > 0
+    assert routed["router"]["cold_chunks_failed"] == 0 == routed["router"]["fallbacks"]
+    assert routed["connector"]["load_failures"] == 0 < routed["connector"]["loaded_tokens"]
+    assert routed["store_hit_rate"] > 0.3
     # Its daemon had a disk tier, written through: every entry it stored, at least once.
     assert worth["disk_share"] == 1.0 and worth["spill"] == "commit"
     assert worth["disk_bytes_written_per_request"] > 0
@@ -102,7 +109,8 @@ def test_bench_workload_through_vllm_serve_on_the_tiny_model(tmp_path: Path) -> 
     # Each way's TTFTs a request, in trace order, beside the figures (not in them).
     lines = (tmp_path / "ttfts.jsonl").read_text().splitlines()
     ttfts = {row["way"]: row["ttfts_s"] for row in map(json.loads, lines)}
-    assert list(ttfts) == ["apc", "worth@1 spill=commit"] and "ttfts_s" not in worth
+    assert list(ttfts) == ["apc", "worth@1 spill=commit", "worth@1 spill=commit router"]
+    assert "ttfts_s" not in worth
     for way, row in (("apc", apc), ("worth@1 spill=commit", worth)):
         assert len(ttfts[way]) == 16 and max(ttfts[way]) >= row["ttft_p99_s"] > 0
 

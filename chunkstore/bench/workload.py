@@ -9,7 +9,12 @@ token's arrival), are sent to:
 - ``lru`` and ``worth``: vLLM (prefix caching on too) with the connector and a daemon whose
   pool holds ``--pool-shares`` of the trace's working set (the KV of every document it
   uses), evicting by that policy (``serve --eviction``); with several ``--connector``
-  settings, each pool share and policy once per setting (the way's name says which).
+  settings, each pool share and policy once per setting (the way's name says which);
+- with ``--router``, each of those ways once more behind ``chunkstore router`` with the
+  connector's in-band hook off (``inband_isolation: false``: what a CUDA or Ascend back end
+  runs): the router sends a request's missing documents as their own prompts first and its
+  relevant documents last, computed there by vLLM (the way's name ends in `` router``; its
+  ``router`` figures: requests reordered, cold prefills sent).
 Per way: ``prompt_hit_rate`` (prompt tokens vLLM did not compute: its prefix cache's hits
 and what chunkstore supplied, over all), ``store_hit_rate`` (the daemon's, of the chunk
 tokens looked up: what the policies compete on), TTFT p50/p90/p99, TPOT, request
@@ -30,6 +35,7 @@ replays (``--dataset``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -42,9 +48,12 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from chunkstore.models import WORDS, kv_bytes_per_token, model_dir
+
+if TYPE_CHECKING:
+    from chunkstore.processes.router import RunningRouter
 
 BLOCK = 64 << 10  # the daemon's block: small, so that a pool share is what entries get
 SYS = "You are a helpful assistant. Answer the question using only the documents below."
@@ -342,11 +351,12 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         _write_ttfts(args, "apc", apc)
         yield {"way": "apc", **setup.figures, **apc}
         ways = [
-            Way(share, policy, settings, rule)
+            Way(share, policy, settings, rule, router)
             for share in [float(s) for s in args.pool_shares.split(",")]
             for policy in args.policies.split(",")
             for settings in connectors
             for rule in spills
+            for router in ((False, True) if args.router else (False,))
         ]
         for index, way in enumerate(ways):
             # The way's folder is not named after it: a socket path must stay short.
@@ -371,12 +381,14 @@ class Way:
     policy: str
     settings: dict[str, Any]
     spill: str
+    router: bool = False  # behind ``chunkstore router``, the connector's hook off
 
     @property
     def name(self) -> str:
         name = f"{self.policy}@{self.share:g}"
         name += "".join(f" {k}={v}" for k, v in self.settings.items())
-        return name + (f" spill={self.spill}" if self.spill else "")
+        name += f" spill={self.spill}" if self.spill else ""
+        return name + (" router" if self.router else "")
 
 
 def spill_rules(args: argparse.Namespace) -> list[str]:
@@ -478,11 +490,16 @@ def _chunkstore_way(
         shm_dir=memory_dir(pool),
     ) as daemon:
         connector = {**way.settings, "address": daemon.unix}
+        if way.router:
+            connector["inband_isolation"] = False
         server = VllmServer(
             setup.model, way_dir, connector, setup.max_len, extra=APC_FLAG, env=CPU_ENV
         )
         try:
-            figures = send(server.url, str(setup.model), setup.trace, setup.prompts, args)
+            with _front(way, server.url, daemon.unix, setup.model, way_dir) as (url, router):
+                figures = send(url, str(setup.model), setup.trace, setup.prompts, args)
+                if router is not None:
+                    figures["router"] = _router_figures(router)
             figures["prompt_hit_rate"] = _prompt_hit_rate(_scrape(server.url))
             # The connector's own counters a request: where its time went.
             requests = len(setup.prompts)
@@ -503,6 +520,37 @@ def _chunkstore_way(
     figures["pool_share"] = way.share
     figures["pool_bytes"] = pool
     return figures
+
+
+@contextlib.contextmanager
+def _front(
+    way: Way, instance: str, daemon: str, model: Path, way_dir: Path
+) -> Iterator[tuple[str, RunningRouter | None]]:
+    """Where a way's requests go: the instance, or a ``chunkstore router`` before it."""
+    if not way.router:
+        yield instance, None
+        return
+    from chunkstore.processes.router import RunningRouter
+
+    router = RunningRouter(
+        way_dir / "router", "--instance", instance, "--address", daemon, "--model", model
+    )
+    try:
+        yield router.url, router
+    finally:
+        router.stop()
+
+
+def _router_figures(router: RunningRouter) -> dict[str, float]:
+    """What the router did for the trace: requests it reordered (relevant documents last),
+    cold chunks it sent as their own prompts, requests it passed on without its work."""
+    scraped = _scrape(router.url)
+    return {
+        "reordered": _summed(scraped, "chunkstore_router_reordered_total"),
+        "cold_chunks_sent": _summed(scraped, "chunkstore_router_cold_chunks_sent_total"),
+        "cold_chunks_failed": _summed(scraped, "chunkstore_router_cold_chunks_failed_total"),
+        "fallbacks": _summed(scraped, "chunkstore_router_fallbacks_total"),
+    }
 
 
 def _write_ttfts(args: argparse.Namespace, way: str, figures: dict[str, Any]) -> None:
@@ -597,6 +645,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the connector's settings for the chunkstore ways, JSON (default: its defaults), "
         'e.g. \'{"relevant_recompute_tokens": 0, "load_cpus": "all"}\'; given more than once, '
         "every pool share and policy runs once with each ('{}': the defaults)",
+    )
+    parser.add_argument(
+        "--router",
+        action="store_true",
+        help="run every chunkstore way once more behind `chunkstore router`, the connector's "
+        "in-band hook off (as on CUDA / Ascend): missing documents sent first as their own "
+        "prompts, the relevant ones last (ways named '... router')",
     )
     parser.add_argument(
         "--ttfts",
