@@ -190,6 +190,7 @@ def test_bench_quality_json_on_the_tiny_model() -> None:
             "heldout",
             "--repeats",
             "2",
+            "--router",
         ],
         capture_output=True,
         text=True,
@@ -197,8 +198,11 @@ def test_bench_quality_json_on_the_tiny_model() -> None:
     )
     assert run.returncode == 0, run.stderr[-3000:]
     rows = {r["method"]: r for r in map(json.loads, run.stdout.splitlines())}
-    assert list(rows) == ["full", "isolated", "request=1", "scores=oracle"]
-    assert "[4/4] scores=oracle" in run.stderr  # progress, one line per method
+    assert list(rows) == ["full", "isolated", "request=1", "scores=oracle", "router"]
+    assert "[4/5] scores=oracle" in run.stderr  # progress, one line per method
+    # Through a real router before vllm serve with the hook off, twice: the same answers.
+    assert rows["router"]["cold_equals_warm"] is True
+    assert rows["router"]["warm_per_case"] == rows["router"]["per_case"]
     for row in rows.values():
         assert row["cases"] == 3 and 0 <= row["correct"] <= 3
         low, high = row["ci95"]
@@ -227,6 +231,7 @@ def test_bench_quality_json_on_the_tiny_model() -> None:
         assert row["split"] == "heldout"
         assert row["doc_tokens"] == rows["full"]["doc_tokens"] > 0  # (one filler: the least)
     assert "answer_chunks_recomputed" not in rows["isolated"]
+    assert "warm_correct" not in rows["full"]
 
 
 def test_the_bench_reads_which_chunks_a_method_recomputes_or_moves_as_the_connector() -> None:

@@ -15,7 +15,14 @@ across two, a fact with look-alikes in other documents), each a chat prompt
   they carry that ranking as ``chunk_scores`` (what ``relevant_last`` and
   ``recompute_chunks`` rank by when a request gives them); ``order=relevant``: each prompt
   sent with its relevant documents last, as ``chunkstore router`` sends it
-  (``inband_isolation=0+order=relevant``: a CUDA or Ascend back end behind the router).
+  (``inband_isolation=0+order=relevant``: a CUDA or Ascend back end behind the router);
+- ``router`` (``--router`` adds it): the cases through a real ``chunkstore router`` before
+  ``vllm serve`` with the hook off, over a daemon of its own that starts empty, each case
+  asked twice: the first pass cold (the router sends the missing documents as their own
+  prompts, then the request with its relevant documents last), the second warm; the row's
+  ``correct`` is the cold pass's, ``warm_correct`` the warm one's, ``cold_equals_warm``
+  whether every answer's text came back the same, and its TTFT the timed prompts' latency
+  through the router (one token: HTTP included, not the probe's in-process TTFT).
 Each method runs in its own vLLM process; methods whose chunks have the same keys (the same
 ``virtual_gap``) share one daemon, so the first of them computes and stores the documents
 and later ones load them (the methods act the same on loaded and computed chunks: cold ==
@@ -45,6 +52,7 @@ import math
 import statistics
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +104,8 @@ BLOCK = 1 << 20  # the daemons' block size
 # documents last, as the router does (``chunkstore.router.order``); with
 # ``inband_isolation=0`` that is what a CUDA or Ascend back end answers behind the router.
 ORDER, RELEVANT = "order", "relevant"
+# Through a real router process: what it sends is the relevant-last order, the hook off.
+ROUTER = "router"
 
 
 def _flag(value: str) -> bool:
@@ -123,6 +133,8 @@ def parse_method(spec: str) -> dict[str, Any] | None:
         return {"recompute_chunks": 0, "relevant_last": 0}
     if spec == DEFAULT:
         return {}
+    if spec == ROUTER:
+        return {"inband_isolation": False, ORDER: RELEVANT}
     settings: dict[str, Any] = {}
     for part in spec.split("+"):
         name, _, value = part.partition("=")
@@ -262,8 +274,16 @@ def _run_cases(
 ) -> Iterator[dict[str, Any]]:
     cases, _ = cases_of_length(args, tok, doc_tokens, split)
     yield from evaluate(
-        model, tok, cases, args.methods, args.max_tokens, args.repeats, {"split": split}
+        model, tok, cases, _methods(args), args.max_tokens, args.repeats, {"split": split}
     )
+
+
+def _methods(args: argparse.Namespace) -> list[tuple[str, dict[str, Any] | None]]:
+    """``--methods``, and ``router`` last with ``--router`` (where not named already)."""
+    methods = list(args.methods)
+    if args.router and ROUTER not in (spec for spec, _ in methods):
+        methods.append((ROUTER, parse_method(ROUTER)))
+    return methods
 
 
 def cases_of_length(
@@ -412,6 +432,16 @@ def evaluate(
 
         for index, (spec, settings) in enumerate(methods):
             _say(f"[{index + 1}/{len(methods)}] {spec}: {len(cases)} cases, {shape} ...")
+            if spec == ROUTER:
+                folder = Path(tmp) / f"method-{index}"
+                results[spec] = res = _through_router(
+                    model, cases, prompts, max_tokens, max_len, pool_bytes, folder
+                )
+                _say(
+                    f"{spec}: {res['correct']}/{len(cases)} cold, {res['warm_correct']} warm, "
+                    f"TTFT {res['ttft_s']:.3f} s"
+                )
+                continue
             rows = run_probe(
                 model,
                 [warmup, *prompts.ordered(settings, sep).entries(settings, max_tokens)],
@@ -430,6 +460,57 @@ def evaluate(
             qa, timed = (sent.qa, sent.qa_rankings), (sent.timed, sent.timed_rankings)
             row.update(_recomputed(settings, cases, sep, qa, timed))
         yield row
+
+
+def _through_router(
+    model: Path,
+    cases: list[qa_cases.Case],
+    prompts: _Prompts,
+    max_tokens: int,
+    max_len: int,
+    pool_bytes: int,
+    folder: Path,
+) -> dict[str, Any]:
+    """The ``router`` method: the cases through ``vllm serve`` (the hook off) behind a
+    ``chunkstore router``, over an empty daemon, twice; ``_scored``'s figures for the cold
+    pass, the warm pass's beside them."""
+    import httpx
+
+    from chunkstore.processes.router import RunningRouter
+    from chunkstore.processes.vllm_server import VllmServer
+
+    with start_daemon(folder / "daemon", pool_bytes=pool_bytes, block_size=BLOCK) as daemon:
+        settings = {"address": daemon.unix, "separator": SEPARATOR, "inband_isolation": False}
+        server = VllmServer(model, folder / "vllm", settings, max_len)
+        router = None
+        try:
+            router = RunningRouter(
+                folder / "router",
+                *("--instance", server.url, "--address", daemon.unix),
+                *("--model", model, "--separator", SEPARATOR),
+            )
+            url = f"{router.url}/v1/completions"
+            with httpx.Client(timeout=600) as client:
+
+                def ask(prompt: list[int], tokens: int) -> tuple[str, float]:
+                    body = {"model": str(model), "prompt": prompt, "max_tokens": tokens}
+                    began = time.perf_counter()
+                    reply = client.post(url, json=body | {"temperature": 0.0})
+                    reply.raise_for_status()
+                    return str(reply.json()["choices"][0]["text"]), time.perf_counter() - began
+
+                cold, warm = ([ask(p, max_tokens)[0] for p in prompts.qa] for _ in range(2))
+                timed = [{"seconds": ask(p, 1)[1], "cached_tokens": 0} for p in prompts.timed]
+        finally:
+            if router is not None:
+                router.stop()
+            server.stop()
+    res = _scored(cases, cold, timed)
+    warmed = _scored(cases, warm, timed)
+    res["loaded_tokens"] = None  # not reported through HTTP
+    res["warm_correct"], res["warm_per_case"] = warmed["correct"], warmed["per_case"]
+    res["cold_equals_warm"] = cold == warm
+    return res
 
 
 def _say(text: str) -> None:
@@ -462,6 +543,7 @@ def _row(
         "per_case": res["per_case"],
         "ttft_s": round(res["ttft_s"], 4),
         "loaded_tokens": res["loaded_tokens"],
+        **{k: res[k] for k in ("warm_correct", "warm_per_case", "cold_equals_warm") if k in res},
     }
     full, isolated = results.get(FULL), results.get(ISOLATED)
     if full is not None:
@@ -598,12 +680,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=parse_methods,
         default=",".join(DEFAULT_METHODS),
         help="comma-separated: full (vLLM alone), isolated (chunks isolated), default (the "
-        "connector's defaults), or connector settings KNOB=VALUE joined by '+' "
+        "connector's defaults), router (through a router process: --router), or connector "
+        "settings KNOB=VALUE joined by '+' "
         f"(KNOB: {', '.join(KNOBS)}; request=N: the request's kv_transfer_params name an "
         "oracle ranking's first N chunks; scores=oracle: they give that ranking as "
         "chunk_scores; order=relevant: prompts sent with their relevant documents last, as "
         "the router sends them, so inband_isolation=0+order=relevant is what a CUDA or "
         "Ascend back end answers behind it); default: the curve of each knob",
+    )
+    parser.add_argument(
+        "--router",
+        action="store_true",
+        help="add the method router: the cases through a real `chunkstore router` before "
+        "`vllm serve` with the hook off (a CUDA / Ascend back end), over an empty daemon, "
+        "each asked twice (cold, then warm)",
     )
     parser.add_argument(
         "--repeats",

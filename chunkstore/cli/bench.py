@@ -22,6 +22,9 @@ BENCHES: dict[str, str] = {
     "pull": "a peer pull of one entry over Mooncake's Transfer Engine vs the gRPC stream "
     "(pull_engine_vs_stream)",
     "quality": "answer accuracy on generated multi-document QA, per recovery method, with TTFT",
+    "router": "chunkstore router before two instances (hook off) against going straight to "
+    "one: a cold and a warm request's latency, and where it places stored documents "
+    "(router_vs_straight, placed)",
     "scale": "the daemon at 1k / 10k / 100k entries, with pinned entries, and with 1-8 readers",
     "store": "daemon lookups, and reads via shared memory against memcpy, Redis and gRPC",
     "workload": "RAG traffic through vLLM's OpenAI server: its prefix caching alone vs "
