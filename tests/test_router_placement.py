@@ -5,6 +5,7 @@ is routed around, failing nothing: what it held or refused goes to the other."""
 
 from __future__ import annotations
 
+import json
 import random
 from collections import Counter
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from chunkstore.processes.redis import RedisServer
 from chunkstore.processes.router import RunningRouter
 from chunkstore.processes.vllm_server import VllmServer
 from chunkstore.prompts import RagPrompts
+from chunkstore.testing.cli import chunkstore
 
 pytestmark = pytest.mark.slow
 
@@ -61,6 +63,27 @@ def nodes(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[Node, Node]]:
             for start in starts:
                 if start.exception() is None:
                     start.result().stop()
+
+
+def test_bench_router_measures_the_two_instances(nodes, tiny_model_dir) -> None:
+    """``chunkstore bench router --instance ... --instance ...`` on these two nodes (first in
+    the module: the next test stops the second): cold, warm and placement rows, each against
+    going straight; every request over the second node's documents placed there."""
+    first, second = nodes
+    run = chunkstore(
+        "bench", "router", "--json", "--model", str(tiny_model_dir), "--requests", "3",
+        "--doc-words", "30-60",
+        "--instance", f"{first.vllm.url}={first.daemon.unix}",
+        "--instance", f"{second.vllm.url}={second.daemon.unix}",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {row["phase"]: row for row in map(json.loads, run.stdout.splitlines())}
+    assert list(rows) == ["cold", "warm", "placement"]
+    for row in rows.values():
+        assert row["router_p50_s"] > 0 and row["straight_p50_s"] > 0
+        ratio = row["router_p50_s"] / row["straight_p50_s"]
+        assert row["router_vs_straight"] == pytest.approx(ratio, abs=0.01)
+    assert rows["placement"]["placed"] == 1.0
 
 
 def test_requests_go_where_their_chunks_are_and_around_a_dead_instance(

@@ -16,11 +16,13 @@ sent one at a time, each answered with one token (its latency is its time to fir
 - ``placement``: ``--requests`` requests over documents stored on the second instance only
   (its daemon), through the router: the share it sends there (``placed``), and their median
   against the same requests straight to the first instance, which holds none of them.
+``--instance`` (twice) measures two running instances instead of starting them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import sys
@@ -39,106 +41,117 @@ ROUTED = "x-chunkstore-instance"  # the instance a request went to (operators: l
 
 
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
-    import httpx
+    model = Path(args.model) if Path(args.model).is_dir() else model_dir(args.model)
+    with contextlib.ExitStack() as stack:
+        if args.instance:
+            if len(args.instance) != 2:
+                raise SystemExit("--instance: give two, URL=DAEMON_SOCKET each")
+            nodes = [_node_of(given) for given in args.instance]
+        else:
+            nodes = _started(stack, model)
+        yield from _measured(args, model, nodes, stack)
 
+
+def _node_of(given: str) -> tuple[str, str]:
+    url, _, daemon = given.partition("=")
+    if not url.startswith("http") or not daemon:
+        raise SystemExit(f"--instance {given!r}: URL=DAEMON_SOCKET, e.g. http://h:8000=unix:/s")
+    return url.rstrip("/"), daemon
+
+
+def _started(stack: contextlib.ExitStack, model: Path) -> list[tuple[str, str]]:
+    """Two instances (the hook off), each on its own daemon, one Redis directory."""
     from chunkstore.processes.daemon import start_daemon
     from chunkstore.processes.redis import RedisServer
-    from chunkstore.processes.router import RunningRouter
     from chunkstore.processes.vllm_server import VllmServer
+
+    work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="chunkstore-router-")))
+    redis = stack.enter_context(RedisServer(work / "redis"))
+    _progress("two instances, each on its own daemon, one Redis directory")
+
+    def node(name: str) -> tuple[str, str]:
+        cluster = ("--redis", redis.url, "--node", name)
+        daemon = start_daemon(work / f"{name}-daemon", *cluster, pool_bytes=256 << 20)
+        stack.callback(daemon.stop)
+        settings = {"address": daemon.unix, "inband_isolation": False}
+        server = VllmServer(model, work / f"{name}-vllm", settings)
+        stack.callback(server.stop)
+        return server.url, daemon.unix
+
+    with ThreadPoolExecutor(2) as starting:
+        return list(starting.map(node, ("node-a", "node-b")))
+
+
+def _measured(
+    args: argparse.Namespace,
+    model: Path,
+    nodes: list[tuple[str, str]],
+    stack: contextlib.ExitStack,
+) -> Iterator[dict[str, Any]]:
+    import httpx
+
+    from chunkstore.processes.router import RunningRouter
     from chunkstore.prompts import RagPrompts
 
-    model = Path(args.model) if Path(args.model).is_dir() else model_dir(args.model)
+    (first, daemon_a), (second, daemon_b) = nodes
     prompts = RagPrompts.for_model(model, SYS)
     rng = random.Random(args.seed)
     figures = {"bench": "router", "model": args.model, "requests": args.requests, "k": args.k}
+    work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="chunkstore-router-")))
+    router = RunningRouter(
+        work / "router",
+        *("--instance", f"{first}={daemon_a}", "--instance", f"{second}={daemon_b}"),
+        *("--model", model),
+    )
+    stack.callback(router.stop)
+    client = stack.enter_context(httpx.Client(timeout=600))
 
-    def node(work: Path, name: str, redis: str) -> tuple[Any, VllmServer]:
-        cluster = ("--redis", redis, "--node", name)
-        daemon = start_daemon(work / f"{name}-daemon", *cluster, pool_bytes=256 << 20)
-        settings = {"address": daemon.unix, "inband_isolation": False}
-        try:
-            return daemon, VllmServer(model, work / f"{name}-vllm", settings)
-        except BaseException:
-            daemon.stop()
-            raise
+    def ask(url: str, prompt: str | list[int]) -> tuple[float, str]:
+        body = {"model": str(model), "prompt": prompt, "max_tokens": 1, "temperature": 0}
+        began = time.perf_counter()
+        reply = client.post(f"{url}/v1/completions", json=body)
+        took = time.perf_counter() - began
+        reply.raise_for_status()
+        return took, reply.headers.get(ROUTED, "")
 
-    with (
-        tempfile.TemporaryDirectory(prefix="chunkstore-router-") as tmp,
-        RedisServer(Path(tmp) / "redis") as redis,
-    ):
-        work = Path(tmp)
-        _progress("two instances, each on its own daemon, one Redis directory")
-        with ThreadPoolExecutor(2) as starting:
-            starts = [starting.submit(node, work, n, redis.url) for n in ("node-a", "node-b")]
-            nodes = [s.result() for s in starts if s.exception() is None]
-        try:
-            if len(nodes) < 2:
-                raise SystemExit(f"an instance did not start: {[s.exception() for s in starts]}")
-            (daemon_a, first), (daemon_b, second) = nodes
-            router = RunningRouter(
-                work / "router",
-                *("--instance", f"{first.url}={daemon_a.unix}"),
-                *("--instance", f"{second.url}={daemon_b.unix}"),
-                *("--model", model),
-            )
-            client = httpx.Client(timeout=600)
-            try:
+    def request(n: int, docs: list[str] | None = None) -> str:
+        docs = docs or [_document(rng, args.doc_words) for _ in range(args.k)]
+        return prompts.text(docs, QUESTION.format(n=n, word=rng.choice(WORDS)))
 
-                def ask(url: str, text: str) -> tuple[float, str]:
-                    body = {"model": str(model), "prompt": text, "max_tokens": 1}
-                    began = time.perf_counter()
-                    reply = client.post(f"{url}/v1/completions", json=body | {"temperature": 0})
-                    took = time.perf_counter() - began
-                    reply.raise_for_status()
-                    return took, reply.headers.get(ROUTED, "")
+    _progress(f"cold and warm: {args.requests} requests each way, alternating")
+    routed = [request(n) for n in range(args.requests)]
+    straight = [request(n) for n in range(args.requests, 2 * args.requests)]
+    for phase in ("cold", "warm"):
+        times: dict[str, list[float]] = {"router": [], "straight": []}
+        for n, (r, s) in enumerate(zip(routed, straight, strict=True)):
+            pair = [("router", router.url, r), ("straight", first, s)]
+            for way, url, text in pair if n % 2 == 0 else pair[::-1]:
+                times[way].append(ask(url, text)[0])
+        yield {**figures, "phase": phase, **_compared(times)}
 
-                def request(n: int) -> str:
-                    docs = [_document(rng, args.doc_words) for _ in range(args.k)]
-                    return prompts.text(docs, QUESTION.format(n=n, word=rng.choice(WORDS)))
-
-                _progress(f"cold and warm: {args.requests} requests each way, alternating")
-                routed = [request(n) for n in range(args.requests)]
-                straight = [request(n) for n in range(args.requests, 2 * args.requests)]
-                for phase in ("cold", "warm"):
-                    times: dict[str, list[float]] = {"router": [], "straight": []}
-                    for n, (r, s) in enumerate(zip(routed, straight, strict=True)):
-                        pair = [("router", router.url, r), ("straight", first.url, s)]
-                        for way, url, text in pair if n % 2 == 0 else pair[::-1]:
-                            times[way].append(ask(url, text)[0])
-                    yield {**figures, "phase": phase, **_compared(times)}
-
-                _progress(f"placement: {args.requests} requests over the second node's documents")
-                docs = [_document(rng, args.doc_words) for _ in range(2 * args.k)]
-                for doc in docs:  # stored on the second node: each as its own prompt
-                    found = prompts.ingest_prompt(doc)
-                    if found is None:
-                        raise SystemExit(f"a generated document is not one chunk: {doc!r}")
-                    second.complete(found[0])
-                times = {"router": [], "straight": []}
-                placed = 0
-                for n in range(args.requests):
-                    chosen = rng.sample(docs, args.k)
-                    text = prompts.text(chosen, QUESTION.format(n=n, word=rng.choice(WORDS)))
-                    took, went = ask(router.url, text)
-                    times["router"].append(took)
-                    placed += went == second.url
-                    # Straight to the node that stores none of them (another question: not
-                    # a prefix-cache hit on what the router's request computed there).
-                    other = prompts.text(chosen, QUESTION.format(n=-n, word=rng.choice(WORDS)))
-                    times["straight"].append(ask(first.url, other)[0])
-                yield {
-                    **figures,
-                    "phase": "placement",
-                    "placed": round(placed / args.requests, 3),
-                    **_compared(times),
-                }
-            finally:
-                client.close()
-                router.stop()
-        finally:
-            for daemon, server in nodes:
-                server.stop()
-                daemon.stop()
+    _progress(f"placement: {args.requests} requests over the second instance's documents")
+    docs = [_document(rng, args.doc_words) for _ in range(2 * args.k)]
+    for doc in docs:  # stored through the second instance: each as its own prompt
+        found = prompts.ingest_prompt(doc)
+        if found is None:
+            raise SystemExit(f"a generated document is not one chunk: {doc!r}")
+        ask(second, found[0])
+    times = {"router": [], "straight": []}
+    placed = 0
+    for n in range(args.requests):
+        chosen = rng.sample(docs, args.k)
+        took, went = ask(router.url, request(n, chosen))
+        times["router"].append(took)
+        placed += went == second
+        # Straight to the instance whose daemon stores none of them (another question: no
+        # prefix-cache hit on what the router's request computed there).
+        times["straight"].append(ask(first, request(-n - 1, chosen))[0])
+    yield {
+        **figures,
+        "phase": "placement",
+        "placed": round(placed / args.requests, 3),
+        **_compared(times),
+    }
 
 
 def _document(rng: random.Random, words: str) -> str:
@@ -170,3 +183,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--doc-words", default="40-160", help="words a document has, a range (40-160)"
     )
     parser.add_argument("--seed", type=int, default=0, help="the documents' and questions' seed")
+    parser.add_argument(
+        "--instance",
+        action="append",
+        help="URL=DAEMON_SOCKET of a running instance (the connector's daemon address), twice: "
+        "measure those two, their daemons sharing a Redis directory, instead of starting "
+        "two (the first is gone to straight; documents are stored through the second)",
+    )
