@@ -10,7 +10,7 @@ import sys
 
 from chunkstore import __version__
 
-from . import admin, bench, doctor, ingest, models, proxy, router, serve
+from . import admin, bench, doctor, ingest, models, proxy, router, serve, up
 
 
 def build_parser(bench_arguments: bool | str = True) -> argparse.ArgumentParser:
@@ -25,7 +25,7 @@ def build_parser(bench_arguments: bool | str = True) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"chunkstore {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     bench.add_commands(commands, bench_arguments)
-    for module in (models, serve, admin, ingest, proxy, router, doctor):
+    for module in (models, serve, up, admin, ingest, proxy, router, doctor):
         module.add_commands(commands)
     return parser
 

