@@ -70,9 +70,10 @@ def test_bench_workload_through_vllm_serve_on_the_tiny_model(tmp_path: Path) -> 
         "--requests", "16", "--concurrency", "4", "--pool-shares", "1.0", "--policies",
         "worth", "--curve", "0.5", "--dataset", str(dataset), "--disk-shares", "1.0",
         "--disk-share", "1.0", "--spills", "commit", "--ttfts", str(tmp_path / "ttfts.jsonl"),
-        "--router",
+        "--router", "--plot", str(tmp_path / "workload.png"),
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
+    assert (tmp_path / "workload.png").stat().st_size > 10_000  # the run's picture
     rows = [json.loads(line) for line in run.stdout.splitlines()]
     curve = [r for r in rows if r["way"] == "replay"]
     assert {r["policy"] for r in curve} == {"worth", "furthest_next_use"}

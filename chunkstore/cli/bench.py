@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import sys
 from typing import Any
 
 # Bench name -> what it measures. Each is the module chunkstore.bench.NAME, with
@@ -32,6 +33,9 @@ BENCHES: dict[str, str] = {
 }
 
 
+PLOTTED = ("quality", "workload")  # benches with --plot (chunkstore.bench.plot)
+
+
 def _bench_module(name: str) -> Any:
     return importlib.import_module(f"chunkstore.bench.{name}")
 
@@ -54,6 +58,22 @@ def run(args: argparse.Namespace) -> int:
         rows.append(row)
     if not args.json:
         _print_table(rows)
+    if getattr(args, "plot", ""):
+        from chunkstore.bench.plot import plot
+
+        print(f"bench {args.name}: drew {plot(rows, args.plot)}", file=sys.stderr)
+    return 0
+
+
+def draw(args: argparse.Namespace) -> int:
+    from chunkstore.bench.plot import plot, read_rows
+
+    try:
+        rows = read_rows(args.rows)
+        print(f"chunkstore plot: drew {plot(rows, args.out)}", file=sys.stderr)
+    except (OSError, ValueError, KeyError) as err:
+        print(f"chunkstore plot: {args.rows}: {err!r}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -72,4 +92,18 @@ def add_commands(commands: Any, bench_arguments: bool | str = True) -> None:
         if bench_arguments is True or bench_arguments == name:
             _bench_module(name).add_arguments(sub)
         sub.add_argument("--json", action="store_true", help="one JSON object per line")
+        if name in PLOTTED:
+            sub.add_argument(
+                "--plot", default="", metavar="FILE", help="also draw the rows to FILE (PNG)"
+            )
         sub.set_defaults(func=run)
+    drawn = commands.add_parser(
+        "plot",
+        help="draw a bench's saved --json rows (quality, workload) to a PNG",
+        description="Draw the rows `chunkstore bench quality|workload --json` printed (saved "
+        "to a file) as a picture: accuracy against document length per method; requests/s "
+        "against vLLM's prefix caching per pool share, beside the replayed hit-rate curve.",
+    )
+    drawn.add_argument("rows", help="the bench's --json output, one JSON object a line")
+    drawn.add_argument("out", help="the PNG to write")
+    drawn.set_defaults(func=draw)

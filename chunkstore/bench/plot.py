@@ -1,0 +1,142 @@
+"""Pictures of a bench's rows (its ``--json`` lines): ``bench quality`` as accuracy against
+document length per method (its 95% interval as error bars), ``bench workload`` as requests/s
+against vLLM's prefix caching per pool share, beside the hit-rate curve of its replay.
+``chunkstore bench quality|workload --plot FILE.png`` draws the run's; ``chunkstore plot
+ROWS.jsonl FILE.png`` draws saved lines. Needs matplotlib (the ``plot`` extra)."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+DPI = 110
+
+
+def plot(rows: Iterable[dict[str, Any]], path: str | Path) -> Path:
+    """Draw ``rows`` (of one bench) to ``path`` (PNG); ValueError for rows it cannot draw."""
+    rows = list(rows)
+    if not rows:
+        raise ValueError("no rows: a bench's --json output has one JSON object a line")
+    benches = {row.get("bench") for row in rows}
+    if benches == {"quality"}:
+        figure = _quality(rows)
+    elif benches == {"workload"}:
+        figure = _workload(rows)
+    else:
+        raise ValueError(f"rows of {sorted(map(str, benches))}: plots draw quality or workload")
+    out = Path(path)
+    figure.savefig(out, dpi=DPI, bbox_inches="tight")
+    return out
+
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """A bench's ``--json`` output: one JSON object a line (other lines skipped)."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        if line.startswith("{"):
+            rows.append(json.loads(line))
+    return rows
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("plots need matplotlib: pip install 'chunkstore[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _quality(rows: list[dict[str, Any]]) -> Any:
+    """Accuracy per method against document length (one panel per split)."""
+    plt = _pyplot()
+    splits = sorted({str(row.get("split", "")) for row in rows})
+    figure, axes = plt.subplots(1, len(splits), figsize=(6.4 * len(splits), 4.2), squeeze=False)
+    for ax, split in zip(axes[0], splits, strict=True):
+        by_method: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for row in rows:
+            if str(row.get("split", "")) == split:
+                by_method[row["method"]].append(row)
+        lengths = sorted({row["doc_tokens"] for rows_ in by_method.values() for row in rows_})
+        if len(lengths) == 1:  # one length: a bar a method
+            mine = [rows_[0] for rows_ in by_method.values()]
+            low = [r["accuracy"] - r["ci95"][0] for r in mine]
+            high = [r["ci95"][1] - r["accuracy"] for r in mine]
+            ax.bar(list(by_method), [r["accuracy"] for r in mine], yerr=[low, high], capsize=4)
+            ax.tick_params(axis="x", labelrotation=20, labelsize=8)
+        for n, (method, mine) in enumerate(by_method.items() if len(lengths) > 1 else ()):
+            mine.sort(key=lambda r: r["doc_tokens"])
+            # Side by side at each length: the methods' intervals overlap otherwise.
+            shift = (n - (len(by_method) - 1) / 2) * (_spacing(lengths) * 0.04)
+            x = [r["doc_tokens"] + shift for r in mine]
+            y = [r["accuracy"] for r in mine]
+            low = [r["accuracy"] - r["ci95"][0] for r in mine]
+            high = [r["ci95"][1] - r["accuracy"] for r in mine]
+            ax.errorbar(x, y, yerr=[low, high], marker="o", capsize=3, label=method)
+        cases = {row["cases"] for rows_ in by_method.values() for row in rows_}
+        ax.set_title(f"{split or 'cases'}: {'/'.join(map(str, sorted(cases)))} cases a length")
+        ax.set_xlabel(
+            "document length (tokens)"
+            if len(lengths) > 1
+            else f"documents of ~{lengths[0]:.0f} tokens"
+        )
+        ax.set_ylabel("answers correct")
+        ax.set_ylim(0, 1.05)
+        ax.grid(alpha=0.3)
+        if len(lengths) > 1:
+            ax.legend(fontsize=8)
+    model = rows[0].get("model") or ""
+    figure.suptitle(f"bench quality {model}".strip())
+    return figure
+
+
+def _spacing(lengths: list[float]) -> float:
+    return (max(lengths) - min(lengths)) if len(lengths) > 1 else 100.0
+
+
+def _workload(rows: list[dict[str, Any]]) -> Any:
+    """Requests/s against APC's per pool share, each way (left); the replay's store hit rate
+    per pool share, each policy (right, where the run replayed)."""
+    plt = _pyplot()
+    ways = [r for r in rows if r["way"] not in ("apc", "replay", "replay-disk")]
+    curve = [r for r in rows if r["way"] == "replay"]
+    panels = 1 + bool(curve)
+    figure, axes = plt.subplots(1, panels, figsize=(6.4 * panels, 4.2), squeeze=False)
+    ax = axes[0][0]
+    by_way: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for row in ways:
+        family = row["way"].replace(f"@{row['pool_share']:g}", "")
+        by_way[family].append(row)
+    for family, mine in by_way.items():
+        mine.sort(key=lambda r: r["pool_share"])
+        shares = [r["pool_share"] for r in mine]
+        ax.plot(shares, [r["throughput_vs_apc"] for r in mine], marker="o", label=family)
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1, label="vLLM prefix caching")
+    ax.set_xlabel("pool, share of the working set")
+    ax.set_ylabel("requests/s vs vLLM's prefix caching")
+    ax.set_title("throughput")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    if curve:
+        ax = axes[0][1]
+        by_policy: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for row in curve:
+            by_policy[row["policy"]].append(row)
+        for policy, mine in by_policy.items():
+            mine.sort(key=lambda r: r["pool_share"])
+            shares = [r["pool_share"] for r in mine]
+            ax.plot(shares, [r["store_hit_rate"] for r in mine], marker="o", label=policy)
+        ax.set_xlabel("pool, share of the working set")
+        ax.set_ylabel("store hit rate (replayed)")
+        ax.set_ylim(0, 1.05)
+        ax.set_title("hit-rate curve")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    first = rows[0]
+    figure.suptitle(f"bench workload {first.get('model', '')}, {first.get('requests')} requests")
+    return figure
