@@ -121,14 +121,20 @@ def _start(
 
 
 def _demo(url: str, model: Path) -> None:
-    """A few RAG chat requests with the stock openai client: the documents cold, then in
-    another order under another question; each one's time and prompt tokens loaded."""
+    """Two RAG chat requests with the stock openai client: the documents cold, then in
+    another order under another question; each one's time, the prompt tokens vLLM did not
+    compute (``cached_tokens``: its prefix cache's and what the store supplied) and the
+    documents' tokens (the second loads every one of them)."""
     from openai import OpenAI
 
     from chunkstore.prompts import RagPrompts
 
     prompts = RagPrompts.for_model(model, SYS)
     client = OpenAI(base_url=f"{url}/v1", api_key="none")
+    # What loading every document saves: their tokens, each with its separator.
+    encode = prompts.tokenizer.encode
+    documents = sum(len(encode(d, add_special_tokens=False)) for d in DEMO_DOCS)
+    documents += len(DEMO_DOCS) * len(prompts.sep_ids)
     asks = [
         ("cold", DEMO_DOCS, DEMO_QUESTIONS[0]),
         ("reordered", DEMO_DOCS[::-1], DEMO_QUESTIONS[1]),
@@ -148,7 +154,8 @@ def _demo(url: str, model: Path) -> None:
         total = usage.prompt_tokens if usage is not None else None
         answer = (reply.choices[0].message.content or "").strip()
         line = {"demo": name, "seconds": round(took, 3), "prompt_tokens": total}
-        print(json.dumps(line | {"cached_tokens": loaded, "answer": answer}), flush=True)
+        line |= {"documents_tokens": documents, "cached_tokens": loaded, "answer": answer}
+        print(json.dumps(line), flush=True)
 
 
 def _say(what: str) -> None:
