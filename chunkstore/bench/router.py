@@ -9,8 +9,9 @@ sent one at a time, each answered with one token (its latency is its time to fir
 - ``cold``: ``--requests`` requests over documents nobody stored, through the router (it
   sends the missing documents first as their own prompts, stores them, puts the relevant
   ones last) and, over as many other new documents, straight to the first instance (vLLM
-  computes every prompt whole); the two alternate. ``router_vs_straight`` is the router's
-  median over going straight's (below 1: the router is faster).
+  computes every prompt whole); the two alternate, each pair of the same shape (documents
+  of the same word counts). ``router_vs_straight`` is the router's median over going
+  straight's (below 1: the router is faster).
 - ``warm``: every request of the cold pass again, the same way: what the router adds to a
   request whose work is done (both hit vLLM's prefix cache); the issue's bound is 1.05.
 - ``placement``: ``--requests`` requests over documents stored on the second instance only
@@ -53,10 +54,15 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
 
 
 def _node_of(given: str) -> tuple[str, str]:
-    url, _, daemon = given.partition("=")
-    if not url.startswith("http") or not daemon:
-        raise SystemExit(f"--instance {given!r}: URL=DAEMON_SOCKET, e.g. http://h:8000=unix:/s")
-    return url.rstrip("/"), daemon
+    from chunkstore.router.instances import parse_instance
+
+    try:
+        instance = parse_instance(given, "")
+    except ValueError as err:
+        raise SystemExit(f"--instance: {err}") from None
+    if not instance.daemon:
+        raise SystemExit(f"--instance {given!r}: URL=DAEMON_SOCKET (the daemon's address too)")
+    return instance.url.rstrip("/"), instance.daemon
 
 
 def _started(stack: contextlib.ExitStack, model: Path) -> list[tuple[str, str]]:
@@ -114,13 +120,20 @@ def _measured(
         reply.raise_for_status()
         return took, reply.headers.get(ROUTED, "")
 
-    def request(n: int, docs: list[str] | None = None) -> str:
-        docs = docs or [_document(rng, args.doc_words) for _ in range(args.k)]
+    def request(n: int, docs: list[str]) -> str:
         return prompts.text(docs, QUESTION.format(n=n, word=rng.choice(WORDS)))
 
+    def same_shape(n: int) -> tuple[str, str]:
+        """Two requests of the same shape (documents of the same word counts, the same
+        question), each over documents of its own."""
+        counts = [_words(rng, args.doc_words) for _ in range(args.k)]
+        word = rng.choice(WORDS)
+        texts = [[_document(rng, c) for c in counts] for _ in range(2)]
+        one, other = (prompts.text(t, QUESTION.format(n=n, word=word)) for t in texts)
+        return one, other
+
     _progress(f"cold and warm: {args.requests} requests each way, alternating")
-    routed = [request(n) for n in range(args.requests)]
-    straight = [request(n) for n in range(args.requests, 2 * args.requests)]
+    routed, straight = zip(*(same_shape(n) for n in range(args.requests)), strict=True)
     for phase in ("cold", "warm"):
         times: dict[str, list[float]] = {"router": [], "straight": []}
         for n, (r, s) in enumerate(zip(routed, straight, strict=True)):
@@ -130,7 +143,7 @@ def _measured(
         yield {**figures, "phase": phase, **_compared(times)}
 
     _progress(f"placement: {args.requests} requests over the second instance's documents")
-    docs = [_document(rng, args.doc_words) for _ in range(2 * args.k)]
+    docs = [_document(rng, _words(rng, args.doc_words)) for _ in range(2 * args.k)]
     for doc in docs:  # stored through the second instance: each as its own prompt
         found = prompts.ingest_prompt(doc)
         if found is None:
@@ -154,9 +167,12 @@ def _measured(
     }
 
 
-def _document(rng: random.Random, words: str) -> str:
+def _words(rng: random.Random, words: str) -> int:
     low, _, high = words.partition("-")
-    count = rng.randint(int(low), int(high or low))
+    return rng.randint(int(low), int(high or low))
+
+
+def _document(rng: random.Random, count: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(count)).capitalize() + "."
 
 
@@ -188,5 +204,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         help="URL=DAEMON_SOCKET of a running instance (the connector's daemon address), twice: "
         "measure those two, their daemons sharing a Redis directory, instead of starting "
-        "two (the first is gone to straight; documents are stored through the second)",
+        "two (requests going straight go to the first; placement's documents are stored "
+        "through the second)",
     )
