@@ -107,7 +107,6 @@ format: install
 bench: install
 	$(BIN)/chunkstore bench remap --json
 
-# The daemon on its defaults (unix socket, 127.0.0.1:50551, metrics on 127.0.0.1:9477).
 # What a node runs, on this machine (chunkstore up): the daemon, vllm serve with the connector
 # and the router, on SmolLM2 (built once); prints the URL for the OpenAI client; Ctrl-C (or
 # SIGTERM) stops all of it. The daemon alone: .venv/bin/chunkstore serve.

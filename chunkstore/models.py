@@ -300,6 +300,12 @@ def model_dir(
     return final
 
 
+def resolve(name_or_folder: str | Path) -> Path:
+    """A model folder as given, else the folder of model ``name`` (built on first use)."""
+    folder = Path(name_or_folder)
+    return folder if folder.is_dir() else model_dir(str(name_or_folder))
+
+
 def kv_bytes_per_token(model: Path) -> int:
     """fp32 KV bytes a token of ``model`` takes (keys and values, every layer)."""
     config = json.loads((model / "config.json").read_text())

@@ -93,7 +93,6 @@ def test_bench_workload_through_vllm_serve_on_the_tiny_model(tmp_path: Path) -> 
     assert routed["router"]["reordered"] > 0 and routed["router"]["cold_chunks_sent"] > 0
     assert routed["router"]["cold_chunks_failed"] == 0 == routed["router"]["fallbacks"]
     assert routed["connector"]["load_failures"] == 0 < routed["connector"]["loaded_tokens"]
-    assert routed["store_hit_rate"] > 0.3
     # Its daemon had a disk tier, written through: every entry it stored, at least once.
     assert worth["disk_share"] == 1.0 and worth["spill"] == "commit"
     assert worth["disk_bytes_written_per_request"] > 0

@@ -44,7 +44,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from chunkstore.models import model_dir
+from chunkstore.models import resolve
 from chunkstore.processes.vllm_probe import run_probe
 from chunkstore.prompts import AUTO, separator_ids
 from chunkstore_vllm.config import ConnectorConfig
@@ -70,7 +70,7 @@ from .e2e_slope import run_slope
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     from transformers import AutoTokenizer
 
-    model = Path(args.model) if Path(args.model).is_dir() else model_dir(args.model)
+    model = resolve(args.model)
     tok = AutoTokenizer.from_pretrained(model)
 
     def encode(text: str) -> list[int]:

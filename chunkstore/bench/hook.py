@@ -25,7 +25,6 @@ import argparse
 import json
 import statistics
 from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -33,7 +32,7 @@ import torch
 
 from chunkstore.bench.timing import timed
 from chunkstore.kv.rope import RotaryConfig
-from chunkstore.models import model_dir
+from chunkstore.models import resolve
 from chunkstore_vllm.config import ConnectorConfig
 from chunkstore_vllm.cpu_layout import CpuKVLayout
 from chunkstore_vllm.isolation import HookRows, IsolationHook, LayerCall, StepSplit
@@ -43,7 +42,7 @@ LAYER = "model.layers.0.self_attn.attn"
 
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     torch.set_num_threads(args.threads or torch.get_num_threads())
-    path = Path(args.model) if Path(args.model).is_dir() else model_dir(args.model)
+    path = resolve(args.model)
     config = json.loads((path / "config.json").read_text())
     heads = int(config["num_attention_heads"])
     kv_heads = int(config.get("num_key_value_heads", heads))

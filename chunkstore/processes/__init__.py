@@ -3,3 +3,7 @@
 prompts in a process of its own (``vllm_probe``). ``chunkstore bench`` runs them, and the tests
 start theirs through them. It imports only the layers below the daemon (the client for a
 vLLM probe that empties a store); it starts the daemon as a command, never imports it."""
+
+
+class Cancelled(RuntimeError):
+    """A start given up because its caller asked (``cancel`` set while it waited)."""

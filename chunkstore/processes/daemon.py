@@ -172,9 +172,12 @@ def start_daemon(
     timeout: float = 60.0,
     launcher: tuple[str, ...] = ("chunkstore.cli",),
     shm_dir: Path | None = None,
+    own_session: bool = False,
 ) -> RunningDaemon:
     """Start ``serve_command`` and wait for its ready line (its log: ``workdir/daemon.log``).
-    Tests use the ``serve`` fixture (tests/conftest.py), which stops what it started."""
+    ``own_session``: not in the caller's process group (a terminal's Ctrl-C goes to the
+    caller alone, which stops it in its turn). Tests use the ``serve`` fixture
+    (tests/conftest.py), which stops what it started."""
     workdir.mkdir(parents=True, exist_ok=True)
     command = serve_command(
         workdir,
@@ -186,7 +189,12 @@ def start_daemon(
     )
     log = (workdir / "daemon.log").open("w")
     process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=log, text=True, env=serve_env()
+        command,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        env=serve_env(),
+        start_new_session=own_session,
     )
     deadline = time.monotonic() + timeout
     assert process.stdout is not None

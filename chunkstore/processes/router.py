@@ -6,8 +6,10 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
+from chunkstore.processes import Cancelled
 from chunkstore.processes.vllm_server import stop_group
 
 
@@ -19,10 +21,11 @@ class RunningRouter:
         timeout: float = 120.0,
         command: str = "router",
         port: int = 0,
+        cancel: threading.Event | None = None,
     ) -> None:
         """``chunkstore COMMAND --port PORT ARGS`` (router, or proxy: the router's
         prefill/decode mode; port 0: any free one); returns once it listens (its first
-        line)."""
+        line); ``cancel`` set while it starts: stopped, ``Cancelled``."""
         workdir.mkdir(parents=True, exist_ok=True)
         self.log_path = workdir / "router.log"
         self.log = self.log_path.open("w")
@@ -39,10 +42,17 @@ class RunningRouter:
             daemon=True,
         )
         reader.start()
-        reader.join(timeout)
-        if not first or not first[0].strip():
+        try:
+            deadline = time.monotonic() + timeout
+            while reader.is_alive() and time.monotonic() < deadline:
+                reader.join(1.0)
+                if cancel is not None and cancel.is_set():
+                    raise Cancelled("chunkstore router: its start was cancelled")
+            if not first or not first[0].strip():
+                raise RuntimeError(f"chunkstore router did not start: {self.log_path.read_text()}")
+        except BaseException:
             self.stop()
-            raise RuntimeError(f"chunkstore router did not start: {self.log_path.read_text()}")
+            raise
         self.url: str = json.loads(first[0])["router"]
 
     def stop(self) -> int:

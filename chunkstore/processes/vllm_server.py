@@ -7,12 +7,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from chunkstore.processes import Cancelled
 from chunkstore.processes.redis import free_port
 
 EXAMPLE_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "vllm" / "kv-transfer-config.json"
@@ -29,9 +31,11 @@ class VllmServer:
         kv_role: str = "kv_both",
         extra: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
+        cancel: threading.Event | None = None,
     ) -> None:
         """``connector``: the connector's settings (None: vLLM alone); ``extra``: more flags
-        for ``vllm serve`` (e.g. ``--enable-prefix-caching``); ``env``: more environment."""
+        for ``vllm serve`` (e.g. ``--enable-prefix-caching``); ``env``: more environment;
+        ``cancel``: set, the start is given up (``Cancelled``) and the server stopped."""
         workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.model = str(model)
@@ -73,18 +77,26 @@ class VllmServer:
         self.process = subprocess.Popen(
             command, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
-        deadline = time.monotonic() + timeout
+        try:
+            self._wait(time.monotonic() + timeout, cancel)
+        except BaseException:
+            self.stop()  # whatever ended the wait (a signal's exception too): nothing left
+            raise
+
+    def _wait(self, deadline: float, cancel: threading.Event | None) -> None:
         while True:
             try:
                 urllib.request.urlopen(f"{self.url}/health", timeout=2).read()
                 return
             except OSError:
                 if time.monotonic() > deadline or self.process.poll() is not None:
-                    self.stop()
                     raise RuntimeError(
                         f"vllm serve did not start: {self.log_path.read_text()[-4000:]}"
                     ) from None
-                time.sleep(1)
+                if cancel is not None and cancel.wait(1.0):
+                    raise Cancelled("vllm serve: its start was cancelled") from None
+                if cancel is None:
+                    time.sleep(1)
 
     @property
     def url(self) -> str:

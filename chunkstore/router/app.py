@@ -243,6 +243,9 @@ class Router:
             return self._fallback("unknown_model")
         if would_refuse(body) is not None:
             return self._fallback("refused_fields")
+        context = admission.context_of(body.get("model"))
+        if context is not None and _asks_past(body, context):
+            return self._fallback("too_long")
         prompts = await self._cpu(ask.heavy, prompts_of, body, ask.chat)
         if prompts is None:
             return self._fallback("unparsed")
@@ -257,10 +260,7 @@ class Router:
         if any(i is None for i in ids):
             return []
         found = [i for i in ids if i is not None]
-        context = admission.context_of(body.get("model"))
-        if context is not None and (
-            any(len(i) > context for i in found) or _asks_past(body, context)
-        ):
+        if context is not None and any(len(i) > context for i in found):
             return self._fallback("too_long")
         salt = str(body.get("cache_salt") or "")
         plans = await self._cpu(ask.heavy, lambda: [keys.plan(i, salt) for i in found])

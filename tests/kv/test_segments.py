@@ -128,6 +128,6 @@ def test_a_reordered_prompt_moves_whole_chunks_and_keeps_sys_and_the_question() 
     segments = split_prompt([1, 9, 2, 2, 9, 3, 9, 4, 4, 4, 9, 5], sep)  # sys c0 c1 c2 question
     assert reordered_ids(segments, [3, 1, 2]) == [1, 9, 4, 4, 4, 9, 2, 2, 9, 3, 9, 5]
     assert chunk_places([3, 1, 2]) == {2: 0, 0: 1, 1: 2}
-    for wrong in ([1, 2], [1, 1, 2], [0, 1, 2], [1, 2, 4]):
+    for wrong in ([1, 2], [1, 1, 2], [0, 1, 2], [1, 2, 4], [1, 2, 3, 9], [-1, 2, 3]):
         with pytest.raises(SegmentationError):
             reordered_ids(segments, wrong)
