@@ -551,8 +551,21 @@ def _router_figures(router: RunningRouter) -> dict[str, float]:
         "reordered": _summed(scraped, "chunkstore_router_reordered_total"),
         "cold_chunks_sent": _summed(scraped, "chunkstore_router_cold_chunks_sent_total"),
         "cold_chunks_failed": _summed(scraped, "chunkstore_router_cold_chunks_failed_total"),
+        **_failed_by_why(scraped),
         "fallbacks": _summed(scraped, "chunkstore_router_fallbacks_total"),
     }
+
+
+def _failed_by_why(scraped: dict[str, float]) -> dict[str, float]:
+    """Cold chunks the router sent and its request did not find, by why: ``prefill_error``,
+    ``not_stored`` (gone before its request looked: a full or evicting pool), ``client_share``."""
+    found = {}
+    prefix = 'chunkstore_router_cold_chunks_failed_total{why="'
+    for name, value in scraped.items():
+        if name.startswith(prefix) and value:
+            why = name.removeprefix(prefix).split('"')[0]
+            found[f"cold_chunks_failed_{why}"] = value
+    return found
 
 
 def _write_ttfts(args: argparse.Namespace, way: str, figures: dict[str, Any]) -> None:
