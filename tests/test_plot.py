@@ -26,13 +26,17 @@ def quality_rows() -> list[dict]:
 
 
 def workload_rows() -> list[dict]:
-    rows = [{"bench": "workload", "way": "apc", "model": "smollm2", "requests": 300}]
+    rows = [
+        {"bench": "workload", "way": "apc", "model": "smollm2", "requests": 300,
+         "ttft_p50_s": 3.2, "ttft_p99_s": 4.8}
+    ]  # fmt: skip
     for share in (0.25, 1.0):
         for way, ratio in (("worth", 1.1), ("worth router", 1.05)):
             name = way.replace("worth", f"worth@{share:g}")
             rows.append(
-                {"bench": "workload", "way": name, "pool_share": share, "throughput_vs_apc": ratio}
-            )
+                {"bench": "workload", "way": name, "pool_share": share, "throughput_vs_apc": ratio,
+                 "ttft_p50_s": 3.2 / ratio, "ttft_p99_s": 4.8 / ratio}
+            )  # fmt: skip
         rows.append(
             {"bench": "workload", "way": "replay", "policy": "worth", "pool_share": share,
              "store_hit_rate": share / 1.2}
@@ -47,7 +51,7 @@ def drawn(path: Path) -> tuple[int, int, int]:
 
 
 def test_quality_and_workload_rows_are_drawn(tmp_path: Path) -> None:
-    for name, rows, panels in (("q", quality_rows(), 1), ("w", workload_rows(), 2)):
+    for name, rows, panels in (("q", quality_rows(), 1), ("w", workload_rows(), 3)):
         out = plot(rows, tmp_path / f"{name}.png")
         width, height, colours = drawn(out)
         assert width >= 550 * panels and height >= 400, (name, width, height)
@@ -61,7 +65,7 @@ def test_chunkstore_plot_draws_saved_rows_and_refuses_others(tmp_path: Path, cap
     saved = tmp_path / "rows.jsonl"
     saved.write_text("bench: a progress line\n" + "\n".join(map(json.dumps, workload_rows())))
     assert main(["plot", str(saved), str(tmp_path / "w.png")]) == 0
-    assert drawn(tmp_path / "w.png")[0] >= 1100  # two panels
+    assert drawn(tmp_path / "w.png")[0] >= 1650  # three panels
     for text in ("", json.dumps({"bench": "store", "lookup_vs_mooncake": 0.7})):
         saved.write_text(text)
         assert main(["plot", str(saved), str(tmp_path / "x.png")]) == 2

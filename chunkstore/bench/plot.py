@@ -100,43 +100,70 @@ def _spacing(lengths: list[float]) -> float:
 
 
 def _workload(rows: list[dict[str, Any]]) -> Any:
-    """Requests/s against APC's per pool share, each way (left); the replay's store hit rate
-    per pool share, each policy (right, where the run replayed)."""
+    """Requests/s against APC's per pool share, each way; TTFT p50 and p99 of every way and
+    APC's; the replay's store hit rate per pool share, each policy (where the run replayed)."""
     plt = pyplot()
+    apc = [r for r in rows if r["way"] == "apc"]
     ways = [r for r in rows if r["way"] not in ("apc", "replay", "replay-disk")]
     curve = [r for r in rows if r["way"] == "replay"]
-    panels = 1 + bool(curve)
+    panels = 1 + bool(ways) + bool(curve)
     figure, axes = plt.subplots(1, panels, figsize=(6.4 * panels, 4.2), squeeze=False)
-    ax = axes[0][0]
+    left = list(axes[0])
+    if ways:
+        _throughput(left.pop(0), ways)
+    _ttfts(left.pop(0), apc + ways)
+    if curve:
+        _hit_curve(left.pop(0), curve)
+    first = rows[0]
+    figure.suptitle(f"bench workload {first.get('model', '')}, {first.get('requests')} requests")
+    return figure
+
+
+def _throughput(ax: Any, ways: list[dict[str, Any]]) -> None:
     by_way: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for row in ways:
-        family = row["way"].replace(f"@{row['pool_share']:g}", "")
-        by_way[family].append(row)
-    for family, mine in by_way.items():
+        by_way[row["way"].replace(f"@{row['pool_share']:g}", "")].append(row)
+    shares = {row["pool_share"] for row in ways}
+    for n, (family, mine) in enumerate(by_way.items()):
         mine.sort(key=lambda r: r["pool_share"])
-        shares = [r["pool_share"] for r in mine]
-        ax.plot(shares, [r["throughput_vs_apc"] for r in mine], marker="o", label=family)
+        ratios = [r["throughput_vs_apc"] for r in mine]
+        if len(shares) > 1:
+            ax.plot([r["pool_share"] for r in mine], ratios, marker="o", label=family)
+        else:  # one share: a bar a way
+            ax.bar([n], ratios, label=family)
+            ax.set_xticks([])
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=1, label="vLLM prefix caching")
-    ax.set_xlabel("pool, share of the working set")
+    only = f" (pool: {min(shares):g} of the working set)" if len(shares) == 1 else ""
+    ax.set_xlabel("pool, share of the working set" if len(shares) > 1 else f"ways{only}")
     ax.set_ylabel("requests/s vs vLLM's prefix caching")
     ax.set_title("throughput")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    if curve:
-        ax = axes[0][1]
-        by_policy: dict[str, list[dict[str, Any]]] = defaultdict(list)
-        for row in curve:
-            by_policy[row["policy"]].append(row)
-        for policy, mine in by_policy.items():
-            mine.sort(key=lambda r: r["pool_share"])
-            shares = [r["pool_share"] for r in mine]
-            ax.plot(shares, [r["store_hit_rate"] for r in mine], marker="o", label=policy)
-        ax.set_xlabel("pool, share of the working set")
-        ax.set_ylabel("store hit rate (replayed)")
-        ax.set_ylim(0, 1.05)
-        ax.set_title("hit-rate curve")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    first = rows[0]
-    figure.suptitle(f"bench workload {first.get('model', '')}, {first.get('requests')} requests")
-    return figure
+
+
+def _ttfts(ax: Any, ways: list[dict[str, Any]]) -> None:
+    names = [row["way"] for row in ways]
+    at = list(range(len(ways)))
+    ax.bar([x - 0.2 for x in at], [r["ttft_p50_s"] for r in ways], width=0.4, label="p50")
+    ax.bar([x + 0.2 for x in at], [r["ttft_p99_s"] for r in ways], width=0.4, label="p99")
+    ax.set_xticks(at, names, rotation=20, fontsize=8)
+    ax.set_ylabel("time to first token (s)")
+    ax.set_title("TTFT")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+
+
+def _hit_curve(ax: Any, curve: list[dict[str, Any]]) -> None:
+    by_policy: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for row in curve:
+        by_policy[row["policy"]].append(row)
+    for policy, mine in by_policy.items():
+        mine.sort(key=lambda r: r["pool_share"])
+        shares = [r["pool_share"] for r in mine]
+        ax.plot(shares, [r["store_hit_rate"] for r in mine], marker="o", label=policy)
+    ax.set_xlabel("pool, share of the working set")
+    ax.set_ylabel("store hit rate (replayed)")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("hit-rate curve")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
