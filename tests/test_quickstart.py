@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,6 +74,35 @@ def test_the_readme_quickstart_runs_as_written(tmp_path: Path, smollm2_dir: Path
     tokens = sum(len(tokenizer.encode(d, add_special_tokens=False)) for d in documents)
     assert loaded[1] >= tokens > 0, (loaded, out[-3000:])
     # Nothing left: every process stopped, its pool and its folder removed.
+    now_folders, now_pools, now_processes = left_behind()
+    assert not now_processes, now_processes
+    assert now_folders <= folders and now_pools <= pools, (now_folders, now_pools)
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_starting_stops_what_started(smollm2_dir: Path) -> None:
+    """Ctrl-C (SIGINT) while `chunkstore up` waits for vLLM: it stops at once (exit 130),
+    not minutes later, and leaves nothing (the daemon, already up, stopped too)."""
+    folders, pools, _ = left_behind()
+    up = subprocess.Popen(
+        [sys.executable, "-m", "chunkstore.cli", "up", "--model", str(smollm2_dir), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert up.stderr is not None
+        for line in up.stderr:  # progress: the daemon, then vLLM starting
+            if "vllm serve 1 of 1" in line:
+                break
+        up.send_signal(signal.SIGINT)
+        _, err = up.communicate(timeout=60)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    assert up.returncode == 130, err
+    assert "stopped: nothing left running" in err, err
     now_folders, now_pools, now_processes = left_behind()
     assert not now_processes, now_processes
     assert now_folders <= folders and now_pools <= pools, (now_folders, now_pools)
