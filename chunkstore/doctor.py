@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -380,7 +381,7 @@ def run(args: argparse.Namespace) -> int:
 def _model_folder(name: str, deadline: float) -> Path:
     """The folder ``name`` is, or the model of `chunkstore models` it names, built on first use
     by a child given the time left (a build downloads and converts for minutes)."""
-    from chunkstore.models import MODELS
+    from chunkstore.models import MODELS, default_cache_dir, partial_build
 
     if Path(name).is_dir():
         return Path(name)
@@ -399,10 +400,11 @@ def _model_folder(name: str, deadline: float) -> Path:
     except subprocess.TimeoutExpired:
         child.send_signal(signal.SIGINT)  # KeyboardInterrupt: model_dir removes its partial build
         try:
-            child.wait(30)
-        except subprocess.TimeoutExpired:
+            child.wait(10)
+        except subprocess.TimeoutExpired:  # deep in a conversion that does not look at signals
             child.kill()
             child.wait()
+            shutil.rmtree(partial_build(default_cache_dir(), name, child.pid), ignore_errors=True)
         raise
     if child.returncode != 0:
         raise DoctorInputError(

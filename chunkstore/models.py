@@ -273,6 +273,11 @@ def _to_stderr(line: str) -> None:
     print(line, file=sys.stderr)
 
 
+def partial_build(root: Path, name: str, pid: int) -> Path:
+    """Where process ``pid`` builds model ``name`` before it is whole (renamed to its name)."""
+    return root / f".{name}.partial-{pid}"
+
+
 def model_dir(
     name: str, cache_dir: Path | None = None, log: Callable[[str], None] = _to_stderr
 ) -> Path:
@@ -285,7 +290,7 @@ def model_dir(
     if (final / "config.json").exists():
         return final
     root.mkdir(parents=True, exist_ok=True)
-    building = root / f".{name}.partial-{os.getpid()}"
+    building = partial_build(root, name, os.getpid())
     shutil.rmtree(building, ignore_errors=True)
     log(f"building test model {name!r} into {final} ...")
     began = time.monotonic()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,9 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    # Interruptible whatever the caller left it (a background job's SIGINT is ignored):
+    # a SIGINT stops a build, and model_dir removes what it had half built.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     for name in args.names or DEFAULT_MODELS:
         try:
             built = model_dir(name, args.cache_dir)
