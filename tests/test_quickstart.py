@@ -35,9 +35,14 @@ def left_behind() -> tuple[set[str], set[str], list[str]]:
     """What `chunkstore up` leaves if it leaves anything: its folders, pools and processes
     (each names its folder, chunkstore-up-*, in its command line)."""
     folders = {p.name for p in Path("/tmp").glob("chunkstore-up-*")}
-    pools = {p.name for p in SHM.glob("chunkstore-*")} if SHM.is_dir() else set()
+    # A pool is chunkstore-<tenant>-<daemon's pid>-...: one whose daemon is gone is left.
+    pools = {p.name for p in SHM.glob("chunkstore-*") if not _alive(p.name.split("-")[2])}
     found = subprocess.run(["pgrep", "-af", "chunkstore-up-"], capture_output=True, text=True)
     return folders, pools, found.stdout.splitlines()
+
+
+def _alive(pid: str) -> bool:
+    return pid.isdigit() and Path(f"/proc/{pid}").exists()
 
 
 @pytest.mark.slow
