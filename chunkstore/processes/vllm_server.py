@@ -84,6 +84,7 @@ class VllmServer:
             raise
 
     def _wait(self, deadline: float, cancel: threading.Event | None) -> None:
+        cancelled = cancel or threading.Event()  # never set where the caller gave none
         while True:
             try:
                 urllib.request.urlopen(f"{self.url}/health", timeout=2).read()
@@ -93,10 +94,8 @@ class VllmServer:
                     raise RuntimeError(
                         f"vllm serve did not start: {self.log_path.read_text()[-4000:]}"
                     ) from None
-                if cancel is not None and cancel.wait(1.0):
+                if cancelled.wait(1.0):
                     raise Cancelled("vllm serve: its start was cancelled") from None
-                if cancel is None:
-                    time.sleep(1)
 
     @property
     def url(self) -> str:
