@@ -34,6 +34,7 @@ from chunkstore.processes.vllm_server import VllmServer
 from chunkstore.prompts import RagPrompts
 from chunkstore.reference import KV, HFReference, default_treatment, relative_error
 from chunkstore.router import order
+from chunkstore.router.tokens import Tokenizer
 from chunkstore.testing.prometheus import (
     PrometheusServer,
     about_the_router,
@@ -182,6 +183,35 @@ def test_a_cold_request_is_answered_as_a_warm_one_with_every_chunk_loaded(stand)
     reordered, headers = stand.complete(prompts.text(shuffled, QUESTION))
     assert headers["x-chunkstore-cold-chunks"] == "sent=0 joined=0 failed=0"
     assert cached(reordered) == prompts.segments(shuffled, QUESTION)[-2].start
+
+
+def test_the_router_tokenizes_text_as_the_instance_does(stand) -> None:
+    """The router's own tokenizer (its --model folder's) gives vLLM's /tokenize IDs for the
+    texts tokenizers trip on, special tokens added or not; the stand's router, once it
+    compared, tokenizes the texts it is sent itself, without a round trip."""
+    prompts = RagPrompts.for_model(stand.model, RAG_SYS)
+    ours = Tokenizer.for_model(stand.model)
+    texts = [
+        prompts.text(RAG_DOCS[:3], QUESTION),
+        "  leading spaces,\ttabs\r\n\n\nand blank lines  ",
+        "naïve café — 東京 Ωmega 🚀 \u200b zero-width",
+        "<|im_start|>user\nhello<|im_end|>",  # the model's special tokens, as text
+        "a##b ## c###d ##",
+    ]
+    for text in texts:
+        for special in (True, False):
+            body = {"model": str(stand.model), "prompt": text, "add_special_tokens": special}
+            reply = httpx.post(f"{stand.vllm.url}/tokenize", json=body, timeout=30)
+            assert reply.status_code == 200, reply.text
+            assert ours.ids(body) == reply.json()["tokens"], text
+    before = stand.router_counters()
+    for n in range(2):
+        stand.complete(prompts.text(RAG_DOCS[n : n + 2], QUESTION))
+    after = stand.router_counters()
+    by_router = 'chunkstore_router_prompts_tokenized_total{by="router"}'
+    assert after[by_router] >= before.get(by_router, 0) + 1  # the first may be a comparison
+    assert after["chunkstore_router_tokenizer_checks_total"] >= 1
+    assert after["chunkstore_router_tokenizer_mismatch_total"] == 0
 
 
 def test_relevant_documents_are_sent_last_and_computed_there(stand, tmp_path) -> None:

@@ -64,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from chunkstore.router.app import RouterSettings
     from chunkstore.router.instances import parse_instance
     from chunkstore.router.limits import Limits
+    from chunkstore.router.tokens import Tokenizer
 
     if not args.instance and not (args.prefill and args.decode):
         print("chunkstore router: give --instance, or --prefill and --decode", file=sys.stderr)
@@ -75,8 +76,10 @@ def run(args: argparse.Namespace) -> int:
         limits = Limits(**{name: getattr(args, name) for name in LIMITS})
         routed = [parse_instance(t, args.address) for t in args.instance or args.prefill]
         decode = [parse_instance(t, args.address) for t in args.decode or []]
-        keys = None
+        keys, tokenizer = None, None
         if args.model:
+            if args.tokenize == "router":
+                tokenizer = Tokenizer.for_model(args.model)
             isolation = Isolation(args.isolation)
             keys = KeySpace.for_model(
                 args.model, args.dtype, args.separator, isolation, args.virtual_gap,
@@ -91,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
         decode,
         cold_chunks=args.cold_chunks == "on" and keys is not None,
         relevant_last=args.order == "relevant-last",
+        tokenizer=tokenizer,
         timeout=args.timeout,
         max_connections=args.max_connections,
         health_interval=args.health_interval,
@@ -186,6 +190,17 @@ def add_commands(commands: Any) -> None:
         "others: the connector's default answers on a back end without its in-band hook "
         "(CUDA, Ascend), the same KV with it; as-sent: prompts as they came (a request "
         'keeps its order with kv_transfer_params {"keep_order": true})',
+    )
+    router.add_argument(
+        "--tokenize",
+        choices=("router", "instance"),
+        default="router",
+        help="router (the default, with --model): a completion's text is tokenized here with "
+        "the model folder's tokenizer, compared with the instance's /tokenize on the first "
+        "text sent to it and one in 64 after (a difference: that instance tokenizes every "
+        "prompt from then on, chunkstore_router_tokenizer_mismatch_total); instance: every "
+        "prompt through the instance's /tokenize, a round trip a request. Chats are always "
+        "tokenized by the instance (its chat template)",
     )
     router.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     router.add_argument("--port", type=int, default=8080, help="port to listen on (8080; 0: any)")

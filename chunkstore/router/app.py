@@ -3,19 +3,20 @@
 A completion or chat request goes: read (400 / 408 / 413 for what is not a JSON object, too
 slow or too big: ``limits``) -> the instance asked whether it admits the caller (``access``:
 nothing is done, and nothing said, for a caller it refuses) -> its prompts' token IDs
-(``requests``; the instance's ``/tokenize``) -> each chunked prompt's relevant documents
-last (``order``: the default's answers without the in-band hook; the one change the router
-makes to a request) -> their pieces and keys (``KeySpace.plan``) -> the daemons asked which
-they hold -> an instance chosen (``instances``) -> its missing chunks stored through it
-(``cold``) -> the request passed on (as the client sent it, its bytes, where its order
-stays), streamed back as the instance streams it. A request the instance would refuse (sampling
-fields, a prompt over the model's context), or past the router's bounds, is passed on
-without the router's work. An instance that is gone
-(it cannot be connected to, it broke off the request before answering, or it answered 5xx
-and then failed a health check: its engine died) is marked down and the request goes to the
-next: no byte had reached the client, and a completion has nothing to undo. An instance's own
-error (a 4xx; a 5xx while it stays healthy) is passed back as it came. Each reply to an
-operator (``access.Operators``) names the instance and why in ``x-chunkstore-*`` headers.
+(``requests``; a completion's text by the router's own tokenizer once the instance agreed
+with it, ``tokens``; otherwise the instance's ``/tokenize``) -> each chunked prompt's
+relevant documents last (``order``: the default's answers without the in-band hook; the one
+change the router makes to a request) -> their pieces and keys (``KeySpace.plan``) -> the
+daemons asked which they hold -> an instance chosen (``instances``) -> its missing chunks
+stored through it (``cold``) -> the request passed on (as the client sent it, its bytes,
+where its order stays), streamed back as the instance streams it. A request the instance
+would refuse (sampling fields, a prompt over the model's context), or past the router's
+bounds, is passed on without the router's work. An instance that is gone (it cannot be
+connected to, it broke off the request before answering, or it answered 5xx and then failed
+a health check: its engine died) is marked down and the request goes to the next: no byte
+had reached the client, and a completion has nothing to undo. An instance's own error (a
+4xx; a 5xx while it stays healthy) is passed back as it came. Each reply to an operator
+(``access.Operators``) names the instance and why in ``x-chunkstore-*`` headers.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import http.cookiejar
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,7 @@ from .limits import Limits, client_of, parse_body, read_body, would_refuse
 from .metrics import RouterMetrics
 from .requests import Refused, error, prompts_of
 from .stores import Stores, Unasked
+from .tokens import Tokenizer
 
 log = logging.getLogger("chunkstore.router")
 
@@ -74,6 +76,9 @@ class RouterSettings:
     # Relevant documents last (``order``): the default's answers without the in-band hook.
     relevant_last: bool = True
     quality: QualityConfig = field(default_factory=QualityConfig)  # the connector's
+    # Completions' text tokenized here, checked against the instance (``tokens``); None:
+    # every prompt through the instance's /tokenize.
+    tokenizer: Tokenizer | None = None
     metrics: RouterMetrics = field(default_factory=RouterMetrics)
 
 
@@ -137,6 +142,7 @@ class Router:
         self.gate = Gate(self.http, self.limits.auth_ttl)
         self.operators = Operators(settings.operator_token)
         self.cold = ColdChunks(self.http, self.stores, self.metrics, self.limits)
+        self._background: set[asyncio.Task[None]] = set()  # tokenizer checks (``tokens``)
 
     # -- a completion or chat request ---------------------------------------------------
 
@@ -355,8 +361,54 @@ class Router:
     async def _tokenize(
         self, instance: Instance, body: dict[str, Any], headers: dict[str, str]
     ) -> list[int] | None:
-        """The instance's token IDs for a prompt; None if it would not give them (the
+        """A prompt's token IDs, the instance's (``tokens``: the router's own tokenizer's
+        where the instance agreed with it); None if the instance would not give them (the
         request then goes on as it is, and the instance answers it, its error included)."""
+        local = self.settings.tokenizer
+        if local is None or not local.reads(body) or local.agrees(instance.url) is False:
+            found = await self._instance_ids(instance, body, headers)
+        else:
+            ours = await self._cpu(len(body["prompt"]) >= HEAVY, local.ids, body)
+            if local.agrees(instance.url):
+                self.metrics.tokenized.labels("router").inc()
+                if local.due(instance.url):
+                    self._beside(self._compare(instance, body, headers, ours))
+                return ours
+            found = await self._instance_ids(instance, body, headers)
+            if found is not None:
+                self._compared(local, instance, ours, found)
+        self.metrics.tokenized.labels("instance").inc()
+        if found is None:
+            self.metrics.fallbacks.labels("tokenize_failed").inc()
+        return found
+
+    async def _compare(
+        self, instance: Instance, body: dict[str, Any], headers: dict[str, str], ours: list[int]
+    ) -> None:
+        """The instance's IDs for a text the router tokenized, compared (beside its request)."""
+        try:
+            theirs = await self._instance_ids(instance, body, headers)
+        except Unreachable:
+            return
+        if theirs is not None and self.settings.tokenizer is not None:
+            self._compared(self.settings.tokenizer, instance, ours, theirs)
+
+    def _compared(
+        self, local: Tokenizer, instance: Instance, ours: list[int], theirs: list[int]
+    ) -> None:
+        self.metrics.tokenizer_checks.inc()
+        if not local.compared(instance.url, ours, theirs):
+            self.metrics.tokenizer_mismatch.inc()
+
+    def _beside(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _instance_ids(
+        self, instance: Instance, body: dict[str, Any], headers: dict[str, str]
+    ) -> list[int] | None:
+        """The instance's ``/tokenize`` answer; None where it gives none."""
         began = time.perf_counter()
         try:
             reply = await self.http.post(f"{instance.url}/tokenize", json=body, headers=headers)
@@ -371,7 +423,6 @@ class Router:
             heavy = len(reply.content) >= HEAVY  # a long prompt's IDs: parsed off the loop
             return list(await self._cpu(heavy, _token_ids, reply))
         except (ValueError, KeyError, TypeError):
-            self.metrics.fallbacks.labels("tokenize_failed").inc()
             return None
 
     async def _stored(

@@ -73,6 +73,26 @@ class RouterMetrics:
             ["why"],
             registry=r,
         )
+        self.tokenized = Counter(
+            "chunkstore_router_prompts_tokenized",
+            "Prompts given token IDs, by where: router (its --model tokenizer, once the "
+            "instance agreed with it), instance (its /tokenize: a chat, the first text, or "
+            "no agreement).",
+            ["by"],
+            registry=r,
+        )
+        self.tokenizer_checks = Counter(
+            "chunkstore_router_tokenizer_checks",
+            "Texts tokenized by both the router and the instance, to compare (an instance's "
+            "first, then one in 64).",
+            registry=r,
+        )
+        self.tokenizer_mismatch = Counter(
+            "chunkstore_router_tokenizer_mismatch",
+            "Texts the instance tokenized otherwise than the router's --model tokenizer: that "
+            "instance tokenizes every prompt from then on.",
+            registry=r,
+        )
         self.upstream = Histogram(
             "chunkstore_router_upstream_seconds",
             "Time an instance took: warm (a request's missing chunks), request (until its "
@@ -90,6 +110,8 @@ class RouterMetrics:
         for shape in ("completion", "chat"):
             self.reordered.labels(shape)
         self.order_kept.labels("chat_text")
+        for by in ("router", "instance"):
+            self.tokenized.labels(by)
 
 
 COLD_FAILED = ("prefill_error", "not_stored", "client_share")

@@ -1,0 +1,132 @@
+"""The router tokenizes a completion's text itself once the instance gave the same IDs
+(``chunkstore.router.tokens``), and goes back to the instance's ``/tokenize`` for good when
+a check finds them different. The instance here is a stand-in that tokenizes with the tiny
+model's tokenizer and can be told to tokenize otherwise (as a vLLM started with another
+``--tokenizer`` does); that a real vLLM gives our IDs: tests/test_router.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from chunkstore.kv.keyspace import KeySpace
+from chunkstore.router import app
+from chunkstore.router.instances import Instance
+from chunkstore.router.tokens import Tokenizer
+
+
+class Tokenizing(BaseHTTPRequestHandler):
+    tokenizer: Any = None
+    otherwise = False  # one ID more than the tokenizer gives: another tokenizer
+    asked: list[str] = []
+
+    def do_GET(self) -> None:
+        self._answer({"object": "list", "data": [{"id": "m", "max_model_len": 1 << 20}]})
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/tokenize":
+            Tokenizing.asked.append(body["prompt"])
+            ids = Tokenizing.tokenizer(body["prompt"])["input_ids"]
+            self._answer({"tokens": ids + [7] if Tokenizing.otherwise else ids})
+            return
+        self._answer({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
+
+    def _answer(self, reply: dict) -> None:
+        data = json.dumps(reply).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def upstream(tiny_model_dir) -> Iterator[str]:
+    Tokenizing.tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    Tokenizing.otherwise, Tokenizing.asked = False, []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Tokenizing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+
+
+def test_text_is_tokenized_here_once_the_instance_agreed_and_there_again_once_it_did_not(
+    upstream, tiny_model_dir
+) -> None:
+    keys = KeySpace.for_model(tiny_model_dir, "float32")
+    tokenizer = Tokenizer.for_model(tiny_model_dir)
+    tokenizer.check_every = 3
+    router = app.Router(
+        app.RouterSettings(keys, [Instance(upstream, "unix:/nowhere")], tokenizer=tokenizer)
+    )
+    metrics = router.metrics
+
+    def count(name: str, **labels: str) -> float:
+        value = metrics.registry.get_sample_value(f"chunkstore_router_{name}_total", labels)
+        return value or 0.0
+
+    async def ask(n: int) -> None:
+        transport = httpx.ASGITransport(app=router.app(), client=("127.0.0.1", 1))
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+            body = {"model": "m", "prompt": f"Question {n}: which river?", "max_tokens": 1}
+            reply = await client.post("/v1/completions", json=body)
+            assert reply.status_code == 200, reply.text
+        while router._background:  # a check beside the request: let it finish
+            await asyncio.sleep(0.01)
+
+    asyncio.run(ask(0))  # the first text: tokenized both ways, the same IDs
+    assert Tokenizing.asked == ["Question 0: which river?"]
+    assert (count("tokenizer_checks"), count("tokenizer_mismatch")) == (1, 0)
+    assert count("prompts_tokenized", by="instance") == 1
+    for n in (1, 2):  # from then on here, without a round trip
+        asyncio.run(ask(n))
+    assert len(Tokenizing.asked) == 1
+    assert count("prompts_tokenized", by="router") == 2
+
+    Tokenizing.otherwise = True  # the instance now tokenizes otherwise (restarted so)
+    asyncio.run(ask(3))  # the third since: compared beside it, found different
+    assert Tokenizing.asked[-1] == "Question 3: which river?"
+    assert (count("tokenizer_checks"), count("tokenizer_mismatch")) == (2, 1)
+    assert tokenizer.agrees(upstream) is False
+    for n in (4, 5, 6, 7):  # every text through the instance, for good
+        asyncio.run(ask(n))
+    assert Tokenizing.asked[-4:] == [f"Question {n}: which river?" for n in (4, 5, 6, 7)]
+    assert count("prompts_tokenized", by="router") == 3
+    assert count("prompts_tokenized", by="instance") == 5
+    assert count("tokenizer_mismatch") == 1  # counted where found, not per request after
+
+
+def test_an_instance_that_disagrees_at_once_tokenizes_everything(upstream, tiny_model_dir) -> None:
+    Tokenizing.otherwise = True
+    keys = KeySpace.for_model(tiny_model_dir, "float32")
+    tokenizer = Tokenizer.for_model(tiny_model_dir)
+    router = app.Router(
+        app.RouterSettings(keys, [Instance(upstream, "unix:/nowhere")], tokenizer=tokenizer)
+    )
+
+    async def ask(prompt: str | list[Any]) -> None:
+        transport = httpx.ASGITransport(app=router.app(), client=("127.0.0.1", 1))
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+            body = {"model": "m", "prompt": prompt, "max_tokens": 1}
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+
+    for prompt in ("one", "two", "three"):
+        asyncio.run(ask(prompt))
+    assert Tokenizing.asked == ["one", "two", "three"]
+    asyncio.run(ask([5, 6, 7]))  # token IDs: nobody tokenizes them
+    assert len(Tokenizing.asked) == 3
+    samples = router.metrics.registry.get_sample_value
+    assert samples("chunkstore_router_tokenizer_mismatch_total") == 1
+    assert samples("chunkstore_router_prompts_tokenized_total", {"by": "router"}) == 0
