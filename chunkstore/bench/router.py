@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from chunkstore.models import WORDS, resolve
+from chunkstore.router.tokens import TOKENIZE
 
 SYS = "Answer the question from the documents."
 QUESTION = "Question {n}: what do these documents say about {word}?"
@@ -221,7 +222,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="the documents' and questions' seed")
     parser.add_argument(
         "--tokenize",
-        choices=("router", "instance"),
+        choices=TOKENIZE,
         default="router",
         help="the router's --tokenize: router (its default: texts tokenized in the router once "
         "the instance agreed) or instance (a /tokenize round trip a request)",

@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from chunkstore.kv.keyspace import DEFAULT_PREFIX_BLOCK_TOKENS
+from chunkstore.router.tokens import TOKENIZE, Tokenizer
 
 from .common import add_daemon_address
 
@@ -64,7 +65,6 @@ def run(args: argparse.Namespace) -> int:
     from chunkstore.router.app import RouterSettings
     from chunkstore.router.instances import parse_instance
     from chunkstore.router.limits import Limits
-    from chunkstore.router.tokens import Tokenizer
 
     if not args.instance and not (args.prefill and args.decode):
         print("chunkstore router: give --instance, or --prefill and --decode", file=sys.stderr)
@@ -78,13 +78,14 @@ def run(args: argparse.Namespace) -> int:
         decode = [parse_instance(t, args.address) for t in args.decode or []]
         keys, tokenizer = None, None
         if args.model:
-            if args.tokenize == "router":
-                tokenizer = Tokenizer.for_model(args.model)
+            tokenizer = Tokenizer.for_model(args.model)  # the keys' too: loaded once
             isolation = Isolation(args.isolation)
             keys = KeySpace.for_model(
                 args.model, args.dtype, args.separator, isolation, args.virtual_gap,
-                args.prefix_block_tokens,
+                args.prefix_block_tokens, tokenizer.tokenizer,
             )  # fmt: skip
+            if args.tokenize == "instance":
+                tokenizer = None
     except (OSError, ValueError) as err:
         print(f"chunkstore router: {err}", file=sys.stderr)
         return 2
@@ -193,7 +194,7 @@ def add_commands(commands: Any) -> None:
     )
     router.add_argument(
         "--tokenize",
-        choices=("router", "instance"),
+        choices=TOKENIZE,
         default="router",
         help="router (the default, with --model): a completion's text is tokenized here with "
         "the model folder's tokenizer, compared with the instance's /tokenize on the first "

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from chunkstore.kv.keys import Isolation, prefix_keys, prefix_tail_key, segment_keys
 from chunkstore.kv.segments import Segment, SegmentKind, split_prompt
@@ -76,15 +76,17 @@ class KeySpace:
         isolation: Isolation = Isolation.SYS,
         virtual_gap: int = 0,
         prefix_block_tokens: int = DEFAULT_PREFIX_BLOCK_TOKENS,
+        tokenizer: Any = None,
     ) -> KeySpace:
         """From the model folder vLLM serves (its weights are hashed into the keys) and the
-        KV cache dtype vLLM runs with."""
+        KV cache dtype vLLM runs with; ``tokenizer``: the folder's, where the caller has it
+        loaded already."""
         from transformers import AutoTokenizer
 
         from chunkstore.kv.fingerprint import fingerprint_of_folder
         from chunkstore.kv.separator import resolve_separator, separator_ids
 
-        tokenizer = AutoTokenizer.from_pretrained(model)
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(model)
         return cls(
             fingerprint_of_folder(model, dtype),
             tuple(separator_ids(tokenizer, separator)),

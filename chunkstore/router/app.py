@@ -372,7 +372,7 @@ class Router:
             if local.agrees(instance.url):
                 self.metrics.tokenized.labels("router").inc()
                 if local.due(instance.url):
-                    self._beside(self._compare(instance, body, headers, ours))
+                    self._beside(self._compare(local, instance, body, headers, ours))
                 return ours
             found = await self._instance_ids(instance, body, headers)
             if found is not None:
@@ -383,15 +383,20 @@ class Router:
         return found
 
     async def _compare(
-        self, instance: Instance, body: dict[str, Any], headers: dict[str, str], ours: list[int]
+        self,
+        local: Tokenizer,
+        instance: Instance,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        ours: list[int],
     ) -> None:
         """The instance's IDs for a text the router tokenized, compared (beside its request)."""
         try:
             theirs = await self._instance_ids(instance, body, headers)
         except Unreachable:
             return
-        if theirs is not None and self.settings.tokenizer is not None:
-            self._compared(self.settings.tokenizer, instance, ours, theirs)
+        if theirs is not None:
+            self._compared(local, instance, ours, theirs)
 
     def _compared(
         self, local: Tokenizer, instance: Instance, ours: list[int], theirs: list[int]

@@ -22,6 +22,7 @@ from typing import Any
 
 log = logging.getLogger("chunkstore.router")
 
+TOKENIZE = ("router", "instance")  # where texts are tokenized: `chunkstore router --tokenize`
 CHECK_EVERY = 64  # texts tokenized here per comparison with the instance, once it agreed
 
 
