@@ -71,7 +71,7 @@ def segment_key(
     model_fp: bytes, layout_fp: bytes, context_key: bytes, token_ids: Sequence[int]
 ) -> bytes:
     """The key of one segment's KV, given the key of the context it attended to."""
-    if any(t < 0 or t >= 1 << 32 for t in token_ids):
+    if token_ids and (min(token_ids) < 0 or max(token_ids) >= 1 << 32):
         raise ValueError("token IDs must fit in 32 unsigned bits")
     tokens = struct.pack(f"<{len(token_ids)}I", *token_ids)
     return _digest(_KEY_VERSION, [model_fp, layout_fp, context_key, tokens])

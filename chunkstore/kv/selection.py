@@ -35,6 +35,7 @@ match of the question's terms).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -62,6 +63,13 @@ def _terms(tokens: Sequence[int]) -> list[int | tuple[int, int]]:
     return [*tokens, *zip(tokens, tokens[1:], strict=False)]
 
 
+@functools.lru_cache(maxsize=1024)
+def _counted(chunk: tuple[int, ...]) -> Counter[int | tuple[int, int]]:
+    """A chunk's terms, counted; remembered by its tokens (the same documents come back
+    request after request, in any order; never changed by a caller)."""
+    return Counter(_terms(chunk))
+
+
 def _idf(chunks: int, holding: int) -> float:
     return math.log(1 + (chunks - holding + 0.5) / (holding + 0.5))
 
@@ -73,11 +81,11 @@ def bm25_scores(question: Sequence[int], chunks: Sequence[Sequence[int]]) -> lis
     punctuation) score almost nothing."""
     if not chunks:
         return []
-    counts = [Counter(_terms(chunk)) for chunk in chunks]
-    lengths = [sum(count.values()) for count in counts]
+    counts = [_counted(tuple(chunk)) for chunk in chunks]
+    lengths = [max(2 * len(chunk) - 1, 0) for chunk in chunks]  # its tokens and pairs
     average = sum(lengths) / len(chunks)
-    holding = Counter(term for count in counts for term in count)
     terms = set(_terms(question))
+    holding = {term: sum(term in count for count in counts) for term in terms}
     scores = []
     for length, count in zip(lengths, counts, strict=True):
         norm = K1 * (1 - B + B * length / max(average, 1))
@@ -98,7 +106,8 @@ def span(question: Sequence[int], chunks: Sequence[Sequence[int]], index: int, w
     if len(chunk) <= width:
         return range(len(chunk))
     terms = set(_terms(question))
-    holding = Counter(term for c in chunks for term in set(_terms(c)))
+    counts = [_counted(tuple(c)) for c in chunks]
+    holding = {term: sum(term in count for count in counts) for term in terms}
     weight = [0.0] * len(chunk)
     for p, token in enumerate(chunk):
         if token in terms:
