@@ -68,7 +68,8 @@ def nodes(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[Node, Node]]:
 def test_bench_router_measures_the_two_instances(nodes, tiny_model_dir) -> None:
     """``chunkstore bench router --instance ... --instance ...`` on these two nodes (first in
     the module: the next test stops the second): cold, warm and placement rows, each against
-    going straight; every request over the second node's documents placed there."""
+    going straight (warm: the token IDs the router sent, and the text as written); every
+    request over the second node's documents placed there."""
     first, second = nodes
     run = chunkstore(
         "bench", "router", "--json", "--model", str(tiny_model_dir), "--requests", "3",
@@ -83,6 +84,11 @@ def test_bench_router_measures_the_two_instances(nodes, tiny_model_dir) -> None:
         assert row["router_p50_s"] > 0 and row["straight_p50_s"] > 0
         ratio = row["router_p50_s"] / row["straight_p50_s"]
         assert row["router_vs_straight"] == pytest.approx(ratio, abs=0.01)
+    # Warm, against the text as written too (its relevant documents loaded where they stand).
+    warm = rows["warm"]
+    assert warm["router_vs_text"] == pytest.approx(
+        warm["router_p50_s"] / warm["text_p50_s"], abs=0.01
+    )
     assert rows["placement"]["placed"] == 1.0
 
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from chunkstore.kv.keyspace import KeySpace
-from chunkstore.kv.segments import Segment, SegmentKind, chunk_places
+from chunkstore.kv.segments import Segment, SegmentKind, chunk_places, reordered_ids
 from chunkstore.kv.treatment import BackEnd, QualityConfig, relevant_order, treat
 
 KEEP_ORDER = "keep_order"  # in kv_transfer_params: the application forbids reordering
@@ -54,6 +54,15 @@ def new_order(
         return None
     order = relevant_order(segments, quality, keys.isolation, keys.virtual_gap, params)
     return None if order is None else (segments, order)
+
+
+def sent_ids(
+    keys: KeySpace, quality: QualityConfig, ids: Sequence[int], params: Any = None
+) -> list[int]:
+    """The token IDs the router sends for a completion of ``ids``: in their relevant
+    order, or as they came."""
+    found = new_order(keys, quality, ids, params)
+    return list(ids) if found is None else reordered_ids(*found)
 
 
 def reordered_params(params: Any, order: Sequence[int]) -> Any:

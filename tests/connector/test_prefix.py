@@ -246,13 +246,13 @@ def test_a_chat_turn_on_another_vllm_loads_the_earlier_turns_whole(pair) -> None
 def test_a_prefill_and_a_decode_instance_behind_the_proxy_answer_as_one(
     pair, long_prompt, tmp_path
 ) -> None:
-    """20 prompts of 200 to 900 tokens (one of whole blocks, one a token short of them)
+    """10 prompts of 200 to 767 tokens (one of whole blocks, one a token short of them)
     through ``chunkstore proxy`` (the router's prefill/decode mode): the prefill instance
     computes each and stores it, the decode instance loads every prompt token and computes
     only the first answer token the proxy hands it; the replies, joined or streamed, are
     those of one instance computing the whole request."""
     first, second = pair
-    lengths = [200 + 37 * i for i in range(18)] + [5 * BLOCK, 6 * BLOCK - 1]
+    lengths = [200 + 80 * i for i in range(8)] + [5 * BLOCK, 6 * BLOCK - 1]
     # Slices that start where no earlier prompt did: vLLM's own prefix cache has none.
     prompts = [long_prompt[100 * i + 50 : 100 * i + 50 + n] for i, n in enumerate(lengths)]
     router = RunningRouter(
