@@ -62,7 +62,7 @@ def test_worth_keeps_more_of_a_zipf_trace_than_lru_in_a_quarter_of_its_working_s
     )
 
 
-# In CI (issue 72): the router's way with the hook off, beside APC and the store (~90 s; the
+# In CI (issue 72): the router's way with the hook off, beside APC and the store (~140 s; the
 # P/D test's prompts were halved for it).
 def test_bench_workload_through_vllm_serve_on_the_tiny_model(tmp_path: Path) -> None:
     dataset = tmp_path / "trace.jsonl"
