@@ -60,6 +60,15 @@ class Forward:
     kv: KV  # the new tokens' KV
 
 
+@dataclass
+class Attended:
+    """A question's attention, per layer (``HFReference.question_attention``)."""
+
+    queries: list[torch.Tensor]  # [Tq, query heads, head_dim], rotated at their positions
+    keys: list[torch.Tensor]  # [Tk, KV heads, head_dim]: the past's, then the question's
+    probabilities: list[torch.Tensor]  # [query heads, Tq, Tk], HF's own
+
+
 class HFReference:
     """An HF causal LM driven token-exactly: explicit positions, masks and past KV."""
 
@@ -121,6 +130,55 @@ class HFReference:
         keys = torch.stack([k[0].transpose(0, 1)[past_len:] for k, _, _ in out.past_key_values])
         values = torch.stack([v[0].transpose(0, 1)[past_len:] for _, v, _ in out.past_key_values])
         return Forward(out.logits[0].float(), KV(keys, values))
+
+    @torch.no_grad()
+    def question_attention(self, token_ids: Sequence[int], start: int, past: KV) -> Attended:
+        """``token_ids`` (a question) at positions start.. on top of ``past``, causally: per
+        layer its queries as attention uses them (projected, rotated), the keys they attend
+        (``past``'s, then its own) and HF's attention probabilities (``output_attentions``):
+        what ``kv.attended`` is measured against."""
+        from transformers import DynamicCache
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        model: Any = self.model
+        layers = model.model.layers
+        queries: list[torch.Tensor] = [torch.empty(0)] * len(layers)
+
+        def capture(index: int) -> Any:
+            def hook(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+                hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+                cos, sin = kwargs["position_embeddings"]
+                q = module.q_proj(hidden).view(*hidden.shape[:-1], -1, module.head_dim)
+                rotated, _ = apply_rotary_pos_emb(q.transpose(1, 2), q.transpose(1, 2), cos, sin)
+                queries[index] = rotated[0].transpose(0, 1).float()  # [Tq, Hq, D]
+
+            return hook
+
+        cache = DynamicCache(config=self.config)
+        for layer in range(past.keys.shape[0]):
+            cache.update(
+                past.keys[layer].transpose(0, 1)[None],
+                past.values[layer].transpose(0, 1)[None],
+                layer,
+            )
+        hooks = [
+            layer.self_attn.register_forward_pre_hook(capture(i), with_kwargs=True)
+            for i, layer in enumerate(layers)
+        ]
+        try:
+            n = len(token_ids)
+            out = self.model(
+                input_ids=torch.tensor([list(token_ids)]),
+                position_ids=torch.arange(start, start + n)[None],
+                past_key_values=cache,
+                use_cache=True,
+                output_attentions=True,
+            )
+        finally:
+            for hook in hooks:
+                hook.remove()
+        keys = [k[0].transpose(0, 1).float() for k, _, _ in out.past_key_values]
+        return Attended(queries, keys, [a[0].float() for a in out.attentions])
 
     def masked_prompt(
         self,
