@@ -86,6 +86,20 @@ class HFReference:
         )
         return cls(model)
 
+    def _cache(self, past: KV | None) -> Any:
+        """``past`` as HF's cache ([1, KV heads, tokens, head_dim] a layer), empty for None."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.config)
+        if past is not None:
+            for layer in range(past.keys.shape[0]):
+                cache.update(
+                    past.keys[layer].transpose(0, 1)[None],
+                    past.values[layer].transpose(0, 1)[None],
+                    layer,
+                )
+        return cache
+
     @torch.no_grad()
     def forward(
         self,
@@ -100,22 +114,13 @@ class HFReference:
         ``allowed`` is a boolean [new tokens, past + new tokens] mask; by default every new
         token sees all of ``past`` and the earlier new tokens (causal).
         """
-        from transformers import DynamicCache
-
         n = len(token_ids)
         past_len = past.num_tokens if past is not None else 0
         if allowed is None:
             allowed = torch.ones(n, past_len + n, dtype=torch.bool)
             allowed[:, past_len:] = torch.ones(n, n, dtype=torch.bool).tril()
         additive = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
-        cache = DynamicCache(config=self.config)
-        if past is not None:
-            for layer in range(past.keys.shape[0]):
-                cache.update(
-                    past.keys[layer].transpose(0, 1)[None],
-                    past.values[layer].transpose(0, 1)[None],
-                    layer,
-                )
+        cache = self._cache(past)
         out = self.model(
             input_ids=torch.tensor([list(token_ids)]),
             position_ids=(
@@ -137,7 +142,6 @@ class HFReference:
         layer its queries as attention uses them (projected, rotated), the keys they attend
         (``past``'s, then its own) and HF's attention probabilities (``output_attentions``):
         what ``kv.attended`` is measured against."""
-        from transformers import DynamicCache
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         model: Any = self.model
@@ -154,13 +158,7 @@ class HFReference:
 
             return hook
 
-        cache = DynamicCache(config=self.config)
-        for layer in range(past.keys.shape[0]):
-            cache.update(
-                past.keys[layer].transpose(0, 1)[None],
-                past.values[layer].transpose(0, 1)[None],
-                layer,
-            )
+        cache = self._cache(past)
         hooks = [
             layer.self_attn.register_forward_pre_hook(capture(i), with_kwargs=True)
             for i, layer in enumerate(layers)
