@@ -18,7 +18,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from chunkstore.kv.keyspace import KeySpace
-from chunkstore.router import app
+from chunkstore.kv.treatment import QualityConfig
+from chunkstore.prompts import RagPrompts
+from chunkstore.router import app, order
 from chunkstore.router.instances import Instance
 from chunkstore.router.tokens import Tokenizer
 
@@ -27,6 +29,7 @@ class Tokenizing(BaseHTTPRequestHandler):
     tokenizer: Any = None
     otherwise = False  # one ID more than the tokenizer gives: another tokenizer
     asked: list[str] = []
+    completed: list[Any] = []  # the prompts of the completions the router forwarded
 
     def do_GET(self) -> None:
         self._answer({"object": "list", "data": [{"id": "m", "max_model_len": 1 << 20}]})
@@ -38,6 +41,7 @@ class Tokenizing(BaseHTTPRequestHandler):
             ids = Tokenizing.tokenizer(body["prompt"])["input_ids"]
             self._answer({"tokens": ids + [7] if Tokenizing.otherwise else ids})
             return
+        Tokenizing.completed.append(body["prompt"])
         self._answer({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
 
     def _answer(self, reply: dict) -> None:
@@ -55,7 +59,7 @@ class Tokenizing(BaseHTTPRequestHandler):
 @pytest.fixture
 def upstream(tiny_model_dir) -> Iterator[str]:
     Tokenizing.tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    Tokenizing.otherwise, Tokenizing.asked = False, []
+    Tokenizing.otherwise, Tokenizing.asked, Tokenizing.completed = False, [], []
     server = ThreadingHTTPServer(("127.0.0.1", 0), Tokenizing)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_port}"
@@ -130,3 +134,32 @@ def test_an_instance_that_disagrees_at_once_tokenizes_everything(upstream, tiny_
     samples = router.metrics.registry.get_sample_value
     assert samples("chunkstore_router_tokenizer_mismatch_total") == 1
     assert samples("chunkstore_router_prompts_tokenized_total", {"by": "router"}) == 0
+
+
+def test_order_sent_ids_is_what_the_router_sends(upstream, tiny_model_dir) -> None:
+    """``order.sent_ids``, which ``bench router`` sends straight to compare like with like,
+    is the very prompt the router forwards: the client's IDs, relevant document last."""
+    keys = KeySpace.for_model(tiny_model_dir, "float32")
+    tokenizer = Tokenizer.for_model(tiny_model_dir)
+    router = app.Router(
+        app.RouterSettings(keys, [Instance(upstream, "unix:/nowhere")], tokenizer=tokenizer)
+    )
+    prompts = RagPrompts.for_model(tiny_model_dir, "Answer from the documents.")
+    docs = [
+        "The Danube flows through ten countries.",
+        "Paris is the capital of France.",
+        "Berlin is the capital of Germany.",
+    ]
+    text = prompts.text(docs, "Which river flows through ten countries?")
+
+    async def ask() -> None:
+        transport = httpx.ASGITransport(app=router.app(), client=("127.0.0.1", 1))
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+            body = {"model": "m", "prompt": text, "max_tokens": 1}
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+
+    asyncio.run(ask())
+    ids = tokenizer.ids({"prompt": text})
+    sent = order.sent_ids(keys, QualityConfig(), ids)
+    assert sent != ids  # the Danube's document moved last
+    assert Tokenizing.completed == [sent]
