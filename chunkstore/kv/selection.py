@@ -276,12 +276,15 @@ def relevant(
     first_is_causal: bool = False,
     min_score: float = 0.0,
     span_tokens: int = 0,
+    recompute_share: float = 0.0,
 ) -> tuple[dict[int, range], dict[int, int], list[int]]:
     """What the defaults do with the (at most ``count``) chunks most relevant to the
     question: attend them last, just before the question (``placed``), and recompute them
     there, the most relevant first while they fit in ``recompute_budget``: whole where it
     holds at most ``recompute_up_to`` tokens, else its ``span`` of ``span_tokens`` (0: a
-    longer one is only moved). Returns segment index -> the offsets recomputed in it (in
+    longer one is only moved). With ``recompute_share``, each is recomputed in part instead:
+    its ``span`` of an equal part of that share of the prompt's chunk tokens (whole where it
+    is no longer). Returns segment index -> the offsets recomputed in it (in
     prompt order; a chunk that stays first, when ``first_is_causal``, is left out: its
     isolated KV is causal already, and free), ``placed``'s shifts, and the chunks placed
     last (most relevant last). Raises BadTransferParams as ``placed``."""
@@ -291,11 +294,21 @@ def relevant(
     chunks = [i for i, s in enumerate(segments) if s.kind is SegmentKind.CHUNK]
     bodies = [segments[i].token_ids for i in chunks]
     budget = recompute_budget(sum(len(b) for b in bodies))
+    causal = [i for i in last if first_is_causal and i == chunks[0] and i not in shifts]
+    recomputed = [i for i in reversed(last) if i not in causal]  # the most relevant first
+    if recompute_share and recomputed:
+        width = max(1, int(recompute_share * sum(len(b) for b in bodies)) // len(recomputed))
+        return (
+            {
+                i: span(segments[-1].token_ids, bodies, chunks.index(i), width)
+                for i in sorted(recomputed)
+            },
+            shifts,
+            last,
+        )
     kept: dict[int, range] = {}
     tokens = 0
-    for i in reversed(last):  # the most relevant first
-        if first_is_causal and i == chunks[0] and i not in shifts:
-            continue  # the only chunk: causal already, nothing to recompute
+    for i in recomputed:
         if len(segments[i]) <= recompute_up_to:
             offsets = range(len(segments[i]))
         elif span_tokens:

@@ -78,6 +78,9 @@ class QualityConfig:
     relevant_recompute_tokens: int = DEFAULT_RELEVANT_RECOMPUTE_TOKENS
     # ... a longer one in part: this many tokens around what matches the question (0: not).
     relevant_span_tokens: int = DEFAULT_RELEVANT_SPAN_TOKENS
+    # ... or each in part: its span of an equal part of this share of the prompt's chunk
+    # tokens (0: whole, as above).
+    relevant_recompute_share: float = 0.0
     # ... and then the first N tokens of every other chunk too (0: not).
     relevant_first_tokens: int = DEFAULT_RELEVANT_FIRST_TOKENS
 
@@ -97,6 +100,11 @@ class QualityConfig:
         if self.recompute_by not in RECOMPUTE_BY:
             raise ValueError(
                 f"recompute_by must be {' or '.join(RECOMPUTE_BY)}, not {self.recompute_by!r}"
+            )
+        if not 0 <= self.relevant_recompute_share <= 1:
+            raise ValueError(
+                f"relevant_recompute_share is a share of the chunk tokens, 0 to 1: "
+                f"{self.relevant_recompute_share}"
             )
         if not 0 <= self.relevant_min_score <= 1:
             raise ValueError(
@@ -220,6 +228,7 @@ def treat(
         first_is_causal=causal,
         min_score=quality.relevant_min_score,
         span_tokens=quality.relevant_span_tokens,
+        recompute_share=quality.relevant_recompute_share,
     )
     try:
         recomputed, shifts, last = picks(params)

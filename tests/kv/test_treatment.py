@@ -39,6 +39,25 @@ def test_the_default_puts_the_relevant_chunks_last_and_recomputes_them_there() -
     assert (moved.last, moved.recomputed, moved.first_tokens) == ((4, 2), {}, 0)
 
 
+def test_a_recompute_share_recomputes_each_relevant_chunk_in_part() -> None:
+    """``relevant_recompute_share``: the relevant chunks, put last as by default, each
+    recompute the ``span`` of an equal part of that share of the chunk tokens (whole where
+    shorter), in place of whole chunks."""
+    long = prompt(*([7] * 40 for _ in range(2)), [7] * 30 + [42] * 3 + [7] * 27, question=[42])
+    share = QualityConfig(relevant_recompute_share=0.2, relevant_first_tokens=0)
+    treated = treat(long, share)
+    assert treated.last == (3,) and treated.shifts == {}  # last already
+    # 0.2 x 140 chunk tokens: 28, around the question's 42s, the first (30) a quarter in.
+    assert treated.recomputed == {3: range(23, 51)} and treated.first_tokens == 0
+    # Two relevant chunks share it equally (0.4 x 15 tokens: 3 each), one shorter whole.
+    both = treat(RAG, QualityConfig(relevant_recompute_share=0.4))
+    assert both.last == (4, 2) and both.shifts == {2: 8, 3: -4, 4: -4}
+    assert both.recomputed == {2: range(0, 3), 4: range(0, 3)}
+    assert both.first_tokens == 16  # the other chunks' first tokens as by default
+    with pytest.raises(ValueError, match="relevant_recompute_share"):
+        QualityConfig(relevant_recompute_share=1.5)
+
+
 def test_chunks_named_or_counted_are_recomputed_where_they_stand() -> None:
     quality = QualityConfig.from_settings({"recompute_chunks": 1})
     assert quality.relevant_last == 0  # the default gives way
