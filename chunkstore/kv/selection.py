@@ -282,37 +282,35 @@ def relevant(
     question: attend them last, just before the question (``placed``), and recompute them
     there, the most relevant first while they fit in ``recompute_budget``: whole where it
     holds at most ``recompute_up_to`` tokens, else its ``span`` of ``span_tokens`` (0: a
-    longer one is only moved). With ``recompute_share``, each is recomputed in part instead:
-    its ``span`` of an equal part of that share of the prompt's chunk tokens (whole where it
-    is no longer). Returns segment index -> the offsets recomputed in it (in
-    prompt order; a chunk that stays first, when ``first_is_causal``, is left out: its
-    isolated KV is causal already, and free), ``placed``'s shifts, and the chunks placed
-    last (most relevant last). Raises BadTransferParams as ``placed``."""
+    longer one is only moved). With ``recompute_share``, each that would be recomputed whole
+    is recomputed in part instead: its ``span`` of an equal part of that share of the
+    prompt's chunk tokens (whole where it is no longer). Returns segment index -> the
+    offsets recomputed in it (in prompt order; a chunk that stays first, when
+    ``first_is_causal``, is left out: its isolated KV is causal already, and free),
+    ``placed``'s shifts, and the chunks placed last (most relevant last). Raises
+    BadTransferParams as ``placed``."""
     last, shifts = placed(segments, count, params, min_score)
     if not last or not recompute_up_to:
         return {}, shifts, last
     chunks = [i for i, s in enumerate(segments) if s.kind is SegmentKind.CHUNK]
     bodies = [segments[i].token_ids for i in chunks]
-    budget = recompute_budget(sum(len(b) for b in bodies))
-    causal = [i for i in last if first_is_causal and i == chunks[0] and i not in shifts]
-    recomputed = [i for i in reversed(last) if i not in causal]  # the most relevant first
-    if recompute_share and recomputed:
-        width = max(1, int(recompute_share * sum(len(b) for b in bodies)) // len(recomputed))
-        return (
-            {
-                i: span(segments[-1].token_ids, bodies, chunks.index(i), width)
-                for i in sorted(recomputed)
-            },
-            shifts,
-            last,
-        )
+    question = segments[-1].token_ids
+    candidates = [  # the most relevant first; one staying first is causal already, and free
+        i for i in reversed(last) if not (first_is_causal and i == chunks[0] and i not in shifts)
+    ]
+    short = [i for i in candidates if len(segments[i]) <= recompute_up_to]
+    total = sum(len(b) for b in bodies)
+    budget = recompute_budget(total)
+    width = max(1, int(recompute_share * total) // len(short)) if recompute_share and short else 0
     kept: dict[int, range] = {}
     tokens = 0
-    for i in recomputed:
+    for i in candidates:
         if len(segments[i]) <= recompute_up_to:
-            offsets = range(len(segments[i]))
+            offsets = (
+                span(question, bodies, chunks.index(i), width) if width else range(len(segments[i]))
+            )
         elif span_tokens:
-            offsets = span(segments[-1].token_ids, bodies, chunks.index(i), span_tokens)
+            offsets = span(question, bodies, chunks.index(i), span_tokens)
         else:
             continue
         if tokens + len(offsets) > budget:

@@ -78,8 +78,8 @@ class QualityConfig:
     relevant_recompute_tokens: int = DEFAULT_RELEVANT_RECOMPUTE_TOKENS
     # ... a longer one in part: this many tokens around what matches the question (0: not).
     relevant_span_tokens: int = DEFAULT_RELEVANT_SPAN_TOKENS
-    # ... or each in part: its span of an equal part of this share of the prompt's chunk
-    # tokens (0: whole, as above).
+    # ... or, those it would recompute whole, each in part: its span of an equal part of this
+    # share of the prompt's chunk tokens (0: whole).
     relevant_recompute_share: float = 0.0
     # ... and then the first N tokens of every other chunk too (0: not).
     relevant_first_tokens: int = DEFAULT_RELEVANT_FIRST_TOKENS

@@ -42,13 +42,16 @@ def test_the_default_puts_the_relevant_chunks_last_and_recomputes_them_there() -
 def test_a_recompute_share_recomputes_each_relevant_chunk_in_part() -> None:
     """``relevant_recompute_share``: the relevant chunks, put last as by default, each
     recompute the ``span`` of an equal part of that share of the chunk tokens (whole where
-    shorter), in place of whole chunks."""
+    shorter) where they would recompute whole."""
     long = prompt(*([7] * 40 for _ in range(2)), [7] * 30 + [42] * 3 + [7] * 27, question=[42])
     share = QualityConfig(relevant_recompute_share=0.2, relevant_first_tokens=0)
     treated = treat(long, share)
     assert treated.last == (3,) and treated.shifts == {}  # last already
     # 0.2 x 140 chunk tokens: 28, around the question's 42s, the first (30) a quarter in.
     assert treated.recomputed == {3: range(23, 51)} and treated.first_tokens == 0
+    # A chunk longer than relevant_recompute_tokens is only moved, as without the share.
+    longer = QualityConfig(relevant_recompute_share=0.2, relevant_recompute_tokens=59)
+    assert treat(long, longer).recomputed == {}
     # Two relevant chunks share it equally (0.4 x 15 tokens: 3 each), one shorter whole.
     both = treat(RAG, QualityConfig(relevant_recompute_share=0.4))
     assert both.last == (4, 2) and both.shifts == {2: 8, 3: -4, 4: -4}
