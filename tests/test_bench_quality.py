@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -13,7 +14,7 @@ import pytest
 
 from chunkstore.bench import qa_cases
 from chunkstore.bench.qa_cases import generate
-from chunkstore.bench.quality import _Prompts, parse_method, wilson
+from chunkstore.bench.quality import _Prompts, cases_digest, parse_method, wilson
 from chunkstore.bench.quality import treatment as treat_as_the_bench
 
 
@@ -33,6 +34,24 @@ def test_cases_are_seeded_and_every_answer_is_in_the_documents() -> None:
     # Documents recur across cases, so a store warmed by earlier cases serves later ones.
     seen = [d for c in cases for d in c.documents]
     assert len(set(seen)) < len(seen)
+
+
+class _Bytes:
+    """A tokenizer that reads text as its UTF-8 bytes: enough for what a digest hashes."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode())
+
+
+def test_the_cases_digest_tells_whether_two_runs_asked_the_same_prompts() -> None:
+    # Runs on two machines compare case by case only where their cases are the same: the
+    # prose comes from the machine's license texts.
+    tok = _Bytes()
+    cases = generate(6, seed=3, prose=True)
+    assert cases_digest(tok, cases) == cases_digest(tok, generate(6, seed=3, prose=True))
+    assert cases_digest(tok, cases) != cases_digest(tok, generate(6, seed=4, prose=True))
+    moved = [dataclasses.replace(cases[0], question=cases[0].question + " ")]
+    assert cases_digest(tok, moved) != cases_digest(tok, cases[:1])
 
 
 def test_filler_lengthens_documents_and_keeps_their_facts() -> None:

@@ -60,7 +60,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import xxhash
+
 from chunkstore.bench import qa_cases
+from chunkstore.kv.fingerprint import weights_digest
+from chunkstore.kv.keys import length_prefixed
 from chunkstore.kv.segments import (
     SegmentKind,
     build_chunked_prompt,
@@ -275,9 +279,27 @@ def _run_cases(
     args: argparse.Namespace, model: Path, tok: Any, doc_tokens: int | None, split: str
 ) -> Iterator[dict[str, Any]]:
     cases, _ = cases_of_length(args, tok, doc_tokens, split)
-    yield from evaluate(
+    same = {"cases_digest": cases_digest(tok, cases), "model_digest": _model_digest(model)}
+    for row in evaluate(
         model, tok, cases, _methods(args), args.max_tokens, args.repeats, {"split": split}
-    )
+    ):
+        yield row | same
+
+
+def cases_digest(tok: Any, cases: list[qa_cases.Case]) -> str:
+    """What two runs must share for their ``per_case`` to compare: the cases' prompts as the
+    model reads them (xxh3-64 over their token IDs). The prose comes from the machine's
+    license texts, so another machine's base-files could draw other documents at one seed."""
+    h = xxhash.xxh3_64()
+    for case in cases:
+        for text in (*case.documents, case.question, *case.answers):
+            h.update(length_prefixed(",".join(map(str, _encode(tok, text))).encode()))
+    return h.hexdigest()
+
+
+@functools.cache
+def _model_digest(model: Path) -> str:
+    return weights_digest(model)[:16]
 
 
 def _methods(args: argparse.Namespace) -> list[tuple[str, dict[str, Any] | None]]:
