@@ -14,7 +14,7 @@ import pytest
 
 from chunkstore.bench import qa_cases
 from chunkstore.bench.qa_cases import generate
-from chunkstore.bench.quality import _Prompts, cases_digest, parse_method, wilson
+from chunkstore.bench.quality import _Prompts, cases_digest, cpu_kind, parse_method, wilson
 from chunkstore.bench.quality import treatment as treat_as_the_bench
 
 
@@ -52,6 +52,17 @@ def test_the_cases_digest_tells_whether_two_runs_asked_the_same_prompts() -> Non
     assert cases_digest(tok, cases) != cases_digest(tok, generate(6, seed=4, prose=True))
     moved = [dataclasses.replace(cases[0], question=cases[0].question + " ")]
     assert cases_digest(tok, moved) != cases_digest(tok, cases[:1])
+
+
+def test_rows_name_the_cpu_and_the_instruction_sets_its_kernels_choose_among(
+    tmp_path: Path,
+) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text("model name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f sse4_2\n")
+    assert cpu_kind(info) == "AMD EPYC: avx2 avx512f"
+    info.write_text("model name\t: Some ARM core\n")
+    assert cpu_kind(info) == "Some ARM core"
+    assert cpu_kind(tmp_path / "missing") == "unknown"
 
 
 def test_filler_lengthens_documents_and_keeps_their_facts() -> None:

@@ -279,7 +279,11 @@ def _run_cases(
     args: argparse.Namespace, model: Path, tok: Any, doc_tokens: int | None, split: str
 ) -> Iterator[dict[str, Any]]:
     cases, _ = cases_of_length(args, tok, doc_tokens, split)
-    same = {"cases_digest": cases_digest(tok, cases), "model_digest": _model_digest(model)}
+    same = {
+        "cases_digest": cases_digest(tok, cases),
+        "model_digest": _model_digest(model),
+        "cpu": cpu_kind(),
+    }
     for row in evaluate(
         model, tok, cases, _methods(args), args.max_tokens, args.repeats, {"split": split}
     ):
@@ -300,6 +304,25 @@ def cases_digest(tok: Any, cases: list[qa_cases.Case]) -> str:
 @functools.cache
 def _model_digest(model: Path) -> str:
     return weights_digest(model)[:16]
+
+
+# The instruction sets vLLM's CPU kernels choose among: a greedy answer at a near tie can
+# differ between machines that run different ones.
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu_kind(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """This machine's CPU model and which of ``ISA_FLAGS`` it has, e.g. "AMD EPYC: avx2
+    avx512f avx512_bf16" (the model alone where /proc/cpuinfo says no flags)."""
+    try:
+        lines = cpuinfo.read_text().splitlines()
+    except OSError:
+        return "unknown"
+    fields = dict(line.split(":", 1) for line in lines if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    model = fields.get("model name", "unknown")
+    return f"{model}: {' '.join(f for f in ISA_FLAGS if f in flags)}".rstrip(": ")
 
 
 def _methods(args: argparse.Namespace) -> list[tuple[str, dict[str, Any] | None]]:
