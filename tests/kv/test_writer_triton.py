@@ -1,0 +1,147 @@
+"""The fused Triton writer (``chunkstore.kv.writer_triton``) writes what the torch path writes,
+bit for bit: every rotary variant, fp32 / fp16 / bf16, the flat cache ``write_chunk`` hands a
+writer and a strided per-layer view, padded slots skipped and every
+other slot left as it was. Run on CPU tensors by Triton's interpreter (no GPU here); the
+compiled kernel on a GPU is checked by tests/device and by the writer's own self-check."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Iterator
+from types import ModuleType
+
+import pytest
+import torch
+
+from chunkstore.kv.paging import PAD_SLOT
+from chunkstore.kv.rope import RotaryConfig, rotation_table
+from chunkstore.kv.writer import write_chunk, write_torch
+from chunkstore.testing.devices import DTYPES, ROTARY_VARIANTS
+
+KERNEL = "chunkstore.kv.writer_triton"
+LAYERS, HEADS, BLOCKS, BLOCK_SIZE = 2, 2, 4, 4
+SLOTS = torch.tensor([9, PAD_SLOT, 0, 14, 5, PAD_SLOT, 3])  # across blocks, out of order
+
+
+@pytest.fixture(scope="module")
+def kernel() -> Iterator[ModuleType]:
+    """``writer_triton`` with its kernel run by Triton's interpreter, TRITON_INTERPRET set for
+    this module's tests only. Triton reads it when a kernel is decorated (the module is
+    imported afresh under it) and when it first loads its own library; the variable and the
+    module are put back afterwards, so a later import compiles again (Triton's library keeps
+    the mode of its first import: nothing in a CPU test process compiles a Triton kernel)."""
+    package = sys.modules["chunkstore.kv"]
+    before = sys.modules.pop(KERNEL, None)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_INTERPRET", "1")
+        try:
+            yield importlib.import_module(KERNEL)
+        finally:
+            sys.modules.pop(KERNEL, None)
+            if before is None:
+                delattr(package, "writer_triton")
+            else:
+                sys.modules[KERNEL] = before
+                package.writer_triton = before  # type: ignore[attr-defined]
+
+
+def chunk(
+    dims: int, dtype: torch.dtype, seed: int = 0, tokens: int = len(SLOTS)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (LAYERS, tokens, HEADS, dims)
+    return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
+
+
+def filled_cache(dims: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
+    """A cache already holding other tokens: slots not written must keep their bytes."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(LAYERS, BLOCKS, BLOCK_SIZE, HEADS, dims, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("variant", list(ROTARY_VARIANTS))
+def test_every_rotary_variant_and_dtype_writes_the_torch_paths_bits(
+    kernel: ModuleType, variant: str, dtype: torch.dtype
+) -> None:
+    rotary = ROTARY_VARIANTS[variant]
+    keys, values = chunk(rotary.head_dim, dtype)
+    deltas = torch.tensor([300, -41, 7, 4096, 0, 1, -1000])  # each token moved its own way
+    caches = [filled_cache(rotary.head_dim, dtype) for _ in range(4)]
+    write_chunk(keys, values, *caches[:2], SLOTS, deltas, rotary, writer=kernel.write_triton)
+    write_chunk(keys, values, *caches[2:], SLOTS, deltas, rotary, writer=write_torch)
+    assert torch.equal(caches[0], caches[2]), "keys"  # every slot: written, padded, untouched
+    assert torch.equal(caches[1], caches[3]), "values"
+
+
+def test_padded_slots_and_slots_not_written_keep_their_bytes(kernel: ModuleType) -> None:
+    rotary = ROTARY_VARIANTS["default"]
+    keys, values = chunk(rotary.head_dim, torch.bfloat16)
+    caches = [filled_cache(rotary.head_dim, torch.bfloat16) for _ in "kv"]
+    before = [cache.clone() for cache in caches]
+    write_chunk(keys, values, *caches, SLOTS, 77, rotary, writer=kernel.write_triton)
+    written = torch.zeros(BLOCKS * BLOCK_SIZE, dtype=torch.bool)
+    written[SLOTS[SLOTS >= 0]] = True
+    for cache, was in zip(caches, before, strict=True):
+        assert torch.equal(cache.flatten(1, 2)[:, ~written], was.flatten(1, 2)[:, ~written])
+        assert not torch.equal(cache.flatten(1, 2)[:, written], was.flatten(1, 2)[:, written])
+    after = [cache.clone() for cache in caches]
+    nothing = torch.full_like(SLOTS, PAD_SLOT)  # every token another rank's
+    write_chunk(keys, values, *caches, nothing, 77, rotary, writer=kernel.write_triton)
+    assert all(torch.equal(c, a) for c, a in zip(caches, after, strict=True))
+
+
+@pytest.mark.parametrize("rotary", [ROTARY_VARIANTS["default"], None], ids=["shift-0", "none"])
+def test_a_zero_shift_or_no_rotary_copies_keys_as_stored(
+    kernel: ModuleType, rotary: RotaryConfig | None
+) -> None:
+    keys, values = chunk(64, torch.bfloat16)
+    key_cache, value_cache = (
+        torch.zeros(LAYERS, BLOCKS, BLOCK_SIZE, HEADS, 64, dtype=torch.bfloat16) for _ in "kv"
+    )
+    write_chunk(keys, values, key_cache, value_cache, SLOTS, 0, rotary, writer=kernel.write_triton)
+    kept = SLOTS >= 0
+    assert torch.equal(key_cache.flatten(1, 2)[:, SLOTS[kept]], keys[:, kept])
+    assert torch.equal(value_cache.flatten(1, 2)[:, SLOTS[kept]], values[:, kept])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_halfway_cases_round_to_even_as_torch_does(kernel: ModuleType, dtype: torch.dtype) -> None:
+    """cos 1.5 and sin 0 turn a half-precision key into a float32 one bit longer than the
+    storage keeps: about half of them lie exactly halfway between two neighbours."""
+    rotary = RotaryConfig(head_dim=64, rotary_dim=64, theta=10000.0)
+    keys, values = chunk(64, dtype, tokens=16)
+    slots = torch.arange(16)
+    cos, sin = torch.full((16, 32), 1.5), torch.zeros(16, 32)
+    fused, ops = (torch.zeros(LAYERS, 16, HEADS, 64, dtype=dtype) for _ in "ft")
+    kernel.write_triton(keys, values, fused, torch.empty_like(fused), slots, cos, sin, rotary)
+    write_torch(keys, values, ops, torch.empty_like(ops), slots, cos, sin, rotary)
+    halfway = keys.float() * 1.5 != (keys.float() * 1.5).to(dtype).float()
+    assert float(halfway.float().mean()) > 0.3
+    assert torch.equal(fused, ops)
+
+
+def hnd_views(dims: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's K and V as FlashInfer's HND order lays them out (heads before the block's
+    tokens in memory), viewed [blocks, block_size, heads, dims]."""
+    g = torch.Generator().manual_seed(2)
+    hnd = torch.randn(2, BLOCKS, HEADS, BLOCK_SIZE, dims, generator=g).to(dtype)
+    key_view, value_view = hnd.transpose(2, 3).unbind(0)
+    return key_view, value_view
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("variant", ["default", "gptj-partial", "yarn", "mla-offset"])
+def test_one_layer_into_a_strided_hnd_view_writes_the_torch_paths_bits(
+    kernel: ModuleType, variant: str, dtype: torch.dtype
+) -> None:
+    rotary = ROTARY_VARIANTS[variant]
+    keys, values = (x[0] for x in chunk(rotary.head_dim, dtype))
+    rotation = rotation_table(rotary, torch.arange(-3, 4) * 500, len(SLOTS))
+    fused = hnd_views(rotary.head_dim, dtype)
+    assert kernel.write_layer_triton(keys, values, *fused, SLOTS, rotation, rotary)
+    ops = [view.flatten(0, 1).clone() for view in hnd_views(rotary.head_dim, dtype)]
+    write_torch(keys[None], values[None], ops[0][None], ops[1][None], SLOTS, *rotation, rotary)
+    assert torch.equal(fused[0].flatten(0, 1), ops[0])
+    assert torch.equal(fused[1].flatten(0, 1), ops[1])
