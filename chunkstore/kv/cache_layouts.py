@@ -10,7 +10,8 @@ from; ``tests/kv/test_cache_layouts.py`` checks each against the back end's own 
 
 vLLM's CPU cache is not here: its kernel packs each block by instruction set, so the
 connector writes it through vLLM's op and trusts reads only after a probe
-(``connector/cpu_layout.py``). Proven on CPU tensors only: no GPU or NPU has run these.
+(``connector/cpu_layout.py``). On a device with a fused writer (``writer_triton``: CUDA, and
+Ascend NPUs with triton-ascend) one kernel writes a layer through the views' strides.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from chunkstore.errors import LayoutError
 from chunkstore.kv.remap import rotate_keys
 from chunkstore.kv.rope import RotaryConfig
+from chunkstore.kv.writer import layer_writer_for
 
 Views = tuple[torch.Tensor, torch.Tensor | None]
 
@@ -47,25 +49,29 @@ class CacheLayout(ABC):
         rotary: RotaryConfig | None = None,
     ) -> None:
         """K and V [tokens, kv_heads, head_dim] into the cache at ``slots``, keys rotated by
-        ``rotation`` (cos, sin per token: ``rope.rotation_table``) where given."""
+        ``rotation`` (cos, sin per token: ``rope.rotation_table``) where given: in one fused
+        kernel where the device has one (``writer.layer_writer_for``), else with torch ops."""
         key_view, value_view = self.views(cache)
+        if rotation is not None and rotary is None:
+            raise LayoutError("a rotation needs the rotary config it was made for")
+        if value_view is not None and values is None:
+            raise LayoutError(f"{self.name} caches hold values: none were given")
+        self._check(key_view, keys, slots, "keys")
+        if value_view is not None and values is not None:
+            self._check(value_view, values, slots, "values")
+        fused = layer_writer_for(key_view.device.type)
+        if fused is not None and fused(keys, values, key_view, value_view, slots, rotation, rotary):
+            return
         keep = slots >= 0
         slots = slots[keep]
         keys = keys[keep]
-        if rotation is not None:
-            if rotary is None:
-                raise LayoutError("a rotation needs the rotary config it was made for")
+        if rotation is not None and rotary is not None:
             cos, sin = rotation[0][keep], rotation[1][keep]
             keys = rotate_keys(keys, cos, sin, rotary, out=torch.empty_like(keys))
-        self._check(key_view, keys, slots, "keys")
         block, offset = slots // key_view.shape[1], slots % key_view.shape[1]
         key_view[block, offset] = keys.to(key_view.dtype)
-        if value_view is not None:
-            if values is None:
-                raise LayoutError(f"{self.name} caches hold values: none were given")
-            values = values[keep]
-            self._check(value_view, values, slots, "values")
-            value_view[block, offset] = values.to(value_view.dtype)
+        if value_view is not None and values is not None:
+            value_view[block, offset] = values[keep].to(value_view.dtype)
 
     def read(self, cache: Any, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """K and V [tokens, kv_heads, head_dim] of the tokens at ``slots`` (copies)."""

@@ -2,12 +2,17 @@
 "copy + RoPE remap", seed 004's slot mapping).
 
 One interface, a back end per device: a fused single-pass kernel on the CPU
-(``writer_cpu``), and torch ops on any device (CUDA; NPU, where ``rope`` rotates with
-torch-npu's fused rotary kernel). Adding a back end is adding an entry to ``WRITERS``.
+(``writer_cpu``, numba), one fused Triton kernel on CUDA and on Ascend NPUs where triton-ascend
+is installed (``writer_triton``; it also writes one layer into a back end's strided cache
+views: ``layer_writer_for``), and torch ops on any device (``write_torch``; on an NPU ``rope``
+rotates with torch-npu's fused rotary kernel). A fused kernel is used only where it loads and
+its self-check passes; any doubt and torch ops write. Adding a back end is adding an entry to
+``_WRITER_FACTORIES``.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Protocol
@@ -111,8 +116,84 @@ def _cpu_writer() -> Writer:
     return write
 
 
-_WRITER_FACTORIES: dict[str, Callable[[], Writer]] = {"cpu": _cpu_writer}
+class LayerWriter(Protocol):
+    """One layer's K and V ([tokens, kv_heads, head_dim]) into a back end's K and V views
+    ([blocks, block_size, kv_heads, head_dim], any strides; ``cache_layouts``) at ``slots``
+    (PAD_SLOT: skip), keys rotated by ``rotation`` (cos, sin per token) where given. False:
+    nothing written (a dtype it has no kernel for), the caller writes with torch ops."""
+
+    def __call__(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor | None,
+        key_view: torch.Tensor,
+        value_view: torch.Tensor | None,
+        slots: torch.Tensor,
+        rotation: tuple[torch.Tensor, torch.Tensor] | None,
+        rotary: RotaryConfig | None,
+    ) -> bool: ...
+
+
+def triton_problem(device_type: str) -> str | None:
+    """Why the fused Triton kernel does not serve this device type (None: it does): triton
+    does not import, or its self-check on the device failed. Checked once per device type."""
+    if device_type not in _triton_problems:
+        try:
+            from chunkstore.kv.writer_triton import self_check
+        except ImportError as exc:
+            _triton_problems[device_type] = f"triton unavailable ({exc})"
+        else:
+            _triton_problems[device_type] = self_check(device_type)
+        if _triton_problems[device_type]:
+            log.warning(
+                "fused Triton KV writer not used on %s: %s; using torch ops",
+                device_type,
+                _triton_problems[device_type],
+            )
+    return _triton_problems[device_type]
+
+
+def _triton_writer(device_type: str) -> Writer:
+    if triton_problem(device_type):
+        return write_torch
+    from chunkstore.kv.writer_triton import kernel_fits, write_triton
+
+    def write(
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        flat_k: torch.Tensor,
+        flat_v: torch.Tensor,
+        slots: torch.Tensor,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
+        rotary: RotaryConfig | None,
+    ) -> None:
+        fused = write_triton if kernel_fits(keys, values, flat_k, flat_v) else write_torch
+        fused(keys, values, flat_k, flat_v, slots, cos, sin, rotary)
+
+    return write
+
+
+def _triton_layer_writer(device_type: str) -> LayerWriter | None:
+    if triton_problem(device_type):
+        return None
+    from chunkstore.kv.writer_triton import write_layer_triton
+
+    return write_layer_triton
+
+
+_WRITER_FACTORIES: dict[str, Callable[[], Writer]] = {
+    "cpu": _cpu_writer,
+    "cuda": functools.partial(_triton_writer, "cuda"),
+    "npu": functools.partial(_triton_writer, "npu"),
+}
+_LAYER_WRITER_FACTORIES: dict[str, Callable[[], LayerWriter | None]] = {
+    "cuda": functools.partial(_triton_layer_writer, "cuda"),
+    "npu": functools.partial(_triton_layer_writer, "npu"),
+}
 _writers: dict[str, Writer] = {}
+_layer_writers: dict[str, LayerWriter | None] = {}
+_triton_problems: dict[str, str | None] = {}
 
 
 def writer_for(device_type: str) -> Writer:
@@ -121,6 +202,15 @@ def writer_for(device_type: str) -> Writer:
         factory = _WRITER_FACTORIES.get(device_type)
         _writers[device_type] = factory() if factory else write_torch
     return _writers[device_type]
+
+
+def layer_writer_for(device_type: str) -> LayerWriter | None:
+    """The fused one-layer writer for a device type, or None: ``CacheLayout.write`` then
+    writes with torch ops."""
+    if device_type not in _layer_writers:
+        factory = _LAYER_WRITER_FACTORIES.get(device_type)
+        _layer_writers[device_type] = factory() if factory else None
+    return _layer_writers[device_type]
 
 
 def write_chunk(

@@ -1,12 +1,13 @@
 """The fused Triton writer (``chunkstore.kv.writer_triton``) writes what the torch path writes,
 bit for bit: every rotary variant, fp32 / fp16 / bf16, the flat cache ``write_chunk`` hands a
-writer and a strided per-layer view, padded slots skipped and every
+writer and strided per-layer views of each back end's layout, padded slots skipped and every
 other slot left as it was. Run on CPU tensors by Triton's interpreter (no GPU here); the
 compiled kernel on a GPU is checked by tests/device and by the writer's own self-check."""
 
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 from collections.abc import Iterator
 from types import ModuleType
@@ -14,6 +15,14 @@ from types import ModuleType
 import pytest
 import torch
 
+from chunkstore.kv import writer
+from chunkstore.kv.cache_layouts import (
+    CacheLayout,
+    LatentLayout,
+    PackedLayout,
+    SplitLayout,
+    StackedLayout,
+)
 from chunkstore.kv.paging import PAD_SLOT
 from chunkstore.kv.rope import RotaryConfig, rotation_table
 from chunkstore.kv.writer import write_chunk, write_torch
@@ -145,3 +154,95 @@ def test_one_layer_into_a_strided_hnd_view_writes_the_torch_paths_bits(
     write_torch(keys[None], values[None], ops[0][None], ops[1][None], SLOTS, *rotation, rotary)
     assert torch.equal(fused[0].flatten(0, 1), ops[0])
     assert torch.equal(fused[1].flatten(0, 1), ops[1])
+
+
+def layouts(dtype: torch.dtype) -> dict[str, tuple[CacheLayout, object]]:
+    """A cache of each back end's layout (as tests/kv/test_cache_layouts.py builds them)."""
+    dim = 16
+    nhd = torch.zeros(BLOCKS, BLOCK_SIZE, HEADS, 2 * dim, dtype=dtype).transpose(1, 2)
+    return {
+        "packed-NHD": (PackedLayout(dim), nhd),
+        "packed-HND": (
+            PackedLayout(dim),
+            torch.zeros(BLOCKS, HEADS, BLOCK_SIZE, 2 * dim, dtype=dtype),
+        ),
+        "stacked1": (StackedLayout(1), torch.zeros(BLOCKS, 2, BLOCK_SIZE, HEADS, dim, dtype=dtype)),
+        "split": (
+            SplitLayout(),
+            tuple(torch.zeros(BLOCKS, BLOCK_SIZE, HEADS, dim, dtype=dtype) for _ in "kv"),
+        ),
+        "latent": (LatentLayout(), torch.zeros(BLOCKS, BLOCK_SIZE, 24, dtype=dtype)),
+    }
+
+
+def as_tensors(cache: object) -> list[torch.Tensor]:
+    return list(cache) if isinstance(cache, tuple) else [cache]  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cache_layouts_write_through_the_kernel_where_the_device_has_it(
+    kernel: ModuleType, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """``CacheLayout.write`` takes the device's fused layer writer (``writer.layer_writer_for``;
+    the CPU has none, so the interpreted kernel stands in for it) and writes what its torch
+    path writes, in every layout."""
+    launched: list[str] = []
+
+    def fused(*args: object) -> bool:
+        launched.append("kernel")
+        return bool(kernel.write_layer_triton(*args))
+
+    for name, (layout, cache) in layouts(dtype).items():
+        rotary = (
+            RotaryConfig(head_dim=24, rotary_dim=8, theta=10000.0, rotary_offset=16)
+            if name == "latent"
+            else RotaryConfig(head_dim=16, rotary_dim=16, theta=10000.0)
+        )
+        heads = 1 if name == "latent" else HEADS
+        g = torch.Generator().manual_seed(3)
+        keys = torch.randn(len(SLOTS), heads, rotary.head_dim, generator=g).to(dtype)
+        values = None if name == "latent" else torch.randn(keys.shape, generator=g).to(dtype)
+        rotation = rotation_table(rotary, 1234, len(SLOTS))
+        on_torch = layouts(dtype)[name][1]
+        layout.write(on_torch, keys, values, SLOTS, rotation, rotary)
+        with monkeypatch.context() as patch:
+            patch.setitem(writer._layer_writers, "cpu", fused)
+            layout.write(cache, keys, values, SLOTS, rotation, rotary)
+        assert launched.pop() == "kernel", name
+        for got, want in zip(as_tensors(cache), as_tensors(on_torch), strict=True):
+            assert torch.equal(got, want), name
+
+
+def test_a_device_gets_the_kernel_only_once_its_self_check_passes(
+    kernel: ModuleType, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The registration on CUDA and NPUs (``writer._triton_writer``), here run for CPU
+    tensors: the kernel where its self-check writes torch's bits; else torch ops, said once."""
+    monkeypatch.setattr(writer, "_triton_problems", {})
+    assert writer.triton_problem("cpu") is None
+    assert writer._triton_writer("cpu") is not write_torch
+    assert writer._triton_layer_writer("cpu") is kernel.write_layer_triton
+
+    for why, patch_kernel in (
+        ("wrote other bits", lambda: monkeypatch.setattr(kernel, "self_check", lambda _: "x")),
+        ("triton unavailable", lambda: monkeypatch.setitem(sys.modules, KERNEL, None)),
+    ):
+        monkeypatch.setattr(writer, "_triton_problems", {})
+        patch_kernel()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=writer.__name__):
+            assert writer._triton_writer("cpu") is write_torch
+            assert writer._triton_layer_writer("cpu") is None
+        assert len(caplog.records) == 1, why
+        assert "using torch ops" in caplog.records[0].getMessage()
+
+
+def test_the_self_check_catches_a_kernel_that_writes_wrong_bits(
+    kernel: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def rotating_backwards(keys, values, flat_k, flat_v, slots, cos, sin, rotary):  # type: ignore[no-untyped-def]
+        write_torch(keys, values, flat_k, flat_v, slots, cos, -sin, rotary)
+
+    assert kernel.self_check("cpu") is None
+    monkeypatch.setattr(kernel, "write_triton", rotating_backwards)
+    assert "other bits" in str(kernel.self_check("cpu"))
