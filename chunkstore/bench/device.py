@@ -2,7 +2,11 @@
 bytes on the same device, timed side by side (ratios are medians of per-round ratios):
 
 - ``remap_write``: a chunk written into a paged cache with its keys re-rotated on the device
-  (``write_chunk``, the device's writer) against ``copy_`` of as many bytes;
+  (``write_chunk``, the device's writer, named in the row) against ``copy_`` of as many bytes;
+- ``remap_write_triton``: the same through the fused Triton kernel (``kv/writer_triton``),
+  checked bit for bit against the torch writer on the device, with the torch writer's GB/s
+  beside it and whether the kernel's self-check passed; where triton does not import, or on
+  the CPU (its writer is numba), the row says why it is absent;
 - ``ipc_get``: an entry read from a daemon's device pool (``--device cuda|npu``, ``fake`` on
   a CPU host) through the client (the pool imported by IPC, the blocks gathered, checked by
   ``TensorDigest``) against a device-to-device copy of as many bytes (cudaMemcpy);
@@ -29,7 +33,7 @@ from chunkstore.client import ChunkStoreClient
 from chunkstore.kv.paging import slot_mapping
 from chunkstore.kv.remap import remap_keys
 from chunkstore.kv.rope import RotaryConfig
-from chunkstore.kv.writer import write_chunk
+from chunkstore.kv.writer import Writer, triton_problem, write_chunk, write_torch, writer_for
 from chunkstore.processes.daemon import memory_dir, start_daemon
 from chunkstore.protocol.device_ipc import accelerators
 from chunkstore.protocol.shm import extents
@@ -45,6 +49,7 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="chunkstore-bench-device-") as scratch:
         yield _ipc_get(args, device, sync, Path(scratch))
         yield _host_pool(args, device, sync, Path(scratch))
+    yield _remap_write_triton(args, device, sync)  # last: new, it must not cost the others
 
 
 def _synchronizer(device: str) -> Callable[[], None]:
@@ -81,41 +86,97 @@ def _figures(
     }
 
 
+class _PagedChunk:
+    """A chunk of bf16 keys and values and a paged cache to write it into, on the device:
+    ``args.layers`` x ``args.tokens`` x 8 KV heads x 128 dims, slots in shuffled blocks."""
+
+    def __init__(self, args: argparse.Namespace, device: str) -> None:
+        layers, tokens, heads, dim, block_size = args.layers, args.tokens, 8, 128, 16
+        self.rotary = RotaryConfig(head_dim=dim, rotary_dim=dim, theta=1e6)
+        g = torch.Generator().manual_seed(0)
+        blocks = -(-tokens // block_size) + 8
+        table = torch.randperm(blocks, generator=g)[None]
+        positions = torch.arange(100, 100 + tokens)
+        self.slots = slot_mapping(torch.zeros_like(positions), positions, table, block_size)
+        self.slots = self.slots.to(device)
+        shape = (layers, tokens, heads, dim)
+        self.keys = torch.randn(shape, generator=g).to(torch.bfloat16).to(device)
+        self.values = torch.randn(shape, generator=g).to(torch.bfloat16).to(device)
+        cache_shape = (layers, blocks, block_size, heads, dim)
+        self.key_cache = torch.zeros(cache_shape, dtype=torch.bfloat16, device=device)
+        self.value_cache = torch.zeros_like(self.key_cache)
+        self.source = torch.cat((self.keys.reshape(-1), self.values.reshape(-1)))
+        self.target = torch.empty_like(self.source)
+        self.nbytes = 2 * self.keys.numel() * self.keys.element_size()
+
+    def write(self, writer: Writer | None = None) -> None:
+        write_chunk(
+            self.keys,
+            self.values,
+            self.key_cache,
+            self.value_cache,
+            self.slots,
+            1234,
+            self.rotary,
+            writer,
+        )
+
+    def copy(self) -> None:
+        self.target.copy_(self.source)
+
+
 def _remap_write(args: argparse.Namespace, device: str, sync: Callable[[], None]) -> dict[str, Any]:
-    layers, tokens, heads, dim, block_size = args.layers, args.tokens, 8, 128, 16
-    rotary = RotaryConfig(head_dim=dim, rotary_dim=dim, theta=1e6)
-    g = torch.Generator().manual_seed(0)
-    blocks = -(-tokens // block_size) + 8
-    table = torch.randperm(blocks, generator=g)[None]
-    positions = torch.arange(100, 100 + tokens)
-    slots = slot_mapping(torch.zeros_like(positions), positions, table, block_size).to(device)
-    shape = (layers, tokens, heads, dim)
-    keys = torch.randn(shape, generator=g).to(torch.bfloat16).to(device)
-    values = torch.randn(shape, generator=g).to(torch.bfloat16).to(device)
-    cache_shape = (layers, blocks, block_size, heads, dim)
-    key_cache = torch.zeros(cache_shape, dtype=torch.bfloat16, device=device)
-    value_cache = torch.zeros_like(key_cache)
-    source = torch.cat((keys.reshape(-1), values.reshape(-1)))
-    target = torch.empty_like(source)
-
-    def remap() -> None:
-        write_chunk(keys, values, key_cache, value_cache, slots, 1234, rotary)
-
-    measured, baseline = _rounds(remap, lambda: target.copy_(source), sync, args.repeats)
-    flat = key_cache.view(layers, -1, heads, dim)
-    expected = remap_keys(keys[-1].float().cpu(), 1234, rotary)
-    error = float((flat[-1, slots].float().cpu() - expected).abs().max())
+    chunk = _PagedChunk(args, device)
+    measured, baseline = _rounds(chunk.write, chunk.copy, sync, args.repeats)
+    layers, _, heads, dim = chunk.keys.shape
+    flat = chunk.key_cache.view(layers, -1, heads, dim)
+    expected = remap_keys(chunk.keys[-1].float().cpu(), 1234, chunk.rotary)
+    error = float((flat[-1, chunk.slots].float().cpu() - expected).abs().max())
     if error > 2 * torch.finfo(torch.bfloat16).eps * float(expected.abs().max()):
         raise AssertionError(f"remap_write on {device} wrote keys {error} off the reference")
-    nbytes = 2 * keys.numel() * keys.element_size()
     return {
         "bench": "device",
         "part": "remap_write",
         "device": device,
+        "writer": "torch" if writer_for(device) is write_torch else "fused",
         "dtype": "bfloat16",
-        "bytes": nbytes,
-        **_figures("remap_write", nbytes, measured, baseline),
-        "copy_gb_s": round(nbytes / statistics.median(baseline) / 1e9, 2),
+        "bytes": chunk.nbytes,
+        **_figures("remap_write", chunk.nbytes, measured, baseline),
+        "copy_gb_s": round(chunk.nbytes / statistics.median(baseline) / 1e9, 2),
+    }
+
+
+def _remap_write_triton(
+    args: argparse.Namespace, device: str, sync: Callable[[], None]
+) -> dict[str, Any]:
+    row: dict[str, Any] = {"bench": "device", "part": "remap_write_triton", "device": device}
+    if device == "cpu":
+        return {**row, "triton": "unavailable on the CPU (its writer is numba: remap_write)"}
+    try:
+        import triton
+
+        from chunkstore.kv.writer_triton import write_triton
+    except ImportError as exc:
+        return {**row, "triton": f"unavailable ({exc})"}
+    chunk = _PagedChunk(args, device)
+    chunk.write(write_torch)
+    by_torch = chunk.key_cache.clone(), chunk.value_cache.clone()
+    measured_torch, _ = _rounds(lambda: chunk.write(write_torch), chunk.copy, sync, args.repeats)
+    chunk.key_cache.zero_()
+    chunk.value_cache.zero_()
+    measured, baseline = _rounds(lambda: chunk.write(write_triton), chunk.copy, sync, args.repeats)
+    written = chunk.key_cache, chunk.value_cache
+    if not all(torch.equal(a, b) for a, b in zip(written, by_torch, strict=True)):
+        raise AssertionError(f"the Triton writer on {device} wrote other bits than torch ops")
+    return {
+        **row,
+        "triton": triton.__version__,
+        "self_check": triton_problem(device) or "passed",
+        "dtype": "bfloat16",
+        "bytes": chunk.nbytes,
+        **_figures("remap_write_triton", chunk.nbytes, measured, baseline),
+        "copy_gb_s": round(chunk.nbytes / statistics.median(baseline) / 1e9, 2),
+        "torch_writer_gb_s": round(chunk.nbytes / statistics.median(measured_torch) / 1e9, 2),
     }
 
 

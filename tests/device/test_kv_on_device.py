@@ -1,7 +1,8 @@
 """The KV math on the device it serves from, against the CPU fp32 reference: RoPE remap of
 every rotary variant (fp32, fp16, bf16), each cache layout's rotated write read back by the
 layout's own indexing (vLLM >= 0.32's packed flash layout in NHD and HND order, the stacked
-layouts of older vLLM, vllm-ascend's split pair, MLA's latent), the chunk writer, the
+layouts of older vLLM, vllm-ascend's split pair, MLA's latent), the chunk writer (and the fused
+Triton writer against the torch one, bit for bit, where triton runs on the device), the
 isolation attention, and ``TensorDigest`` (device pools' checksum) against the same digest
 of the same bytes on the host. ``accelerator`` is the device (conftest.py); tests/kv proves
 the math itself against HF transformers on CPU tensors."""
@@ -13,6 +14,7 @@ import random
 import pytest
 import torch
 
+from chunkstore.kv import writer
 from chunkstore.kv.attention import KeyBlock, attention_after_context, isolated_attention
 from chunkstore.kv.cache_layouts import (
     CacheLayout,
@@ -196,3 +198,54 @@ def test_tensor_digest_on_the_device_equals_the_host_digest(accelerator: str, le
     changed = TensorDigest()
     changed.update(on_device)
     assert changed.intdigest() != host.intdigest()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_fused_triton_writer_writes_the_torch_writers_bits_on_the_device(
+    accelerator: str, dtype: torch.dtype
+) -> None:
+    """Where triton runs on the device (CUDA; an NPU with triton-ascend), ``write_chunk`` and
+    every cache layout write through the fused kernel (its self-check passed on this
+    machine) and write what torch ops write on the same device, bit for bit, for every rotary
+    variant. The CPU has no Triton writer: its chunk writer is numba's, its layouts torch's."""
+    if accelerator == "cpu":
+        assert writer.layer_writer_for("cpu") is None
+        return
+    problem = writer.triton_problem(accelerator)
+    if accelerator == "npu" and problem and problem.startswith("triton unavailable"):
+        assert writer.writer_for("npu") is writer.write_torch
+        return
+    assert problem is None, problem
+    assert writer.writer_for(accelerator) is not writer.write_torch
+    from chunkstore.kv.writer_triton import write_triton
+
+    layers, tokens = 2, 40
+    g = torch.Generator().manual_seed(5)
+    slots = torch.randperm(BLOCKS * BLOCK_SIZE, generator=g)[:tokens]
+    slots[3] = -1  # a token another rank owns
+    for variant, rotary in VARIANTS.items():
+        shape = (layers, tokens, HEADS, rotary.head_dim)
+        keys = torch.randn(shape, generator=g).to(dtype).to(accelerator)
+        values = torch.randn(shape, generator=g).to(dtype).to(accelerator)
+        deltas = torch.randint(-4096, 4096, (tokens,), generator=g)
+        cache_shape = (layers, BLOCKS, BLOCK_SIZE, HEADS, rotary.head_dim)
+        written = [torch.zeros(cache_shape, dtype=dtype, device=accelerator) for _ in range(4)]
+        write_chunk(keys, values, *written[:2], slots, deltas, rotary, writer=write_triton)
+        write_chunk(keys, values, *written[2:], slots, deltas, rotary, writer=writer.write_torch)
+        assert torch.equal(written[0], written[2]) and torch.equal(written[1], written[3]), variant
+
+    rotary = VARIANTS["default"]
+    keys = torch.randn(len(SLOTS), HEADS, DIM, generator=g).to(dtype).to(accelerator)
+    values = torch.randn(len(SLOTS), HEADS, DIM, generator=g).to(dtype).to(accelerator)
+    rotation = tuple(t.to(accelerator) for t in rotation_table(rotary, 123, len(SLOTS)))
+    on = SLOTS.to(accelerator)
+    fused_caches, torch_caches = caches(accelerator, dtype), caches(accelerator, dtype)
+    for (layout, fused), (_, by_torch), name in zip(
+        fused_caches, torch_caches, CACHE_NAMES, strict=True
+    ):
+        layout.write(fused, keys, values, on, rotation, rotary)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setitem(writer._layer_writers, accelerator, None)  # torch ops
+            layout.write(by_torch, keys, values, on, rotation, rotary)
+        for a, b in zip(layout.views(fused), layout.views(by_torch), strict=True):
+            assert a is not None and b is not None and torch.equal(a, b), name
