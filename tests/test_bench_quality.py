@@ -264,6 +264,9 @@ def test_bench_quality_json_on_the_tiny_model() -> None:
         assert row["doc_tokens"] == rows["full"]["doc_tokens"] > 0  # (one filler: the least)
     assert "answer_chunks_recomputed" not in rows["isolated"]
     assert "warm_correct" not in rows["full"]
+    # What two runs must share to compare case by case: every row of one run says the same.
+    same = {(r["cases_digest"], r["model_digest"], r["cpu"]) for r in rows.values()}
+    assert len(same) == 1 and all(same.pop())
 
 
 def test_the_bench_reads_which_chunks_a_method_recomputes_or_moves_as_the_connector() -> None:
