@@ -100,8 +100,9 @@ def bm25_scores(question: Sequence[int], chunks: Sequence[Sequence[int]]) -> lis
 def span(question: Sequence[int], chunks: Sequence[Sequence[int]], index: int, width: int) -> range:
     """The ``width`` tokens of chunk ``index`` that a question reads it for: the window
     holding the most idf of the question's terms (tokens and adjacent pairs, idf over the
-    chunks as in BM25), placed so that its first match stands a quarter in (the answer
-    follows what the question names). The whole chunk where it is no longer."""
+    chunks as in BM25), placed so that its heaviest match stands a quarter in (the answer
+    follows what the question names: its rarest terms, not a common word of the question
+    that happens to come first). The whole chunk where it is no longer."""
     chunk = chunks[index]
     if len(chunk) <= width:
         return range(len(chunk))
@@ -121,8 +122,8 @@ def span(question: Sequence[int], chunks: Sequence[Sequence[int]], index: int, w
         window += weight[s + width - 1] - weight[s - 1]
         if window > best:
             best, start = window, s
-    first = next((p for p in range(start, start + width) if weight[p]), start)
-    start = min(max(0, first - width // 4), len(chunk) - width)
+    heaviest = max(range(start, start + width), key=weight.__getitem__)
+    start = min(max(0, heaviest - width // 4), len(chunk) - width)
     return range(start, start + width)
 
 

@@ -126,7 +126,7 @@ def test_relevant_chunks_go_last_and_are_recomputed_there_when_short() -> None:
 
 
 def test_a_long_relevant_chunk_is_recomputed_where_it_matches_the_question() -> None:
-    """``span``: the window with the most idf of the question's terms, its first match a
+    """``span``: the window with the most idf of the question's terms, its heaviest match a
     quarter in, clamped to the chunk; the whole chunk where it is no longer."""
     question = [42, 43]
     fact = [7] * 50 + [42, 43] + [7] * 48  # the match at 50
@@ -140,6 +140,11 @@ def test_a_long_relevant_chunk_is_recomputed_where_it_matches_the_question() -> 
     # A term every chunk holds weighs less than a rare one: the window goes to the rare one.
     common = [42] + [7] * 59 + [43, 44] + [7] * 38
     assert span([42, 43, 44], [common, [42] * 100], 0, 20) == range(55, 75)
+    # A common word of the question before the name ("In which city does Ada Lovelace
+    # live?"): the window is placed by the name, so the answer after it stays inside.
+    named = [7] * 30 + [5] + [7] * 15 + [42, 43] + [7] * 53
+    others = [[5] + [7] * 99, [7] * 50 + [5] + [7] * 49]
+    assert span([5, 42, 43], [named, *others], 0, 40) == range(36, 76)  # 46 - 40 // 4
     # Within the budget, in relevant(): a 100-token pick recomputed as its 40-token span.
     segments, start = [Segment(SegmentKind.SYS, 0, (9, 9))], 2
     for kind, body in [(SegmentKind.CHUNK, fact), (SegmentKind.CHUNK, other)] + [
