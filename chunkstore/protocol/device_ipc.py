@@ -16,18 +16,21 @@ Rules both real runtimes impose, kept here for all:
   CUDA maps one per context);
 - every importer closes before the exporter frees (freeing first is undefined on the device).
 
-Entries in a device pool are checked with ``TensorDigest`` (computed by torch ops on the
-device the bytes are on), not the shared-memory pool's xxh3 stripes, which need host bytes.
+Entries in a device pool are checked with ``TensorDigest`` (computed on the device the bytes
+are on), not the shared-memory pool's xxh3 stripes, which need host bytes. A get on CUDA or
+an NPU gathers and hashes in one Triton kernel (``gather_triton``: why every get still hashes
+is said there) where it loads and passes its self-check; else torch ops copy, then hash.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import socket
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import xxhash
@@ -36,6 +39,8 @@ from chunkstore.errors import DeviceError, InvalidRequest
 from chunkstore.protocol.device_runtime import DeviceIPC, IpcHandle
 from chunkstore.protocol.fake_device import FakeDeviceIPC
 from chunkstore.protocol.shm import extents
+
+log = logging.getLogger(__name__)
 
 
 class TorchIPC(DeviceIPC):
@@ -250,9 +255,20 @@ class TensorDigest:
             self.weighted = self.weighted + (wide * weights).sum(dtype=torch.int64)
             self.length += piece.numel()
 
+    def add_gathered(self, nbytes: int, plain: torch.Tensor, weighted: torch.Tensor) -> None:
+        """Feed the sums of ``nbytes`` more bytes computed elsewhere (``gather_triton``: its
+        weights start at this digest's length)."""
+        self.plain = self.plain + plain
+        self.weighted = self.weighted + weighted
+        self.length += nbytes
+
     def intdigest(self) -> int:
         mask = (1 << 64) - 1
-        words = (self.length & mask, int(self.plain) & mask, int(self.weighted) & mask)
+        if isinstance(self.plain, torch.Tensor) and isinstance(self.weighted, torch.Tensor):
+            plain, weighted = torch.stack((self.plain, self.weighted)).tolist()  # one wait
+        else:
+            plain, weighted = int(self.plain), int(self.weighted)
+        words = (self.length & mask, plain & mask, weighted & mask)
         return xxhash.xxh3_64_intdigest(b"".join(w.to_bytes(8, "little") for w in words))
 
 
@@ -300,10 +316,59 @@ def gather_tensor(
     out: torch.Tensor,
     digest: TensorDigest,
 ) -> None:
-    """Copy the entry's blocks into ``out`` (flat uint8), then hash the pool's bytes: a change
-    made before or during the copy shows as a mismatch."""
+    """Copy the entry's blocks into ``out`` (flat uint8) and hash them into ``digest``: in one
+    pass where the pool's device has the fused get (``fused_gather_for``; the digest is of the
+    bytes stored into ``out``), else a copy per extent, then a hash of the pool's bytes (a
+    change made before or during the copy shows as a mismatch)."""
+    fused = fused_gather_for(pool.device.type) if out.device == pool.device else None
+    if fused is not None:
+        digest.add_gathered(out.numel(), *fused(pool, list(blocks), block_size, out, digest.length))
+        return
     done = 0
     for start, length in extents(blocks, block_size, 0, out.numel()):
         out[done : done + length].copy_(pool[start : start + length])
         digest.update(pool[start : start + length])
         done += length
+
+
+class FusedGather(Protocol):
+    """``gather_triton.gather_with_sums``: the entry in ``blocks`` of ``pool`` into ``out``,
+    returning ``TensorDigest``'s two sums of its bytes (weights from ``phase`` on)."""
+
+    def __call__(
+        self, pool: torch.Tensor, blocks: list[int], block_size: int, out: torch.Tensor, phase: int
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+FUSED_GATHER_DEVICES = ("cuda", "npu")  # CPU pools (the fake device) gather with torch ops
+_fused_gathers: dict[str, FusedGather | None] = {}
+gather_problems: dict[str, str] = {}  # device type -> why the fused get does not serve it
+
+
+def fused_gather_for(device_type: str) -> FusedGather | None:
+    """The fused Triton get for pools on this device type, or None (torch ops copy and hash):
+    loaded once per device type, used only where triton imports and the kernel's self-check
+    passes on the device (else said once in the log, and why kept in ``gather_problems``)."""
+    if device_type not in _fused_gathers:
+        _fused_gathers[device_type] = (
+            _load_fused_gather(device_type) if device_type in FUSED_GATHER_DEVICES else None
+        )
+    return _fused_gathers[device_type]
+
+
+def _load_fused_gather(device_type: str) -> FusedGather | None:
+    try:
+        from chunkstore.protocol.gather_triton import gather_with_sums, self_check
+    except ImportError as exc:
+        problem: str | None = f"triton unavailable ({exc})"
+    else:
+        problem = self_check(device_type)
+    if problem:
+        gather_problems[device_type] = problem
+        log.warning(
+            "fused Triton get not used for %s pools: %s; copying and hashing with torch ops",
+            device_type,
+            problem,
+        )
+        return None
+    return gather_with_sums
