@@ -212,8 +212,10 @@ def test_bytes_changed_in_a_device_pool_are_never_served(serve, pool_device: str
         assert entry is not None and client.device_pool is not None
         block = entry.blocks[len(entry.blocks) // 2] * client.block_size
         client.device_pool[block + 100] ^= 0xFF  # a stray write into the pool
+        # Read on the pool's device: a GPU's get then gathers and hashes in one kernel.
+        out = torch.empty(entry.nbytes, dtype=torch.uint8, device=client.device_pool.device)
         with pytest.raises(ChecksumMismatch):
-            client.read_into(entry, torch.empty(entry.nbytes, dtype=torch.uint8))
+            client.read_into(entry, out)
         client.release([entry.lease_id])
         assert client.get(entry_key(1)) is None  # the daemon checked it and evicted it
         assert client.stats().evictions["corrupt"] == 1

@@ -3,9 +3,10 @@ every rotary variant (fp32, fp16, bf16), each cache layout's rotated write read 
 layout's own indexing (vLLM >= 0.32's packed flash layout in NHD and HND order, the stacked
 layouts of older vLLM, vllm-ascend's split pair, MLA's latent), the chunk writer (and the fused
 Triton writer against the torch one, bit for bit, where triton runs on the device), the
-isolation attention, and ``TensorDigest`` (device pools' checksum) against the same digest
-of the same bytes on the host. ``accelerator`` is the device (conftest.py); tests/kv proves
-the math itself against HF transformers on CPU tensors."""
+isolation attention, ``TensorDigest`` (device pools' checksum) against the same digest of the
+same bytes on the host, and the fused get (gather + digest in one Triton kernel, where triton
+runs on the device) against a gather and digest on the host. ``accelerator`` is the device
+(conftest.py); tests/kv proves the math itself against HF transformers on CPU tensors."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ from chunkstore.kv.remap import remap_keys
 from chunkstore.kv.rope import rotation_table
 from chunkstore.kv.segments import SegmentKind
 from chunkstore.kv.writer import write_chunk
-from chunkstore.protocol.device_ipc import DIGEST_PIECE, TensorDigest
+from chunkstore.protocol import device_ipc
+from chunkstore.protocol.device_ipc import DIGEST_PIECE, TensorDigest, gather_tensor
 from chunkstore.testing.devices import DTYPES, ROTARY_VARIANTS, tolerance
 
 BLOCKS, BLOCK_SIZE, HEADS, DIM = 6, 16, 4, 64
@@ -249,3 +251,45 @@ def test_the_fused_triton_writer_writes_the_torch_writers_bits_on_the_device(
             layout.write(by_torch, keys, values, on, rotation, rotary)
         for a, b in zip(layout.views(fused), layout.views(by_torch), strict=True):
             assert a is not None and b is not None and torch.equal(a, b), name
+
+
+@pytest.mark.parametrize(
+    "block_size, blocks, nbytes",
+    [(1 << 20, [3, 0, 2, 1], 3 * (1 << 20) + 12_345), (12_345, [7, 2, 5, 0], 3 * 12_345 + 1)],
+    ids=["MiB-blocks", "odd-blocks"],
+)
+def test_the_fused_get_on_the_device_serves_the_hosts_bytes_and_digest(
+    accelerator: str, block_size: int, blocks: list[int], nbytes: int
+) -> None:
+    """Where triton runs on the device (CUDA; an NPU with triton-ascend), a get from a pool
+    there (``gather_tensor`` into a tensor on the pool's device) goes through the fused kernel
+    (its self-check passed on this machine) and gives the bytes and the ``TensorDigest`` that
+    a gather on the host gives, after a digest already fed; one changed byte changes it. The
+    CPU (the fake device's pools) gathers with torch ops."""
+    if accelerator == "cpu":
+        assert device_ipc.fused_gather_for("cpu") is None
+        return
+    fused = device_ipc.fused_gather_for(accelerator)
+    problem = device_ipc.gather_problems.get(accelerator, "")
+    if accelerator == "npu" and problem.startswith("triton unavailable"):
+        assert fused is None
+        return
+    assert fused is not None, problem
+    g = torch.Generator().manual_seed(6)
+    host_pool = torch.randint(0, 256, (8 * block_size,), dtype=torch.uint8, generator=g)
+    fed = torch.randint(0, 256, (DIGEST_PIECE + 7,), dtype=torch.uint8, generator=g)
+    host, device = TensorDigest(), TensorDigest()
+    host.update(fed)
+    want = torch.empty(nbytes, dtype=torch.uint8)
+    gather_tensor(host_pool, blocks, block_size, want, host)
+    pool = host_pool.to(accelerator)
+    device.update(fed.to(accelerator))
+    out = torch.zeros(nbytes, dtype=torch.uint8, device=accelerator)
+    gather_tensor(pool, blocks, block_size, out, device)
+    assert device.intdigest() == host.intdigest()
+    assert torch.equal(out.cpu(), want)
+    pool[blocks[-1] * block_size] ^= 0x01
+    changed = TensorDigest()
+    changed.update(fed.to(accelerator))
+    gather_tensor(pool, blocks, block_size, out, changed)
+    assert changed.intdigest() != host.intdigest()
