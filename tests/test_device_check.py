@@ -75,9 +75,18 @@ def test_the_device_check_runs_with_only_the_gpu_machines_packages(
         assert facts["npu_runtime"].startswith("FAKE")
     else:
         figures = {row["part"]: row for row in report["parts"]["bench"]["figures"]}
-        assert set(figures) == {"remap_write", "ipc_get", "host_pool", "remap_write_triton"}
-        # No Triton writer on the CPU: the row says so instead of measuring.
+        assert set(figures) == {
+            "remap_write",
+            "ipc_get",
+            "ipc_get_triton",
+            "host_pool",
+            "remap_write_triton",
+        }
+        # No Triton writer and no fused get for the CPU's (fake) pools: the rows say so
+        # instead of measuring.
         assert figures.pop("remap_write_triton")["triton"].startswith("unavailable")
+        assert figures.pop("ipc_get_triton")["triton"].startswith("unavailable")
+        assert figures["ipc_get"]["gather"] == "torch"
         assert all(row["ratio_vs_baseline"] > 0 for row in figures.values())
     assert (tmp_path / "device-check.log").stat().st_size > 0
 

@@ -9,7 +9,13 @@ bytes on the same device, timed side by side (ratios are medians of per-round ra
   the CPU (its writer is numba), the row says why it is absent;
 - ``ipc_get``: an entry read from a daemon's device pool (``--device cuda|npu``, ``fake`` on
   a CPU host) through the client (the pool imported by IPC, the blocks gathered, checked by
-  ``TensorDigest``) against a device-to-device copy of as many bytes (cudaMemcpy);
+  ``TensorDigest``: in one fused Triton kernel where the device has it, the row's ``gather``)
+  against a device-to-device copy of as many bytes (cudaMemcpy);
+- ``ipc_get_triton``: the same entry's get without the client around it, through the fused
+  kernel (``protocol/gather_triton``: gather and digest in one pass, the digest compared with
+  the committed checksum), with today's torch gather (a copy per extent, then the digest's
+  passes) timed beside it (``torch_get_gb_s``); on the CPU (a fake pool), or where triton does
+  not import or its self-check failed, the row says why it is absent;
 - ``host_pool``: an entry of a shared-memory pool copied into device memory with the mapping
   registered with the runtime (pinned: DMA) against the same mapping unregistered
   (pageable: staged through a bounce buffer). Pinning needs CUDA: elsewhere only pageable.
@@ -35,7 +41,9 @@ from chunkstore.kv.remap import remap_keys
 from chunkstore.kv.rope import RotaryConfig
 from chunkstore.kv.writer import Writer, triton_problem, write_chunk, write_torch, writer_for
 from chunkstore.processes.daemon import memory_dir, start_daemon
-from chunkstore.protocol.device_ipc import accelerators
+from chunkstore.protocol import device_ipc
+from chunkstore.protocol.convert import LeasedEntry
+from chunkstore.protocol.device_ipc import TensorDigest, accelerators, gather_with_torch
 from chunkstore.protocol.shm import extents
 
 MIB = 1 << 20
@@ -47,7 +55,7 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     sync = _synchronizer(device)
     yield _remap_write(args, device, sync)
     with tempfile.TemporaryDirectory(prefix="chunkstore-bench-device-") as scratch:
-        yield _ipc_get(args, device, sync, Path(scratch))
+        yield from _ipc_get(args, device, sync, Path(scratch))
         yield _host_pool(args, device, sync, Path(scratch))
     yield _remap_write_triton(args, device, sync)  # last: new, it must not cost the others
 
@@ -192,7 +200,9 @@ def _daemon(scratch: Path, name: str, *flags: str, pool_bytes: int) -> Any:
 
 def _ipc_get(
     args: argparse.Namespace, device: str, sync: Callable[[], None], scratch: Path
-) -> dict[str, Any]:
+) -> Iterator[dict[str, Any]]:
+    """The ``ipc_get`` row, then ``ipc_get_triton``'s, from one daemon and one entry (the
+    new row after the old one is out: it must not cost it)."""
     pool_device = device if device in ("cuda", "npu") else "fake"
     nbytes = args.mib * MIB
     daemon = _daemon(scratch, "ipc", "--device", pool_device, pool_bytes=2 * nbytes + 4 * MIB)
@@ -219,17 +229,71 @@ def _ipc_get(
             )
             if not torch.equal(out[: source.numel()], source):
                 raise AssertionError("the IPC read returned other bytes than were put")
+            fused = device_ipc.fused_gather_for(client.device_pool.device.type)
+            yield {
+                "bench": "device",
+                "part": "ipc_get",
+                "device": device,
+                "pool": pool_device,
+                "gather": "torch" if fused is None else "fused",
+                "bytes": entry.nbytes,
+                **_figures("ipc_get", entry.nbytes, measured, baseline),
+                "memcpy_gb_s": round(entry.nbytes / statistics.median(baseline) / 1e9, 2),
+            }
+            yield _ipc_get_triton(
+                args, device, sync, client.device_pool, client.block_size, entry, source
+            )
             client.release([entry.lease_id])
     finally:
         daemon.stop()
+
+
+def _ipc_get_triton(
+    args: argparse.Namespace,
+    device: str,
+    sync: Callable[[], None],
+    pool: torch.Tensor,
+    block_size: int,
+    entry: LeasedEntry,
+    source: torch.Tensor,
+) -> dict[str, Any]:
+    """A leased entry of the opened pool got by the fused kernel and by torch ops, each
+    checked against the committed checksum, against a device copy of the entry's bytes."""
+    row: dict[str, Any] = {"bench": "device", "part": "ipc_get_triton", "device": device}
+    kind = pool.device.type
+    fused = device_ipc.fused_gather_for(kind)
+    if fused is None:
+        why = device_ipc.gather_problems.get(kind, f"{kind} pools gather with torch ops")
+        return {**row, "triton": f"unavailable ({why})"}
+    import triton
+
+    out = torch.empty(entry.nbytes, dtype=torch.uint8, device=pool.device)
+    copied = torch.empty_like(out)
+    verdicts: list[bool] = []
+
+    def fused_get() -> None:
+        digest = TensorDigest()
+        digest.add_gathered(out.numel(), *fused(pool, entry.blocks, block_size, out, 0))
+        verdicts.append(digest.intdigest() == entry.checksum)
+
+    def torch_get() -> None:
+        digest = TensorDigest()
+        gather_with_torch(pool, entry.blocks, block_size, out, digest)
+        verdicts.append(digest.intdigest() == entry.checksum)
+
+    measured_torch, _ = _rounds(torch_get, lambda: copied.copy_(out), sync, args.repeats)
+    out.zero_()
+    measured, baseline = _rounds(fused_get, lambda: copied.copy_(out), sync, args.repeats)
+    if not all(verdicts) or not torch.equal(out[: source.numel()], source):
+        raise AssertionError(f"the fused get on {device} served other bytes than were put")
     return {
-        "bench": "device",
-        "part": "ipc_get",
-        "device": device,
-        "pool": pool_device,
+        **row,
+        "triton": triton.__version__,
+        "self_check": "passed",
         "bytes": entry.nbytes,
-        **_figures("ipc_get", entry.nbytes, measured, baseline),
+        **_figures("ipc_get_triton", entry.nbytes, measured, baseline),
         "memcpy_gb_s": round(entry.nbytes / statistics.median(baseline) / 1e9, 2),
+        "torch_get_gb_s": round(entry.nbytes / statistics.median(measured_torch) / 1e9, 2),
     }
 
 

@@ -323,7 +323,18 @@ def gather_tensor(
     fused = fused_gather_for(pool.device.type) if out.device == pool.device else None
     if fused is not None:
         digest.add_gathered(out.numel(), *fused(pool, list(blocks), block_size, out, digest.length))
-        return
+    else:
+        gather_with_torch(pool, blocks, block_size, out, digest)
+
+
+def gather_with_torch(
+    pool: torch.Tensor,
+    blocks: Sequence[int],
+    block_size: int,
+    out: torch.Tensor,
+    digest: TensorDigest,
+) -> None:
+    """``gather_tensor`` on torch ops, any device: a copy per extent, then its digest."""
     done = 0
     for start, length in extents(blocks, block_size, 0, out.numel()):
         out[done : done + length].copy_(pool[start : start + length])
