@@ -244,6 +244,7 @@ class TensorDigest:
         self.length = 0
         self.plain: int | torch.Tensor = 0
         self.weighted: int | torch.Tensor = 0
+        self.gathered: torch.Tensor | None = None  # [plain, weighted] of fused gets
 
     def update(self, data: torch.Tensor) -> None:
         for lo in range(0, data.numel(), DIGEST_PIECE):
@@ -255,19 +256,22 @@ class TensorDigest:
             self.weighted = self.weighted + (wide * weights).sum(dtype=torch.int64)
             self.length += piece.numel()
 
-    def add_gathered(self, nbytes: int, plain: torch.Tensor, weighted: torch.Tensor) -> None:
-        """Feed the sums of ``nbytes`` more bytes computed elsewhere (``gather_triton``: its
-        weights start at this digest's length)."""
-        self.plain = self.plain + plain
-        self.weighted = self.weighted + weighted
+    def add_gathered(self, nbytes: int, sums: torch.Tensor) -> None:
+        """Feed ``nbytes`` more bytes summed elsewhere: ``sums`` is [plain, weighted] (int64),
+        weighted from this digest's length on (``gather_triton``). Kept apart from the
+        sums of ``update`` so that a fused get launches nothing more here."""
+        self.gathered = sums if self.gathered is None else self.gathered + sums
         self.length += nbytes
 
     def intdigest(self) -> int:
         mask = (1 << 64) - 1
-        if isinstance(self.plain, torch.Tensor) and isinstance(self.weighted, torch.Tensor):
-            plain, weighted = torch.stack((self.plain, self.weighted)).tolist()  # one wait
-        else:
-            plain, weighted = int(self.plain), int(self.weighted)
+        sums = [self.plain, self.weighted]
+        if isinstance(sums[0], torch.Tensor) and isinstance(sums[1], torch.Tensor):
+            sums = torch.stack((sums[0], sums[1])).tolist()  # one wait on the device
+        plain, weighted = int(sums[0]), int(sums[1])
+        if self.gathered is not None:
+            more = self.gathered.tolist()  # a fused get: its one wait
+            plain, weighted = plain + more[0], weighted + more[1]
         words = (self.length & mask, plain & mask, weighted & mask)
         return xxhash.xxh3_64_intdigest(b"".join(w.to_bytes(8, "little") for w in words))
 
@@ -322,7 +326,7 @@ def gather_tensor(
     change made before or during the copy shows as a mismatch)."""
     fused = fused_gather_for(pool.device.type) if out.device == pool.device else None
     if fused is not None:
-        digest.add_gathered(out.numel(), *fused(pool, list(blocks), block_size, out, digest.length))
+        digest.add_gathered(out.numel(), fused(pool, list(blocks), block_size, out, digest.length))
     else:
         gather_with_torch(pool, blocks, block_size, out, digest)
 
@@ -344,11 +348,12 @@ def gather_with_torch(
 
 class FusedGather(Protocol):
     """``gather_triton.gather_with_sums``: the entry in ``blocks`` of ``pool`` into ``out``,
-    returning ``TensorDigest``'s two sums of its bytes (weights from ``phase`` on)."""
+    returning ``TensorDigest``'s two sums of its bytes (weights from ``phase`` on) as one
+    int64 tensor [plain, weighted] on the device."""
 
     def __call__(
         self, pool: torch.Tensor, blocks: list[int], block_size: int, out: torch.Tensor, phase: int
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    ) -> torch.Tensor: ...
 
 
 FUSED_GATHER_DEVICES = ("cuda", "npu")  # CPU pools (the fake device) gather with torch ops

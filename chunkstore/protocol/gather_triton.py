@@ -19,13 +19,15 @@ the digest is of the bytes stored into ``out``, not of a second read of the pool
 The sums are ``TensorDigest``'s, the same integers, so stored checksums stay valid: the sum
 of the bytes and their sum weighted by ``(position % 65521) + 1``, positions counted from the
 digest's length before this call. Each program takes tiles of ``TILE`` bytes that never
-cross a pool block (so a tile's source is one block's, found by one load of the block
-table), sums each row of ``COLUMNS`` bytes in int32 (at most 64 x 255 x 65521 < 2^31) and
-the rows in int64, and writes its two partial sums; torch adds the partials on the device
-and ``TensorDigest`` keeps them there until ``intdigest``. Programs loop over tiles with a
-stride of their count, so the grid stays bounded for any entry (triton-ascend limits grids).
-Plain masked loads and stores, no atomics, nothing CUDA-only, so triton-ascend can build the
-same source.
+cross a pool block (a tile's source is one block's, found by one load of the block table);
+a whole tile moves unmasked, so the compiler uses 16-byte loads and stores where the pool's
+block size is a multiple of 16 (checked in PTX for sm_90), and only an entry's last tile in
+a block is masked. It sums each row of ``COLUMNS`` bytes in int32 (at most 64 x 255 x 65521
+< 2^31) and the rows in int64, and writes its two partial sums; torch adds the partials on
+the device and ``TensorDigest`` keeps them there until ``intdigest``: one wait on the
+device a get. Programs loop over tiles with a stride of their count, so the grid stays
+bounded for any entry (triton-ascend limits grids). Plain masked loads and stores, no
+atomics, nothing CUDA-only, so triton-ascend can build the same source.
 """
 
 from __future__ import annotations
@@ -66,12 +68,19 @@ def _gather_digest(
     for tile in range(program, tiles, programs):
         index = (tile // tiles_per_block).to(tl.int64)
         tile_start = (tile % tiles_per_block).to(tl.int64) * (ROWS * COLUMNS)
-        into_block = tile_start + within
-        position = index * block_size + into_block
-        live = (into_block < block_size) & (position < nbytes)
         block = tl.load(table + index)
-        byte = tl.load(pool + block * block_size + into_block, mask=live, other=0)
-        tl.store(out + position, byte, mask=live)
+        source = pool + block * block_size + tile_start
+        target = out + index * block_size + tile_start
+        # The entry's bytes in this block past the tile's start. A whole tile moves unmasked,
+        # so the compiler may use wide loads whatever the entry's length.
+        left = tl.minimum(nbytes - index * block_size, block_size) - tile_start
+        if left >= ROWS * COLUMNS:
+            byte = tl.load(source + within)
+            tl.store(target + within, byte)
+        else:
+            live = within < left
+            byte = tl.load(source + within, mask=live, other=0)
+            tl.store(target + within, byte, mask=live)
         # The weight of the tile's first byte, once per tile; the others add their offset,
         # wrapping at most once (a tile is shorter than the cycle).
         first = ((phase + index * block_size + tile_start) % modulus).to(tl.int32)
@@ -91,18 +100,17 @@ def gather_with_sums(
     out: torch.Tensor,
     phase: int,
     tile: int = TILE,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """Copy the entry in ``blocks`` of ``pool`` (flat uint8) into ``out`` (flat contiguous
     uint8 on the pool's device, the entry's length) and return ``TensorDigest``'s plain and
-    weighted sums of those bytes as int64 tensors on the device, positions counted from
-    ``phase`` (the digest's length so far, modulo 65521). Nothing waits on the device."""
+    weighted sums of those bytes, int64 [plain, weighted] on the device, positions counted
+    from ``phase`` (the digest's length so far). Nothing waits on the device."""
     if tile % COLUMNS or not COLUMNS <= tile < MODULUS:
         raise ValueError(f"a tile of {tile} bytes: a multiple of {COLUMNS} below {MODULUS}")
     nbytes = out.numel()
     device = pool.device
     if nbytes == 0:
-        zero = torch.zeros((), dtype=torch.int64, device=device)
-        return zero, zero
+        return torch.zeros(2, dtype=torch.int64, device=device)
     used = -(-nbytes // block_size)
     table = torch.tensor(blocks[:used], dtype=torch.int64).to(device, non_blocking=True)
     tiles_per_block = -(-block_size // tile)
@@ -123,8 +131,7 @@ def gather_with_sums(
         ROWS=tile // COLUMNS,
         COLUMNS=COLUMNS,
     )
-    sums = partials.sum(dim=1)
-    return sums[0], sums[1]
+    return partials.sum(dim=1)
 
 
 def self_check(device_type: str) -> str | None:
@@ -147,7 +154,7 @@ def self_check(device_type: str) -> str | None:
         out = torch.zeros(nbytes, dtype=torch.uint8, device=there.device)
         fused = TensorDigest()
         fused.update(lead.to(device_type))
-        fused.add_gathered(out.numel(), *gather_with_sums(there, blocks, block_size, out, 70_001))
+        fused.add_gathered(out.numel(), gather_with_sums(there, blocks, block_size, out, 70_001))
         got, digest = out.cpu(), fused.intdigest()
     except Exception as exc:  # the compiler or the driver refused it: torch ops serve
         return f"the kernel failed on {device_type}: {exc!r}"
