@@ -32,7 +32,7 @@ TILE = 8192  # the kernel's own tile (gather_triton.TILE), restated: the layouts
 @pytest.fixture(scope="module")
 def kernel() -> Iterator[ModuleType]:
     """``gather_triton`` with its kernel run by Triton's interpreter, TRITON_INTERPRET set for
-    this module's tests only (as tests/kv/test_writer_triton.py does: Triton reads it when a
+    this module's tests only (as test_writer_triton.py does: Triton reads it when a
     kernel is decorated, so the module is imported afresh under it and put back after)."""
     package = sys.modules["chunkstore.protocol"]
     before = sys.modules.pop(KERNEL, None)
