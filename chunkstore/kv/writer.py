@@ -143,7 +143,7 @@ def triton_problem(device_type: str) -> str | None:
         except ImportError as exc:
             _triton_problems[device_type] = f"triton unavailable ({exc})"
         else:
-            _triton_problems[device_type] = self_check(device_type)
+            _triton_problems[device_type] = self_check(device_type, write_torch)
         if _triton_problems[device_type]:
             log.warning(
                 "fused Triton KV writer not used on %s: %s; using torch ops",

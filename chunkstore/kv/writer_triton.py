@@ -24,6 +24,8 @@ source.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -267,12 +269,11 @@ def write_layer_triton(
     return True
 
 
-def self_check(device_type: str) -> str | None:
-    """None where the kernel, on this device, writes what torch ops write on the CPU, bit for
-    bit (bfloat16 keys rotated, a padded slot skipped, into a flat cache and into a strided
-    HND view); else what went wrong. A writer that fails it is not used (``writer``)."""
-    from chunkstore.kv.writer import write_torch  # the reference; it imports this lazily
-
+def self_check(device_type: str, write_torch: Callable[..., None]) -> str | None:
+    """None where the kernel, on this device, writes what ``write_torch`` (``writer``'s torch
+    ops, the reference: passed in, as ``writer`` imports this module) writes on the CPU, bit
+    for bit (bfloat16 keys rotated, a padded slot skipped, into a flat cache and into a
+    strided HND view); else what went wrong. A writer that fails it is not used."""
     rotary = RotaryConfig(head_dim=16, rotary_dim=16, theta=10000.0)
     g = torch.Generator().manual_seed(0)
     keys = torch.randn(2, 5, 2, 16, generator=g).bfloat16()  # [layers, tokens, heads, dims]

@@ -378,7 +378,7 @@ def _load_fused_gather(device_type: str) -> FusedGather | None:
     except ImportError as exc:
         problem: str | None = f"triton unavailable ({exc})"
     else:
-        problem = self_check(device_type)
+        problem = self_check(device_type, TensorDigest)
     if problem:
         gather_problems[device_type] = problem
         log.warning(

@@ -32,6 +32,9 @@ atomics, nothing CUDA-only, so triton-ascend can build the same source.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -134,25 +137,24 @@ def gather_with_sums(
     return partials.sum(dim=1)
 
 
-def self_check(device_type: str) -> str | None:
+def self_check(device_type: str, new_digest: Callable[[], Any]) -> str | None:
     """None where the kernel, on this device, gathers the bytes torch's slicing gathers and
     sums them to ``TensorDigest``'s integers on the host (blocks out of order, a block size
     not a multiple of the tile, a last block part full, a digest already fed); else what
-    went wrong. A gather that fails it is not used (``device_ipc.fused_gather_problem``)."""
-    from chunkstore.protocol.device_ipc import TensorDigest  # the reference; it imports us lazily
-
+    went wrong. ``new_digest`` makes ``device_ipc``'s, passed in (it imports this module). A
+    gather that fails it is not used (``device_ipc.fused_gather_for``)."""
     block_size, blocks, nbytes = TILE + 1000, [3, 0, 2], 2 * (TILE + 1000) + 777
     g = torch.Generator().manual_seed(0)
     pool = torch.randint(0, 256, (4 * block_size,), dtype=torch.uint8, generator=g)
     lead = torch.randint(0, 256, (70_001,), dtype=torch.uint8, generator=g)
     want = torch.cat([pool[b * block_size : (b + 1) * block_size] for b in blocks])[:nbytes]
-    reference = TensorDigest()
+    reference = new_digest()
     reference.update(lead)
     reference.update(want)
     try:
         there = pool.to(device_type)
         out = torch.zeros(nbytes, dtype=torch.uint8, device=there.device)
-        fused = TensorDigest()
+        fused = new_digest()
         fused.update(lead.to(device_type))
         fused.add_gathered(out.numel(), gather_with_sums(there, blocks, block_size, out, 70_001))
         got, digest = out.cpu(), fused.intdigest()

@@ -214,7 +214,7 @@ def test_without_triton_or_with_a_failed_self_check_gets_use_torch_said_once(
     fused_on_cpu: ModuleType, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     for why, patch_kernel in (
-        ("wrong sums", lambda: monkeypatch.setattr(fused_on_cpu, "self_check", lambda _: "x")),
+        ("wrong sums", lambda: monkeypatch.setattr(fused_on_cpu, "self_check", lambda *_: "x")),
         ("triton unavailable", lambda: monkeypatch.setitem(sys.modules, KERNEL, None)),
     ):
         monkeypatch.setattr(device_ipc, "_fused_gathers", {})
@@ -235,17 +235,17 @@ def test_without_triton_or_with_a_failed_self_check_gets_use_torch_said_once(
 def test_the_self_check_catches_a_kernel_that_sums_wrong(
     kernel: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert kernel.self_check("cpu") is None
+    assert kernel.self_check("cpu", TensorDigest) is None
     real = kernel.gather_with_sums
 
     def weights_from_zero(pool, blocks, block_size, out, phase, tile=TILE):  # type: ignore[no-untyped-def]
         return real(pool, blocks, block_size, out, 0, tile)  # forgets what the digest had fed
 
     monkeypatch.setattr(kernel, "gather_with_sums", weights_from_zero)
-    assert "another TensorDigest" in str(kernel.self_check("cpu"))
+    assert "another TensorDigest" in str(kernel.self_check("cpu", TensorDigest))
 
     def off_by_one_block(pool, blocks, block_size, out, phase, tile=TILE):  # type: ignore[no-untyped-def]
         return real(pool, [b + 1 for b in blocks[:-1]] + blocks[-1:], block_size, out, phase, tile)
 
     monkeypatch.setattr(kernel, "gather_with_sums", off_by_one_block)
-    assert "other bytes" in str(kernel.self_check("cpu"))
+    assert "other bytes" in str(kernel.self_check("cpu", TensorDigest))

@@ -224,7 +224,7 @@ def test_a_device_gets_the_kernel_only_once_its_self_check_passes(
     assert writer._triton_layer_writer("cpu") is kernel.write_layer_triton
 
     for why, patch_kernel in (
-        ("wrote other bits", lambda: monkeypatch.setattr(kernel, "self_check", lambda _: "x")),
+        ("wrote other bits", lambda: monkeypatch.setattr(kernel, "self_check", lambda *_: "x")),
         ("triton unavailable", lambda: monkeypatch.setitem(sys.modules, KERNEL, None)),
     ):
         monkeypatch.setattr(writer, "_triton_problems", {})
@@ -243,6 +243,6 @@ def test_the_self_check_catches_a_kernel_that_writes_wrong_bits(
     def rotating_backwards(keys, values, flat_k, flat_v, slots, cos, sin, rotary):  # type: ignore[no-untyped-def]
         write_torch(keys, values, flat_k, flat_v, slots, cos, -sin, rotary)
 
-    assert kernel.self_check("cpu") is None
+    assert kernel.self_check("cpu", write_torch) is None
     monkeypatch.setattr(kernel, "write_triton", rotating_backwards)
-    assert "other bits" in str(kernel.self_check("cpu"))
+    assert "other bits" in str(kernel.self_check("cpu", write_torch))
