@@ -99,6 +99,15 @@ def _cpu_writer() -> Writer:
     except ImportError as exc:  # numba missing: correct but slower
         log.warning("fused CPU remap kernel unavailable (%s); using torch ops", exc)
         return write_torch
+    return _fused_where_it_fits(write_cpu, lambda k, v, fk, fv: fused_kernel_fits(k, fk, fv))
+
+
+# Whether a fused writer takes these keys, values and caches (else torch ops write them).
+Fits = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], bool]
+
+
+def _fused_where_it_fits(fused: Writer, fits: Fits) -> Writer:
+    """``fused`` where ``fits`` says it takes the write, ``write_torch`` elsewhere."""
 
     def write(
         keys: torch.Tensor,
@@ -110,8 +119,8 @@ def _cpu_writer() -> Writer:
         sin: torch.Tensor | None,
         rotary: RotaryConfig | None,
     ) -> None:
-        fused = write_cpu if fused_kernel_fits(keys, flat_k, flat_v) else write_torch
-        fused(keys, values, flat_k, flat_v, slots, cos, sin, rotary)
+        writer = fused if fits(keys, values, flat_k, flat_v) else write_torch
+        writer(keys, values, flat_k, flat_v, slots, cos, sin, rotary)
 
     return write
 
@@ -158,20 +167,7 @@ def _triton_writer(device_type: str) -> Writer:
         return write_torch
     from chunkstore.kv.writer_triton import kernel_fits, write_triton
 
-    def write(
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        flat_k: torch.Tensor,
-        flat_v: torch.Tensor,
-        slots: torch.Tensor,
-        cos: torch.Tensor | None,
-        sin: torch.Tensor | None,
-        rotary: RotaryConfig | None,
-    ) -> None:
-        fused = write_triton if kernel_fits(keys, values, flat_k, flat_v) else write_torch
-        fused(keys, values, flat_k, flat_v, slots, cos, sin, rotary)
-
-    return write
+    return _fused_where_it_fits(write_triton, kernel_fits)
 
 
 def _triton_layer_writer(device_type: str) -> LayerWriter | None:
