@@ -8,6 +8,17 @@ suite's does (its probes fork from one), and an interpreted kernel cannot call t
 
 from __future__ import annotations
 
+import importlib
 import os
+from types import ModuleType
+
+import pytest
 
 collect_ignore_glob = [] if os.environ.get("TRITON_INTERPRET") == "1" else ["test_*.py"]
+
+
+@pytest.fixture(scope="module")
+def kernel(request: pytest.FixtureRequest) -> ModuleType:
+    """The test module's ``KERNEL`` (a module name), its kernels run by the interpreter: this
+    process has TRITON_INTERPRET=1 from its start, so a plain import is an interpreted one."""
+    return importlib.import_module(request.module.KERNEL)

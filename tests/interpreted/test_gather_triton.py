@@ -7,10 +7,8 @@ tests/device and by its own self-check before the pool uses it."""
 
 from __future__ import annotations
 
-import importlib
 import logging
 import sys
-from collections.abc import Iterator
 from types import ModuleType
 
 import pytest
@@ -27,26 +25,6 @@ from chunkstore.protocol.shm import extents
 
 KERNEL = "chunkstore.protocol.gather_triton"
 TILE = 8192  # the kernel's own tile (gather_triton.TILE), restated: the layouts below straddle it
-
-
-@pytest.fixture(scope="module")
-def kernel() -> Iterator[ModuleType]:
-    """``gather_triton`` with its kernel run by Triton's interpreter, TRITON_INTERPRET set for
-    this module's tests only (as test_writer_triton.py does: Triton reads it when a
-    kernel is decorated, so the module is imported afresh under it and put back after)."""
-    package = sys.modules["chunkstore.protocol"]
-    before = sys.modules.pop(KERNEL, None)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRITON_INTERPRET", "1")
-        try:
-            yield importlib.import_module(KERNEL)
-        finally:
-            sys.modules.pop(KERNEL, None)
-            if before is None:
-                delattr(package, "gather_triton")
-            else:
-                sys.modules[KERNEL] = before
-                package.gather_triton = before  # type: ignore[attr-defined]
 
 
 def random_pool(blocks: int, block_size: int, seed: int = 0) -> torch.Tensor:

@@ -6,10 +6,8 @@ compiled kernel on a GPU is checked by tests/device and by the writer's own self
 
 from __future__ import annotations
 
-import importlib
 import logging
 import sys
-from collections.abc import Iterator
 from types import ModuleType
 
 import pytest
@@ -31,28 +29,6 @@ from chunkstore.testing.devices import DTYPES, ROTARY_VARIANTS
 KERNEL = "chunkstore.kv.writer_triton"
 LAYERS, HEADS, BLOCKS, BLOCK_SIZE = 2, 2, 4, 4
 SLOTS = torch.tensor([9, PAD_SLOT, 0, 14, 5, PAD_SLOT, 3])  # across blocks, out of order
-
-
-@pytest.fixture(scope="module")
-def kernel() -> Iterator[ModuleType]:
-    """``writer_triton`` with its kernel run by Triton's interpreter, TRITON_INTERPRET set for
-    this module's tests only. Triton reads it when a kernel is decorated (the module is
-    imported afresh under it) and when it first loads its own library; the variable and the
-    module are put back afterwards, so a later import compiles again (Triton's library keeps
-    the mode of its first import: nothing in a CPU test process compiles a Triton kernel)."""
-    package = sys.modules["chunkstore.kv"]
-    before = sys.modules.pop(KERNEL, None)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRITON_INTERPRET", "1")
-        try:
-            yield importlib.import_module(KERNEL)
-        finally:
-            sys.modules.pop(KERNEL, None)
-            if before is None:
-                delattr(package, "writer_triton")
-            else:
-                sys.modules[KERNEL] = before
-                package.writer_triton = before  # type: ignore[attr-defined]
 
 
 def chunk(
