@@ -326,18 +326,22 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float(diff / expected.double().norm().clamp_min(1e-30))
 
 
+DEFAULTS = QualityConfig()
+
+
 def default_treatment(
     segments: tuple[Segment, ...] | list[Segment],
     isolation: Isolation,
     virtual_gap: int = 0,
     recompute: bool = True,
+    quality: QualityConfig = DEFAULTS,
 ) -> tuple[dict[int, range], dict[int, int], int]:
-    """What the connector's defaults do with a prompt's chunks (``chunkstore.kv.treatment``,
-    the policy the connector runs; ``recompute``: its workers can recompute, not under
-    tensor parallelism): segment index -> the offsets recomputed in it, segment index ->
-    positions each chunk moves, and how many first tokens of every other chunk are
-    recomputed with them, for the HF reference of a served prompt."""
-    treated = treat(segments, QualityConfig(), isolation, virtual_gap, BackEnd(recompute=recompute))
+    """What the connector's defaults (or ``quality``) do with a prompt's chunks
+    (``chunkstore.kv.treatment``, the policy the connector runs; ``recompute``: its workers
+    can recompute, not under tensor parallelism): segment index -> the offsets recomputed
+    in it, segment index -> positions each chunk moves, and how many first tokens of every
+    other chunk are recomputed with them, for the HF reference of a served prompt."""
+    treated = treat(segments, quality, isolation, virtual_gap, BackEnd(recompute=recompute))
     return treated.recomputed, treated.shifts, treated.first_tokens
 
 
@@ -347,13 +351,17 @@ def default_reference(
     isolation: Isolation,
     virtual_gap: int = 0,
     recompute: bool = True,
+    quality: QualityConfig = DEFAULTS,
 ) -> Forward:
-    """The HF reference of a prompt the connector serves with its defaults: the assembled
+    """The HF reference of a prompt the connector serves with its defaults (or ``quality``'s
+    settings): the assembled
     cache with the chunks ``default_treatment`` moves attended where it moves them (the
     prompt with them put last), those it recomputes blended there (and every other chunk's
     first tokens), the question on top. The KV is returned in the served prompt's order,
     each chunk's keys rotated to where it is attended, as the connector's cache holds it."""
-    recomputed, shifts, first = default_treatment(segments, isolation, virtual_gap, recompute)
+    recomputed, shifts, first = default_treatment(
+        segments, isolation, virtual_gap, recompute, quality
+    )
     if not recomputed:
         return ref.assembled_cache(segments, isolation, virtual_gap=virtual_gap, shifts=shifts)
     return blended_where_attended(ref, segments, isolation, shifts, recomputed, first, virtual_gap)

@@ -34,8 +34,9 @@ FIELDS = {
     "up nor stored).",
     "lookup_seconds": "Time spent looking chunked prompts up: segmenting, keying and the "
     "daemon's Acquire.",
-    "recomputed_chunks": "Chunks chosen to be recomputed whole for answer quality "
-    "(recompute_chunks, or the request's kv_transfer_params).",
+    "recomputed_chunks": "Chunks chosen to be recomputed for answer quality, whole or in part "
+    "(the relevant_last chunks' spans by default; recompute_chunks, or the request's "
+    "kv_transfer_params, whole).",
     "one_pass_chunks": "Chunks recomputed whole that a request computed once, where they are "
     "attended, not isolated first (recompute_in_one_pass; not stored by that request).",
     "gap_tokens": "Tokens of chunks that missed between stored ones, computed by the workers' "
@@ -70,7 +71,7 @@ FIELDS = {
     "save_seconds": "Time spent saving.",
     "isolated_tokens": "Chunk tokens vLLM computed under the isolation mask (in-band).",
     "recomputed_tokens": "Chunk tokens whose KV was recomputed seeing everything before them "
-    "(recompute_chunks, recompute_tokens).",
+    "(the relevant chunks' spans, recompute_chunks, recompute_tokens).",
     "isolation_misses": "Chunked requests the isolation hook could not find in a batch "
     "(computed causally, their chunks not stored).",
 }

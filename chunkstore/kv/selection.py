@@ -25,12 +25,13 @@ relevant to it (the request's ``chunk_scores``, else BM25, leaving out those sco
 ``relevant_min_score`` of the best) take the positions just before the question, the most
 relevant last, and the others move up in prompt order (``placement``). Isolated chunks do
 not see each other, so that is the same KV as the prompt with those documents put last,
-at the cost of re-rotating their keys. Where each chosen chunk holds at most
-``relevant_recompute_tokens`` they are also recomputed there, seeing every document
-attended before them (the KV of the prompt with them put last, blended), the most relevant
-first within ``recompute_budget`` (``relevant``); a longer one is only moved, or with
-``relevant_span_tokens`` recomputed in part (``span``: that many tokens around its densest
-match of the question's terms).
+at the cost of re-rotating their keys. They are also recomputed there, seeing every
+document attended before them (the KV of the prompt with them put last, blended), the most
+relevant first within ``recompute_budget`` (``relevant``), each in part: its ``span``, the
+tokens around its heaviest match of the question's terms, of an equal part of
+``relevant_recompute_share`` of the prompt's chunk tokens, however long the chunk. With
+that share 0, whole where each holds at most ``relevant_recompute_tokens``; a longer one
+only moved, or with ``relevant_span_tokens`` recomputed in part.
 """
 
 from __future__ import annotations
@@ -278,15 +279,18 @@ def relevant(
     min_score: float = 0.0,
     span_tokens: int = 0,
     recompute_share: float = 0.0,
+    span_min: int = 0,
+    first_tokens: int = 0,
 ) -> tuple[dict[int, range], dict[int, int], list[int]]:
     """What the defaults do with the (at most ``count``) chunks most relevant to the
     question: attend them last, just before the question (``placed``), and recompute them
-    there, the most relevant first while they fit in ``recompute_budget``: whole where it
-    holds at most ``recompute_up_to`` tokens, else its ``span`` of ``span_tokens`` (0: a
-    longer one is only moved). With ``recompute_share``, each that would be recomputed whole
-    is recomputed in part instead: its ``span`` of an equal part of that share of the
-    prompt's chunk tokens (whole where it is no longer). Returns segment index -> the
-    offsets recomputed in it (in prompt order; a chunk that stays first, when
+    there (nothing where ``recompute_up_to`` is 0), the most relevant first while they fit
+    in ``recompute_budget``: with ``recompute_share``, each its ``span`` of an equal part of
+    that share of the prompt's chunk tokens less the ``first_tokens`` of each other chunk
+    (recomputed with them: the share bounds both), at least ``span_min`` (whole where it is
+    no longer), however long; without, whole where it holds at most ``recompute_up_to``
+    tokens, else its ``span`` of ``span_tokens`` (0: only moved). Returns segment index ->
+    the offsets recomputed in it (in prompt order; a chunk that stays first, when
     ``first_is_causal``, is left out: its isolated KV is causal already, and free),
     ``placed``'s shifts, and the chunks placed last (most relevant last). Raises
     BadTransferParams as ``placed``."""
@@ -299,17 +303,19 @@ def relevant(
     candidates = [  # the most relevant first; one staying first is causal already, and free
         i for i in reversed(last) if not (first_is_causal and i == chunks[0] and i not in shifts)
     ]
-    short = [i for i in candidates if len(segments[i]) <= recompute_up_to]
     total = sum(len(b) for b in bodies)
     budget = recompute_budget(total)
-    width = max(1, int(recompute_share * total) // len(short)) if recompute_share and short else 0
+    width = 0
+    if recompute_share and candidates:
+        others = sum(min(first_tokens, len(segments[c])) for c in chunks if c not in candidates)
+        width = max(1, span_min, (int(recompute_share * total) - others) // len(candidates))
     kept: dict[int, range] = {}
     tokens = 0
     for i in candidates:
-        if len(segments[i]) <= recompute_up_to:
-            offsets = (
-                span(question, bodies, chunks.index(i), width) if width else range(len(segments[i]))
-            )
+        if width:  # its span of an equal part of the share, however long it is
+            offsets = span(question, bodies, chunks.index(i), width)
+        elif len(segments[i]) <= recompute_up_to:
+            offsets = range(len(segments[i]))
         elif span_tokens:
             offsets = span(question, bodies, chunks.index(i), span_tokens)
         else:

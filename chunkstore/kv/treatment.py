@@ -11,8 +11,10 @@ functions; this module says which apply, in what order:
 1. chunks named by the request (``kv_transfer_params``) or ``recompute_chunks``: recomputed
    whole where they stand (needs the in-band hook);
 2. else ``relevant_last``: the chunks most relevant to the question attended last, just
-   before it, and recomputed there (whole when short, a longer one in part with
-   ``relevant_span_tokens``) where the workers can recompute;
+   before it, and recomputed there where the workers can recompute: each its span of an
+   equal part of ``relevant_recompute_share`` of the chunk tokens, however long (by
+   default), or, with that 0, whole when short and a longer one in part with
+   ``relevant_span_tokens``;
 3. with either, the first ``recompute_tokens`` (or, for 2, ``relevant_first_tokens``)
    tokens of every other chunk recomputed too.
 
@@ -52,10 +54,18 @@ DEFAULT_RELEVANT_RECOMPUTE_TOKENS = 384
 # off by default, as 128 changed no answer of 24 held-out cases of ~500-token documents
 # (16 of 24 either way, full prefill 15) for 9% of the chunk tokens recomputed.
 DEFAULT_RELEVANT_SPAN_TOKENS = 0
-# ... and, when they are, the first tokens of every other chunk with them (EPIC's choice:
-# where isolation leaves each chunk an attention sink): on ~200-token documents that and
-# the relevant chunks answer 16 of 24 where the relevant chunks alone answer 13.
-DEFAULT_RELEVANT_FIRST_TOKENS = 16
+# ... or, by default, each in part: its ``span`` of an equal part of this share of the
+# prompt's chunk tokens, placed by the question's heaviest match (held-out, Qwen2.5-Coder
+# 0.5B at ~50 to ~300 tokens: 72 of 96 where recomputing them whole with every chunk's
+# first 16 tokens answers 68, for 11-12% of the chunk tokens against 22-43%) ...
+DEFAULT_RELEVANT_RECOMPUTE_SHARE = 0.12
+# ... at least this many tokens each where documents are short (12% of 8 documents of ~46
+# tokens is ~15 tokens a pick) ...
+DEFAULT_RELEVANT_SPAN_MIN_TOKENS = 32
+# ... and the first tokens of every other chunk with them (EPIC's choice: where isolation
+# leaves each chunk an attention sink): on the 1.5B at ~46 tokens the spans answer 24 of 24
+# with 4 of them, 22 without (23 with windows of at least 40 tokens).
+DEFAULT_RELEVANT_FIRST_TOKENS = 4
 
 
 @dataclass(frozen=True)
@@ -74,13 +84,17 @@ class QualityConfig:
     relevant_last: int = DEFAULT_RELEVANT_LAST
     # ... of those BM25 scores at least this share of the best (0: always N) ...
     relevant_min_score: float = DEFAULT_RELEVANT_MIN_SCORE
-    # ... and recomputed there when each holds at most this many tokens (0: only moved).
+    # ... and recomputed there (0: only moved): with the share 0, whole when each holds at
+    # most this many tokens (and without the hook, where vLLM computes them whole) ...
     relevant_recompute_tokens: int = DEFAULT_RELEVANT_RECOMPUTE_TOKENS
     # ... a longer one in part: this many tokens around what matches the question (0: not).
     relevant_span_tokens: int = DEFAULT_RELEVANT_SPAN_TOKENS
-    # ... or, those it would recompute whole, each in part: its span of an equal part of this
-    # share of the prompt's chunk tokens (0: whole).
-    relevant_recompute_share: float = 0.0
+    # ... each in part, long or short: its span of an equal part of this share of the
+    # prompt's chunk tokens, less the first tokens below (0: whole, or as the two settings
+    # above) ...
+    relevant_recompute_share: float = DEFAULT_RELEVANT_RECOMPUTE_SHARE
+    # ... of at least this many tokens (0: no floor).
+    relevant_span_min_tokens: int = DEFAULT_RELEVANT_SPAN_MIN_TOKENS
     # ... and then the first N tokens of every other chunk too (0: not).
     relevant_first_tokens: int = DEFAULT_RELEVANT_FIRST_TOKENS
 
@@ -229,6 +243,8 @@ def treat(
         min_score=quality.relevant_min_score,
         span_tokens=quality.relevant_span_tokens,
         recompute_share=quality.relevant_recompute_share,
+        span_min=quality.relevant_span_min_tokens,
+        first_tokens=quality.relevant_first_tokens,
     )
     try:
         recomputed, shifts, last = picks(params)

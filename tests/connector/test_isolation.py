@@ -16,6 +16,7 @@ from chunkstore.kv.fingerprint import fingerprint_of_folder
 from chunkstore.kv.keys import Isolation, segment_keys
 from chunkstore.kv.segments import ChunkedPrompt
 from chunkstore.kv.selection import span
+from chunkstore.kv.treatment import QualityConfig
 from chunkstore.processes.daemon import RunningDaemon
 from chunkstore.processes.vllm_probe import run_probe
 from chunkstore.reference import (
@@ -218,18 +219,17 @@ def test_cold_equals_warm_under_chunked_prefill_and_tensor_parallelism(
 
 # The chunks (segment indices) each recomputing case recomputes: the last one (by
 # position), the one about Mount Everest the question asks about (``relevant_last: 1``,
-# by BM25: put last and, longer than ``relevant_recompute_tokens``, recomputed there in
-# part, its ``span`` around what the question names, with every chunk's first
-# ``relevant_first_tokens``: the default's whole short chunks are the defaults test's),
-# the second and third (named by the
-# request's kv_transfer_params). Not the first chunk: it follows sys, so its isolated KV
-# is its causal KV already.
+# by BM25: put last and recomputed there in part, as by default, its ``span`` around what
+# the question names, here of 6 tokens (``relevant_span_min_tokens``, the share giving
+# fewer), with every chunk's first ``relevant_first_tokens``), the second and third (named
+# by the request's kv_transfer_params). Not the first chunk: it follows sys, so its
+# isolated KV is its causal KV already.
 RECOMPUTED = {"recompute": [4], "relevant": [3], "requested": [2, 3]}
 # The question's chunk moved last, its span and every chunk's first tokens recomputed.
 RELEVANT = {
     "relevant_last": 1,
-    "relevant_recompute_tokens": 8,
-    "relevant_span_tokens": 6,
+    "relevant_recompute_share": 0.01,
+    "relevant_span_min_tokens": 6,
     "relevant_first_tokens": 2,
 }
 
@@ -312,7 +312,7 @@ def test_quality_recovery_acts_the_same_on_loaded_and_computed_chunks(
             first = settings["relevant_first_tokens"]
             shifts = {3: len(segments[4]), 4: -len(segments[3])}
             bodies = [seg.token_ids for seg in segments[1:-1]]
-            offsets = span(segments[-1].token_ids, bodies, 2, settings["relevant_span_tokens"])
+            offsets = span(segments[-1].token_ids, bodies, 2, settings["relevant_span_min_tokens"])
             assert first < offsets.start and offsets.stop < len(segments[3])
             spans = {3: offsets}
             blend = blended_where_attended(ref, segments, Isolation.SYS, shifts, spans, first)
@@ -386,20 +386,22 @@ def test_plain_prompts_batched_with_chunked_ones_answer_as_without_the_connector
     assert_logprobs_match(with_hook[1], logits)
 
 
-def test_a_cold_request_stores_every_chunk_it_isolates_and_they_hit_in_any_order(
+def test_a_cold_request_stores_every_chunk_and_they_hit_in_any_order(
     tiny_model_dir, daemon, tmp_path
 ) -> None:
-    """Eight new documents in one cold request: sys and the seven it computes isolated are
-    stored (no ingest needed); the one its question names, recomputed where it is attended,
-    is computed once and not stored. The same documents reordered under another question
-    hit every stored one (the unstored one now last), and store that one."""
+    """Eight new documents in one cold request: sys and every document are stored (no
+    ingest needed), the one its question names too, as the default recomputes only its
+    span where it is attended (it is computed isolated first; recomputed whole, it would be
+    computed once and not stored: the next test). The same documents reordered under
+    another question hit every one of them, and answer as the reference does."""
     s = Scenario(tiny_model_dir)
     docs = DOCS + MORE_DOCS
     assert len(docs) == 8
     cold = s.prompt(SYS, docs, QUESTIONS[0])
     reordered = s.prompt(SYS, docs[::-1], QUESTIONS[1])
     once, _, _ = default_treatment(cold.segments, Isolation.SYS)
-    assert list(once) == [1]  # the Eiffel Tower's, last in the reordered prompt
+    assert list(once) == [1]  # the Eiffel Tower's: in part
+    assert len(once[1]) < len(cold.segments[1])
     first, second = run_probe(
         tiny_model_dir,
         [list(cold.token_ids), list(reordered.token_ids)],
@@ -407,12 +409,12 @@ def test_a_cold_request_stores_every_chunk_it_isolates_and_they_hit_in_any_order
         {"address": daemon.unix},
     )
     assert first["cached_tokens"] == 0
-    stored_run = reordered.segments[-2].start
+    stored_run = reordered.segments[-1].start
     assert second["cached_tokens"] == stored_run
     with ChunkStoreClient(daemon.unix) as client:
         stats = client.stats()
     assert stats.entries == 1 + len(docs)
-    assert stats.hit_tokens == stored_run  # the second request, but the last document
+    assert stats.hit_tokens == stored_run  # the second request's every segment
     assert stats.lookup_tokens == 2 * reordered.segments[-1].start
     assert_logprobs_match(second, reference_logits(tiny_model_dir, reordered, Isolation.SYS))
 
@@ -422,14 +424,17 @@ def test_a_chunk_missed_between_stored_ones_is_computed_by_the_hook_and_the_rest
 ) -> None:
     """Sys and every chunk but one stored: the loaded run does not stop at the one that
     missed (``fill_gaps``): the hook computes it in the request's first step, and every
-    other chunk loads. The one the question names is computed once, by its recompute
-    where it is attended (not stored by that request); another is computed isolated and
-    stored. The answer is the HF reference's either way."""
+    other chunk loads. The one the question names, recomputed whole (the relevant chunks
+    whole: ``relevant_recompute_share`` 0), is computed once, by its recompute where it is
+    attended (not stored by that request); another is computed isolated and stored. The
+    answer is the HF reference's either way."""
     s = Scenario(tiny_model_dir)
     docs = DOCS + MORE_DOCS[:1]
     prompt = s.prompt(SYS, docs, QUESTIONS[1])
-    recomputed, _, _ = default_treatment(prompt.segments, Isolation.SYS)
-    assert list(recomputed) == [3]  # Everest's (document 2): moved last, recomputed there
+    whole = {"relevant_recompute_share": 0.0}
+    quality = QualityConfig(**whole)
+    recomputed, _, _ = default_treatment(prompt.segments, Isolation.SYS, quality=quality)
+    assert recomputed == {3: range(len(prompt.segments[3]))}  # Everest's, moved last
 
     def stored(*indices: int) -> list[list[int]]:
         return [list(s.prompt(SYS, [docs[i]], None).token_ids) for i in indices]
@@ -439,18 +444,18 @@ def test_a_chunk_missed_between_stored_ones_is_computed_by_the_hook_and_the_rest
         tiny_model_dir,
         [*stored(0, 1, 3), ids, *stored(0, 2, 3), ids],
         tmp_path,
-        {"address": daemon.unix},
+        {"address": daemon.unix, **whole},
         extra=("--max-tokens", "4", "--clear-before", "4"),
         stats=True,
     )
-    logits = reference_logits(tiny_model_dir, prompt, Isolation.SYS)
+    ref = HFReference.load(tiny_model_dir)
+    logits = default_reference(ref, prompt.segments, Isolation.SYS, quality=quality).logits[-1]
     for served in (results[3], results[7]):
         assert served["cached_tokens"] == prompt.segments[-1].start  # the gap counts
         assert_logprobs_match(served, logits)
     pick, other = results[3]["connector"], results[7]["connector"]
     assert (pick["gap_tokens"], pick["one_pass_chunks"]) == (0, 1)  # Everest's: once
     assert (other["gap_tokens"], other["one_pass_chunks"]) == (len(prompt.segments[2]), 0)
-    ref = HFReference.load(tiny_model_dir)
     with ChunkStoreClient(daemon.unix) as client:
         assert client.stats().entries == len(prompt.segments) - 1  # the gap stored
         got = client.get(chunk_key(tiny_model_dir, prompt, 2))

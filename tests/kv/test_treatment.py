@@ -3,6 +3,8 @@ in the order the connector applies it, on back ends with and without the in-band
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from chunkstore.kv.keys import Isolation
@@ -33,30 +35,44 @@ def test_the_default_puts_the_relevant_chunks_last_and_recomputes_them_there() -
     assert treated.shifts == {2: 8, 3: -4, 4: -4}
     assert treated.recomputed == {2: range(4), 4: range(3)}
     assert treated.exact == {2, 4} and treated.moved == 2
-    assert treated.first_tokens == 16  # every other chunk's first tokens with them
+    # Their spans (each at least 32 tokens: these chunks whole), every other chunk's first 4.
+    assert treated.first_tokens == 4
     # Where the workers cannot recompute (tensor parallelism): only moved, nothing blended.
     moved = treat(RAG, QualityConfig(), back_end=BackEnd(recompute=False))
     assert (moved.last, moved.recomputed, moved.first_tokens) == ((4, 2), {}, 0)
 
 
 def test_a_recompute_share_recomputes_each_relevant_chunk_in_part() -> None:
-    """``relevant_recompute_share``: the relevant chunks, put last as by default, each
-    recompute the ``span`` of an equal part of that share of the chunk tokens (whole where
-    shorter) where they would recompute whole."""
+    """``relevant_recompute_share`` (the default's): the relevant chunks, put last, each
+    recompute the ``span`` of an equal part of that share of the chunk tokens, at least
+    ``relevant_span_min_tokens`` (whole where shorter), however long they are."""
     long = prompt(*([7] * 40 for _ in range(2)), [7] * 30 + [42] * 3 + [7] * 27, question=[42])
-    share = QualityConfig(relevant_recompute_share=0.2, relevant_first_tokens=0)
+    share = QualityConfig(
+        relevant_recompute_share=0.2, relevant_span_min_tokens=0, relevant_first_tokens=0
+    )
     treated = treat(long, share)
     assert treated.last == (3,) and treated.shifts == {}  # last already
     # 0.2 x 140 chunk tokens: 28, around the question's 42s, the first (30) a quarter in.
     assert treated.recomputed == {3: range(23, 51)} and treated.first_tokens == 0
-    # A chunk longer than relevant_recompute_tokens is only moved, as without the share.
-    longer = QualityConfig(relevant_recompute_share=0.2, relevant_recompute_tokens=59)
-    assert treat(long, longer).recomputed == {}
-    # Two relevant chunks share it equally (0.4 x 15 tokens: 3 each), one shorter whole.
-    both = treat(RAG, QualityConfig(relevant_recompute_share=0.4))
+    # The default's floor: 32 tokens, 30 - 32 // 4 on.
+    assert treat(long, QualityConfig(relevant_recompute_share=0.2)).recomputed == {3: range(22, 54)}
+    # A chunk longer than relevant_recompute_tokens too, where without the share it is
+    # only moved.
+    longer = dataclasses.replace(share, relevant_recompute_tokens=59)
+    assert treat(long, longer).recomputed == {3: range(23, 51)}
+    whole = dataclasses.replace(longer, relevant_recompute_share=0.0)
+    assert treat(long, whole).recomputed == {}
+    # Two relevant chunks share it equally (0.4 x 15 tokens: 3 each), one shorter whole ...
+    equal = QualityConfig(
+        relevant_recompute_share=0.4, relevant_span_min_tokens=0, relevant_first_tokens=0
+    )
+    both = treat(RAG, equal)
     assert both.last == (4, 2) and both.shifts == {2: 8, 3: -4, 4: -4}
     assert both.recomputed == {2: range(0, 3), 4: range(0, 3)}
-    assert both.first_tokens == 16  # the other chunks' first tokens as by default
+    # ... and the other chunks' first tokens come out of the share: 6 less one each of the
+    # two others, 4 for the picks, 2 each.
+    firsts = treat(RAG, dataclasses.replace(equal, relevant_first_tokens=1))
+    assert firsts.recomputed == {2: range(0, 2), 4: range(0, 2)} and firsts.first_tokens == 1
     with pytest.raises(ValueError, match="relevant_recompute_share"):
         QualityConfig(relevant_recompute_share=1.5)
 
