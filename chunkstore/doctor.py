@@ -309,7 +309,7 @@ def verdict(exact: dict[str, Any] | None, rows: list[dict[str, Any]]) -> dict[st
         "code": BELOW_BAR,
         "line": f"EXACT, BUT ANSWERS SUFFER: no method tried keeps {KEEP:.0%} of full "
         f"prefill's answers (best: {figures}); try more recompute, e.g. --methods "
-        "default,relevant_recompute_tokens=1024+relevant_min_score=0.3",
+        "default,relevant_recompute_share=0.25+relevant_min_score=0.3",
         "setting": None,
     }
 

@@ -67,7 +67,7 @@ def add_commands(commands: Any) -> None:
         type=_methods,
         default="full,isolated,default",
         help="what stage 3 compares, as bench quality's --methods (default "
-        "full,isolated,default); e.g. add relevant_recompute_tokens=1024",
+        "full,isolated,default); e.g. add relevant_recompute_share=0.25 (more recompute)",
     )
     parser.add_argument(
         "--cases", type=int, default=12, help="built-in questions, a third of each kind (12)"
