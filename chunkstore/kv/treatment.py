@@ -55,9 +55,10 @@ DEFAULT_RELEVANT_RECOMPUTE_TOKENS = 384
 # (16 of 24 either way, full prefill 15) for 9% of the chunk tokens recomputed.
 DEFAULT_RELEVANT_SPAN_TOKENS = 0
 # ... or, by default, each in part: its ``span`` of an equal part of this share of the
-# prompt's chunk tokens, placed by the question's heaviest match (held-out, Qwen2.5-Coder
-# 0.5B at ~50 to ~300 tokens: 72 of 96 where recomputing them whole with every chunk's
-# first 16 tokens answers 68, for 11-12% of the chunk tokens against 22-43%) ...
+# prompt's chunk tokens, placed by the question's heaviest match (held-out, with the two
+# settings below, Qwen2.5-Coder 0.5B at ~46 to ~494 tokens: 88 of 120 where recomputing
+# them whole with every chunk's first 16 tokens answers 78, for 12-20% of the chunk tokens
+# against 0.5-43%; docs/benchmarks.md) ...
 DEFAULT_RELEVANT_RECOMPUTE_SHARE = 0.12
 # ... at least this many tokens each where documents are short (12% of 8 documents of ~46
 # tokens is ~15 tokens a pick) ...
