@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
 import torch
 
 from chunkstore.kv.entry import MAX_PACKING
@@ -138,19 +139,22 @@ class CpuKVLayout:
             cache[0].copy_(saved)
 
     def warm_up(self, layer_name: str, cache: torch.Tensor, rotary: RotaryConfig) -> None:
-        """Load the fused write kernel now, at start-up, not in the first request that moves
-        or loads a chunk: numba's import and its cached machine code took ~1 s there, which
-        was the first requests' whole TTFT gap to vLLM alone (``bench workload --ttfts``).
-        Two tokens rotated into block 0 (vLLM's null block), restored after, with arrays of
-        the kinds requests pass (so numba has the specialization they call). Only in a
-        worker process of its own: vLLM's start-up scan of loaded modules trips on numba's
+        """Load the fused write kernel and the pool's streaming copy now, at start-up, not
+        in the first requests: numba's import and the write kernel's cached machine code
+        took ~1 s there, which was the first requests' whole TTFT gap to vLLM alone (``bench
+        workload --ttfts``), and the copy's first save compiles it where no cache is yet
+        (~0.4 s of a core; a fresh install's first requests). Two tokens rotated into block
+        0 (vLLM's null block), restored after, with arrays of the kinds requests pass (so
+        numba has the specialization they call), and a copy of 8 bytes. Only in a worker
+        process of its own: vLLM's start-up scan of loaded modules trips on numba's
         objects, so an in-process engine started after this one would fail. A failure here
-        is logged, and the first request that needs the kernel loads it, as before."""
+        is logged, and the first request that needs a kernel loads it, as before."""
         import vllm.envs as envs
 
         if not envs.VLLM_ENABLE_V1_MULTIPROCESSING:
             return  # (``write_rotated`` takes the kernel only where the probe allows it)
         from chunkstore.kv.rope import rotation_table
+        from chunkstore.protocol import streamcopy
 
         saved = cache[0].clone()
         try:
@@ -158,8 +162,9 @@ class CpuKVLayout:
             keys, values = self.read(cache, slots)
             rotation = rotation_table(rotary, 1, 2, cache.device)
             self.write_rotated(layer_name, cache, keys, values, slots, rotation, rotary)
-        except Exception as err:  # noqa: BLE001 - start-up goes on; requests load it lazily
-            log.warning("chunkstore: the fused write kernel did not load at start-up: %s", err)
+            streamcopy.copy(np.zeros(8, np.uint8), np.ones(8, np.uint8))
+        except Exception as err:  # noqa: BLE001 - start-up goes on; requests load them lazily
+            log.warning("chunkstore: numba's kernels did not load at start-up: %s", err)
         finally:
             cache[0].copy_(saved)
 

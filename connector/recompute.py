@@ -104,7 +104,9 @@ def _find_decoder(first_attention: Any) -> Any | None:
     connector its attention layers, not the model, so it is found among live objects once,
     at load, by identity."""
     for obj in gc.get_objects():
-        if isinstance(obj, torch.nn.Module) and hasattr(obj, "embed_tokens"):
+        # type(), not isinstance(): isinstance asks a lazy proxy's ``__class__``, which
+        # imports what it stands for (openai's client modules: ~0.2 s of start-up).
+        if issubclass(type(obj), torch.nn.Module) and hasattr(obj, "embed_tokens"):
             layers = getattr(obj, "layers", None)
             if isinstance(layers, torch.nn.ModuleList) and len(layers):
                 attn = getattr(getattr(layers[0], "self_attn", None), "attn", None)

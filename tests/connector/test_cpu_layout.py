@@ -94,13 +94,19 @@ keys, values = plain.read(cache, slots)  # as the hook moves a chunk
 plain.write_rotated("layer.0", cache, keys, values, slots, rotation_table(rotary, 7, 3), rotary)
 staged = torch.randn(2, 2, 3, 3, 64)  # as a load: an entry's [layers, tokens, heads, dim]
 plain.write_rotated("layer.0", cache, staged[0, 1], staged[1, 1], slots, None, rotary)
-print("warm", warmed, len(kernel.signatures))
+from chunkstore.protocol import streamcopy
+from chunkstore.protocol.streamcopy_kernel import streaming
+
+copied = len(streaming.signatures)
+pool = torch.zeros(4096, dtype=torch.uint8).numpy()
+streamcopy.copy(pool[100:164], torch.ones(64, dtype=torch.uint8).numpy())  # as a save
+print("warm", warmed, len(kernel.signatures), copied, len(streaming.signatures))
 """
 
 
 @pytest.mark.parametrize("multiprocessing", ["1", "0"])
 def test_the_fused_write_is_loaded_at_start_up_in_a_worker_process(multiprocessing) -> None:
-    """The kernel's import and machine code at registration, not in the first request; and
+    """The kernels' import and machine code at registration, not in the first request; and
     not in an in-process engine (vLLM's start-up scan of a later engine trips on numba)."""
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": multiprocessing}
     run = subprocess.run(
@@ -112,6 +118,8 @@ def test_the_fused_write_is_loaded_at_start_up_in_a_worker_process(multiprocessi
         timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    got = run.stdout.split()[-3:] if multiprocessing == "1" else run.stdout.split()[-1:]
-    # The requests' calls found the specialization the warm-up made: none compiled after.
-    assert got == (["warm", "1", "1"] if multiprocessing == "1" else ["cold"]), run.stdout
+    got = run.stdout.split()[-5:] if multiprocessing == "1" else run.stdout.split()[-1:]
+    # The requests' calls found the specializations the warm-up made (the write kernel's,
+    # the streaming copy's): none compiled after.
+    want = ["warm", "1", "1", "1", "1"] if multiprocessing == "1" else ["cold"]
+    assert got == want, run.stdout
