@@ -1,0 +1,188 @@
+"""Block-sparse reads of a long stored entry (seed 002; issue 74): which blocks of its tokens
+a question needs, chosen from summaries kept beside the entry without reading the entry, and
+attention that reads only those blocks.
+
+A summary is Quest's: per layer, block and KV head, the elementwise min and max of the
+block's keys as the entry stores them. For a query ``q``, ``sum_d max(q_d lo_d, q_d hi_d)``
+is at least ``q . k`` for every key ``k`` of the block, so a block whose bound is low holds
+little of the query's attention whatever its keys. A question stands elsewhere than the
+entry was computed: RoPE rotations compose, so its queries are rotated back by the entry's
+shift (``queries_in_entry_frame``) and scored against the summary as stored.
+
+The choice (``select``) is XAttention's threshold on cumulative attention, with the bound in
+place of its antidiagonal estimate: per query head, each block's estimated share of the
+question's attention (the softmax over blocks of its scaled bound plus the log of its
+length, the mean over the question's rows), the highest first until ``threshold`` of it is
+covered; a KV head keeps every block any of its query heads chose (GQA); the attention sink
+(the first block) and the last block are always kept.
+
+Shapes are [tokens, heads, head_dim] as in ``attention``; summaries [blocks, kv heads,
+head_dim] a layer. Pure, float32 inside whatever the inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from chunkstore.kv.attention import merge_partials, partial_attention
+from chunkstore.kv.remap import rotate_keys
+from chunkstore.kv.rope import RotaryConfig, rotation_table
+
+
+@dataclass(frozen=True)
+class Summary:
+    """One layer's summary of an entry: per block of ``block`` tokens (the last one shorter
+    where the entry does not divide) and KV head, the keys' elementwise min and max."""
+
+    block: int
+    tokens: int
+    lo: torch.Tensor  # [blocks, kv heads, head_dim]
+    hi: torch.Tensor
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Tokens a block, [blocks]."""
+        count = self.lo.shape[0]
+        out = torch.full((count,), self.block, dtype=torch.float32)
+        out[-1] = self.tokens - self.block * (count - 1)
+        return out
+
+    def span(self, index: int) -> tuple[int, int]:
+        """Tokens [start, end) of block ``index``."""
+        return index * self.block, min((index + 1) * self.block, self.tokens)
+
+
+def summarize(keys: torch.Tensor, block: int) -> Summary:
+    """The summary of one layer's keys [tokens, kv heads, head_dim] in blocks of ``block``."""
+    if block < 1:
+        raise ValueError(f"a block holds at least one token, not {block}")
+    tokens = keys.shape[0]
+    if tokens == 0:
+        raise ValueError("an entry of no tokens has no blocks")
+    count = -(-tokens // block)
+    padded = keys.float()
+    pad = count * block - tokens
+    if pad:  # the last block's own min and max: pad with one of its keys
+        padded = torch.cat([padded, padded[-1:].expand(pad, *padded.shape[1:])])
+    blocks = padded.reshape(count, block, *keys.shape[1:])
+    return Summary(block, tokens, blocks.amin(1), blocks.amax(1))
+
+
+def summary_bytes(summary: Summary, itemsize: int = 4) -> int:
+    """Bytes the summary takes stored (its two tensors, at ``itemsize`` a number)."""
+    return 2 * summary.lo.numel() * itemsize
+
+
+def queries_in_entry_frame(queries: torch.Tensor, shift: int, rotary: RotaryConfig) -> torch.Tensor:
+    """``queries`` [Tq, Hq, D] rotated back by ``shift``, the distance from where the entry
+    was computed to where it is attended: ``q . R(shift) k == R(-shift) q . k``."""
+    if shift == 0:
+        return queries.float()
+    cos, sin = rotation_table(rotary, -shift, queries.shape[0], queries.device)
+    return rotate_keys(queries.float(), cos, sin, rotary, out=torch.empty_like(queries.float()))
+
+
+def bounds(queries: torch.Tensor, summary: Summary, scale: float | None = None) -> torch.Tensor:
+    """Each query's upper bound on its scaled score against any key of each block,
+    [query heads, Tq, blocks]: ``queries`` [Tq, Hq, D] in the entry's frame."""
+    tq, heads, dim = queries.shape
+    kv_heads = summary.lo.shape[1]
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads cannot share {kv_heads} KV heads evenly")
+    group = heads // kv_heads
+    lo = summary.lo.repeat_interleave(group, dim=1)  # [B, Hq, D]
+    hi = summary.hi.repeat_interleave(group, dim=1)
+    q = queries.float()[:, :, None, :]  # [Tq, Hq, 1, D]
+    top = torch.maximum(q * lo.transpose(0, 1)[None], q * hi.transpose(0, 1)[None]).sum(-1)
+    return top.permute(1, 0, 2) * (scale or 1 / math.sqrt(dim))  # [Hq, Tq, B]
+
+
+def estimated_shares(
+    queries: torch.Tensor, summary: Summary, scale: float | None = None
+) -> torch.Tensor:
+    """Each query head's estimated share of its attention on each block [Hq, blocks]: the
+    softmax over blocks of bound + log(length), the mean over the question's rows."""
+    logits = bounds(queries, summary, scale) + summary.lengths.log()
+    return logits.softmax(-1).mean(1)
+
+
+def select(
+    queries: torch.Tensor,
+    summary: Summary,
+    threshold: float,
+    scale: float | None = None,
+    kept: Sequence[int] = (),
+) -> torch.Tensor:
+    """The blocks each KV head keeps, [kv heads, blocks] bool: per query head the blocks of
+    highest estimated share until ``threshold`` (0 to 1) of it is covered, a KV head's the
+    union of its query heads', and the first block, the last and ``kept`` always; 1 keeps
+    every block (dense)."""
+    if not 0 <= threshold <= 1:
+        raise ValueError(f"threshold is a share of the attention, 0 to 1: {threshold}")
+    kv_heads = summary.lo.shape[1]
+    if threshold == 1:
+        return torch.ones(kv_heads, summary.lo.shape[0], dtype=torch.bool)
+    share = estimated_shares(queries, summary, scale)  # [Hq, B]
+    ranked, order = share.sort(-1, descending=True)
+    before = ranked.cumsum(-1) - ranked  # what the blocks ranked above each cover
+    chosen_ranked = before < threshold
+    chosen = torch.zeros_like(chosen_ranked).scatter(-1, order, chosen_ranked)
+    mask = chosen.reshape(kv_heads, -1, chosen.shape[-1]).any(1)
+    for index in (0, mask.shape[-1] - 1, *kept):
+        mask[:, index] = True
+    return mask
+
+
+def density(mask: torch.Tensor, summary: Summary) -> float:
+    """The share of the entry's (KV head, token) pairs the mask keeps."""
+    tokens = (mask.float() * summary.lengths).sum()
+    return float(tokens / (summary.tokens * mask.shape[0]))
+
+
+def token_mask(mask: torch.Tensor, summary: Summary) -> torch.Tensor:
+    """The block mask [kv heads, blocks] per token, [kv heads, tokens]."""
+    return mask.repeat_interleave(summary.block, dim=1)[:, : summary.tokens]
+
+
+def attend(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    summary: Summary,
+    own: tuple[torch.Tensor, torch.Tensor] | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The question's attention over the entry's kept blocks only, then its own keys
+    causally: ``queries`` [Tq, Hq, D], the entry's ``keys`` and ``values`` [T, Hkv, D] as
+    attended (only kept blocks are read: the rest may be anything, unloaded), ``own`` the
+    question's keys and values [Tq, Hkv, D]. Per KV head its blocks' partial attention, then
+    the question's own, merged by log-sum-exp. Returns [Tq, Hq, D]."""
+    tq, heads, dim = queries.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    scale = scale or 1 / math.sqrt(dim)
+    q = queries.float()
+    rows = token_mask(mask, summary)
+    out = torch.empty(tq, heads, values.shape[-1], dtype=torch.float32)
+    for head in range(kv_heads):
+        taken = rows[head].nonzero().squeeze(1)
+        group_q = q[:, head * group : (head + 1) * group]
+        k = keys.index_select(0, taken)[:, head : head + 1].float()
+        v = values.index_select(0, taken)[:, head : head + 1].float()
+        outs, lses = [], []
+        part = partial_attention(group_q, k, v, scale)
+        outs.append(part[0])
+        lses.append(part[1])
+        if own is not None:
+            own_k = own[0][:, head : head + 1].float()
+            own_v = own[1][:, head : head + 1].float()
+            part = partial_attention(group_q, own_k, own_v, scale, causal_offset=0)
+            outs.append(part[0])
+            lses.append(part[1])
+        out[:, head * group : (head + 1) * group] = merge_partials(outs, lses)[0]
+    return out
