@@ -33,6 +33,7 @@ from chunkstore.errors import (
 )
 from chunkstore.kv.entry import EntryLayout, layout_of, tensors_of, torch_dtype
 from chunkstore.protocol import chunkstore_pb2 as pb
+from chunkstore.protocol import streamcopy
 from chunkstore.protocol.convert import layout_to_proto
 from chunkstore.protocol.endpoints import default_address as default_address  # re-exported
 from chunkstore.protocol.shm import (
@@ -46,6 +47,12 @@ from chunkstore.transport.calls import DaemonCalls, open_channel
 from chunkstore.transport.session import Session
 
 log = logging.getLogger("chunkstore.client")
+
+
+def load_copy_kernel() -> None:
+    """Load the pool's streaming copy (numba's machine code, compiled where no cache is yet)
+    now, not in the first put or get over shared memory."""
+    streamcopy.copy(np.zeros(8, np.uint8), np.ones(8, np.uint8))
 
 
 def _batches(keys: Sequence[bytes]) -> Iterator[list[bytes]]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import numpy as np
 import torch
 
 from chunkstore.kv.entry import MAX_PACKING
@@ -153,8 +152,8 @@ class CpuKVLayout:
 
         if not envs.VLLM_ENABLE_V1_MULTIPROCESSING:
             return  # (``write_rotated`` takes the kernel only where the probe allows it)
+        from chunkstore.client import load_copy_kernel
         from chunkstore.kv.rope import rotation_table
-        from chunkstore.protocol import streamcopy
 
         saved = cache[0].clone()
         try:
@@ -162,7 +161,7 @@ class CpuKVLayout:
             keys, values = self.read(cache, slots)
             rotation = rotation_table(rotary, 1, 2, cache.device)
             self.write_rotated(layer_name, cache, keys, values, slots, rotation, rotary)
-            streamcopy.copy(np.zeros(8, np.uint8), np.ones(8, np.uint8))
+            load_copy_kernel()
         except Exception as err:  # noqa: BLE001 - start-up goes on; requests load them lazily
             log.warning("chunkstore: numba's kernels did not load at start-up: %s", err)
         finally:
