@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from chunkstore.kv.attended import kv_head_mass
 from chunkstore.kv.attention import merge_partials, partial_attention
 from chunkstore.kv.remap import rotate_keys
 from chunkstore.kv.rope import RotaryConfig, rotation_table
@@ -72,18 +73,14 @@ def summarize(keys: torch.Tensor, block: int) -> Summary:
     return Summary(block, tokens, blocks.amin(1), blocks.amax(1))
 
 
-def summary_bytes(summary: Summary, itemsize: int = 4) -> int:
-    """Bytes the summary takes stored (its two tensors, at ``itemsize`` a number)."""
-    return 2 * summary.lo.numel() * itemsize
-
-
 def queries_in_entry_frame(queries: torch.Tensor, shift: int, rotary: RotaryConfig) -> torch.Tensor:
     """``queries`` [Tq, Hq, D] rotated back by ``shift``, the distance from where the entry
     was computed to where it is attended: ``q . R(shift) k == R(-shift) q . k``."""
+    q = queries.float()
     if shift == 0:
-        return queries.float()
-    cos, sin = rotation_table(rotary, -shift, queries.shape[0], queries.device)
-    return rotate_keys(queries.float(), cos, sin, rotary, out=torch.empty_like(queries.float()))
+        return q
+    cos, sin = rotation_table(rotary, -shift, q.shape[0], q.device)
+    return rotate_keys(q, cos, sin, rotary, out=torch.empty_like(q))
 
 
 def bounds(queries: torch.Tensor, summary: Summary, scale: float | None = None) -> torch.Tensor:
@@ -131,7 +128,7 @@ def select(
     before = ranked.cumsum(-1) - ranked  # what the blocks ranked above each cover
     chosen_ranked = before < threshold
     chosen = torch.zeros_like(chosen_ranked).scatter(-1, order, chosen_ranked)
-    mask = chosen.reshape(kv_heads, -1, chosen.shape[-1]).any(1)
+    mask = kv_head_mass(chosen.float(), kv_heads) > 0
     for index in (0, mask.shape[-1] - 1, *kept):
         mask[:, index] = True
     return mask
@@ -174,15 +171,10 @@ def attend(
         group_q = q[:, head * group : (head + 1) * group]
         k = keys.index_select(0, taken)[:, head : head + 1].float()
         v = values.index_select(0, taken)[:, head : head + 1].float()
-        outs, lses = [], []
-        part = partial_attention(group_q, k, v, scale)
-        outs.append(part[0])
-        lses.append(part[1])
+        parts = [partial_attention(group_q, k, v, scale)]
         if own is not None:
-            own_k = own[0][:, head : head + 1].float()
-            own_v = own[1][:, head : head + 1].float()
-            part = partial_attention(group_q, own_k, own_v, scale, causal_offset=0)
-            outs.append(part[0])
-            lses.append(part[1])
-        out[:, head * group : (head + 1) * group] = merge_partials(outs, lses)[0]
+            own_k, own_v = (x[:, head : head + 1].float() for x in own)
+            parts.append(partial_attention(group_q, own_k, own_v, scale, causal_offset=0))
+        merged, _ = merge_partials([o for o, _ in parts], [lse for _, lse in parts])
+        out[:, head * group : (head + 1) * group] = merged
     return out
