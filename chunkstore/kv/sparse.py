@@ -57,20 +57,39 @@ class Summary:
         return index * self.block, min((index + 1) * self.block, self.tokens)
 
 
-def summarize(keys: torch.Tensor, block: int) -> Summary:
-    """The summary of one layer's keys [tokens, kv heads, head_dim] in blocks of ``block``."""
+def summary_tensors(keys: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An entry's summary as the store keeps it (an entry of its own, ``EntryKind.SUMMARY``,
+    the blocks as its tokens, the min as its keys and the max as its values): the keys
+    [layers, tokens, kv heads, head_dim] min and max a block, [layers, blocks, kv heads,
+    head_dim] each, in the keys' dtype (a min or max is one of the keys: exact in any)."""
     if block < 1:
         raise ValueError(f"a block holds at least one token, not {block}")
-    tokens = keys.shape[0]
+    layers, tokens, *rest = keys.shape
     if tokens == 0:
         raise ValueError("an entry of no tokens has no blocks")
     count = -(-tokens // block)
-    padded = keys.float()
     pad = count * block - tokens
     if pad:  # the last block's own min and max: pad with one of its keys
-        padded = torch.cat([padded, padded[-1:].expand(pad, *padded.shape[1:])])
-    blocks = padded.reshape(count, block, *keys.shape[1:])
-    return Summary(block, tokens, blocks.amin(1), blocks.amax(1))
+        keys = torch.cat([keys, keys[:, -1:].expand(layers, pad, *rest)], dim=1)
+    blocks = keys.reshape(layers, count, block, *rest)
+    return blocks.amin(2), blocks.amax(2)
+
+
+def summaries(lo: torch.Tensor, hi: torch.Tensor, block: int, tokens: int) -> list[Summary]:
+    """The per-layer summaries of a stored summary (``summary_tensors``) of an entry of
+    ``tokens`` tokens in blocks of ``block``."""
+    if lo.shape != hi.shape or lo.shape[1] != -(-tokens // block):
+        raise ValueError(
+            f"a summary of {tokens} tokens in blocks of {block} has {-(-tokens // block)} "
+            f"blocks a layer, not {tuple(lo.shape)} / {tuple(hi.shape)}"
+        )
+    return [Summary(block, tokens, a.float(), b.float()) for a, b in zip(lo, hi, strict=True)]
+
+
+def summarize(keys: torch.Tensor, block: int) -> Summary:
+    """The summary of one layer's keys [tokens, kv heads, head_dim] in blocks of ``block``."""
+    lo, hi = summary_tensors(keys[None], block)
+    return summaries(lo, hi, block, keys.shape[0])[0]
 
 
 def queries_in_entry_frame(queries: torch.Tensor, shift: int, rotary: RotaryConfig) -> torch.Tensor:
@@ -107,24 +126,37 @@ def estimated_shares(
     return logits.softmax(-1).mean(1)
 
 
-def select(
-    queries: torch.Tensor,
-    summary: Summary,
-    threshold: float,
-    scale: float | None = None,
-    kept: Sequence[int] = (),
+def exact_shares(
+    queries: torch.Tensor, keys: torch.Tensor, block: int, scale: float | None = None
 ) -> torch.Tensor:
-    """The blocks each KV head keeps, [kv heads, blocks] bool: per query head the blocks of
-    highest estimated share until ``threshold`` (0 to 1) of it is covered, a KV head's the
-    union of its query heads', and the first block, the last and ``kept`` always; 1 keeps
-    every block (dense)."""
+    """Each query head's share of its attention over the entry on each block [Hq, blocks],
+    from the keys themselves (the mean over the question's rows of each row's softmax over
+    the entry): what ``estimated_shares`` estimates, for measuring the estimate against (it
+    reads every key, so it is no way to choose what to load)."""
+    tq, heads, dim = queries.shape
+    tokens, kv_heads, _ = keys.shape
+    group = heads // kv_heads
+    k = keys.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", queries.float(), k) * (scale or 1 / math.sqrt(dim))
+    probs = scores.softmax(-1).mean(1)  # [Hq, tokens]
+    count = -(-tokens // block)
+    padded = torch.nn.functional.pad(probs, (0, count * block - tokens))
+    return padded.reshape(heads, count, block).sum(-1)
+
+
+def choose(
+    shares: torch.Tensor, kv_heads: int, threshold: float, kept: Sequence[int] = ()
+) -> torch.Tensor:
+    """The blocks each KV head keeps, [kv heads, blocks] bool, from each query head's share
+    of its attention on each block ``shares`` [Hq, blocks]: per query head the blocks of
+    highest share until ``threshold`` (0 to 1) of it is covered, a KV head's the union of
+    its query heads', and the first block, the last and ``kept`` always; 1 keeps every
+    block (dense)."""
     if not 0 <= threshold <= 1:
         raise ValueError(f"threshold is a share of the attention, 0 to 1: {threshold}")
-    kv_heads = summary.lo.shape[1]
     if threshold == 1:
-        return torch.ones(kv_heads, summary.lo.shape[0], dtype=torch.bool)
-    share = estimated_shares(queries, summary, scale)  # [Hq, B]
-    ranked, order = share.sort(-1, descending=True)
+        return torch.ones(kv_heads, shares.shape[-1], dtype=torch.bool)
+    ranked, order = shares.sort(-1, descending=True)
     before = ranked.cumsum(-1) - ranked  # what the blocks ranked above each cover
     chosen_ranked = before < threshold
     chosen = torch.zeros_like(chosen_ranked).scatter(-1, order, chosen_ranked)
@@ -132,6 +164,21 @@ def select(
     for index in (0, mask.shape[-1] - 1, *kept):
         mask[:, index] = True
     return mask
+
+
+def select(
+    queries: torch.Tensor,
+    summary: Summary,
+    threshold: float,
+    scale: float | None = None,
+    kept: Sequence[int] = (),
+) -> torch.Tensor:
+    """The blocks each KV head keeps, [kv heads, blocks] bool, chosen (``choose``) by the
+    summary's estimated shares of the question's attention."""
+    kv_heads = summary.lo.shape[1]
+    if threshold == 1:
+        return choose(torch.empty(0, summary.lo.shape[0]), kv_heads, threshold)
+    return choose(estimated_shares(queries, summary, scale), kv_heads, threshold, kept)
 
 
 def density(mask: torch.Tensor, summary: Summary) -> float:

@@ -142,3 +142,31 @@ def test_the_choice_keeps_the_sink_the_last_block_and_what_a_query_head_needs() 
         sparse.select(queries, summary, threshold=1.5)
     with pytest.raises(ValueError, match="at least one token"):
         sparse.summarize(keys, 0)
+
+
+def test_a_stored_summary_is_every_layers_and_reads_back_as_the_layers_own() -> None:
+    # As the connector stores it beside a chunk: [layers, blocks, kv heads, head_dim] in the
+    # entry's dtype (a min or a max is one of the keys: exact in bf16).
+    keys = torch.randn(3, 70, 2, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    lo, hi = sparse.summary_tensors(keys, 16)
+    assert lo.shape == hi.shape == (3, 5, 2, 64) and lo.dtype == torch.bfloat16
+    for layer, summary in enumerate(sparse.summaries(lo, hi, 16, 70)):
+        own = sparse.summarize(keys[layer], 16)
+        assert torch.equal(summary.lo, own.lo) and torch.equal(summary.hi, own.hi)
+        assert summary.tokens == 70 and summary.lengths.tolist() == [16.0] * 4 + [6.0]
+    with pytest.raises(ValueError, match="has 4 blocks a layer"):
+        sparse.summaries(lo, hi, 16, 64)  # read as another entry's
+
+
+def test_exact_shares_are_the_questions_attention_summed_by_block() -> None:
+    g = torch.Generator().manual_seed(5)
+    queries, keys = torch.randn(3, 4, 64, generator=g), torch.randn(70, 2, 64, generator=g)
+    shares = sparse.exact_shares(queries, keys, 16)
+    probs = scores(queries, keys).softmax(-1).mean(1)  # [Hq, tokens]
+    summary = sparse.summarize(keys, 16)
+    expected = torch.stack([probs[:, slice(*summary.span(b))].sum(-1) for b in range(5)], -1)
+    torch.testing.assert_close(shares, expected)
+    # Kept until the threshold: the share a KV head's query heads cover is at least it.
+    mask = sparse.choose(shares, 2, 0.6)
+    covered = (shares * mask.repeat_interleave(2, 0)).sum(-1)
+    assert (covered >= 0.6 - 1e-6).all()
