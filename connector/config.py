@@ -50,6 +50,12 @@ class ConnectorConfig:
     prefix_block_tokens: int = DEFAULT_PREFIX_BLOCK_TOKENS
     # ... and store the blocks of what they generate, so a chat's next turn loads this one.
     save_generated: bool = True
+    # Chunks of at least this many tokens are stored with a summary of their keys (each
+    # block of sparse_block tokens' min and max, 1/sparse_block of the entry's bytes): what
+    # a sparse read of a long document chooses its blocks by, read without the entry (seed
+    # 002; docs/whats-left.md). 0: none.
+    sparse_summary_tokens: int = 1024
+    sparse_block: int = 16
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -69,8 +75,12 @@ class ConnectorConfig:
         Isolation(config.isolation)  # raises on a bad mode
         if config.transport not in ("auto", "shm", "stream"):
             raise ValueError(f"transport must be auto, shm or stream, not {config.transport!r}")
-        if config.virtual_gap < 0 or config.prefix_block_tokens < 0:
-            raise ValueError("virtual_gap and prefix_block_tokens: counts >= 0")
+        if min(config.virtual_gap, config.prefix_block_tokens, config.sparse_summary_tokens) < 0:
+            raise ValueError(
+                "virtual_gap, prefix_block_tokens and sparse_summary_tokens: counts >= 0"
+            )
+        if config.sparse_block < 1:
+            raise ValueError(f"sparse_block: tokens a block, >= 1, not {config.sparse_block}")
         if config.load_threads < 1:
             raise ValueError(f"load_threads must be >= 1, not {config.load_threads}")
         load_cpus(config.load_cpus)  # raises on a bad list

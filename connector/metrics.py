@@ -67,6 +67,8 @@ FIELDS = {
     "and copied in as they are (no per-token write).",
     "prefix_saved_tokens": "Of saved_tokens, those of exact prefix blocks (prompt and "
     "generated tokens of plain prompts).",
+    "saved_summaries": "Block summaries stored beside chunks of at least "
+    "sparse_summary_tokens tokens (what a sparse read chooses blocks by).",
     "save_failures": "Saves that failed (the request is unaffected).",
     "save_seconds": "Time spent saving.",
     "isolated_tokens": "Chunk tokens vLLM computed under the isolation mask (in-band).",

@@ -9,11 +9,15 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
+from chunkstore.client import ChunkStoreClient
 from chunkstore.errors import ChunkStoreError
 from chunkstore.kv.entry import EntryKind, EntryLayout
+from chunkstore.kv.keys import summary_key
+from chunkstore.kv.sparse import summary_tensors
 
 from .client_holder import DaemonLink
 from .common import ChunkStoreMetadata, RequestPlan, SaveItem
@@ -27,17 +31,35 @@ from .registered_cache import RegisteredCache
 log = logging.getLogger("chunkstore.connector")
 
 
+@dataclass(frozen=True)
+class Summaries:
+    """Which chunks are stored with a block summary (``kv.sparse``): those of at least
+    ``min_tokens`` tokens (0: none), in blocks of ``block`` tokens."""
+
+    min_tokens: int = 0
+    block: int = 64
+
+    def wanted(self, tokens: int) -> bool:
+        return 0 < self.min_tokens <= tokens
+
+
 class Saves:
     """Each step's saves, and the requests whose chunks must not be saved (computed
     causally: the isolation hook missed them)."""
 
     def __init__(
-        self, cache: RegisteredCache, keys: ModelKeys, link: DaemonLink, stats: ConnectorStats
+        self,
+        cache: RegisteredCache,
+        keys: ModelKeys,
+        link: DaemonLink,
+        stats: ConnectorStats,
+        summaries: Summaries = Summaries(),
     ) -> None:
         self.cache = cache
         self.keys = keys
         self.link = link
         self.stats = stats
+        self.summaries = summaries
         self._causal_requests: OrderedDict[str, None] = OrderedDict()  # see isolation_missed
 
     def save(self, metadata: ChunkStoreMetadata, hook: IsolationHook | None) -> None:
@@ -107,6 +129,8 @@ class Saves:
                 virtual_start = item.start + shifts.get(item.start, 0)
                 kind = EntryKind.PREFIX if item.prefix else EntryKind.CHUNK
                 stored = client.put(item.key, keys, values, virtual_start, kind)
+                if stored and kind == EntryKind.CHUNK and self.summaries.wanted(item.num_tokens):
+                    self._save_summary(client, item.key, keys, virtual_start)
             else:
                 assert packed is not None
                 stored = client.put_packed(item.key, *packed)
@@ -120,6 +144,21 @@ class Saves:
             if item.prefix:
                 self.stats.add("prefix_saved_tokens", item.num_tokens)
         return stored
+
+    def _save_summary(
+        self, client: ChunkStoreClient, key: bytes, keys: torch.Tensor, virtual_start: int
+    ) -> None:
+        """A stored chunk's block summary, beside it (its keys in the frame they are stored
+        in, ``virtual_start``). One that fails is counted; the chunk stays stored (read
+        whole where it has no summary)."""
+        block = self.summaries.block
+        lo, hi = summary_tensors(keys, block)
+        try:
+            if client.put(summary_key(key, block), lo, hi, virtual_start, EntryKind.SUMMARY):
+                self.stats.add("saved_summaries")
+        except ChunkStoreError as err:
+            self.stats.add("save_failures")
+            self.link.trouble(f"save of {key.hex()[:12]}'s summary", err)
 
     def _segment(
         self, plan: RequestPlan, item: SaveItem, blend: IsolatedCopy | None

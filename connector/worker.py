@@ -35,7 +35,7 @@ from .layer_loads import LayerLoads
 from .loads import DaemonDown, LoadFailed, Loads
 from .metrics import ConnectorStats
 from .registered_cache import RegisteredCache
-from .saves import Saves
+from .saves import Saves, Summaries
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -63,7 +63,13 @@ class WorkerSide:
         self.link = DaemonLink(config, "chunkstore-worker", self.stats)
         self.link.populate = config.populate_pool
         self.loads = Loads(self.cache, self.keys, config, self.link, self.stats)
-        self.saves = Saves(self.cache, self.keys, self.link, self.stats)
+        self.saves = Saves(
+            self.cache,
+            self.keys,
+            self.link,
+            self.stats,
+            Summaries(config.sparse_summary_tokens, config.sparse_block),
+        )
 
     # Set-up --------------------------------------------------------------------------------
 

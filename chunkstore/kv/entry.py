@@ -28,6 +28,7 @@ class EntryKind(StrEnum):
 
     CHUNK = "chunk"  # a position-independent sys or chunk segment
     PREFIX = "prefix"  # an exact prefix block of a plain prompt
+    SUMMARY = "summary"  # a long chunk's block summary (kv.sparse; key: kv.keys.summary_key)
 
 
 ENTRY_KINDS = tuple(kind.value for kind in EntryKind)

@@ -85,6 +85,12 @@ def chunk_context_key(sys_key: bytes, virtual_gap: int) -> bytes:
     return _digest(b"gap", [sys_key, str(virtual_gap).encode()])
 
 
+def summary_key(entry_key: bytes, block: int) -> bytes:
+    """The key of an entry's block summary in blocks of ``block`` tokens (``kv.sparse``):
+    stored beside the entry, read without reading it."""
+    return _digest(b"summary", [entry_key, str(block).encode()])
+
+
 def salt_context(salt: str) -> bytes:
     """The context key of what attends to nothing before it (sys; a chunk in ``isolation:
     none``): empty, the shared namespace, without a salt; a key of the salt with one

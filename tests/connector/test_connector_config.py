@@ -32,6 +32,8 @@ def test_settings_come_from_the_extra_config_and_typos_are_refused() -> None:
     [
         ({"recompute_tokens": -1}, "counts >= 0"),
         ({"virtual_gap": -5}, "counts >= 0"),
+        ({"sparse_summary_tokens": -1}, "counts >= 0"),
+        ({"sparse_block": 0}, "sparse_block: tokens a block"),
         ({"question_temperature": 0}, "must be > 0"),
         ({"recompute_tokens": 16, "inband_isolation": False}, "need inband_isolation"),
     ],

@@ -9,13 +9,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from chunkstore.bench.e2e_shapes import VLLM_CPU_BLOCK
 from chunkstore.client import ChunkStoreClient
+from chunkstore.kv.entry import EntryKind
 from chunkstore.kv.fingerprint import fingerprint_of_folder
-from chunkstore.kv.keys import Isolation, segment_keys
+from chunkstore.kv.keys import Isolation, segment_keys, summary_key
 from chunkstore.kv.segments import ChunkedPrompt
 from chunkstore.kv.selection import span
+from chunkstore.kv.sparse import summary_tensors
 from chunkstore.kv.treatment import QualityConfig
 from chunkstore.processes.daemon import RunningDaemon
 from chunkstore.processes.vllm_probe import run_probe
@@ -234,6 +237,10 @@ RELEVANT = {
 }
 
 
+# Chunks of 8 tokens or more stored with their summaries in blocks of 4 (kv.sparse).
+SUMMARIZED = {"sparse_summary_tokens": 8, "sparse_block": 4}
+
+
 @pytest.mark.parametrize(
     "settings",
     [
@@ -243,7 +250,7 @@ RELEVANT = {
         RELEVANT,
         {**RELEVANT, "recompute_in_vllm_batch": False},
         {},
-        {"recompute_tokens": 3},
+        {"recompute_tokens": 3, **SUMMARIZED},
         {"recompute_tokens": 1000, "virtual_gap": 100},
         {"question_temperature": 0.8, "question_scale": 0.7},
         {"relevant_last": 1, "relevant_recompute_tokens": 0},
@@ -338,10 +345,21 @@ def test_quality_recovery_acts_the_same_on_loaded_and_computed_chunks(
         logits = blended.logits[-1]
         # The half-warm request computed chunk 3 and blended its first tokens in the same
         # step: the store holds it as computed in isolation all the same.
+        key = chunk_key(tiny_model_dir, prompt, 3, gap)
         with ChunkStoreClient(daemon.unix) as client:
-            stored = client.get(chunk_key(tiny_model_dir, prompt, 3, gap))
+            stored = client.get(key)
+            summary = client.get(summary_key(key, SUMMARIZED["sparse_block"]))
         assert stored is not None
         assert_stored_as_isolated(ref, stored, segments, 3, gap)
+        if settings.get("sparse_block"):
+            # Its block summary beside it, of its isolated keys (what was stored), in the
+            # frame they were stored in.
+            assert summary is not None and summary.layout.entry_kind == EntryKind.SUMMARY
+            assert summary.layout.virtual_start == stored.layout.virtual_start
+            lo, hi = summary_tensors(stored.keys, SUMMARIZED["sparse_block"])
+            assert torch.equal(summary.keys, lo) and torch.equal(summary.values, hi)
+        else:
+            assert summary is None
     elif "virtual_gap" in settings:
         logits = default_reference(ref, segments, Isolation.SYS, virtual_gap=100).logits[-1]
     elif case == "relevant-last":
