@@ -367,3 +367,42 @@ def generate(
                 continue  # no distractor among these documents: draw again
         out.append(Case(kind, docs, target.question, (target.answer,), (slot,)))
     return out
+
+
+# A long document states a fact about every LONG_FACT_SPACING tokens of its prose.
+LONG_FACT_SPACING = 300
+
+
+def long_cases(documents: int, doc_tokens: int, questions: int, seed: int = 0) -> list[Case]:
+    """``questions`` cases on each of ``documents`` long documents of about ``doc_tokens``
+    tokens (``chunkstore bench long``): consecutive prose sentences from a seeded place
+    (wrapping round: past ~16k tokens the prose repeats) with a fact every
+    ``LONG_FACT_SPACING`` tokens or so, at random places; every fact has look-alikes (a third
+    of them are of each kind), so a question is a needle among same-kind keys (RULER's
+    multi-key). Cases alternate ``one`` (a fact) and ``two`` (two facts, both in the answer);
+    a document's questions ask about different facts while it has them. Each case's
+    ``documents`` is its one document; cases of a document follow each other.
+
+    Raises ``FileNotFoundError`` as ``generate`` does without the prose."""
+    if documents < 1 or questions < 1:
+        raise ValueError("long cases need at least one document and one question")
+    rng = random.Random(seed)
+    sentences = _prose(PROSE_DIR)
+    count = max(4, doc_tokens // LONG_FACT_SPACING)
+    filler = max(1, round((doc_tokens - count * FACT_TOKENS / 2) / PROSE_SENTENCE_TOKENS))
+    out: list[Case] = []
+    for _ in range(documents):
+        facts = _facts(rng, count)
+        text = _prose_document(rng, facts, filler, sentences, rng.randrange(len(sentences)))
+        unasked = rng.sample(facts, len(facts))
+        for index in range(questions):
+            if len(unasked) < 2:
+                unasked = rng.sample(facts, len(facts))
+            if index % 2:
+                a, b = unasked.pop(), unasked.pop()
+                question = f"{a.question} And {b.question[0].lower()}{b.question[1:]}"
+                out.append(Case("two", (text,), question, (a.answer, b.answer), (0,)))
+            else:
+                fact = unasked.pop()
+                out.append(Case("one", (text,), fact.question, (fact.answer,), (0,)))
+    return out
