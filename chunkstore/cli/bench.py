@@ -18,8 +18,8 @@ BENCHES: dict[str, str] = {
     "device": "the GPU / NPU paths (remap + write, IPC get, pinned host pool) against plain "
     "device copies of the same bytes (ratio_vs_baseline)",
     "e2e": "time to first token in vLLM: no connector, prefix caching, chunkstore (ttft_speedup)",
-    "long": "answers over long stored documents with every block attended against the "
-    "blocks their summaries pick (accuracy, density, bytes_share)",
+    "long": "answers over long stored documents (the HF fp32 reference) with every block "
+    "attended against only the blocks their summaries pick (accuracy, density, bytes_share)",
     "hook": "the isolation hook's chunk rows: one call of vLLM's kernel for all chunks against "
     "a partial attention per chunk merged by log-sum-exp (speedup, max_abs_diff)",
     "pull": "a peer pull of one entry over Mooncake's Transfer Engine vs the gRPC stream "
