@@ -487,6 +487,50 @@ class ChunkStoreClient:
             for e, digest in zip(entries, digests, strict=True)
         ]
 
+    def read_spans(
+        self,
+        entry: LeasedEntry,
+        spans: Sequence[tuple[int, int]],
+        digests: Sequence[int],
+        out: torch.Tensor,
+        session: str | None = None,
+    ) -> StoreError | None:
+        """Part of a leased entry: its byte ``spans`` ([lo, hi) each, in the entry) copied
+        into ``out`` one after another, each checked against its digest in ``digests``
+        (xxh3-64: the entry's block digests, ``kv.sparse.EntryBlocks``) instead of the
+        entry's checksum, which needs every byte. None where every span was read and
+        checked; else the ``ChecksumMismatch`` (use none of ``out``: the pool's bytes, or the
+        digests, are not the entry's) or the ``LeaseLapsed``. From the mapped pool only.
+        ``session``: as ``read_into``'s.
+
+        Raises:
+            InvalidRequest: ``out`` is not a contiguous uint8 tensor of the spans' length, a
+                span lies outside the entry, or the transport is not the mapped pool.
+        """
+        if len(spans) != len(digests):
+            raise InvalidRequest(f"{len(spans)} spans to check against {len(digests)} digests")
+        if any(not 0 <= lo <= hi <= entry.nbytes for lo, hi in spans):
+            raise InvalidRequest(f"a span outside entry {entry.key.hex()} ({entry.nbytes} bytes)")
+        total = sum(hi - lo for lo, hi in spans)
+        if out.dtype != torch.uint8 or out.numel() != total or not out.is_contiguous():
+            raise InvalidRequest(f"read {total} bytes into a contiguous uint8 tensor of as many")
+        transport = self._session.transport
+        actual = transport.read_spans(entry, spans, out.numpy())
+        if transport.reports_reads and session is None:
+            self._shm_reads[entry.lease_id] = self._shm_reads.get(entry.lease_id, 0) + total
+        bad = [i for i, (a, b) in enumerate(zip(actual, digests, strict=True)) if a != b]
+        if not bad:
+            return None
+        if self._report_corrupt(entry, session or self.session):
+            return LeaseLapsed(
+                f"the lease on entry {entry.key.hex()} ended before its bytes were read: not used"
+            )
+        lo, hi = spans[bad[0]]
+        return ChecksumMismatch(
+            f"entry {entry.key.hex()}: {len(bad)} of {len(spans)} spans (the first bytes "
+            f"[{lo}, {hi})) are not what its block digests say: not used"
+        )
+
     def _verdict(self, entry: LeasedEntry, digest: Digest, session: str) -> StoreError | None:
         """None if the bytes read are those committed; else the daemon is told, and why."""
         actual = digest.intdigest()

@@ -16,8 +16,8 @@ import torch
 from chunkstore.client import ChunkStoreClient
 from chunkstore.errors import ChunkStoreError
 from chunkstore.kv.entry import EntryKind, EntryLayout
-from chunkstore.kv.keys import summary_key
-from chunkstore.kv.sparse import summary_tensors
+from chunkstore.kv.keys import digests_key, summary_key
+from chunkstore.kv.sparse import block_digests, digest_tensors, summary_tensors
 
 from .client_holder import DaemonLink
 from .common import ChunkStoreMetadata, RequestPlan, SaveItem
@@ -130,7 +130,7 @@ class Saves:
                 kind = EntryKind.PREFIX if item.prefix else EntryKind.CHUNK
                 stored = client.put(item.key, keys, values, virtual_start, kind)
                 if stored and kind == EntryKind.CHUNK and self.summaries.wanted(item.num_tokens):
-                    self._save_summary(client, item.key, keys, virtual_start)
+                    self._save_summary(client, item.key, keys, values, virtual_start)
             else:
                 assert packed is not None
                 stored = client.put_packed(item.key, *packed)
@@ -146,16 +146,24 @@ class Saves:
         return stored
 
     def _save_summary(
-        self, client: ChunkStoreClient, key: bytes, keys: torch.Tensor, virtual_start: int
+        self,
+        client: ChunkStoreClient,
+        key: bytes,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        virtual_start: int,
     ) -> None:
-        """A stored chunk's block summary, beside it (its keys in the frame they are stored
-        in, ``virtual_start``). One that fails is counted; the chunk stays stored (read
-        whole where it has no summary)."""
+        """A stored chunk's block summary (its keys in the frame they are stored in,
+        ``virtual_start``) and its blocks' digests (what a read of some of its blocks is
+        checked against), beside it. One that fails is counted; the chunk stays stored (read
+        whole where either is missing)."""
         block = self.summaries.block
         lo, hi = summary_tensors(keys, block)
+        key_digests, value_digests = digest_tensors(block_digests(keys, values, block))
         try:
             if client.put(summary_key(key, block), lo, hi, virtual_start, EntryKind.SUMMARY):
                 self.stats.add("saved_summaries")
+            client.put(digests_key(key, block), key_digests, value_digests, 0, EntryKind.SUMMARY)
         except ChunkStoreError as err:
             self.stats.add("save_failures")
             self.link.trouble(f"save of {key.hex()[:12]}'s summary", err)

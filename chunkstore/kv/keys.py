@@ -91,6 +91,12 @@ def summary_key(entry_key: bytes, block: int) -> bytes:
     return _digest(b"summary", [entry_key, str(block).encode()])
 
 
+def digests_key(entry_key: bytes, block: int) -> bytes:
+    """The key of the digests of an entry's blocks of ``block`` tokens (``kv.sparse``'s
+    ``EntryBlocks``): what a read of some of its blocks checks them against."""
+    return _digest(b"block-digests", [entry_key, str(block).encode()])
+
+
 def salt_context(salt: str) -> bytes:
     """The context key of what attends to nothing before it (sys; a chunk in ``isolation:
     none``): empty, the shared namespace, without a salt; a key of the salt with one

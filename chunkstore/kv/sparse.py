@@ -16,6 +16,10 @@ length, the mean over the question's rows), the highest first until ``threshold`
 covered; a KV head keeps every block any of its query heads chose (GQA); the attention sink
 (the first block) and the last block are always kept.
 
+A sparse read reads only the kept blocks of each layer: it cannot check the entry's checksum
+(that needs every byte), so each (layer, block) of the keys and of the values has a digest of
+its own (``EntryBlocks``), stored beside the entry with the summary and checked as it is read.
+
 Shapes are [tokens, heads, head_dim] as in ``attention``; summaries [blocks, kv heads,
 head_dim] a layer. Pure, float32 inside whatever the inputs.
 """
@@ -26,10 +30,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+import xxhash
 
 from chunkstore.kv.attended import kv_head_mass
 from chunkstore.kv.attention import merge_partials, partial_attention
+from chunkstore.kv.entry import ITEMSIZES, EntryLayout, layout_of
 from chunkstore.kv.remap import rotate_keys
 from chunkstore.kv.rope import RotaryConfig, rotation_table
 
@@ -225,3 +232,92 @@ def attend(
         merged, _ = merge_partials([o for o, _ in parts], [lse for _, lse in parts])
         out[:, head * group : (head + 1) * group] = merged
     return out
+
+
+@dataclass(frozen=True)
+class EntryBlocks:
+    """An entry's bytes (``kv.entry``'s layout: keys [layers, tokens, kv heads, head_dim],
+    then values) by block of ``block`` tokens: per layer and block, the span of its keys and
+    the span of its values, each the unit a sparse read copies and checks."""
+
+    layers: int
+    tokens: int
+    row: int  # bytes of a token's keys in one layer (kv heads x head_dim x item size)
+    block: int
+
+    @classmethod
+    def of(cls, layout: EntryLayout, block: int) -> EntryBlocks:
+        if layout.kind != "kv" or layout.packing:
+            raise ValueError(f"only token-major KV entries are read by block, not {layout}")
+        if block < 1:
+            raise ValueError(f"a block holds at least one token, not {block}")
+        row = layout.num_kv_heads * layout.head_dim * ITEMSIZES[layout.dtype]
+        return cls(layout.num_layers, layout.num_tokens, row, block)
+
+    @property
+    def count(self) -> int:
+        """Blocks a layer (the last one shorter where the entry does not divide)."""
+        return -(-self.tokens // self.block)
+
+    def spans(self, layer: int, blocks: Sequence[int]) -> list[tuple[int, int]]:
+        """The entry's byte spans [lo, hi) of ``layer``'s ``blocks``: their keys, then
+        their values, in the order given."""
+        if not 0 <= layer < self.layers:
+            raise ValueError(f"layer {layer} of an entry of {self.layers}")
+        half = self.layers * self.tokens * self.row
+        spans = []
+        for part in (0, half):
+            for index in blocks:
+                if not 0 <= index < self.count:
+                    raise ValueError(f"block {index} of an entry of {self.count} a layer")
+                first = layer * self.tokens + index * self.block
+                last = layer * self.tokens + min((index + 1) * self.block, self.tokens)
+                spans.append((part + first * self.row, part + last * self.row))
+        return spans
+
+    def digests(self, data: np.ndarray) -> torch.Tensor:
+        """xxh3-64 of every unit of the entry's bytes ``data`` (uint8), [2 (keys, values),
+        layers, blocks] as int64 (the unsigned digests' bits)."""
+        out = np.empty((2, self.layers, self.count), dtype=np.uint64)
+        for layer in range(self.layers):
+            spans = self.spans(layer, range(self.count))
+            for at, (lo, hi) in enumerate(spans):
+                out[at // self.count, layer, at % self.count] = xxhash.xxh3_64_intdigest(
+                    data[lo:hi].data
+                )
+        return torch.from_numpy(out.view(np.int64))
+
+    def expected(self, digests: torch.Tensor, layer: int, blocks: Sequence[int]) -> list[int]:
+        """What ``spans(layer, blocks)`` must hash to, from the entry's ``digests``."""
+        index = torch.tensor(list(blocks), dtype=torch.int64)
+        picked = digests[:, layer].index_select(1, index).reshape(-1)
+        return [int(d) & ((1 << 64) - 1) for d in picked.tolist()]
+
+
+def block_digests(keys: torch.Tensor, values: torch.Tensor, block: int) -> torch.Tensor:
+    """The digests of an entry's units (``EntryBlocks.digests``) from the keys and values
+    it is stored from, as the store lays their bytes out."""
+    data = np.concatenate(
+        [
+            t.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy()
+            for t in (keys, values)
+        ]
+    )
+    return EntryBlocks.of(layout_of(keys, values, 0), block).digests(data)
+
+
+def digest_tensors(digests: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The digests [2, layers, blocks] as the store keeps them (an entry of its own,
+    ``EntryKind.SUMMARY``, under ``kv.keys.digests_key``): the keys' and the values' as a KV
+    pair of float32 [layers, blocks, 1, 2] holding their bits (copied, never computed on)."""
+    layers, count = digests.shape[1:]
+    bits = digests.contiguous().view(torch.float32).reshape(2, layers, count, 1, 2)
+    return bits[0], bits[1]
+
+
+def digests_of(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``digest_tensors``' inverse: the digests [2, layers, blocks] int64."""
+    if keys.dtype != torch.float32 or keys.shape != values.shape or keys.shape[2:] != (1, 2):
+        raise ValueError(f"block digests are float32 [layers, blocks, 1, 2], not {keys.shape}")
+    both = torch.stack([keys, values]).contiguous()
+    return both.view(torch.int64).reshape(2, keys.shape[0], keys.shape[1])

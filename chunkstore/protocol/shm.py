@@ -212,6 +212,26 @@ def gather_many(
         digests[i].add_stripe(value)  # type: ignore[index]
 
 
+def gather_spans(
+    region: np.ndarray,
+    blocks: Sequence[int],
+    block_size: int,
+    spans: Sequence[tuple[int, int]],
+    out: np.ndarray,
+) -> list[int]:
+    """Copy an entry's byte ``spans`` ([lo, hi) each) out of its blocks into ``out`` (uint8,
+    their total length), one after another, each hashed (xxh3-64) in the pool right after
+    its copy (``gather_many`` says why there): the spans' digests, in order."""
+    digests, at = [], 0
+    for lo, hi in spans:
+        runs = list(extents(blocks, block_size, lo, hi))
+        for start, length in runs:
+            streamcopy.copy(out[at : at + length], region[start : start + length])
+            at += length
+        digests.append(_hash_runs(region, runs))
+    return digests
+
+
 def gather(
     region: np.ndarray,
     blocks: Sequence[int],

@@ -150,6 +150,16 @@ class Transport(ABC):
         """Copy each leased entry into its out; the digests of what was read, one an entry,
         not yet compared with the committed checksums."""
 
+    def read_spans(
+        self, entry: LeasedEntry, spans: Sequence[tuple[int, int]], out: np.ndarray
+    ) -> list[int]:
+        """Copy the leased entry's byte ``spans`` into ``out`` one after another: each
+        span's xxh3-64, not yet compared with anything (the mapped pool only)."""
+        raise InvalidRequest(
+            f"a read of part of an entry needs the shared-memory pool, not the {self.name} "
+            "transport: read the entry whole"
+        )
+
 
 class EntryAtATime(Transport):
     """A transport that reads one entry at a time into a tensor of its length (an out given

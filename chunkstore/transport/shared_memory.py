@@ -8,14 +8,22 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from chunkstore.errors import Unavailable
 from chunkstore.protocol import chunkstore_pb2 as pb
+from chunkstore.protocol.convert import LeasedEntry
 from chunkstore.protocol.device_ipc import pin_host_region
-from chunkstore.protocol.shm import EntryDigest, Pieces, gather_many, map_shared_pool, scatter_parts
+from chunkstore.protocol.shm import (
+    EntryDigest,
+    Pieces,
+    gather_many,
+    gather_spans,
+    map_shared_pool,
+    scatter_parts,
+)
 from chunkstore.protocol.shm import populate as populate_pool
 from chunkstore.transport.base import (
     Digest,
@@ -107,3 +115,8 @@ class SharedMemoryTransport(Transport):
         threads, helper, progress = reads.threads, reads.helper, reads.progress
         gather_many(self.region, self.block_size, targets, digests, threads, helper, progress)
         return list(digests)
+
+    def read_spans(
+        self, entry: LeasedEntry, spans: Sequence[tuple[int, int]], out: np.ndarray
+    ) -> list[int]:
+        return gather_spans(self.region, entry.blocks, self.block_size, spans, out)

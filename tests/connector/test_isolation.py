@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from chunkstore.bench.e2e_shapes import VLLM_CPU_BLOCK
-from chunkstore.client import ChunkStoreClient
-from chunkstore.kv.entry import EntryKind
+from chunkstore.client import ChunkStoreClient, StoredKV
+from chunkstore.kv.entry import EntryKind, torch_dtype
 from chunkstore.kv.fingerprint import fingerprint_of_folder
-from chunkstore.kv.keys import Isolation, segment_keys, summary_key
+from chunkstore.kv.keys import Isolation, digests_key, segment_keys, summary_key
 from chunkstore.kv.segments import ChunkedPrompt
 from chunkstore.kv.selection import span
-from chunkstore.kv.sparse import summary_tensors
+from chunkstore.kv.sparse import EntryBlocks, digests_of, summary_tensors
 from chunkstore.kv.treatment import QualityConfig
 from chunkstore.processes.daemon import RunningDaemon
 from chunkstore.processes.vllm_probe import run_probe
@@ -349,6 +349,9 @@ def test_quality_recovery_acts_the_same_on_loaded_and_computed_chunks(
         with ChunkStoreClient(daemon.unix) as client:
             stored = client.get(key)
             summary = client.get(summary_key(key, SUMMARIZED["sparse_block"]))
+            digests = client.get(digests_key(key, SUMMARIZED["sparse_block"]))
+            if digests is not None:
+                parts = sparse_read(client, key, digests)
         assert stored is not None
         assert_stored_as_isolated(ref, stored, segments, 3, gap)
         if settings.get("sparse_block"):
@@ -358,8 +361,16 @@ def test_quality_recovery_acts_the_same_on_loaded_and_computed_chunks(
             assert summary.layout.virtual_start == stored.layout.virtual_start
             lo, hi = summary_tensors(stored.keys, SUMMARIZED["sparse_block"])
             assert torch.equal(summary.keys, lo) and torch.equal(summary.values, hi)
+            # A read of some of its blocks, checked by the digests beside it, gives the
+            # bytes a whole read gives.
+            assert digests is not None
+            block = SUMMARIZED["sparse_block"]
+            for (layer, index, part), got in parts.items():
+                rows = slice(index * block, (index + 1) * block)
+                whole = (stored.keys if part == 0 else stored.values)[layer, rows]
+                assert torch.equal(got, whole)
         else:
-            assert summary is None
+            assert summary is None and digests is None
     elif "virtual_gap" in settings:
         logits = default_reference(ref, segments, Isolation.SYS, virtual_gap=100).logits[-1]
     elif case == "relevant-last":
@@ -663,3 +674,29 @@ def test_attention_the_hook_does_not_know_is_refused_with_the_reason() -> None:
     assert "FlashAttentionImpl is not one the hook knows" in str(
         unsupported(FlashAttentionImpl(), None)
     )
+
+
+def sparse_read(
+    client: ChunkStoreClient, key: bytes, digests: StoredKV
+) -> dict[tuple[int, int, int], torch.Tensor]:
+    """Blocks 0 and 2 of the last layer of the entry under ``key``, read alone from the pool
+    and checked by its block digests: (layer, block, 0 keys / 1 values) -> the tensor."""
+    [entry] = client.acquire([key])
+    assert entry is not None
+    try:
+        blocks = EntryBlocks.of(entry.layout, SUMMARIZED["sparse_block"])
+        layer, picked = blocks.layers - 1, [0, 2]
+        spans = blocks.spans(layer, picked)
+        out = torch.empty(sum(hi - lo for lo, hi in spans), dtype=torch.uint8)
+        expected = blocks.expected(digests_of(digests.keys, digests.values), layer, picked)
+        assert client.read_spans(entry, spans, expected, out) is None
+    finally:
+        client.release([entry.lease_id])
+    dtype = torch_dtype(entry.layout.dtype)
+    shape = (-1, entry.layout.num_kv_heads, entry.layout.head_dim)
+    parts, at = {}, 0
+    for i, (lo, hi) in enumerate(spans):
+        part, index = divmod(i, len(picked))
+        parts[layer, picked[index], part] = out[at : at + hi - lo].view(dtype).view(shape)
+        at += hi - lo
+    return parts

@@ -25,12 +25,14 @@ from chunkstore.errors import (
     ChecksumMismatch,
     Exhausted,
     Forbidden,
+    InvalidRequest,
     NotFound,
     PoolFull,
     SessionLost,
     WrongState,
 )
 from chunkstore.kv.entry import layout_of
+from chunkstore.kv.sparse import EntryBlocks, block_digests
 from chunkstore.processes.daemon import RunningDaemon, serve_command, serve_env, start_daemon
 from chunkstore.processes.redis import RedisServer
 from chunkstore.protocol import chunkstore_pb2 as pb
@@ -163,6 +165,7 @@ import numpy as np, torch
 from chunkstore.client import ChunkStoreClient, as_bytes
 from chunkstore.errors import StoreError
 from chunkstore.kv.entry import layout_of
+from chunkstore.kv.sparse import EntryBlocks, block_digests
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol.shm import scatter
 from chunkstore.protocol.shm import EntryDigest
@@ -290,6 +293,61 @@ def test_one_rotten_entry_in_a_batch_read_fails_alone(daemon: RunningDaemon) -> 
             assert outs[i].numpy().tobytes() == as_bytes(k).tobytes() + as_bytes(v).tobytes()
         with pytest.raises(ChecksumMismatch):  # read_many raises the first failure
             client.read_many(entries[1:], outs[1:])
+
+
+def test_a_read_of_some_blocks_is_checked_by_their_digests(daemon: RunningDaemon) -> None:
+    """A sparse read (issue 74) copies only some blocks of an entry out of the pool and checks
+    each against its block digest: the bytes a whole read gives there, counted as read; a
+    rotten byte in a block it reads fails it (and the daemon evicts the entry), one in a
+    block it skips does not; bad spans and the stream are refused, typed."""
+    k, v = random_kv(100, seed=3)  # 2 layers, 100 tokens: 7 blocks of 16, the last of 4
+    blocks = EntryBlocks.of(layout_of(k, v, 0), 16)
+    digests = block_digests(k, v, 16)
+    with ChunkStoreClient(daemon.unix) as client:
+        assert client.put(entry_key(20), k, v, 0)
+        [entry] = client.acquire([entry_key(20)])
+        assert entry is not None and client.region is not None
+        layer, picked = 1, [0, 3, 6]
+        spans = blocks.spans(layer, picked)
+        expected = blocks.expected(digests, layer, picked)
+        out = torch.empty(sum(hi - lo for lo, hi in spans), dtype=torch.uint8)
+        assert client.read_spans(entry, spans, expected, out) is None
+        rows = torch.cat([torch.arange(i * 16, min(i * 16 + 16, 100)) for i in picked])
+        want = torch.cat([k[layer, rows], v[layer, rows]]).contiguous().view(torch.uint8)
+        assert torch.equal(out, want.reshape(-1))
+        assert out.numel() < entry.nbytes / 4
+
+        with pytest.raises(InvalidRequest):  # a span past the entry's end
+            client.read_spans(
+                entry,
+                [(0, entry.nbytes + 1)],
+                [0],
+                torch.empty(entry.nbytes + 1, dtype=torch.uint8),
+            )
+        with pytest.raises(InvalidRequest):  # an out of another length
+            client.read_spans(entry, spans, expected, out[1:])
+
+        skipped = blocks.spans(layer, [1])[0][0]  # a byte of a block it does not read
+        pool_at = entry.blocks[skipped // client.block_size] * client.block_size
+        client.region[pool_at + skipped % client.block_size] ^= 0xFF
+        assert client.read_spans(entry, spans, expected, out) is None
+        client.region[pool_at + skipped % client.block_size] ^= 0xFF
+
+        read = spans[2][0] + 5  # a byte of block 6's keys, which it reads
+        pool_at = entry.blocks[read // client.block_size] * client.block_size
+        client.region[pool_at + read % client.block_size] ^= 0xFF
+        failure = client.read_spans(entry, spans, expected, out)
+        assert isinstance(failure, ChecksumMismatch) and "1 of 6 spans" in str(failure)
+        assert client.lookup([entry_key(20)]) == [None]  # the daemon checked it: evicted
+        client.release([entry.lease_id])
+        read_bytes = daemon.scrape()['chunkstore_bytes_total{direction="read",transport="shm"}']
+        assert read_bytes == 3 * out.numel()  # the spans copied, never the whole entry
+    with ChunkStoreClient(daemon.tcp, transport="stream") as client:
+        assert client.put(entry_key(21), k, v, 0)
+        [entry] = client.acquire([entry_key(21)])
+        assert entry is not None
+        with pytest.raises(InvalidRequest, match="shared-memory pool"):
+            client.read_spans(entry, spans, expected, out)
 
 
 def commit_unwritten(client: ChunkStoreClient, key: bytes) -> None:

@@ -1,7 +1,8 @@
 """Block-sparse reads (``chunkstore.kv.sparse``): the summaries bound every score of their
 blocks, in the entry's frame wherever the entry is attended (random keys and SmolLM2's own,
 rotated by its RoPE); attention over the kept blocks equals a dense reference masked to them
-and never reads a block it does not keep; the choice keeps what it must."""
+and never reads a block it does not keep; the choice keeps what it must; a block's bytes and
+digest in a stored entry."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import math
 
 import pytest
 import torch
+import xxhash
 
 from chunkstore.kv import sparse
+from chunkstore.kv.entry import layout_of
 from chunkstore.kv.keys import Isolation
 from chunkstore.kv.remap import rotate_keys
 from chunkstore.kv.rope import RotaryConfig, rotation_table
@@ -170,3 +173,28 @@ def test_exact_shares_are_the_questions_attention_summed_by_block() -> None:
     mask = sparse.choose(shares, 2, 0.6)
     covered = (shares * mask.repeat_interleave(2, 0)).sum(-1)
     assert (covered >= 0.6 - 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_block_of_an_entry_has_its_span_and_digest(dtype) -> None:
+    """A block's spans are its keys' and values' bytes in the entry as the store lays it out
+    (keys, then values), and its digests are theirs: what a sparse read copies and checks.
+    The digests survive the trip through an entry of float32 bits."""
+    g = torch.Generator().manual_seed(1)
+    keys, values = (torch.randn(3, 37, 2, 8, generator=g).to(dtype) for _ in range(2))
+    data = torch.cat([keys.reshape(-1), values.reshape(-1)]).view(torch.uint8).numpy()
+    blocks = sparse.EntryBlocks.of(layout_of(keys, values, 5), 16)
+    assert blocks.count == 3
+    digests = sparse.block_digests(keys, values, 16)
+    assert digests.shape == (2, 3, 3)
+    assert torch.equal(sparse.digests_of(*sparse.digest_tensors(digests)), digests)
+    spans = blocks.spans(2, [2, 0])
+    expected = blocks.expected(digests, 2, [2, 0])
+    for (lo, hi), want, part in zip(spans, expected, [keys, keys, values, values], strict=True):
+        rows = slice(32, 37) if (lo, hi) in (spans[0], spans[2]) else slice(0, 16)
+        assert bytes(data[lo:hi]) == part[2, rows].contiguous().view(torch.uint8).numpy().tobytes()
+        assert xxhash.xxh3_64_intdigest(bytes(data[lo:hi])) == want
+    with pytest.raises(ValueError):
+        blocks.spans(3, [0])
+    with pytest.raises(ValueError):
+        blocks.spans(0, [3])
