@@ -15,10 +15,10 @@ KV is held as [layers, tokens, kv_heads, head_dim], the layout chunkstore stores
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -108,11 +108,15 @@ class HFReference:
         past: KV | None = None,
         allowed: torch.Tensor | None = None,
         positions: Sequence[int] | None = None,
+        layer_allowed: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
     ) -> Forward:
         """Run ``token_ids`` at positions start.. (or at ``positions``) on top of ``past``.
 
         ``allowed`` is a boolean [new tokens, past + new tokens] mask; by default every new
-        token sees all of ``past`` and the earlier new tokens (causal).
+        token sees all of ``past`` and the earlier new tokens (causal). ``layer_allowed``:
+        such a mask for each layer instead, from the layer's index and its queries as
+        attention uses them ([new tokens, query heads, head_dim], rotated): a sparse load's,
+        each layer attending the blocks its own queries choose.
         """
         n = len(token_ids)
         past_len = past.num_tokens if past is not None else 0
@@ -121,17 +125,45 @@ class HFReference:
             allowed[:, past_len:] = torch.ones(n, n, dtype=torch.bool).tril()
         additive = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
         cache = self._cache(past)
-        out = self.model(
-            input_ids=torch.tensor([list(token_ids)]),
-            position_ids=(
-                torch.tensor([list(positions)])
-                if positions is not None
-                else torch.arange(start, start + n)[None]
-            ),
-            attention_mask=additive[None, None],
-            past_key_values=cache,
-            use_cache=True,
-        )
+        hooks = []
+        if layer_allowed is not None:
+            from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+            choose = layer_allowed
+
+            def masked(index: int) -> Any:
+                def hook(module: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+                    hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+                    cos, sin = kwargs["position_embeddings"]
+                    q = module.q_proj(hidden).view(*hidden.shape[:-1], -1, module.head_dim)
+                    q, _ = apply_rotary_pos_emb(q.transpose(1, 2), q.transpose(1, 2), cos, sin)
+                    mask = choose(index, q[0].transpose(0, 1).float())
+                    layer_additive = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
+                    kwargs["attention_mask"] = layer_additive[None, None]
+                    return args, kwargs
+
+                return hook
+
+            layers: Any = cast(Any, self.model).model.layers
+            hooks = [
+                layer.self_attn.register_forward_pre_hook(masked(i), with_kwargs=True)
+                for i, layer in enumerate(layers)
+            ]
+        try:
+            out = self.model(
+                input_ids=torch.tensor([list(token_ids)]),
+                position_ids=(
+                    torch.tensor([list(positions)])
+                    if positions is not None
+                    else torch.arange(start, start + n)[None]
+                ),
+                attention_mask=additive[None, None],
+                past_key_values=cache,
+                use_cache=True,
+            )
+        finally:
+            for hook in hooks:
+                hook.remove()
         keys = torch.stack([k[0].transpose(0, 1)[past_len:] for k, _, _ in out.past_key_values])
         values = torch.stack([v[0].transpose(0, 1)[past_len:] for _, v, _ in out.past_key_values])
         return Forward(out.logits[0].float(), KV(keys, values))

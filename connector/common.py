@@ -13,6 +13,17 @@ from chunkstore.client import LeasedEntry
 
 
 @dataclass(frozen=True)
+class SparseSource:
+    """What a sparse load of an entry reads besides it (``sparse_threshold``): leases on its
+    block summary and on its blocks' digests (``kv.keys.summary_key``, ``digests_key``)."""
+
+    summary: LeasedEntry
+    digests: LeasedEntry
+    block: int
+    threshold: float
+
+
+@dataclass(frozen=True)
 class LoadItem:
     """Copy tokens [entry_offset, entry_offset + num_tokens) of entry ``key`` into the
     request's positions from ``actual_start``. The entry records the virtual start its keys
@@ -28,6 +39,9 @@ class LoadItem:
     lease: LeasedEntry
     session: str
     prefix: bool = False  # an exact prefix block (counted apart from chunks)
+    # Loaded sparse: not here, but layer by layer in the hook, once the question's queries
+    # choose the blocks.
+    sparse: SparseSource | None = None
 
 
 @dataclass(frozen=True)
@@ -71,7 +85,11 @@ class IsolatedStep:
     (the request's first), isolated, through vLLM's modules, before anything reads them.
     ``gap_picks`` ((start, end) of each, ``recompute_in_one_pass``): gaps left out of
     ``gaps`` because ``recompute`` computes them whole this step; the hook reports them as
-    failed loads if that recompute did not run."""
+    failed loads if that recompute did not run.
+
+    ``sparse`` ((start, end) of each chunk, ``sparse_threshold``): chunks loaded sparse, of
+    which the rows after the chunks (the hook's, from the question on, decode included)
+    attend only the blocks the worker read."""
 
     start: int
     end: int
@@ -82,6 +100,7 @@ class IsolatedStep:
     in_place: tuple[tuple[int, int], ...] = ()
     gaps: tuple[tuple[int, int], ...] = ()
     gap_picks: tuple[tuple[int, int], ...] = ()
+    sparse: tuple[tuple[int, int], ...] = ()
 
     @property
     def count(self) -> int:

@@ -56,6 +56,12 @@ class ConnectorConfig:
     # 002; docs/whats-left.md). 0: none.
     sparse_summary_tokens: int = 1024
     sparse_block: int = 16
+    # Long stored chunks (with a summary) are loaded sparse: per layer only the blocks that
+    # cover this share of the question's estimated attention (kv.sparse.select), and the
+    # question and every token after it attend only those (in the hook; vLLM's prefix
+    # cache keeps those blocks private). 0: off, every chunk loaded whole; 1: every block,
+    # through the same path (a check).
+    sparse_threshold: float = 0.0
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -81,6 +87,19 @@ class ConnectorConfig:
             )
         if config.sparse_block < 1:
             raise ValueError(f"sparse_block: tokens a block, >= 1, not {config.sparse_block}")
+        if not 0 <= config.sparse_threshold <= 1:
+            raise ValueError(
+                f"sparse_threshold: a share of the attention, 0 (off) to 1, not "
+                f"{config.sparse_threshold}"
+            )
+        if config.sparse_threshold and not (
+            config.inband_isolation and config.sparse_summary_tokens
+        ):
+            raise ValueError(
+                "sparse_threshold reads the blocks a question needs in the in-band isolation "
+                "hook, chosen by the summaries stored with long chunks: it needs "
+                "inband_isolation and sparse_summary_tokens > 0"
+            )
         if config.load_threads < 1:
             raise ValueError(f"load_threads must be >= 1, not {config.load_threads}")
         load_cpus(config.load_cpus)  # raises on a bad list

@@ -69,6 +69,7 @@ from .common import RequestPlan
 from .config import ConnectorConfig
 from .cpu_layout import CpuKVLayout
 from .recompute import Blend, IsolatedCopy, Recomputer
+from .sparse_reads import SparseReads
 from .step_attention import StepAttention
 from .step_split import (
     ChunkBatch,
@@ -113,6 +114,7 @@ class IsolationHook:
         config: ConnectorConfig,
         on_miss: Callable[[str], None],
         placed: Callable[[str], dict[int, int] | None] = lambda req_id: {},
+        sparse: SparseReads | None = None,
     ) -> None:
         self.layout = layout
         self.splitter = StepSplitter(
@@ -123,12 +125,14 @@ class IsolationHook:
             reweight=config.quality.reweights_questions,
             on_miss=on_miss,
             placed=placed,
+            sparse_of=sparse.of if sparse is not None else lambda req_id: (),
         )
         self.attention = StepAttention(
             layout,
             rotary,
             config.quality.question_temperature,
             math.log(config.quality.question_scale),
+            sparse,
         )
         self.on_miss = on_miss  # a planned request not found in the batch (computed causally)
         self.recomputes = bool(config.quality.recompute_tokens or config.quality.recompute_chunks)

@@ -32,6 +32,7 @@ from .keys import ModelKeys
 from .layer_loads import LayerLoads, place_thread
 from .metrics import ConnectorStats
 from .registered_cache import RegisteredCache
+from .sparse_reads import SparseReads
 
 log = logging.getLogger("chunkstore.connector")
 
@@ -95,6 +96,7 @@ class Loads:
         # ``RequestPlan.placed``): those of requests whose every load read back; None for a
         # request one of whose loads failed (``moved_by_load``).
         self.placed: dict[str, dict[int, int] | None] = {}
+        self.sparse: SparseReads | None = None  # where sparse loads go (the hook's)
 
     def place_threads(self) -> None:
         """Where the load threads run: vLLM has bound this thread to its compute cores by
@@ -119,7 +121,15 @@ class Loads:
         background thread (``LayerLoads``) while the model computes, or all at once.
         ``place``: the isolation hook moves chunks (``placed``)."""
         self.finish()  # a previous step's, should vLLM not have asked for its results
-        loads = [(plan, item) for plan in metadata.requests for item in plan.loads]
+        loads = []
+        for plan in metadata.requests:
+            for item in plan.loads:
+                if item.sparse is None:
+                    loads.append((plan, item))
+                elif self.sparse is not None:  # read in the hook, layer by layer
+                    self.sparse.add(plan, item)
+                else:  # no hook to read it: vLLM computes it
+                    self._failed(plan, item)
         if not loads:
             return
         began = time.perf_counter()

@@ -45,6 +45,8 @@ FIELDS = {
     "relevant last (relevant_last; those already there are not counted).",
     "bad_transfer_params": "Requests whose kv_transfer_params named chunks wrongly (ignored: "
     "the connector's own choice was used).",
+    "sparse_chunks": "Long chunks loaded sparse (sparse_threshold): stored with their summary "
+    "and digests, each layer reading only the blocks its question chose.",
     "daemon_unreachable": "Lookups skipped because the daemon could not be reached (computed).",
     "sessions_reopened": "Daemon sessions lost (the daemon restarted, or this process was paused "
     "past the lease TTL) and reopened by the client (scheduler and workers).",
@@ -69,6 +71,10 @@ FIELDS = {
     "generated tokens of plain prompts).",
     "saved_summaries": "Block summaries stored beside chunks of at least "
     "sparse_summary_tokens tokens (what a sparse read chooses blocks by).",
+    "sparse_read_bytes": "Bytes of long chunks loaded sparse (sparse_threshold): the blocks "
+    "each layer's question chose, read out of the pool.",
+    "sparse_whole_bytes": "What those layers of those chunks hold whole (sparse_read_bytes "
+    "over this is the share of the bytes a sparse load reads).",
     "save_failures": "Saves that failed (the request is unaffected).",
     "save_seconds": "Time spent saving.",
     "isolated_tokens": "Chunk tokens vLLM computed under the isolation mask (in-band).",

@@ -10,13 +10,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from chunkstore.client import LeasedEntry
 from chunkstore.errors import ChunkStoreError
 from chunkstore.kv.entry import EntryKind
-from chunkstore.kv.keys import Isolation
+from chunkstore.kv.keys import Isolation, digests_key, summary_key
 from chunkstore.kv.segments import Segment, SegmentKind
 from chunkstore.kv.treatment import BackEnd, Treatment, first_is_causal, treat
 
@@ -28,6 +28,7 @@ from .common import (
     LoadsEnded,
     RequestPlan,
     SaveItem,
+    SparseSource,
 )
 from .config import ConnectorConfig, unsupported_parallelism, unsupported_recompute
 from .keys import ModelKeys, SegmentPlan
@@ -50,6 +51,7 @@ class Held:
 
     session: str
     leases: dict[int, LeasedEntry] = field(default_factory=dict)  # segment index -> lease
+    extra: list[LeasedEntry] = field(default_factory=list)  # summaries, digests (sparse)
 
 
 class SchedulerSide:
@@ -134,6 +136,7 @@ class SchedulerSide:
                     recomputed=recomputed,
                     shifts=moves,
                     first_tokens=treated.first_tokens,
+                    sparse_threshold=self._sparse_threshold(request),
                 )
             else:
                 self.stats.add("unchunked_prompts")
@@ -187,6 +190,9 @@ class SchedulerSide:
         if tracked is None or not tracked.chunked:
             return
         private = tracked.first_changed(tracked.first_tokens, self.first_is_causal)
+        sparse = self._sparse_candidates(tracked)
+        if sparse:  # loaded sparse, their blocks hold what was not read: never shared
+            private = min(sparse[0][0], private if private is not None else sparse[0][0])
         if keep_roles_apart(request, tracked.causal_start, self.block_size, private):
             return
         if not self._warned_prefix_cache:
@@ -196,6 +202,37 @@ class SchedulerSide:
             )
             self._warned_prefix_cache = True
         request.skip_reading_prefix_cache = True
+
+    def _sparse_threshold(self, request: Request) -> float:
+        """The request's ``sparse_threshold`` (its ``kv_transfer_params``', else the
+        connector's); a malformed one is ignored, said and counted."""
+        params = getattr(request, "kv_transfer_params", None)
+        value = params.get("sparse_threshold") if isinstance(params, dict) else None
+        if value is None:
+            return self.config.sparse_threshold
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+            log.warning(
+                "chunkstore: request %s: kv_transfer_params ignored: sparse_threshold is a "
+                "share of the attention, 0 to 1, not %r",
+                request.request_id,
+                value,
+            )
+            self.stats.add("bad_transfer_params")
+            return self.config.sparse_threshold
+        if value and not (self.config.inband_isolation and self.config.sparse_summary_tokens):
+            log.warning(
+                "chunkstore: request %s: sparse_threshold ignored: sparse loads need "
+                "inband_isolation and sparse_summary_tokens > 0",
+                request.request_id,
+            )
+            return 0.0
+        return float(value)
+
+    def _sparse_candidates(self, tracked: Tracked) -> list[tuple[int, int]]:
+        """The request's chunks that are loaded sparse if stored with their summaries."""
+        if not tracked.sparse_threshold:
+            return []
+        return tracked.sparse_candidates(self.config.sparse_summary_tokens)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         """Lease every stored segment (one batch call); keep the leases of the hit run past
@@ -300,7 +337,8 @@ class SchedulerSide:
     def _release(self, req_id: str, shm_bytes_read: int = 0) -> None:
         held = self._held.pop(req_id, None)
         if held is not None:
-            self._release_leases(held.session, list(held.leases.values()), shm_bytes_read)
+            leases = [*held.leases.values(), *held.extra]
+            self._release_leases(held.session, leases, shm_bytes_read)
         elif shm_bytes_read and (client := self.link.get()) is not None:
             # vLLM frees a request (request_finished: leases gone) before it hands over the
             # workers' output of the same step, so a load whose request ended in that step (a
@@ -327,6 +365,7 @@ class SchedulerSide:
             prompt = len(request.prompt_token_ids or [])
             self.stats.add("computed_prompt_tokens", max(0, prompt - supplied))
         if tracked is not None:  # vLLM computes from where the loads end: the gaps first
+            tracked.sparse = ()  # until these loads say which are sparse
             tracked.gap_step = tracked.local_computed + num_external_tokens
             if num_external_tokens <= 0:
                 tracked.gaps = []
@@ -344,10 +383,56 @@ class SchedulerSide:
                 loads.append(LoadItem(plan.key, offset, lo, hi - lo, lease, held.session, prefix))
         loaded = {item.key for item in loads}
         self._keep(req_id, lambda i: tracked.looked_up[i].key in loaded)
+        if not prefix:
+            loads = self._sparse_loads(tracked, held, loads)
         self._loads[req_id] = loads
         self.stats.add("hit_tokens", num_external_tokens)
         if prefix:
             self.stats.add("prefix_hit_tokens", num_external_tokens)
+
+    def _sparse_loads(self, tracked: Tracked, held: Held, loads: list[LoadItem]) -> list[LoadItem]:
+        """The loads of whole chunks that may load sparse (``_sparse_candidates``) and have
+        a summary and digests stored beside them, made sparse (their leases held with the
+        request's until it ends: the workers read them at its question)."""
+        candidates = set(self._sparse_candidates(tracked))
+        wanted = [
+            i
+            for i, item in enumerate(loads)
+            if (item.actual_start, item.actual_start + item.num_tokens) in candidates
+            and item.entry_offset == 0
+            and item.num_tokens == item.lease.layout.num_tokens
+        ]
+        tracked.sparse = ()
+        if not wanted:
+            return loads
+        block = self.config.sparse_block
+        keys = [
+            k
+            for i in wanted
+            for k in (summary_key(loads[i].key, block), digests_key(loads[i].key, block))
+        ]
+        client = self.link.get()
+        if client is None or client.session != held.session:
+            return loads
+        try:
+            found = client.acquire(keys, entry_kind=EntryKind.SUMMARY)
+        except ChunkStoreError as err:
+            self.link.trouble("lookup of summaries", err)
+            return loads
+        held.extra += [lease for lease in found if lease is not None]
+        loads = list(loads)
+        sparse = []
+        for n, i in enumerate(wanted):
+            summary, digests = found[2 * n], found[2 * n + 1]
+            if summary is None or digests is None:
+                continue
+            item = loads[i]
+            source = SparseSource(summary, digests, block, tracked.sparse_threshold)
+            loads[i] = replace(item, sparse=source)
+            sparse.append((item.actual_start, item.actual_start + item.num_tokens))
+        tracked.sparse = tuple(sparse)
+        self.stats.add("sparse_chunks", len(sparse))
+        return loads
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ChunkStoreMetadata:
         """Each scheduled request's loads (first step, or the step that resumes it after a
@@ -419,7 +504,9 @@ class SchedulerSide:
         if not self.config.inband_isolation or start >= end or not chunks:
             return None
         computes_chunks = any(lo < end and hi > start for lo, hi in chunks)
-        reweights = self.config.quality.reweights_questions and end > tracked.causal_start
+        reweights = (
+            self.config.quality.reweights_questions or bool(tracked.sparse)
+        ) and end > tracked.causal_start
         recomputes = tracked.first_tokens or tracked.recomputed
         blends = bool(recomputes) and start <= tracked.causal_start < end
         moves = tracked.shifts if start <= tracked.causal_start < end else ()
@@ -435,7 +522,16 @@ class SchedulerSide:
         recompute = tracked.blended_tokens(first_tokens, self.first_is_causal) if blends else ()
         in_place = tracked.in_place if blends else ()
         return IsolatedStep(
-            start, end, tracked.sys_end, chunks, recompute, moves, in_place, gaps, gap_picks
+            start,
+            end,
+            tracked.sys_end,
+            chunks,
+            recompute,
+            moves,
+            in_place,
+            gaps,
+            gap_picks,
+            tracked.sparse,
         )
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -443,6 +539,12 @@ class SchedulerSide:
         ended = output.kv_connector_worker_meta
         if isinstance(ended, LoadsEnded):
             for req_id, shm_bytes in ended.shm_bytes.items():
+                tracked = self._tracked.get(req_id)
+                if tracked is not None and tracked.sparse:  # read at its question: kept
+                    held = self._held.get(req_id)
+                    if held is not None:
+                        self._release_leases(held.session, [], shm_bytes)
+                    continue
                 self._release(req_id, shm_bytes)
 
     def _saves(self, tracked: Tracked, computed_end: int) -> list[SaveItem]:

@@ -18,11 +18,13 @@ from __future__ import annotations
 import torch
 
 from chunkstore.kv.attention import KeyBlock, attention_after_context
+from chunkstore.kv.paging import slot_mapping
 from chunkstore.kv.remap import rotate_keys
 from chunkstore.kv.rope import RotaryConfig, rotation_table
 
 from .cpu_layout import CpuKVLayout
 from .recompute import Blend, Recomputer
+from .sparse_reads import SparseReads
 from .step_split import ChunkBatch, Gaps, HookRows, Recompute, Reordered, StepSplit
 from .vllm_attention import QKV, KernelBatch, LayerCall
 
@@ -32,12 +34,18 @@ class StepAttention:
     question rows' chunks at ``temperature`` and ``log_scale`` (question re-weighting)."""
 
     def __init__(
-        self, layout: CpuKVLayout, rotary: RotaryConfig, temperature: float, log_scale: float
+        self,
+        layout: CpuKVLayout,
+        rotary: RotaryConfig,
+        temperature: float,
+        log_scale: float,
+        sparse: SparseReads | None = None,
     ) -> None:
         self.layout = layout
         self.rotary = rotary
         self.temperature = temperature
         self.log_scale = log_scale
+        self.sparse = sparse  # reads the blocks of chunks loaded sparse, layer by layer
 
     def attend(
         self,
@@ -211,15 +219,39 @@ class StepAttention:
             if rows.sys_end:
                 sys_k, sys_v = self._read(kv_cache, rows.block_ids, 0, rows.sys_end)
                 context.append(KeyBlock(self._shifted(split, sys_k, rows.sys_shift), sys_v))
-            if rows.chunks_end > rows.sys_end:
-                chunk_k, chunk_v = self._read(
-                    kv_cache, rows.block_ids, rows.sys_end, rows.chunks_end
-                )
-                context.append(KeyBlock(chunk_k, chunk_v, self.temperature, self.log_scale))
             span = slice(rows.row, rows.row + rows.count)
+            if rows.chunks_end > rows.sys_end:
+                chunk_k, chunk_v = self._chunks(rows, call, query[span], kv_cache)
+                context.append(KeyBlock(chunk_k, chunk_v, self.temperature, self.log_scale))
             output[span] = attention_after_context(
                 query[span], own_k, own_v, context, call.scale
             ).to(output.dtype)
+
+    def _chunks(
+        self, rows: HookRows, call: LayerCall, queries: torch.Tensor, kv_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the chunks the rows see, [sys_end, chunks_end): of a chunk
+        loaded sparse only the positions read for this layer (read now, chosen by these
+        rows' ``queries``, where this is the first step that needs them)."""
+        if not rows.sparse:
+            return self._read(kv_cache, rows.block_ids, rows.sys_end, rows.chunks_end)
+        pieces, at = [], rows.sys_end
+        for read in sorted(rows.sparse, key=lambda r: r.start):
+            if self.sparse is not None:
+                self.sparse.read_layer(
+                    read, call.index, call.name, queries, call.scale, kv_cache, rows.block_ids
+                )
+            kept = read.positions(call.index)
+            if kept is None:  # attended whole: its read failed, and vLLM computes it
+                continue
+            pieces += [torch.arange(at, read.start), kept]
+            at = read.end
+        pieces.append(torch.arange(at, rows.chunks_end))
+        positions = torch.cat(pieces)
+        slots = slot_mapping(
+            torch.zeros_like(positions), positions, rows.block_ids[None], self.layout.block_size
+        )
+        return self.layout.read(kv_cache, slots)
 
     def _read(
         self, kv_cache: torch.Tensor, block_ids: torch.Tensor, start: int, end: int

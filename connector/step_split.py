@@ -23,6 +23,7 @@ from chunkstore.kv.rope import RotaryConfig, rotation_table
 from .common import IsolatedStep, RequestPlan
 from .cpu_layout import CpuKVLayout
 from .recompute import Blend, Recomputer
+from .sparse_reads import SparseRead
 from .vllm_attention import KernelBatch, LayerCall, StepMetadata
 
 
@@ -32,7 +33,8 @@ class HookRows:
     of a run of positions [own_start, end) that see each other causally, in the request with
     block table ``block_ids``, and the keys they see whole before the run: sys [0, sys_end)
     (none when 0), rotated by ``sys_shift`` positions; for the tokens after isolated chunks,
-    with question re-weighting, the chunks [sys_end, chunks_end) too."""
+    with question re-weighting or chunks loaded sparse, the chunks [sys_end, chunks_end)
+    too (of a chunk in ``sparse``, the positions it read)."""
 
     row: int
     count: int
@@ -42,6 +44,8 @@ class HookRows:
     sys_end: int
     sys_shift: int = 0
     chunks_end: int = 0
+    # Chunks among [sys_end, chunks_end) loaded sparse: of those, only what was read.
+    sparse: tuple[SparseRead, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -166,6 +170,7 @@ class StepSplitter:
         reweight: bool,
         on_miss: Callable[[str], None],
         placed: Callable[[str], dict[int, int] | None],
+        sparse_of: Callable[[str], tuple[SparseRead, ...]] = lambda req_id: (),
     ) -> None:
         self.layout = layout
         self.rotary = rotary
@@ -176,6 +181,7 @@ class StepSplitter:
         # A request's chunks its loads put where they are attended (None: a load failed,
         # so nothing of it moves in this step, which vLLM computes again)
         self.placed = placed
+        self.sparse_of = sparse_of  # a request's chunks loaded sparse
 
     def split(
         self,
@@ -205,7 +211,8 @@ class StepSplitter:
             step = plan.isolation
             assert step is not None
             table = metadata.block_table[r].long()
-            rows, kernel_runs, in_place = self._partition(step, first, table, recomputer)
+            sparse = self.sparse_of(plan.req_id) if step.sparse else ()
+            rows, kernel_runs, in_place = self._partition(step, first, table, recomputer, sparse)
             hook_rows += rows
             runs += [(r, *run) for run in kernel_runs]
             if step.gaps and recomputer is not None:
@@ -308,11 +315,14 @@ class StepSplitter:
         first: int,
         block_ids: torch.Tensor,
         recomputer: Recomputer | None,
+        sparse: tuple[SparseRead, ...] = (),
     ) -> tuple[list[HookRows], list[tuple[int, int, int]], list[tuple[int, int, int]]]:
         """A planned request's rows (``first`` is the row of position ``step.start``): the
         hook's (chunk tokens; with question re-weighting, the tokens after the chunks), the
         kernel's runs (first row, rows, seq_len): sys tokens, the tokens after, and the
-        chunks computed in place (first row, rows, position), where the hook recomputes."""
+        chunks computed in place (first row, rows, position), where the hook recomputes.
+        The tokens after the chunks are the hook's too where a chunk was loaded sparse
+        (``sparse``): vLLM's kernel would read the slots it did not read."""
 
         def row(position: int) -> int:
             return first + position - step.start
@@ -335,10 +345,18 @@ class StepSplitter:
         after = step.chunks[-1][1]  # the causal tokens after the isolated chunks
         lo = max(step.start, after)
         if step.end > lo:
-            if self.reweight:
+            if self.reweight or step.sparse:
                 hook.append(
                     HookRows(
-                        row(lo), step.end - lo, block_ids, after, step.end, step.sys_end, 0, after
+                        row(lo),
+                        step.end - lo,
+                        block_ids,
+                        after,
+                        step.end,
+                        step.sys_end,
+                        0,
+                        after,
+                        sparse,
                     )
                 )
             else:

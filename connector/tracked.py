@@ -57,6 +57,10 @@ class Tracked:
     # decode instance's prompt is that prompt and the token the prefill answered).
     tail: SegmentPlan | None = None
     save_tail: SegmentPlan | None = None  # kv_producer: its whole prompt's part block
+    # Chunks loaded sparse ((start, end) each, ``sparse_threshold``): the rows after the
+    # chunks attend only what the workers read of them.
+    sparse: tuple[tuple[int, int], ...] = ()
+    sparse_threshold: float = 0.0  # its own (kv_transfer_params) or the connector's; 0: off
 
     @property
     def looked_up(self) -> list[SegmentPlan]:
@@ -144,6 +148,14 @@ class Tracked:
         it stands, is not."""
         blended = [position for position, _ in self.blended_tokens(per_chunk, first_is_causal)]
         return min([*blended, *(start for start, _, _ in self.shifts)], default=None)
+
+    def sparse_candidates(self, min_tokens: int) -> list[tuple[int, int]]:
+        """The isolated chunks of at least ``min_tokens`` tokens that may be loaded sparse:
+        none where the request recomputes or moves chunks (those read the chunks' KV in
+        the cache whole)."""
+        if self.recomputed or self.shifts or self.first_tokens or not min_tokens:
+            return []
+        return [(lo, hi) for lo, hi in self.isolated_chunks if hi - lo >= min_tokens]
 
 
 def causal_start(segments: list[Segment]) -> int:

@@ -36,6 +36,7 @@ from .loads import DaemonDown, LoadFailed, Loads
 from .metrics import ConnectorStats
 from .registered_cache import RegisteredCache
 from .saves import Saves, Summaries
+from .sparse_reads import SparseReads
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -70,6 +71,8 @@ class WorkerSide:
             self.stats,
             Summaries(config.sparse_summary_tokens, config.sparse_block),
         )
+        # Long chunks loaded sparse, in the hook (``sparse_threshold``; none without it).
+        self.sparse = SparseReads(self.cache, self.keys, self.link, self.stats)
 
     # Set-up --------------------------------------------------------------------------------
 
@@ -149,14 +152,21 @@ class WorkerSide:
                 access,
                 self.keys.rotary,
                 self.config,
-                self.saves.isolation_missed,
+                self._isolation_missed,
                 self.loads.moved_by_load,
+                self.sparse,
             )
             why = hook.install(self.vllm_config, [name for name, _ in self.cache.layers])
             if why is None:
                 self.hook = hook
+                self.loads.sparse = self.sparse
                 return
         log.warning("chunkstore: in-band isolation is off: %s", why)
+
+    def _isolation_missed(self, req_id: str) -> None:
+        """A planned request the hook did not find in a batch (vLLM attended it causally)."""
+        self.saves.isolation_missed(req_id)
+        self.sparse.missed(req_id)
 
     def _rank_heads(self) -> RankHeads:
         local = self.cache.access.local_heads(self.cache.layers[0][1])
@@ -196,7 +206,7 @@ class WorkerSide:
         failed = self.loads.failed_blocks()
         if self.hook is not None:
             failed |= self.hook.take_failed_blocks()
-        return failed
+        return failed | self.sparse.take_failed_blocks()
 
     def loads_ended(self) -> LoadsEnded | None:
         return self.loads.ended()

@@ -11,8 +11,10 @@ greedily once per method:
   the document's blocks against their summaries (``kv.sparse``: per block and KV head the
   keys' min and max, what the connector stores beside a long chunk) and keep blocks until
   ``T`` of the estimated attention is covered (per query head; a KV head keeps its query
-  heads' union; the first and last block always); the question and every decode step then
-  attend sys, the kept blocks and their own tokens only. The choice is made once, at the
+  heads' union; the first and last block always; with ``--heads union``, the default, every
+  KV head of the layer attends every block any of them kept, as the connector reads and
+  attends them); the question and every decode step then attend sys, the kept blocks and
+  their own tokens only. The choice is made once, at the
   question;
 - ``oracle@T``: the same with the blocks chosen by the question's exact attention, read off
   every key: the best any estimate could do at that threshold, not a way to load less.
@@ -50,6 +52,7 @@ from chunkstore.reference import HFReference
 
 FULL = "full"
 BOUND, ORACLE = "bound", "oracle"
+UNION, EACH = "union", "each"
 DEFAULT_METHODS = "bound@0.5,bound@0.7,bound@0.9"
 PREFILL_PIECE = 512  # tokens of the document a forward pass
 
@@ -86,6 +89,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--block", type=int, default=16, help="tokens a block (default 16, the connector's)"
+    )
+    parser.add_argument(
+        "--heads",
+        choices=(UNION, EACH),
+        default=UNION,
+        help="what each KV head of a layer attends: 'union' (default) every block any of the "
+        "layer's heads chose, as the connector reads and attends them (a read moves a block "
+        "of every head); 'each' its own query heads' blocks only",
     )
     parser.add_argument("--max-tokens", type=int, default=12, help="tokens an answer")
     parser.add_argument("--seed", type=int, default=0)
@@ -135,6 +146,7 @@ class SparseMask:
     summaries: list[sparse.Summary]
     threshold: float | None = None
     selector: str = BOUND
+    union: bool = True  # every KV head attends the blocks any of the layer's heads chose
     chosen: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [Hkv, tokens]
     densities: dict[int, float] = field(default_factory=dict)
 
@@ -165,6 +177,8 @@ class SparseMask:
                 blocks = sparse.choose(shares, keys.shape[1], self.threshold)
             else:
                 blocks = sparse.select(queries, summary, self.threshold, scale=module.scaling)
+            if self.union:
+                blocks = blocks.any(0, keepdim=True).expand_as(blocks)
             self.chosen[layer] = sparse.token_mask(blocks, summary)
             self.densities[layer] = sparse.density(blocks, summary)
         past = kwargs["past_key_values"].get_seq_length(layer)
@@ -183,7 +197,8 @@ class LongReference:
     """A document's KV computed once by the HF reference, then questions on top of it, each
     with the document attended whole or sparse (``SparseMask``)."""
 
-    def __init__(self, reference: HFReference, eos: Sequence[int]) -> None:
+    def __init__(self, reference: HFReference, eos: Sequence[int], union: bool = True) -> None:
+        self.union = union
         self.model = cast(Any, reference.model)
         self.config = reference.config
         self.eos = set(eos)
@@ -227,7 +242,7 @@ class LongReference:
             )
             for layer in self.cache.layers
         ]
-        self.mask = SparseMask(document, summaries)
+        self.mask = SparseMask(document, summaries, union=self.union)
 
     def _prefill(self, ids: list[int]) -> None:
         for start in range(0, len(ids), PREFILL_PIECE):
@@ -369,7 +384,7 @@ def _answers(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     reference = HFReference.load(folder)
     limit = getattr(reference.config, "max_position_embeddings", None)
     eos = [t for t in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if t is not None]
-    engine = LongReference(reference, eos)
+    engine = LongReference(reference, eos, union=args.heads == UNION)
     sys_ids = list(tok.encode(SYS_TEXT, add_special_tokens=False))
     try:
         for length in _ints(args.lengths):
@@ -429,6 +444,7 @@ def _answers(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                     "selector": "" if threshold is None else selector,
                     "threshold": 1.0 if threshold is None else threshold,
                     "block": args.block,
+                    "heads": args.heads,
                     "cases": total,
                     "correct": correct,
                     "accuracy": round(correct / total, 3),

