@@ -297,6 +297,21 @@ class ChunkStoreClient:
             WrongState: the daemon is draining.
             StoreError: another refusal, or the daemon cannot be reached (``Unavailable``).
         """
+        return self.put_checksummed(key, keys, values, virtual_start, entry_kind) is not None
+
+    def put_checksummed(
+        self,
+        key: bytes,
+        keys: torch.Tensor,
+        values: torch.Tensor | None,
+        virtual_start: int,
+        entry_kind: str = "chunk",
+    ) -> int | None:
+        """``put``, returning the checksum the daemon committed the entry under (what a
+        lease on it carries), or None if the key is stored (or being stored) already.
+
+        Raises: as ``put``.
+        """
         layout = layout_of(keys, values, virtual_start, entry_kind)
         return self._put(key, layout, [keys] + ([values] if values is not None else []))
 
@@ -314,9 +329,9 @@ class ChunkStoreClient:
         nbytes = blocks.numel() * blocks.element_size()
         if blocks.dtype != torch_dtype(layout.dtype) or nbytes != layout.nbytes:
             raise InvalidRequest(f"{nbytes} bytes of {blocks.dtype} do not hold layout {layout}")
-        return self._put(key, layout, [blocks])
+        return self._put(key, layout, [blocks]) is not None
 
-    def _put(self, key: bytes, layout: EntryLayout, tensors: list[torch.Tensor]) -> bool:
+    def _put(self, key: bytes, layout: EntryLayout, tensors: list[torch.Tensor]) -> int | None:
         transport = self._session.transport
         outgoing = transport.stage(tensors)
         try:
@@ -331,19 +346,18 @@ class ChunkStoreClient:
                 retry=True,
             )
         except AlreadyExists:
-            return False
+            return None
         session = self.session  # the reservation's
         if self._session.transport is not transport:  # reserved in a reopened session's pool
             transport = self._session.transport
             outgoing = transport.stage(tensors)
         try:
             transport.write(session, reply, outgoing)
+            checksum = outgoing.digest.intdigest()
             self._session.call(
                 self.stub.Commit,
                 lambda _: pb.CommitRequest(
-                    session_id=session,
-                    reservation_id=reply.reservation_id,
-                    checksum=outgoing.digest.intdigest(),
+                    session_id=session, reservation_id=reply.reservation_id, checksum=checksum
                 ),
                 retry=False,
             )
@@ -354,7 +368,7 @@ class ChunkStoreClient:
                     pb.AbortRequest(session_id=session, reservation_id=reply.reservation_id),
                 )
             raise
-        return True
+        return checksum
 
     # Reads --------------------------------------------------------------------------------
 

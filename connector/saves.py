@@ -128,9 +128,11 @@ class Saves:
                 # Moved this step: its keys stand ``shift`` further on.
                 virtual_start = item.start + shifts.get(item.start, 0)
                 kind = EntryKind.PREFIX if item.prefix else EntryKind.CHUNK
-                stored = client.put(item.key, keys, values, virtual_start, kind)
-                if stored and kind == EntryKind.CHUNK and self.summaries.wanted(item.num_tokens):
-                    self._save_summary(client, item.key, keys, values, virtual_start)
+                checksum = client.put_checksummed(item.key, keys, values, virtual_start, kind)
+                stored = checksum is not None
+                long = kind == EntryKind.CHUNK and self.summaries.wanted(item.num_tokens)
+                if checksum is not None and long:
+                    self._save_summary(client, item.key, checksum, keys, values, virtual_start)
             else:
                 assert packed is not None
                 stored = client.put_packed(item.key, *packed)
@@ -149,6 +151,7 @@ class Saves:
         self,
         client: ChunkStoreClient,
         key: bytes,
+        checksum: int,
         keys: torch.Tensor,
         values: torch.Tensor,
         virtual_start: int,
@@ -163,7 +166,9 @@ class Saves:
         try:
             if client.put(summary_key(key, block), lo, hi, virtual_start, EntryKind.SUMMARY):
                 self.stats.add("saved_summaries")
-            client.put(digests_key(key, block), key_digests, value_digests, 0, EntryKind.SUMMARY)
+            client.put(
+                digests_key(key, block, checksum), key_digests, value_digests, 0, EntryKind.SUMMARY
+            )
         except ChunkStoreError as err:
             self.stats.add("save_failures")
             self.link.trouble(f"save of {key.hex()[:12]}'s summary", err)

@@ -409,7 +409,10 @@ class SchedulerSide:
         keys = [
             k
             for i in wanted
-            for k in (summary_key(loads[i].key, block), digests_key(loads[i].key, block))
+            for k in (
+                summary_key(loads[i].key, block),
+                digests_key(loads[i].key, block, loads[i].lease.checksum),
+            )
         ]
         client = self.link.get()
         if client is None or client.session != held.session:

@@ -91,10 +91,12 @@ def summary_key(entry_key: bytes, block: int) -> bytes:
     return _digest(b"summary", [entry_key, str(block).encode()])
 
 
-def digests_key(entry_key: bytes, block: int) -> bytes:
+def digests_key(entry_key: bytes, block: int, checksum: int) -> bytes:
     """The key of the digests of an entry's blocks of ``block`` tokens (``kv.sparse``'s
-    ``EntryBlocks``): what a read of some of its blocks checks them against."""
-    return _digest(b"block-digests", [entry_key, str(block).encode()])
+    ``EntryBlocks``): what a read of some of its blocks checks them against. ``checksum``:
+    the entry's, as committed, so the digests of an entry stored again with other bytes
+    (evicted, then computed elsewhere) are never taken for this one's."""
+    return _digest(b"block-digests", [entry_key, str(block).encode(), str(checksum).encode()])
 
 
 def salt_context(salt: str) -> bytes:
