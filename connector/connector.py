@@ -114,6 +114,12 @@ class ChunkStoreConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self.worker.loads_ended() if self.worker else None
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Nothing is transferred after a request ends; what the worker kept for it goes."""
+        if self.worker is not None:
+            self.worker.sparse.forget(finished_req_ids)
+        return None, None
+
     # Both sides ------------------------------------------------------------------------------
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:

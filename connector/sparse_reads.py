@@ -6,11 +6,13 @@ chunks (the question), each layer's attention chooses, from that layer's summary
 question's queries there, the blocks covering ``threshold`` of its estimated attention
 (every KV head of this rank keeps the blocks any of its query heads chose), reads only
 those blocks' keys and values of that layer out of the pool, each checked against its
-digest, rotates the keys to where the chunk stands and writes them into their slots. The
-rows after the chunks (the question, then every generated token) attend only those
-blocks, through the hook (``StepAttention.attend_rows``): the other slots of the chunk
-hold whatever was there, so nothing else may read them (vLLM's kernel never sees these
-rows, and the scheduler keeps the chunk's blocks out of vLLM's prefix cache).
+digest, and rotates the keys to where the chunk stands. The rows after the chunks (the
+question, then every generated token) attend those, kept here for the request's life (a
+few per cent of the chunk's KV a layer), through the hook (``StepAttention.attend_rows``):
+nothing is written into vLLM's cache, whose slots for the chunk hold whatever was there, so
+nothing else may read them (vLLM's kernel never sees these rows, and the scheduler keeps
+the chunk's blocks out of vLLM's prefix cache). The worker forgets a request's reads when
+vLLM says it finished (``forget``).
 
 A read that fails (a digest that does not match, a lapsed lease, an unreachable daemon)
 fails the load: vLLM computes the chunk's blocks again, the step's result for the request
@@ -26,7 +28,7 @@ import torch
 
 from chunkstore.errors import ChunkStoreError
 from chunkstore.kv.entry import EntryKind, tensors_of, torch_dtype
-from chunkstore.kv.paging import slot_mapping
+from chunkstore.kv.remap import rotate_keys
 from chunkstore.kv.rope import RotaryConfig, rotation_table
 from chunkstore.kv.sparse import (
     EntryBlocks,
@@ -40,14 +42,13 @@ from chunkstore.kv.sparse import (
 
 from .client_holder import DaemonLink
 from .common import LoadItem, RequestPlan, SparseSource
-from .cpu_layout import CpuKVLayout
 from .keys import ModelKeys
 from .metrics import ConnectorStats
 from .registered_cache import RegisteredCache
 
 log = logging.getLogger("chunkstore.connector")
 
-KEPT_REQUESTS = 10_000  # requests whose choice is remembered (their decode rows need it)
+KEPT_REQUESTS = 256  # requests whose reads are kept, should vLLM not say they finished
 
 
 class SparseReadFailed(ChunkStoreError):
@@ -69,12 +70,13 @@ class SparseRead:
     blocks: EntryBlocks | None = None  # None: refused (``failed``)
     summaries: list[Summary] | None = None  # per layer, this rank's KV heads, until all read
     digests: torch.Tensor | None = None
-    kept: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> positions read
+    # layer -> the keys (rotated to where they stand) and values read, [tokens, heads, dim]
+    kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     failed: bool = False
 
-    def positions(self, layer: int) -> torch.Tensor | None:
-        """The request's positions of the chunk read for ``layer``, ascending; None where
-        the chunk is attended whole (its read failed: vLLM computes it)."""
+    def attended(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The keys and values of the chunk read for ``layer``; None where the chunk is
+        attended whole from vLLM's cache (its read failed: vLLM computes it)."""
         return None if self.failed else self.kept.get(layer)
 
 
@@ -163,19 +165,15 @@ class SparseReads:
             raise SparseReadFailed(f"digests of shape {tuple(digests.shape)} for {blocks}")
         return blocks, layers, digests
 
-    def read_layer(
-        self,
-        read: SparseRead,
-        layer: int,
-        name: str,
-        queries: torch.Tensor,
-        scale: float,
-        kv_cache: torch.Tensor,
-        block_ids: torch.Tensor,
-    ) -> None:
+    def forget(self, req_ids: set[str]) -> None:
+        """These requests finished: their reads go."""
+        for req_id in req_ids:
+            self._reads.pop(req_id, None)
+
+    def read_layer(self, read: SparseRead, layer: int, queries: torch.Tensor, scale: float) -> None:
         """The blocks of ``layer`` that ``queries`` (the question's, this layer's, this
-        rank's heads, rotated to where they stand) need, read, checked and written into the
-        request's slots; what was read is ``read.kept[layer]``."""
+        rank's heads, rotated to where they stand) need, read, checked, their keys rotated
+        to where the chunk stands: ``read.kept[layer]``."""
         if read.failed or layer in read.kept:
             return
         assert read.blocks and read.summaries is not None and read.digests is not None
@@ -209,20 +207,16 @@ class SparseReads:
             )
             self._fail(read)
             return
-        positions = torch.cat([torch.arange(*_span(b, read.blocks)) for b in chosen])
         dtype = torch_dtype(read.item.lease.layout.dtype)
         heads = self.cache.heads.local_slice()
         half = out.numel() // 2
         shape = (-1, read.item.lease.layout.num_kv_heads, read.item.lease.layout.head_dim)
-        keys = out[:half].view(dtype).view(shape)[:, heads]
-        values = out[half:].view(dtype).view(shape)[:, heads]
-        at = positions + read.start
-        slots = slot_mapping(torch.zeros_like(at), at, block_ids[None, :], self.cache.block_size)
-        rotation = rotation_table(rotary, read.delta, len(at)) if read.delta else None
-        access = self.cache.access
-        assert isinstance(access, CpuKVLayout)
-        access.write_rotated(name, kv_cache, keys, values, slots, rotation, rotary)
-        read.kept[layer] = at
+        keys = out[:half].view(dtype).view(shape)[:, heads].contiguous()
+        values = out[half:].view(dtype).view(shape)[:, heads].contiguous()
+        if read.delta:
+            cos, sin = rotation_table(rotary, read.delta, keys.shape[0])
+            keys = rotate_keys(keys, cos, sin, rotary, out=torch.empty_like(keys))
+        read.kept[layer] = (keys, values)
         self.stats.add("sparse_read_bytes", out.numel())
         self.stats.add("sparse_whole_bytes", read.item.lease.nbytes // read.blocks.layers)
         if len(read.kept) == read.blocks.layers:
@@ -250,7 +244,3 @@ class SparseReads:
         self.failed_blocks |= {ids[p // size] for p in range(read.start, read.end, size)}
         self.failed_blocks.add(ids[(read.end - 1) // size])
         self.stats.add("load_failures")
-
-
-def _span(index: int, blocks: EntryBlocks) -> tuple[int, int]:
-    return index * blocks.block, min((index + 1) * blocks.block, blocks.tokens)

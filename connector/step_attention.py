@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 
 from chunkstore.kv.attention import KeyBlock, attention_after_context
-from chunkstore.kv.paging import slot_mapping
 from chunkstore.kv.remap import rotate_keys
 from chunkstore.kv.rope import RotaryConfig, rotation_table
 
@@ -231,27 +230,30 @@ class StepAttention:
         self, rows: HookRows, call: LayerCall, queries: torch.Tensor, kv_cache: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the chunks the rows see, [sys_end, chunks_end): of a chunk
-        loaded sparse only the positions read for this layer (read now, chosen by these
-        rows' ``queries``, where this is the first step that needs them)."""
+        loaded sparse only what was read for this layer (read now, chosen by these rows'
+        ``queries``, where this is the first step that needs them), in any order (attention
+        over a set of keys: the positions are in their rotations)."""
         if not rows.sparse:
             return self._read(kv_cache, rows.block_ids, rows.sys_end, rows.chunks_end)
-        pieces, at = [], rows.sys_end
+        keys, values, at = [], [], rows.sys_end
         for read in sorted(rows.sparse, key=lambda r: r.start):
             if self.sparse is not None:
-                self.sparse.read_layer(
-                    read, call.index, call.name, queries, call.scale, kv_cache, rows.block_ids
-                )
-            kept = read.positions(call.index)
+                self.sparse.read_layer(read, call.index, queries, call.scale)
+            kept = read.attended(call.index)
             if kept is None:  # attended whole: its read failed, and vLLM computes it
                 continue
-            pieces += [torch.arange(at, read.start), kept]
+            if read.start > at:
+                k, v = self._read(kv_cache, rows.block_ids, at, read.start)
+                keys.append(k)
+                values.append(v)
+            keys.append(kept[0].to(kv_cache.dtype))
+            values.append(kept[1].to(kv_cache.dtype))
             at = read.end
-        pieces.append(torch.arange(at, rows.chunks_end))
-        positions = torch.cat(pieces)
-        slots = slot_mapping(
-            torch.zeros_like(positions), positions, rows.block_ids[None], self.layout.block_size
-        )
-        return self.layout.read(kv_cache, slots)
+        if rows.chunks_end > at:
+            k, v = self._read(kv_cache, rows.block_ids, at, rows.chunks_end)
+            keys.append(k)
+            values.append(v)
+        return torch.cat(keys), torch.cat(values)
 
     def _read(
         self, kv_cache: torch.Tensor, block_ids: torch.Tensor, start: int, end: int
