@@ -119,9 +119,12 @@ def bounds(queries: torch.Tensor, summary: Summary, scale: float | None = None) 
     group = heads // kv_heads
     lo = summary.lo.repeat_interleave(group, dim=1)  # [B, Hq, D]
     hi = summary.hi.repeat_interleave(group, dim=1)
-    q = queries.float()[:, :, None, :]  # [Tq, Hq, 1, D]
-    top = torch.maximum(q * lo.transpose(0, 1)[None], q * hi.transpose(0, 1)[None]).sum(-1)
-    return top.permute(1, 0, 2) * (scale or 1 / math.sqrt(dim))  # [Hq, Tq, B]
+    # max(q lo, q hi) is q hi where q >= 0, else q lo: two matrix products, no [Tq, Hq, B, D]
+    q = queries.float()
+    top = torch.einsum("qhd,bhd->hqb", q.clamp(min=0), hi) + torch.einsum(
+        "qhd,bhd->hqb", q.clamp(max=0), lo
+    )
+    return top * (scale or 1 / math.sqrt(dim))  # [Hq, Tq, B]
 
 
 def estimated_shares(
