@@ -220,22 +220,25 @@ class StepAttention:
                 context.append(KeyBlock(self._shifted(split, sys_k, rows.sys_shift), sys_v))
             span = slice(rows.row, rows.row + rows.count)
             if rows.chunks_end > rows.sys_end:
-                chunk_k, chunk_v = self._chunks(rows, call, query[span], kv_cache)
-                context.append(KeyBlock(chunk_k, chunk_v, self.temperature, self.log_scale))
+                context += [
+                    KeyBlock(k, v, self.temperature, self.log_scale)
+                    for k, v in self._chunks(rows, call, query[span], kv_cache)
+                ]
             output[span] = attention_after_context(
                 query[span], own_k, own_v, context, call.scale
             ).to(output.dtype)
 
     def _chunks(
         self, rows: HookRows, call: LayerCall, queries: torch.Tensor, kv_cache: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of the chunks the rows see, [sys_end, chunks_end): of a chunk
-        loaded sparse only what was read for this layer (read now, chosen by these rows'
-        ``queries``, where this is the first step that needs them), in any order (attention
-        over a set of keys: the positions are in their rotations)."""
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Keys and values of the chunks the rows see, [sys_end, chunks_end), in parts
+        (attention over a set of keys: each part a partial attention, their positions in
+        their rotations): of a chunk loaded sparse only what was read for this layer (read
+        now, chosen by these rows' ``queries``, where this is the first step that needs
+        them)."""
         if not rows.sparse:
-            return self._read(kv_cache, rows.block_ids, rows.sys_end, rows.chunks_end)
-        keys, values, at = [], [], rows.sys_end
+            return [self._read(kv_cache, rows.block_ids, rows.sys_end, rows.chunks_end)]
+        parts, at = [], rows.sys_end
         for read in sorted(rows.sparse, key=lambda r: r.start):
             if self.sparse is not None:
                 self.sparse.read_layer(read, call.index, queries, call.scale)
@@ -243,17 +246,12 @@ class StepAttention:
             if kept is None:  # attended whole: its read failed, and vLLM computes it
                 continue
             if read.start > at:
-                k, v = self._read(kv_cache, rows.block_ids, at, read.start)
-                keys.append(k)
-                values.append(v)
-            keys.append(kept[0].to(kv_cache.dtype))
-            values.append(kept[1].to(kv_cache.dtype))
+                parts.append(self._read(kv_cache, rows.block_ids, at, read.start))
+            parts.append(kept)
             at = read.end
         if rows.chunks_end > at:
-            k, v = self._read(kv_cache, rows.block_ids, at, rows.chunks_end)
-            keys.append(k)
-            values.append(v)
-        return torch.cat(keys), torch.cat(values)
+            parts.append(self._read(kv_cache, rows.block_ids, at, rows.chunks_end))
+        return parts
 
     def _read(
         self, kv_cache: torch.Tensor, block_ids: torch.Tensor, start: int, end: int

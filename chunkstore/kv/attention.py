@@ -124,7 +124,19 @@ def _fused_partial(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``partial_attention`` through torch's fused CPU kernel (no score matrix kept); causal is
     top-left: query i sees key j <= i. Shapes as ``partial_attention``'s."""
-    heads = q.shape[1]
+    tq, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    if not causal and heads != kv_heads and heads % kv_heads == 0:
+        # Every query sees every key: a KV head's query heads as one run of queries over
+        # its keys, so the keys are not repeated for each (GQA without the copy).
+        group = heads // kv_heads
+        grouped = q.view(tq, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, -1, dim)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            grouped[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], 0.0, False, scale=scale
+        )
+        dv = v.shape[-1]
+        out = out[0].view(kv_heads, group, tq, dv).permute(2, 0, 1, 3).reshape(tq, heads, dv)
+        return out, lse[0].view(kv_heads, group, tq).permute(2, 0, 1).reshape(tq, heads)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q.transpose(0, 1)[None],
         _expand_kv_heads(k, heads).transpose(0, 1)[None],
