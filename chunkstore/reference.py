@@ -69,6 +69,19 @@ class Attended:
     probabilities: list[torch.Tensor]  # [query heads, Tq, Tk], HF's own
 
 
+def attention_queries(module: Any, args: Any, kwargs: dict[str, Any]) -> torch.Tensor:
+    """The queries an HF attention layer is about to attend with, from its forward
+    pre-hook's arguments: projected and rotated at their positions, [Tq, query heads,
+    head_dim] of the batch's first sequence, float32."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    cos, sin = kwargs["position_embeddings"]
+    q = module.q_proj(hidden).view(*hidden.shape[:-1], -1, module.head_dim)
+    rotated, _ = apply_rotary_pos_emb(q.transpose(1, 2), q.transpose(1, 2), cos, sin)
+    return rotated[0].transpose(0, 1).float()
+
+
 class HFReference:
     """An HF causal LM driven token-exactly: explicit positions, masks and past KV."""
 
@@ -127,17 +140,11 @@ class HFReference:
         cache = self._cache(past)
         hooks = []
         if layer_allowed is not None:
-            from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
             choose = layer_allowed
 
             def masked(index: int) -> Any:
                 def hook(module: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-                    hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-                    cos, sin = kwargs["position_embeddings"]
-                    q = module.q_proj(hidden).view(*hidden.shape[:-1], -1, module.head_dim)
-                    q, _ = apply_rotary_pos_emb(q.transpose(1, 2), q.transpose(1, 2), cos, sin)
-                    mask = choose(index, q[0].transpose(0, 1).float())
+                    mask = choose(index, attention_queries(module, args, kwargs))
                     layer_additive = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
                     kwargs["attention_mask"] = layer_additive[None, None]
                     return args, kwargs
@@ -174,19 +181,13 @@ class HFReference:
         layer its queries as attention uses them (projected, rotated), the keys they attend
         (``past``'s, then its own) and HF's attention probabilities (``output_attentions``):
         what ``kv.attended`` is measured against."""
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
         model: Any = self.model
         layers = model.model.layers
         queries: list[torch.Tensor] = [torch.empty(0)] * len(layers)
 
         def capture(index: int) -> Any:
             def hook(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
-                hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-                cos, sin = kwargs["position_embeddings"]
-                q = module.q_proj(hidden).view(*hidden.shape[:-1], -1, module.head_dim)
-                rotated, _ = apply_rotary_pos_emb(q.transpose(1, 2), q.transpose(1, 2), cos, sin)
-                queries[index] = rotated[0].transpose(0, 1).float()  # [Tq, Hq, D]
+                queries[index] = attention_queries(module, args, kwargs)
 
             return hook
 

@@ -48,7 +48,7 @@ from chunkstore.bench import qa_cases
 from chunkstore.bench.quality import QUESTION_TEXT, SYS_TEXT, wilson
 from chunkstore.kv import sparse
 from chunkstore.models import resolve
-from chunkstore.reference import HFReference
+from chunkstore.reference import HFReference, attention_queries
 
 FULL = "full"
 BOUND, ORACLE = "bound", "oracle"
@@ -170,17 +170,12 @@ class SparseMask:
     def hook(self, module: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         if self.threshold is None:
             return None
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
         layer = module.layer_idx
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         n = hidden.shape[1]
         summary = self.summaries[layer]
         if layer not in self.chosen:
-            cos, sin = kwargs["position_embeddings"]
-            q = module.q_proj(hidden).view(*hidden.shape[:-1], -1, module.head_dim)
-            rotated, _ = apply_rotary_pos_emb(q.transpose(1, 2), q.transpose(1, 2), cos, sin)
-            queries = rotated[0].transpose(0, 1)  # [Tq, Hq, D], where the entry was computed
+            queries = attention_queries(module, args, kwargs)  # where the entry was computed
             if self.selector == ORACLE:
                 cached = kwargs["past_key_values"].layers[layer].keys[0]  # [Hkv, T, D]
                 keys = cached[:, self.document.start : self.document.stop].transpose(0, 1)
