@@ -12,11 +12,11 @@ import signal
 import socket
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from chunkstore.daemon.signals import Signalled
 from chunkstore.processes import Cancelled
 
 SYS = "Answer from the documents."
@@ -50,9 +50,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = Signalled(signal.SIGINT, signal.SIGTERM)
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="chunkstore-up-"))
     keep = bool(args.workdir)
     try:
@@ -98,7 +96,7 @@ def _start(
     model: Path,
     work: Path,
     stack: contextlib.ExitStack,
-    stop: threading.Event,
+    stop: Signalled,
 ) -> tuple[str, list[tuple[str, Any]]]:
     """The daemon, the instances and the router, each stopped by ``stack`` (in reverse);
     the router's URL and the processes to watch. ``Cancelled`` where ``stop`` is set

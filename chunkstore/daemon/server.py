@@ -11,7 +11,6 @@ import os
 import signal
 import socket
 import stat
-import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
@@ -32,6 +31,7 @@ from chunkstore.daemon.pool import reclaim_stale_pools
 from chunkstore.daemon.pool_factory import create_pool
 from chunkstore.daemon.records import Budget
 from chunkstore.daemon.service import ChunkStoreService, drain
+from chunkstore.daemon.signals import Signalled
 from chunkstore.daemon.spill import SpillWhen
 from chunkstore.daemon.tenants import (
     Tenant,
@@ -390,6 +390,7 @@ class Daemon:
                 len(self.disk) if self.disk else 0,
                 unwritten,
             )
+        log.debug("drained (%d leases left); stopping the workers and the servers", left)
         self.workers.join()
         if self.fast is not None:
             self.fast.stop()
@@ -409,13 +410,6 @@ class Daemon:
         return left
 
 
-def _stuck_stopping() -> None:
-    log.error("stopping is taking too long; every thread's stack follows")
-    for handler in logging.getLogger().handlers:
-        handler.flush()
-    faulthandler.dump_traceback(all_threads=True)
-
-
 def serve(config: ServeConfig) -> int:
     """Run until SIGTERM / SIGINT, then drain and exit 0. SIGUSR1 writes every thread's
     stack to stderr (the log) and goes on."""
@@ -423,17 +417,9 @@ def serve(config: ServeConfig) -> int:
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     log.info("config: %s", config.describe())
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: Any) -> None:
-        log.info("got %s: draining", signal.Signals(signum).name)
-        stop.set()
-
     # Before anything is created: a SIGTERM during start-up still drains and cleans up.
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    reload = threading.Event()  # SIGHUP: read the tenants file again
-    signal.signal(signal.SIGHUP, lambda signum, frame: reload.set())
+    stop = Signalled(signal.SIGTERM, signal.SIGINT)
+    reload = Signalled(signal.SIGHUP)  # read the tenants file again
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     daemon = Daemon(config)
     try:
@@ -451,17 +437,22 @@ def serve(config: ServeConfig) -> int:
     }
     print(json.dumps(ready), flush=True)
     log.info("serving %s", ", ".join(f"{k}={v}" for k, v in addresses.items()))
+    reloaded = 0
     while not stop.wait(0.1):
-        if reload.is_set():  # here, not in the handler: it reads a file and takes locks
-            reload.clear()
+        if reload.count != reloaded:  # here, not in the handler: it reads a file, takes locks
+            reloaded = reload.count
             daemon.reload_tenants()
+    assert stop.last is not None
+    log.info("got %s: draining leases for up to %.0f s", stop.last.name, config.drain_timeout_s)
     # A stop that hangs says where, in the log, while it still can (a supervisor's SIGKILL
     # comes next): every thread's stack once it has taken the drain timeout and 10 s more.
-    watchdog = threading.Timer(config.drain_timeout_s + 10.0, _stuck_stopping)
-    watchdog.daemon = True
-    watchdog.start()
+    # faulthandler's own C thread writes them: a thread that holds the GIL, or a logging
+    # lock, cannot keep them from the log.
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    faulthandler.dump_traceback_later(config.drain_timeout_s + 10.0)
     left = daemon.stop()
-    watchdog.cancel()
+    faulthandler.cancel_dump_traceback_later()
     if left:
         log.warning("stopped with %d leases still held after the drain timeout", left)
     log.info("stopped")

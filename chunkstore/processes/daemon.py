@@ -43,14 +43,17 @@ class RunningDaemon:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def stop(self, timeout: float = 30.0) -> int:
-        """SIGTERM, then wait; returns the exit code (kills it if it will not stop). The pool
-        file a killed daemon leaves is removed: in /dev/shm it would hold memory."""
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM, then wait; returns the exit code (kills it if it will not stop, after a
+        SIGUSR1 has had it write every thread's stack to its log). The pool file a killed
+        daemon leaves is removed: in /dev/shm it would hold memory."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
+                self.process.send_signal(signal.SIGUSR1)  # faulthandler's, in C: no GIL
+                time.sleep(2.0)
                 self.process.kill()
                 self.process.wait()
         if self.ready.get("shm_path"):

@@ -9,7 +9,7 @@ import threading
 import time
 from pathlib import Path
 
-from chunkstore.processes import Cancelled
+from chunkstore.processes import Cancel, Cancelled
 from chunkstore.processes.vllm_server import stop_group
 
 
@@ -21,7 +21,7 @@ class RunningRouter:
         timeout: float = 120.0,
         command: str = "router",
         port: int = 0,
-        cancel: threading.Event | None = None,
+        cancel: Cancel | None = None,
     ) -> None:
         """``chunkstore COMMAND --port PORT ARGS`` (router, or proxy: the router's
         prefill/decode mode; port 0: any free one); returns once it listens (its first

@@ -14,7 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from chunkstore.processes import Cancelled
+from chunkstore.processes import Cancel, Cancelled
 from chunkstore.processes.redis import free_port
 
 EXAMPLE_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "vllm" / "kv-transfer-config.json"
@@ -31,7 +31,7 @@ class VllmServer:
         kv_role: str = "kv_both",
         extra: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
-        cancel: threading.Event | None = None,
+        cancel: Cancel | None = None,
     ) -> None:
         """``connector``: the connector's settings (None: vLLM alone); ``extra``: more flags
         for ``vllm serve`` (e.g. ``--enable-prefix-caching``); ``env``: more environment;
@@ -83,7 +83,7 @@ class VllmServer:
             self.stop()  # whatever ended the wait (a signal's exception too): nothing left
             raise
 
-    def _wait(self, deadline: float, cancel: threading.Event | None) -> None:
+    def _wait(self, deadline: float, cancel: Cancel | None) -> None:
         cancelled = cancel or threading.Event()  # never set where the caller gave none
         while True:
             try:
