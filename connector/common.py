@@ -21,6 +21,7 @@ class SparseSource:
     digests: LeasedEntry
     block: int
     threshold: float
+    candidates: float = 0.0  # > 0: the bound's candidates, then their keys choose
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,11 @@ class ConnectorConfig:
     # cache keeps those blocks private). 0: off, every chunk loaded whole; 1: every block,
     # through the same path (a check).
     sparse_threshold: float = 0.0
+    # ... chosen in two steps: the bound keeps blocks up to this share of the estimated
+    # attention, their keys are read, and the question's exact attention over those keys
+    # keeps blocks up to sparse_threshold, whose values are read (kv.sparse.refine). 0: the
+    # bound chooses alone.
+    sparse_candidates: float = 0.0
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -87,11 +92,11 @@ class ConnectorConfig:
             )
         if config.sparse_block < 1:
             raise ValueError(f"sparse_block: tokens a block, >= 1, not {config.sparse_block}")
-        if not 0 <= config.sparse_threshold <= 1:
-            raise ValueError(
-                f"sparse_threshold: a share of the attention, 0 (off) to 1, not "
-                f"{config.sparse_threshold}"
-            )
+        for name in ("sparse_threshold", "sparse_candidates"):
+            if not 0 <= getattr(config, name) <= 1:
+                raise ValueError(
+                    f"{name}: a share of the attention, 0 (off) to 1, not {getattr(config, name)}"
+                )
         if config.sparse_threshold and not (
             config.inband_isolation and config.sparse_summary_tokens
         ):

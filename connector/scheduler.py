@@ -136,7 +136,8 @@ class SchedulerSide:
                     recomputed=recomputed,
                     shifts=moves,
                     first_tokens=treated.first_tokens,
-                    sparse_threshold=self._sparse_threshold(request),
+                    sparse_threshold=self._sparse_share(request, "sparse_threshold"),
+                    sparse_candidates=self._sparse_share(request, "sparse_candidates"),
                 )
             else:
                 self.stats.add("unchunked_prompts")
@@ -190,7 +191,7 @@ class SchedulerSide:
         if tracked is None or not tracked.chunked:
             return
         private = tracked.first_changed(tracked.first_tokens, self.first_is_causal)
-        sparse = self._sparse_candidates(tracked)
+        sparse = self._sparse_eligible(tracked)
         if sparse:  # loaded sparse, their blocks hold what was not read: never shared
             private = min(sparse[0][0], private if private is not None else sparse[0][0])
         if keep_roles_apart(request, tracked.causal_start, self.block_size, private):
@@ -203,36 +204,40 @@ class SchedulerSide:
             self._warned_prefix_cache = True
         request.skip_reading_prefix_cache = True
 
-    def _sparse_threshold(self, request: Request) -> float:
-        """The request's ``sparse_threshold`` (its ``kv_transfer_params``', else the
-        connector's); a malformed one is ignored, said and counted."""
+    def _sparse_share(self, request: Request, name: str) -> float:
+        """The request's ``name`` (``sparse_threshold`` or ``sparse_candidates``: its
+        ``kv_transfer_params``', else the connector's); a malformed one is ignored, said and
+        counted."""
         params = getattr(request, "kv_transfer_params", None)
-        value = params.get("sparse_threshold") if isinstance(params, dict) else None
+        value = params.get(name) if isinstance(params, dict) else None
+        default = float(getattr(self.config, name))
         if value is None:
-            return self.config.sparse_threshold
+            return default
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
             log.warning(
-                "chunkstore: request %s: kv_transfer_params ignored: sparse_threshold is a "
-                "share of the attention, 0 to 1, not %r",
+                "chunkstore: request %s: kv_transfer_params ignored: %s is a share of the "
+                "attention, 0 to 1, not %r",
                 request.request_id,
+                name,
                 value,
             )
             self.stats.add("bad_transfer_params")
-            return self.config.sparse_threshold
+            return default
         if value and not (self.config.inband_isolation and self.config.sparse_summary_tokens):
             log.warning(
-                "chunkstore: request %s: sparse_threshold ignored: sparse loads need "
+                "chunkstore: request %s: %s ignored: sparse loads need "
                 "inband_isolation and sparse_summary_tokens > 0",
                 request.request_id,
+                name,
             )
             return 0.0
         return float(value)
 
-    def _sparse_candidates(self, tracked: Tracked) -> list[tuple[int, int]]:
+    def _sparse_eligible(self, tracked: Tracked) -> list[tuple[int, int]]:
         """The request's chunks that are loaded sparse if stored with their summaries."""
         if not tracked.sparse_threshold:
             return []
-        return tracked.sparse_candidates(self.config.sparse_summary_tokens)
+        return tracked.sparse_eligible(self.config.sparse_summary_tokens)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         """Lease every stored segment (one batch call); keep the leases of the hit run past
@@ -391,14 +396,14 @@ class SchedulerSide:
             self.stats.add("prefix_hit_tokens", num_external_tokens)
 
     def _sparse_loads(self, tracked: Tracked, held: Held, loads: list[LoadItem]) -> list[LoadItem]:
-        """The loads of whole chunks that may load sparse (``_sparse_candidates``) and have
+        """The loads of whole chunks that may load sparse (``_sparse_eligible``) and have
         a summary and digests stored beside them, made sparse (their leases held with the
         request's until it ends: the workers read them at its question)."""
-        candidates = set(self._sparse_candidates(tracked))
+        eligible = set(self._sparse_eligible(tracked))
         wanted = [
             i
             for i, item in enumerate(loads)
-            if (item.actual_start, item.actual_start + item.num_tokens) in candidates
+            if (item.actual_start, item.actual_start + item.num_tokens) in eligible
             and item.entry_offset == 0
             and item.num_tokens == item.lease.layout.num_tokens
         ]
@@ -430,7 +435,9 @@ class SchedulerSide:
             if summary is None or digests is None:
                 continue
             item = loads[i]
-            source = SparseSource(summary, digests, block, tracked.sparse_threshold)
+            source = SparseSource(
+                summary, digests, block, tracked.sparse_threshold, tracked.sparse_candidates
+            )
             loads[i] = replace(item, sparse=source)
             sparse.append((item.actual_start, item.actual_start + item.num_tokens))
         tracked.sparse = tuple(sparse)

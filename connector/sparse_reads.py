@@ -29,7 +29,7 @@ import torch
 from chunkstore.errors import ChunkStoreError
 from chunkstore.kv.entry import EntryKind, tensors_of, torch_dtype
 from chunkstore.kv.remap import rotate_keys
-from chunkstore.kv.rope import RotaryConfig, rotation_table
+from chunkstore.kv.rope import rotation_table
 from chunkstore.kv.sparse import (
     EntryBlocks,
     Summary,
@@ -37,7 +37,9 @@ from chunkstore.kv.sparse import (
     digests_of,
     estimated_shares,
     queries_in_entry_frame,
+    refine,
     summaries,
+    token_mask,
 )
 
 from .client_holder import DaemonLink
@@ -173,21 +175,53 @@ class SparseReads:
     def read_layer(self, read: SparseRead, layer: int, queries: torch.Tensor, scale: float) -> None:
         """The blocks of ``layer`` that ``queries`` (the question's, this layer's, this
         rank's heads, rotated to where they stand) need, read, checked, their keys rotated
-        to where the chunk stands: ``read.kept[layer]``."""
+        to where the chunk stands: ``read.kept[layer]``. With ``candidates``, the bound
+        keeps blocks up to it, their keys are read, and the question's exact attention over
+        them keeps blocks up to ``threshold``, whose values are then read."""
         if read.failed or layer in read.kept:
             return
         assert read.blocks and read.summaries is not None and read.digests is not None
-        summary = read.summaries[layer]
-        rotary: RotaryConfig = self.keys.rotary
-        entry_queries = queries_in_entry_frame(queries, read.delta, rotary)
+        summary, source = read.summaries[layer], read.source
+        entry_queries = queries_in_entry_frame(queries, read.delta, self.keys.rotary)
         mask = choose(
             estimated_shares(entry_queries, summary, scale),
             summary.lo.shape[1],
-            read.source.threshold,
+            source.candidates or source.threshold,
         )
         chosen = mask.any(0).nonzero().flatten().tolist()
-        spans = read.blocks.spans(layer, chosen)
-        expected = read.blocks.expected(read.digests, layer, chosen)
+        if not source.candidates:
+            both = self._read(read, layer, chosen, (0, 1))
+            if both is None:
+                return
+            keys, values = both.chunk(2)
+        else:
+            candidates = self._read(read, layer, chosen, (0,))
+            if candidates is None:
+                return
+            kept = refine(entry_queries, candidates, chosen, summary, source.threshold, scale)
+            kept = kept.any(0)
+            read_values = self._read(read, layer, kept.nonzero().flatten().tolist(), (1,))
+            if read_values is None:
+                return
+            rows = token_mask(kept[None], summary)[0, token_mask(mask.any(0)[None], summary)[0]]
+            keys, values = candidates[rows], read_values
+        if read.delta:
+            cos, sin = rotation_table(self.keys.rotary, read.delta, keys.shape[0])
+            keys = rotate_keys(keys, cos, sin, self.keys.rotary, out=torch.empty_like(keys))
+        read.kept[layer] = (keys, values)
+        self.stats.add("sparse_whole_bytes", read.item.lease.nbytes // read.blocks.layers)
+        if len(read.kept) == read.blocks.layers:
+            read.summaries = read.digests = None  # every layer read: the choice is kept
+
+    def _read(
+        self, read: SparseRead, layer: int, blocks: list[int], parts: tuple[int, ...]
+    ) -> torch.Tensor | None:
+        """``parts`` (0 keys, 1 values) of ``layer``'s ``blocks`` out of the pool, checked by
+        their digests, this rank's heads: [parts x tokens, heads, head_dim]; None where the
+        read failed (the load fails: vLLM computes the chunk)."""
+        assert read.blocks is not None and read.digests is not None
+        spans = read.blocks.spans(layer, blocks, parts)
+        expected = read.blocks.expected(read.digests, layer, blocks, parts)
         out = torch.empty(sum(hi - lo for lo, hi in spans), dtype=torch.uint8)
         client = self.link.get()
         failure: ChunkStoreError | None = SparseReadFailed("daemon unreachable")
@@ -206,21 +240,12 @@ class SparseReads:
                 failure,
             )
             self._fail(read)
-            return
-        dtype = torch_dtype(read.item.lease.layout.dtype)
-        heads = self.cache.heads.local_slice()
-        half = out.numel() // 2
-        shape = (-1, read.item.lease.layout.num_kv_heads, read.item.lease.layout.head_dim)
-        keys = out[:half].view(dtype).view(shape)[:, heads].contiguous()
-        values = out[half:].view(dtype).view(shape)[:, heads].contiguous()
-        if read.delta:
-            cos, sin = rotation_table(rotary, read.delta, keys.shape[0])
-            keys = rotate_keys(keys, cos, sin, rotary, out=torch.empty_like(keys))
-        read.kept[layer] = (keys, values)
+            return None
         self.stats.add("sparse_read_bytes", out.numel())
-        self.stats.add("sparse_whole_bytes", read.item.lease.nbytes // read.blocks.layers)
-        if len(read.kept) == read.blocks.layers:
-            read.summaries = read.digests = None  # every layer read: the choice is kept
+        layout = read.item.lease.layout
+        shape = (-1, layout.num_kv_heads, layout.head_dim)
+        heads = self.cache.heads.local_slice()
+        return out.view(torch_dtype(layout.dtype)).view(shape)[:, heads].contiguous()
 
     def missed(self, req_id: str) -> None:
         """The hook did not find the request in a step's batch: vLLM's kernel attended its

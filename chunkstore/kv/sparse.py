@@ -191,6 +191,40 @@ def select(
     return choose(estimated_shares(queries, summary, scale), kv_heads, threshold, kept)
 
 
+def refine(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    candidates: Sequence[int],
+    summary: Summary,
+    threshold: float,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The blocks each KV head keeps, [kv heads, blocks] bool, among ``candidates`` (block
+    indices, ascending, the first and the last block among them): ``choose`` on the
+    question's exact shares of its attention over the candidates' keys ``keys`` [their
+    tokens in that order, kv heads, head_dim] (the entry's frame, as ``queries``), the
+    blocks outside taken to hold none of it. A sparse load reads the candidates' keys only,
+    then the values of what this keeps: the bound narrows, the keys decide."""
+    tq, heads, dim = queries.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    index = torch.tensor(list(candidates), dtype=torch.int64)
+    lengths = summary.lengths.index_select(0, index).long()
+    if int(lengths.sum()) != keys.shape[0]:
+        raise ValueError(f"{keys.shape[0]} keys for candidates of {int(lengths.sum())} tokens")
+    # [Hkv, group x Tq, D] against [Hkv, D, tokens]: a KV head's keys once for its group
+    q = queries.float().reshape(tq, kv_heads, group, dim).permute(1, 2, 0, 3)
+    scores = q.reshape(kv_heads, group * tq, dim) @ keys.float().permute(1, 2, 0)
+    probs = (scores * (scale or 1 / math.sqrt(dim))).softmax(-1)
+    probs = probs.reshape(heads, tq, -1).mean(1)  # [Hq, tokens]
+    segment = torch.repeat_interleave(torch.arange(len(index)), lengths)
+    shares = torch.zeros(heads, len(index)).index_add_(1, segment, probs)
+    picked = choose(shares, kv_heads, threshold)
+    mask = torch.zeros(kv_heads, summary.lo.shape[0], dtype=torch.bool)
+    mask[:, index] = picked
+    return mask
+
+
 def density(mask: torch.Tensor, summary: Summary) -> float:
     """The share of the entry's (KV head, token) pairs the mask keeps."""
     tokens = (mask.float() * summary.lengths).sum()
@@ -262,14 +296,16 @@ class EntryBlocks:
         """Blocks a layer (the last one shorter where the entry does not divide)."""
         return -(-self.tokens // self.block)
 
-    def spans(self, layer: int, blocks: Sequence[int]) -> list[tuple[int, int]]:
+    def spans(
+        self, layer: int, blocks: Sequence[int], parts: Sequence[int] = (0, 1)
+    ) -> list[tuple[int, int]]:
         """The entry's byte spans [lo, hi) of ``layer``'s ``blocks``: their keys, then
-        their values, in the order given."""
+        their values (``parts``: 0 keys, 1 values), in the order given."""
         if not 0 <= layer < self.layers:
             raise ValueError(f"layer {layer} of an entry of {self.layers}")
         half = self.layers * self.tokens * self.row
         spans = []
-        for part in (0, half):
+        for part in (p * half for p in parts):
             for index in blocks:
                 if not 0 <= index < self.count:
                     raise ValueError(f"block {index} of an entry of {self.count} a layer")
@@ -290,10 +326,16 @@ class EntryBlocks:
                 )
         return torch.from_numpy(out.view(np.int64))
 
-    def expected(self, digests: torch.Tensor, layer: int, blocks: Sequence[int]) -> list[int]:
-        """What ``spans(layer, blocks)`` must hash to, from the entry's ``digests``."""
+    def expected(
+        self,
+        digests: torch.Tensor,
+        layer: int,
+        blocks: Sequence[int],
+        parts: Sequence[int] = (0, 1),
+    ) -> list[int]:
+        """What ``spans(layer, blocks, parts)`` must hash to, from the entry's ``digests``."""
         index = torch.tensor(list(blocks), dtype=torch.int64)
-        picked = digests[:, layer].index_select(1, index).reshape(-1)
+        picked = digests[list(parts), layer].index_select(1, index).reshape(-1)
         return [int(d) & ((1 << 64) - 1) for d in picked.tolist()]
 
 

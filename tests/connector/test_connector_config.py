@@ -35,6 +35,7 @@ def test_settings_come_from_the_extra_config_and_typos_are_refused() -> None:
         ({"sparse_summary_tokens": -1}, "counts >= 0"),
         ({"sparse_block": 0}, "sparse_block: tokens a block"),
         ({"sparse_threshold": 1.5}, "0 \\(off\\) to 1"),
+        ({"sparse_candidates": -0.1}, "sparse_candidates: a share of the attention"),
         ({"sparse_threshold": 0.5, "inband_isolation": False}, "needs inband_isolation"),
         ({"sparse_threshold": 0.5, "sparse_summary_tokens": 0}, "sparse_summary_tokens > 0"),
         ({"question_temperature": 0}, "must be > 0"),

@@ -36,6 +36,7 @@ BLOCK = 4
 # recovery that recomputes or moves chunks is off (a request that does either loads whole).
 SETTINGS = {"sparse_summary_tokens": 64, "sparse_block": BLOCK, "relevant_last": 0}
 THRESHOLD = 0.3
+CANDIDATES = 0.7  # the two-step choice's: the bound's candidates, then their keys
 
 
 @pytest.fixture
@@ -53,12 +54,20 @@ def test_a_long_chunk_loads_sparse_and_attends_only_the_blocks_it_read(
     assert len(segments[2]) >= SETTINGS["sparse_summary_tokens"] > len(segments[1])
     ids = list(prompt.token_ids)
 
-    def asked(threshold: float) -> dict:
-        return {"prompt_token_ids": ids, "kv_transfer_params": {"sparse_threshold": threshold}}
+    def asked(threshold: float, **more: float) -> dict:
+        params = {"sparse_threshold": threshold, **more}
+        return {"prompt_token_ids": ids, "kv_transfer_params": params}
 
-    cold, whole, bad, every, chosen = run_probe(
+    cold, whole, bad, every, chosen, refined = run_probe(
         tiny_model_dir,
-        [ids, ids, asked(2), asked(1.0), asked(THRESHOLD)],
+        [
+            ids,
+            ids,
+            asked(2),
+            asked(1.0),
+            asked(THRESHOLD),
+            asked(THRESHOLD, sparse_candidates=CANDIDATES),
+        ],
         tmp_path,
         {"address": daemon.unix, **SETTINGS},
         extra=("--max-tokens", "16"),
@@ -84,10 +93,23 @@ def test_a_long_chunk_loads_sparse_and_attends_only_the_blocks_it_read(
     assert stats["sparse_chunks"] == 1 and stats["load_failures"] == 0
     assert 0 < stats["sparse_read_bytes"] < stats["sparse_whole_bytes"]
     ref = HFReference.load(tiny_model_dir)
-    logits = masked_reference(ref, daemon, tiny_model_dir, segments, THRESHOLD)
+    bound_kept: dict[int, torch.Tensor] = {}
+    logits = masked_reference(ref, daemon, tiny_model_dir, segments, THRESHOLD, kept=bound_kept)
     assert_logprobs_match(chosen, logits)
     with pytest.raises(AssertionError):  # the blocks left out changed the logprobs
         assert_logprobs_match(chosen, ref.assembled_cache(segments, Isolation.SYS).logits[-1])
+
+    # In two steps: the bound's candidates' keys read, the exact attention over them keeps
+    # blocks, their values read; the reference masked to what that keeps, layer by layer.
+    stats = refined["connector"]
+    assert stats["sparse_chunks"] == 1 and stats["load_failures"] == 0
+    assert 0 < stats["sparse_read_bytes"] < stats["sparse_whole_bytes"]
+    refined_kept: dict[int, torch.Tensor] = {}
+    logits = masked_reference(
+        ref, daemon, tiny_model_dir, segments, THRESHOLD, CANDIDATES, kept=refined_kept
+    )
+    assert_logprobs_match(refined, logits)
+    assert any(not torch.equal(refined_kept[n], bound_kept[n]) for n in bound_kept)
 
     # A block that rotted in the pool fails its digest: the load fails, loudly, and vLLM
     # computes the chunk (the daemon evicts the entry): the answer is the cold one.
@@ -106,10 +128,20 @@ def test_a_long_chunk_loads_sparse_and_attends_only_the_blocks_it_read(
     assert f"entry {long_key(tiny_model_dir, segments).hex()} failed its checksum" in daemon.log()
 
 
-def masked_reference(ref: HFReference, daemon, model, segments, threshold: float):
+def masked_reference(
+    ref: HFReference,
+    daemon,
+    model,
+    segments,
+    threshold: float,
+    candidates: float = 0.0,
+    kept: dict[int, torch.Tensor] | None = None,
+):
     """The question's logits over the assembled (isolated) cache, each layer attending of
     the long chunk (segment 2) only the blocks its own queries choose from the stored
-    summary (each KV head the union of what its query heads chose, as a sparse load reads)."""
+    summary (each KV head the union of what its query heads chose, as a sparse load reads);
+    with ``candidates``, those the exact attention over the stored keys of the blocks the
+    summary keeps up to ``candidates`` chooses. ``kept``: filled with each layer's blocks."""
     assembled = ref.assembled_cache(segments, Isolation.SYS)
     question, doc = segments[-1], segments[2]
     past = assembled.kv.slice(0, question.start)
@@ -124,11 +156,20 @@ def masked_reference(ref: HFReference, daemon, model, segments, threshold: float
 
     def allowed(layer: int, queries: torch.Tensor) -> torch.Tensor:
         q = sparse.queries_in_entry_frame(queries, delta, ref.rotary)
-        shares = sparse.estimated_shares(q, layers[layer], 1 / math.sqrt(q.shape[-1]))
-        kept = sparse.choose(shares, layers[layer].lo.shape[1], threshold).any(0)
+        scale = 1 / math.sqrt(q.shape[-1])
+        summary = layers[layer]
+        shares = sparse.estimated_shares(q, summary, scale)
+        blocks = sparse.choose(shares, summary.lo.shape[1], candidates or threshold).any(0)
+        if candidates:
+            rows = sparse.token_mask(blocks[None], summary)[0]
+            keys = stored.keys[layer][rows].float()  # the entry's, as stored
+            picked = blocks.nonzero().flatten().tolist()
+            blocks = sparse.refine(q, keys, picked, summary, threshold, scale).any(0)
+        if kept is not None:
+            kept[layer] = blocks
         mask = torch.ones(n, seen + n, dtype=torch.bool)
         mask[:, seen:] = torch.ones(n, n, dtype=torch.bool).tril()
-        mask[:, doc.start : doc.end] = kept.repeat_interleave(BLOCK)[None, : len(doc)]
+        mask[:, doc.start : doc.end] = blocks.repeat_interleave(BLOCK)[None, : len(doc)]
         return mask
 
     return ref.forward(question.token_ids, question.start, past, layer_allowed=allowed).logits[-1]

@@ -175,6 +175,34 @@ def test_exact_shares_are_the_questions_attention_summed_by_block() -> None:
     assert (covered >= 0.6 - 1e-6).all()
 
 
+def test_refine_chooses_by_the_exact_attention_over_the_candidates_keys_only() -> None:
+    """Every block a candidate: ``choose`` on the exact shares. Some: the same on the
+    shares over the candidates' keys alone (the rest, never read, hold none); what it
+    keeps is among the candidates, the first and last block always."""
+    g = torch.Generator().manual_seed(6)
+    queries, keys = torch.randn(3, 4, 64, generator=g), torch.randn(150, 2, 64, generator=g)
+    summary = sparse.summarize(keys, 16)  # 10 blocks, the last of 6 tokens
+    every = sparse.refine(queries, keys, range(10), summary, 0.6)
+    assert torch.equal(every, sparse.choose(sparse.exact_shares(queries, keys, 16), 2, 0.6))
+    candidates = [0, 2, 3, 7, 9]
+    rows = torch.cat([torch.arange(*summary.span(b)) for b in candidates])
+    some = sparse.refine(queries, keys[rows], candidates, summary, 0.6)
+    probs = scores(queries, keys[rows]).softmax(-1).mean(1)
+    at = [0, 16, 32, 48, 64, 70]
+    shares = torch.stack([probs[:, at[i] : at[i + 1]].sum(-1) for i in range(5)], -1)
+    assert torch.equal(some[:, candidates], sparse.choose(shares, 2, 0.6))
+    assert not some[:, [1, 4, 5, 6, 8]].any() and some[:, [0, 9]].all()
+    with pytest.raises(ValueError, match="64 keys for candidates of 70 tokens"):
+        sparse.refine(queries, keys[rows][:64], candidates, summary, 0.6)
+    # The keys' and the values' spans apart, with their digests: what such a load reads.
+    k, v = keys[None], torch.randn(1, 150, 2, 64, generator=g)
+    blocks = sparse.EntryBlocks.of(layout_of(k, v, 0), 16)
+    digests = sparse.block_digests(k, v, 16)
+    both = blocks.spans(0, [2, 9])
+    assert blocks.spans(0, [2, 9], (0,)) == both[:2] and blocks.spans(0, [9], (1,)) == both[3:]
+    assert blocks.expected(digests, 0, [9], (1,)) == blocks.expected(digests, 0, [2, 9])[3:]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_each_block_of_an_entry_has_its_span_and_digest(dtype) -> None:
     """A block's spans are its keys' and values' bytes in the entry as the store lays it out
