@@ -75,6 +75,10 @@ FIELDS = {
     "each layer's question chose, read out of the pool.",
     "sparse_whole_bytes": "What those layers of those chunks hold whole (sparse_read_bytes "
     "over this is the share of the bytes a sparse load reads).",
+    "sparse_choose_seconds": "Time the hook spent choosing sparse loads' blocks (the bound, "
+    "and the exact attention over the candidates' keys with sparse_candidates).",
+    "sparse_read_seconds": "Time the hook spent reading sparse loads' blocks out of the pool, "
+    "checking their digests and rotating their keys.",
     "save_failures": "Saves that failed (the request is unaffected).",
     "save_seconds": "Time spent saving.",
     "isolated_tokens": "Chunk tokens vLLM computed under the isolation mask (in-band).",

@@ -21,6 +21,7 @@ is dropped, and its rows attend the chunk whole from then on (``failed``)."""
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -181,6 +182,7 @@ class SparseReads:
         if read.failed or layer in read.kept:
             return
         assert read.blocks and read.summaries is not None and read.digests is not None
+        began = time.perf_counter()
         summary, source = read.summaries[layer], read.source
         entry_queries = queries_in_entry_frame(queries, read.delta, self.keys.rotary)
         mask = choose(
@@ -189,6 +191,7 @@ class SparseReads:
             source.candidates or source.threshold,
         )
         chosen = mask.any(0).nonzero().flatten().tolist()
+        self.stats.add("sparse_choose_seconds", time.perf_counter() - began)
         if not source.candidates:
             both = self._read(read, layer, chosen, (0, 1))
             if both is None:
@@ -198,17 +201,21 @@ class SparseReads:
             candidates = self._read(read, layer, chosen, (0,))
             if candidates is None:
                 return
+            began = time.perf_counter()
             kept = refine(entry_queries, candidates, chosen, summary, source.threshold, scale)
             kept = kept.any(0)
+            self.stats.add("sparse_choose_seconds", time.perf_counter() - began)
             read_values = self._read(read, layer, kept.nonzero().flatten().tolist(), (1,))
             if read_values is None:
                 return
             rows = token_mask(kept[None], summary)[0, token_mask(mask.any(0)[None], summary)[0]]
             keys, values = candidates[rows], read_values
+        began = time.perf_counter()
         if read.delta:
             cos, sin = rotation_table(self.keys.rotary, read.delta, keys.shape[0])
             keys = rotate_keys(keys, cos, sin, self.keys.rotary, out=torch.empty_like(keys))
         read.kept[layer] = (keys, values)
+        self.stats.add("sparse_read_seconds", time.perf_counter() - began)
         self.stats.add("sparse_whole_bytes", read.item.lease.nbytes // read.blocks.layers)
         if len(read.kept) == read.blocks.layers:
             read.summaries = read.digests = None  # every layer read: the choice is kept
@@ -220,6 +227,7 @@ class SparseReads:
         their digests, this rank's heads: [parts x tokens, heads, head_dim]; None where the
         read failed (the load fails: vLLM computes the chunk)."""
         assert read.blocks is not None and read.digests is not None
+        began = time.perf_counter()
         spans = read.blocks.spans(layer, blocks, parts)
         expected = read.blocks.expected(read.digests, layer, blocks, parts)
         out = torch.empty(sum(hi - lo for lo, hi in spans), dtype=torch.uint8)
@@ -245,7 +253,9 @@ class SparseReads:
         layout = read.item.lease.layout
         shape = (-1, layout.num_kv_heads, layout.head_dim)
         heads = self.cache.heads.local_slice()
-        return out.view(torch_dtype(layout.dtype)).view(shape)[:, heads].contiguous()
+        local = out.view(torch_dtype(layout.dtype)).view(shape)[:, heads].contiguous()
+        self.stats.add("sparse_read_seconds", time.perf_counter() - began)
+        return local
 
     def missed(self, req_id: str) -> None:
         """The hook did not find the request in a step's batch: vLLM's kernel attended its

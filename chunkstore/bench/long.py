@@ -515,7 +515,15 @@ def _vllm_rows(
 ) -> Iterator[dict[str, Any]]:
     """The rows of ``_vllm_answers``' run: per method, its answers, bytes and timings."""
     tallies: dict[str, dict[str, list[Any]]] = {
-        name: {"correct": [], "same": [], "share": [], "ttft": [], "decode": []}
+        name: {
+            "correct": [],
+            "same": [],
+            "share": [],
+            "ttft": [],
+            "decode": [],
+            "choose": [],
+            "read": [],
+        }
         for name, _, _ in methods
     }
     results = iter(rows)
@@ -538,6 +546,9 @@ def _vllm_rows(
             read = counters.get("sparse_read_bytes", 0) / whole + 1 / args.block if whole else 1.0
             tally["share"].append(read)
             tally["ttft"].append(first["seconds"])
+            # The question's step: what the hook spent choosing and reading blocks.
+            tally["choose"].append(first["connector"].get("sparse_choose_seconds", 0.0))
+            tally["read"].append(first["connector"].get("sparse_read_seconds", 0.0))
             if len(answer["generated"]) > 1:
                 rest = answer["seconds"] - first["seconds"]
                 tally["decode"].append(rest / (len(answer["generated"]) - 1))
@@ -568,6 +579,8 @@ def _vllm_rows(
             "bytes_share": round(sum(tally["share"]) / total, 3),
             "per_case": "".join(map(str, tally["correct"])),
             "ttft_s": round(ttft, 4),
+            "choose_s": round(statistics.median(tally["choose"]), 4),
+            "read_s": round(statistics.median(tally["read"]), 4),
             "decode_s_a_token": round(decode, 5),
             "ttft_full_vs_this": round(statistics.median(full["ttft"]) / ttft, 3),
             "decode_full_vs_this": round(full_decode / decode, 3) if decode else None,
