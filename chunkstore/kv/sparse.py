@@ -117,14 +117,13 @@ def bounds(queries: torch.Tensor, summary: Summary, scale: float | None = None) 
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads cannot share {kv_heads} KV heads evenly")
     group = heads // kv_heads
-    lo = summary.lo.repeat_interleave(group, dim=1)  # [B, Hq, D]
-    hi = summary.hi.repeat_interleave(group, dim=1)
-    # max(q lo, q hi) is q hi where q >= 0, else q lo: two matrix products, no [Tq, Hq, B, D]
-    q = queries.float()
-    top = torch.einsum("qhd,bhd->hqb", q.clamp(min=0), hi) + torch.einsum(
-        "qhd,bhd->hqb", q.clamp(max=0), lo
+    # max(q lo, q hi) is q hi where q >= 0, else q lo: two matrix products, no [Tq, Hq, B, D],
+    # a KV head's summary once for its group of query heads (not repeated per query head)
+    q = queries.float().reshape(tq, kv_heads, group, dim)
+    top = torch.einsum("qkgd,bkd->kgqb", q.clamp(min=0), summary.hi) + torch.einsum(
+        "qkgd,bkd->kgqb", q.clamp(max=0), summary.lo
     )
-    return top * (scale or 1 / math.sqrt(dim))  # [Hq, Tq, B]
+    return top.reshape(heads, tq, -1) * (scale or 1 / math.sqrt(dim))  # [Hq, Tq, B]
 
 
 def estimated_shares(
