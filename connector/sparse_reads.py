@@ -190,7 +190,8 @@ class SparseReads:
             summary.lo.shape[1],
             source.candidates or source.threshold,
         )
-        chosen = mask.any(0).nonzero().flatten().tolist()
+        wanted = mask.any(0)  # every KV head of this rank reads what any of them chose
+        chosen = wanted.nonzero().flatten().tolist()
         self.stats.add("sparse_choose_seconds", time.perf_counter() - began)
         if not source.candidates:
             both = self._read(read, layer, chosen, (0, 1))
@@ -208,7 +209,7 @@ class SparseReads:
             read_values = self._read(read, layer, kept.nonzero().flatten().tolist(), (1,))
             if read_values is None:
                 return
-            rows = token_mask(kept[None], summary)[0, token_mask(mask.any(0)[None], summary)[0]]
+            rows = token_mask(kept[None], summary)[0, token_mask(wanted[None], summary)[0]]
             keys, values = candidates[rows], read_values
         began = time.perf_counter()
         if read.delta:

@@ -142,15 +142,28 @@ def exact_shares(
     from the keys themselves (the mean over the question's rows of each row's softmax over
     the entry): what ``estimated_shares`` estimates, for measuring the estimate against (it
     reads every key, so it is no way to choose what to load)."""
+    tokens = keys.shape[0]
+    lengths = torch.full((-(-tokens // block),), block, dtype=torch.int64)
+    lengths[-1] = tokens - block * (len(lengths) - 1)
+    return _shares_by_run(queries, keys, lengths, scale)
+
+
+def _shares_by_run(
+    queries: torch.Tensor, keys: torch.Tensor, lengths: torch.Tensor, scale: float | None
+) -> torch.Tensor:
+    """Each query head's share of its attention over ``keys`` [tokens, kv heads, head_dim]
+    (the mean over the question's rows of each row's softmax over them) summed over
+    consecutive runs of ``lengths`` tokens, [Hq, runs]."""
     tq, heads, dim = queries.shape
-    tokens, kv_heads, _ = keys.shape
+    kv_heads = keys.shape[1]
     group = heads // kv_heads
-    k = keys.float().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", queries.float(), k) * (scale or 1 / math.sqrt(dim))
-    probs = scores.softmax(-1).mean(1)  # [Hq, tokens]
-    count = -(-tokens // block)
-    padded = torch.nn.functional.pad(probs, (0, count * block - tokens))
-    return padded.reshape(heads, count, block).sum(-1)
+    # [Hkv, group x Tq, D] against [Hkv, D, tokens]: a KV head's keys once for its group
+    q = queries.float().reshape(tq, kv_heads, group, dim).permute(1, 2, 0, 3)
+    scores = q.reshape(kv_heads, group * tq, dim) @ keys.float().permute(1, 2, 0)
+    probs = (scores * (scale or 1 / math.sqrt(dim))).softmax(-1)
+    probs = probs.reshape(heads, tq, -1).mean(1)  # [Hq, tokens]
+    run = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    return torch.zeros(heads, len(lengths)).index_add_(1, run, probs)
 
 
 def choose(
@@ -204,21 +217,12 @@ def refine(
     tokens in that order, kv heads, head_dim] (the entry's frame, as ``queries``), the
     blocks outside taken to hold none of it. A sparse load reads the candidates' keys only,
     then the values of what this keeps: the bound narrows, the keys decide."""
-    tq, heads, dim = queries.shape
     kv_heads = keys.shape[1]
-    group = heads // kv_heads
     index = torch.tensor(list(candidates), dtype=torch.int64)
     lengths = summary.lengths.index_select(0, index).long()
     if int(lengths.sum()) != keys.shape[0]:
         raise ValueError(f"{keys.shape[0]} keys for candidates of {int(lengths.sum())} tokens")
-    # [Hkv, group x Tq, D] against [Hkv, D, tokens]: a KV head's keys once for its group
-    q = queries.float().reshape(tq, kv_heads, group, dim).permute(1, 2, 0, 3)
-    scores = q.reshape(kv_heads, group * tq, dim) @ keys.float().permute(1, 2, 0)
-    probs = (scores * (scale or 1 / math.sqrt(dim))).softmax(-1)
-    probs = probs.reshape(heads, tq, -1).mean(1)  # [Hq, tokens]
-    segment = torch.repeat_interleave(torch.arange(len(index)), lengths)
-    shares = torch.zeros(heads, len(index)).index_add_(1, segment, probs)
-    picked = choose(shares, kv_heads, threshold)
+    picked = choose(_shares_by_run(queries, keys, lengths, scale), kv_heads, threshold)
     mask = torch.zeros(kv_heads, summary.lo.shape[0], dtype=torch.bool)
     mask[:, index] = picked
     return mask
