@@ -40,6 +40,8 @@ from chunkstore.kv.entry import ITEMSIZES, EntryLayout, layout_of
 from chunkstore.kv.remap import rotate_keys
 from chunkstore.kv.rope import RotaryConfig, rotation_table
 
+SCORED_ROWS = 64  # question rows scored at a time in exact shares (fits a CPU's cache)
+
 
 @dataclass(frozen=True)
 class Summary:
@@ -155,15 +157,19 @@ def _shares_by_run(
     (the mean over the question's rows of each row's softmax over them) summed over
     consecutive runs of ``lengths`` tokens, [Hq, runs]."""
     tq, heads, dim = queries.shape
-    kv_heads = keys.shape[1]
-    group = heads // kv_heads
-    # [Hkv, group x Tq, D] against [Hkv, D, tokens]: a KV head's keys once for its group
-    q = queries.float().reshape(tq, kv_heads, group, dim).permute(1, 2, 0, 3)
-    scores = q.reshape(kv_heads, group * tq, dim) @ keys.float().permute(1, 2, 0)
-    probs = (scores * (scale or 1 / math.sqrt(dim))).softmax(-1)
-    probs = probs.reshape(heads, tq, -1).mean(1)  # [Hq, tokens]
+    group = heads // keys.shape[1]
+    q = (queries.float() * (scale or 1 / math.sqrt(dim))).permute(1, 0, 2)  # [Hq, Tq, D]
+    k = keys.float().permute(1, 2, 0)  # [Hkv, D, tokens]
+    summed = torch.zeros(heads, keys.shape[0])
+    # a query head and up to SCORED_ROWS rows at a time: their scores stay in the CPU's
+    # cache through the softmax and the sum (one thread, 4k keys: 1.7x faster than all
+    # heads at once at 17 rows, 2.5x at 40)
+    for head in range(heads):
+        for row in range(0, tq, SCORED_ROWS):
+            scores = q[head, row : row + SCORED_ROWS] @ k[head // group]
+            summed[head] += scores.softmax(-1).sum(0)
     run = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-    return torch.zeros(heads, len(lengths)).index_add_(1, run, probs)
+    return torch.zeros(heads, len(lengths)).index_add_(1, run, summed).div_(tq)
 
 
 def choose(
