@@ -23,6 +23,7 @@ import torch
 from chunkstore.client import Pieces
 from chunkstore.errors import ChunkStoreError
 from chunkstore.kv.entry import tensors_of
+from chunkstore.kv.paging import PAD_SLOT
 from chunkstore.kv.rope import rotation_table
 
 from .client_holder import DaemonLink
@@ -337,6 +338,7 @@ class Loads:
         """vLLM is told these blocks did not load, and computes them."""
         self.stats.add("load_failures")
         slots = self.cache.slots(plan.block_ids, item.actual_start, item.num_tokens)
+        slots = slots[slots != PAD_SLOT]  # another context-parallel rank's tokens
         self._failed_blocks.update(int(b) for b in torch.unique(slots // self.cache.block_size))
 
     def _count_loaded(self, item: LoadItem, block_copied: bool = False) -> None:
@@ -416,16 +418,15 @@ class Loads:
         assert values is not None
         rows = slice(item.entry_offset, item.entry_offset + item.num_tokens)
         heads = self.cache.heads.local_slice()
+        keys, values = keys[:, rows, heads], values[:, rows, heads]
+        slots = self.cache.slots(plan.block_ids, item.actual_start, item.num_tokens)
+        if self.cache.cp.size > 1:  # context parallelism: only the tokens this rank holds
+            local = slots != PAD_SLOT
+            keys, values, slots = keys[:, local], values[:, local], slots[local]
         delta = item.actual_start - item.entry_offset - layout.virtual_start
         delta += (self.placed.get(plan.req_id) or {}).get(item.actual_start, 0)
-        return Fetched(
-            plan,
-            item,
-            keys[:, rows, heads],
-            values[:, rows, heads],
-            rotation_table(self.keys.rotary, delta, item.num_tokens) if delta else None,
-            slots=self.cache.slots(plan.block_ids, item.actual_start, item.num_tokens),
-        )
+        rotation = rotation_table(self.keys.rotary, delta, len(slots)) if delta else None
+        return Fetched(plan, item, keys, values, rotation, slots)
 
     def _cache_blocks(self, plan: RequestPlan, item: LoadItem) -> Pieces | None:
         """Where a packed entry's bytes go, in their order: each layer's cache blocks at the

@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from chunkstore.kv.paging import cp_slot_mapping
+
 from .cpu_layout import CpuKVLayout
 from .device_layout import DeviceKVLayout
 from .heads import RankHeads
@@ -22,10 +24,29 @@ def layer_number(name: str) -> int:
     return int(numbers[0]) if numbers else 0
 
 
+@dataclass(frozen=True)
+class CpRank:
+    """Where this worker stands in vLLM's context-parallel group (seed 003): the sequence
+    is interleaved over ``size`` ranks in runs of ``interleave`` tokens inside virtual
+    blocks of ``size`` x block_size tokens, and this rank's cache holds only its own runs
+    (``kv.paging.cp_slot_mapping``). 1: no context parallelism."""
+
+    size: int = 1
+    rank: int = 0
+    interleave: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size or self.interleave < 1:
+            raise ValueError(
+                f"context-parallel rank {self.rank} of {self.size}, interleave {self.interleave}"
+            )
+
+
 @dataclass
 class RegisteredCache:
     """The caches in layer order, the access that reads and writes them (CPU or a device
-    back end), this rank's KV heads and whether reads of the cache can be trusted."""
+    back end), this rank's KV heads, its place in a context-parallel group and whether
+    reads of the cache can be trusted."""
 
     access: CpuKVLayout | DeviceKVLayout
     heads: RankHeads
@@ -38,6 +59,7 @@ class RegisteredCache:
     packing: str = ""
     block_bytes: list[np.ndarray] = field(default_factory=list)  # each layer's, as bytes
     scratch: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.uint8))
+    cp: CpRank = field(default_factory=CpRank)
 
     def set_layers(self, kv_caches: dict[str, Any]) -> None:
         """vLLM's caches, by layer name, put in layer order."""
@@ -55,5 +77,19 @@ class RegisteredCache:
             self.scratch = np.empty(self.block_bytes[0].shape[1], dtype=np.uint8)
 
     def slots(self, block_ids: list[int], start: int, count: int) -> torch.Tensor:
-        """Slots of positions [start, start + count) of a request with this block table."""
-        return self.access.slots(torch.tensor(block_ids, dtype=torch.int64), start, count)
+        """Slots of positions [start, start + count) of a request with this block table;
+        under context parallelism ``kv.paging.PAD_SLOT`` where another rank holds the
+        position (the block table's entries are then virtual blocks)."""
+        table = torch.tensor(block_ids, dtype=torch.int64)
+        if self.cp.size == 1:
+            return self.access.slots(table, start, count)
+        positions = torch.arange(start, start + count)
+        return cp_slot_mapping(
+            torch.zeros_like(positions),
+            positions,
+            table[None, :],
+            self.block_size,
+            self.cp.size,
+            self.cp.rank,
+            self.cp.interleave,
+        )

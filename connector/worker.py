@@ -94,7 +94,8 @@ class WorkerSide:
                 "saving and in-band isolation are off (loads still go through vLLM's own "
                 "write op)"
             )
-        if self.cache.heads.size == 1 and isinstance(self.cache.access, CpuKVLayout):
+        single = self.cache.heads.size == 1 and self.cache.cp.size == 1  # a block: every token
+        if single and isinstance(self.cache.access, CpuKVLayout):
             self.cache.pack(self.cache.access.packing(self.cache.layers, self.keys.kv_dtype))
         if self.cache.readable and isinstance(self.cache.access, CpuKVLayout):
             self.cache.access.warm_up(*self.cache.layers[0], self.keys.rotary)
