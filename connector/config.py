@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from chunkstore.client import default_address
@@ -158,16 +158,34 @@ def load_cpus(text: str, bound: set[int] | None = None) -> set[int] | None:
 
 
 def unsupported_parallelism(vllm_config: Any) -> str | None:
-    """Why the connector must stay off for this deployment, or None. Context parallelism
-    spreads a request's tokens over ranks and pipeline parallelism its layers; the connector
-    writes whole entries into one rank's cache, which would put KV in the wrong places."""
+    """Why the connector must stay off for this deployment, or None. Pipeline parallelism
+    spreads a request's layers over ranks, prefill context parallelism its tokens in a way
+    vLLM's block table does not say here (it shards the cache by the decode group only:
+    vllm/v1/worker/block_table.py:97-110, vLLM 0.32); the connector writes whole entries
+    into each rank's share of the cache, so those would put KV in the wrong places. Decode
+    context parallelism is served: each rank loads the tokens it holds, saves gather them
+    (``decode_context_parallel``)."""
     parallel = vllm_config.parallel_config
-    for name in ("prefill_context_parallel_size", "decode_context_parallel_size"):
+    for name in ("prefill_context_parallel_size", "pipeline_parallel_size"):
         if getattr(parallel, name, 1) > 1:
             return f"{name}={getattr(parallel, name)} is not supported"
-    if getattr(parallel, "pipeline_parallel_size", 1) > 1:
-        return f"pipeline_parallel_size={parallel.pipeline_parallel_size} is not supported"
     return None
+
+
+def decode_context_parallel(vllm_config: Any) -> int:
+    """Ranks a request's KV cache is sharded over by token (1: none)."""
+    return int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
+
+
+def for_deployment(config: ConnectorConfig, vllm_config: Any) -> ConnectorConfig:
+    """The settings this deployment can serve: under decode context parallelism each rank's
+    cache holds a share of every chunk's tokens, so in-band isolation (the hook attends a
+    chunk's rows over its own keys, on one rank) is off, and with it recompute, moves and
+    sparse loads: stored chunks are loaded (isolated, as the router or ingest stored them)
+    and exact prefixes shared, as on a back end without the hook."""
+    if decode_context_parallel(vllm_config) == 1 or not config.inband_isolation:
+        return config
+    return replace(config, inband_isolation=False)
 
 
 # The models whose decoder layers the workers' recomputer drives (``recompute``).

@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from .common import ChunkStoreMetadata
-from .config import ConnectorConfig
+from .config import ConnectorConfig, for_deployment
 from .metrics import ConnectorPromMetrics, ConnectorStats
 from .scheduler import SchedulerSide
 from .versions import warn_outside_matrix
@@ -58,8 +58,15 @@ class ChunkStoreConnector(KVConnectorBase_V1):
             role=role,
             kv_cache_config=kv_cache_config,  # type: ignore[arg-type]
         )
-        config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        asked = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        config = for_deployment(asked, vllm_config)
         if role == KVConnectorRole.SCHEDULER:
+            if config != asked:
+                log.warning(
+                    "chunkstore: decode context parallelism: in-band isolation is off (each "
+                    "rank holds a share of every chunk): stored chunks load isolated, none is "
+                    "stored from requests (store them with the router or `chunkstore ingest`)"
+                )
             warn_outside_matrix(log)  # once per engine: the scheduler has one connector
             # A chunk that fails to load (daemon gone, entry evicted, checksum) is computed,
             # never served wrong and never a failed request. The scheduler reads this after

@@ -13,6 +13,7 @@ import torch
 
 from chunkstore.kv.paging import cp_owner, cp_slot_mapping
 
+from .config import decode_context_parallel
 from .cpu_layout import CpuKVLayout
 from .device_layout import DeviceKVLayout
 from .heads import RankHeads
@@ -40,6 +41,20 @@ class CpRank:
             raise ValueError(
                 f"context-parallel rank {self.rank} of {self.size}, interleave {self.interleave}"
             )
+
+
+def context_parallel(vllm_config: Any) -> tuple[CpRank, Any]:
+    """This worker's place in vLLM's decode context-parallel group, and the group (None
+    without one). vLLM shards the cache by that group in runs of
+    ``cp_kv_cache_interleave_size`` tokens (vllm/v1/worker/block_table.py:97-110)."""
+    size = decode_context_parallel(vllm_config)
+    if size == 1:
+        return CpRank(), None
+    from vllm.distributed import get_dcp_group
+
+    group = get_dcp_group()
+    interleave = int(getattr(vllm_config.parallel_config, "cp_kv_cache_interleave_size", 1))
+    return CpRank(size, group.rank_in_group, interleave), group
 
 
 @dataclass

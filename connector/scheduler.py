@@ -30,7 +30,12 @@ from .common import (
     SaveItem,
     SparseSource,
 )
-from .config import ConnectorConfig, unsupported_parallelism, unsupported_recompute
+from .config import (
+    ConnectorConfig,
+    decode_context_parallel,
+    unsupported_parallelism,
+    unsupported_recompute,
+)
 from .keys import ModelKeys, SegmentPlan
 from .metrics import ConnectorStats
 from .prefix_cache import keep_roles_apart
@@ -63,7 +68,9 @@ class SchedulerSide:
             config.separator,
             self.keys.separator,
         )
-        self.block_size = vllm_config.cache_config.block_size
+        # vLLM's scheduler blocks: under decode context parallelism virtual blocks of a
+        # rank's block size times the group's (vllm/v1/core/single_type_kv_cache_manager.py:108)
+        self.block_size = vllm_config.cache_config.block_size * decode_context_parallel(vllm_config)
         transfer = vllm_config.kv_transfer_config
         role = getattr(transfer, "kv_role", None)
         self.producer, self.consumer = role == "kv_producer", role == "kv_consumer"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -10,10 +11,12 @@ import pytest
 
 from chunkstore_vllm.config import (
     ConnectorConfig,
+    for_deployment,
     load_cpus,
     unsupported_parallelism,
     unsupported_recompute,
 )
+from chunkstore_vllm.registered_cache import CpRank, context_parallel
 
 
 def test_settings_come_from_the_extra_config_and_typos_are_refused() -> None:
@@ -74,16 +77,25 @@ def parallel(**sizes: int) -> SimpleNamespace:
     return SimpleNamespace(parallel_config=SimpleNamespace(**{**defaults, **sizes}))
 
 
-def test_context_and_pipeline_parallelism_keep_the_connector_off() -> None:
+def test_prefill_context_and_pipeline_parallelism_keep_the_connector_off() -> None:
     assert unsupported_parallelism(parallel()) is None
     assert unsupported_parallelism(parallel(tensor_parallel_size=4)) is None
-    for name in (
-        "decode_context_parallel_size",
-        "prefill_context_parallel_size",
-        "pipeline_parallel_size",
-    ):
+    assert unsupported_parallelism(parallel(decode_context_parallel_size=2)) is None
+    for name in ("prefill_context_parallel_size", "pipeline_parallel_size"):
         reason = unsupported_parallelism(parallel(**{name: 2}))
         assert reason is not None and name in reason
+
+
+def test_decode_context_parallelism_turns_in_band_isolation_off() -> None:
+    """Each rank holds a share of every chunk: the hook cannot attend a chunk's rows over
+    its keys, so the connector serves as on a back end without it (loads, prefixes)."""
+    config = ConnectorConfig.from_extra({"sparse_threshold": 0.5})
+    assert config.inband_isolation
+    assert for_deployment(config, parallel()) == config
+    served = for_deployment(config, parallel(decode_context_parallel_size=2))
+    assert not served.inband_isolation
+    assert replace(served, inband_isolation=True) == config  # nothing else changed
+    assert context_parallel(parallel()) == (CpRank(), None)
 
 
 def test_short_relevant_chunks_are_recomputed_only_where_the_workers_can() -> None:
