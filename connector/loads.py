@@ -423,6 +423,8 @@ class Loads:
         if self.cache.cp.size > 1:  # context parallelism: only the tokens this rank holds
             local = slots != PAD_SLOT
             keys, values, slots = keys[:, local], values[:, local], slots[local]
+            self.stats.add("cp_read_bytes", item.lease.nbytes)
+            self.stats.add("cp_held_bytes", item.lease.nbytes * len(slots) // layout.num_tokens)
         delta = item.actual_start - item.entry_offset - layout.virtual_start
         delta += (self.placed.get(plan.req_id) or {}).get(item.actual_start, 0)
         rotation = rotation_table(self.keys.rotary, delta, len(slots)) if delta else None

@@ -112,6 +112,11 @@ def loaded(daemon: RunningDaemon, key: bytes, cp: CpRank, table: list[int]) -> t
         failed = loads.failed_blocks()
         client.release([lease.lease_id])
     loads.shutdown()
+    if cp.size > 1 and not failed:  # the whole entry read, this rank's tokens written
+        positions = range(START, START + TOKENS)
+        held = vllm_cp_slots(positions, table, BLOCK, cp.size, cp.rank, cp.interleave)
+        assert stats.data["cp_read_bytes"] == lease.nbytes
+        assert stats.data["cp_held_bytes"] == lease.nbytes * sum(s >= 0 for s in held) // TOKENS
     return [layer for _, layer in cache.layers], failed
 
 
