@@ -35,6 +35,7 @@ from chunkstore.kv.entry import EntryLayout, layout_of, tensors_of, torch_dtype
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol import streamcopy
 from chunkstore.protocol.convert import layout_to_proto
+from chunkstore.protocol.device_ipc import digest_of_sums
 from chunkstore.protocol.endpoints import default_address as default_address  # re-exported
 from chunkstore.protocol.shm import (
     Pieces as Pieces,  # re-exported: where read_each puts an entry in pieces
@@ -545,9 +546,48 @@ class ChunkStoreClient:
             f"[{lo}, {hi})) are not what its block digests say: not used"
         )
 
-    def _verdict(self, entry: LeasedEntry, digest: Digest, session: str) -> StoreError | None:
+    def read_runs(
+        self, entry: LeasedEntry, starts: torch.Tensor, length: int, out: torch.Tensor
+    ) -> torch.Tensor:
+        """Part of a leased entry from the device pool: its runs of ``length`` bytes at
+        ``starts`` (int64, on the pool's device) gathered into ``out`` (uint8, one after
+        another, on the pool's device). Returns their two ``TensorDigest`` sums
+        (``device_ipc.run_sums``): nothing is checked here; the sums of parts that together
+        hold every byte of the entry once (read by several processes: context-parallel
+        ranks) are checked by ``check_sums``. Do not use ``out`` before.
+
+        Raises:
+            InvalidRequest: the transport is not a device pool, a run lies outside the
+                entry, or ``out`` is not a uint8 tensor of the runs' length.
+        """
+        pool = self.device_pool
+        if pool is None:
+            return self._session.transport.read_runs(entry, starts, length, out)  # raises
+        inside = not starts.numel() or (
+            int(starts.min()) >= 0 and int(starts.max()) + length <= entry.nbytes
+        )
+        if length < 1 or not inside:
+            raise InvalidRequest(f"a run outside entry {entry.key.hex()} ({entry.nbytes} bytes)")
+        if out.dtype != torch.uint8 or out.numel() != starts.numel() * length:
+            raise InvalidRequest("read into a uint8 tensor of the runs' length")
+        if out.device != pool.device or not out.is_contiguous():
+            raise InvalidRequest("read into a contiguous tensor on the pool's device")
+        return self._session.transport.read_runs(entry, starts, length, out)
+
+    def check_sums(
+        self, entry: LeasedEntry, plain: int, weighted: int, session: str | None = None
+    ) -> StoreError | None:
+        """Whether the two ``TensorDigest`` sums of every byte of a leased entry, added up
+        from its parts (``read_runs``), make its committed checksum: None if so, else as
+        ``read_each``'s verdicts (the daemon is told)."""
+        return self._verdict(entry, digest_of_sums(entry.nbytes, plain, weighted), session)
+
+    def _verdict(
+        self, entry: LeasedEntry, digest: Digest | int, session: str | None = None
+    ) -> StoreError | None:
         """None if the bytes read are those committed; else the daemon is told, and why."""
-        actual = digest.intdigest()
+        actual = digest if isinstance(digest, int) else digest.intdigest()
+        session = session or self.session
         if actual == entry.checksum:
             return None
         if self._report_corrupt(entry, session):

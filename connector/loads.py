@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from chunkstore.client import Pieces
 from chunkstore.errors import ChunkStoreError
@@ -29,6 +30,7 @@ from chunkstore.kv.rope import rotation_table
 from .client_holder import DaemonLink
 from .common import ChunkStoreMetadata, LoadItem, LoadsEnded, RequestPlan
 from .config import ConnectorConfig, load_cpus
+from .held_parts import HeldPart, held_rows, row_bytes, row_starts
 from .keys import ModelKeys
 from .layer_loads import LayerLoads, place_thread
 from .metrics import ConnectorStats
@@ -135,19 +137,26 @@ class Loads:
             return
         began = time.perf_counter()
         failures, pieces = self._packed_targets(loads)
-        staged = [i for i, failure in enumerate(failures) if failure is None and i not in pieces]
-        buffers = dict(zip(staged, self._buffers([loads[i][1] for i in staged]), strict=True))
         self._start_writers()
-        if pieces and not buffers and self.config.overlap_layers:
-            whole = all(loads[i][1].num_tokens % self.cache.block_size == 0 for i in pieces)
-            if whole:  # a part block would overwrite what vLLM writes into it, layer by layer
-                self._layer_loads = self._packed_loads(loads, pieces, failures)
-                return
-        targets: dict[int, torch.Tensor | Pieces] = {**pieces, **buffers}
-        readable = sorted(targets)
-        verdicts, via_shm = self._read([loads[i] for i in readable], [targets[i] for i in readable])
-        for i, verdict in zip(readable, verdicts, strict=True):
-            failures[i] = verdict
+        buffers: dict[int, torch.Tensor | HeldPart]
+        if self.cache.cp_group is not None:  # context parallelism: nothing is packed
+            buffers, via_shm = self._read_held(loads, failures)
+        else:
+            staged = [i for i, fail in enumerate(failures) if fail is None and i not in pieces]
+            staging = dict(zip(staged, self._buffers([loads[i][1] for i in staged]), strict=True))
+            if pieces and not staging and self.config.overlap_layers:
+                whole = all(loads[i][1].num_tokens % self.cache.block_size == 0 for i in pieces)
+                if whole:  # a part block would overwrite what vLLM writes into it, by layer
+                    self._layer_loads = self._packed_loads(loads, pieces, failures)
+                    return
+            buffers = dict(staging)
+            targets: dict[int, torch.Tensor | Pieces] = {**pieces, **staging}
+            readable = sorted(targets)
+            verdicts, via_shm = self._read(
+                [loads[i] for i in readable], [targets[i] for i in readable]
+            )
+            for i, verdict in zip(readable, verdicts, strict=True):
+                failures[i] = verdict
         # A chunk that moves this step (relevant_last) is loaded rotated to where it is
         # attended, not rotated again in the cache by the hook: unless one of its request's
         # loads failed (vLLM computes it again from the first failed block: the step that
@@ -309,7 +318,7 @@ class Loads:
         loads: list[PlannedLoad],
         failures: list[ChunkStoreError | None],
         pieces: dict[int, Pieces],
-        buffers: dict[int, torch.Tensor],
+        buffers: dict[int, torch.Tensor | HeldPart],
         via_shm: bool,
     ) -> list[Fetched]:
         """Count the loads that were read: a packed one is in the cache and done, the
@@ -400,6 +409,53 @@ class Loads:
                 failures[i] = verdict
         return failures, client.transport == "shm"
 
+    def _read_held(
+        self, loads: list[PlannedLoad], failures: list[ChunkStoreError | None]
+    ) -> tuple[dict[int, torch.Tensor | HeldPart], bool]:
+        """Under context parallelism: from a device pool, each entry's rows this rank owns
+        (``held_parts``), checked with the group's parts; from any other pool, whole entries,
+        each checked here. Each rank calls the group's all-reduce once either way (a
+        collective: every rank has the step's loads). Updates ``failures``; returns what
+        was read (by load) and whether through shared memory."""
+        cp, group = self.cache.cp, self.cache.cp_group
+        client = self.link.get()
+        pool = None if client is None else client.device_pool
+        sums = torch.zeros(len(loads), 3, dtype=torch.int64)  # plain, weighted, ranks read
+        parts: dict[int, HeldPart] = {}
+        for i, (_, item) in enumerate(loads):
+            if client is None or pool is None or failures[i] is not None:
+                continue
+            try:
+                self._check_layout(item)
+                if item.lease.layout.kind != "kv":
+                    raise LoadFailed(f"a {item.lease.layout.kind} entry is not read in part")
+                rows = held_rows(item, cp, self.cache.block_size)
+                starts = row_starts(item.lease.layout, rows, pool.device)
+                row = row_bytes(item.lease.layout)
+                data = torch.empty(len(starts) * row, dtype=torch.uint8, device=pool.device)
+                part = HeldPart(rows, data)
+                sums[i, :2] = client.read_runs(item.lease, starts, row, data).cpu()
+                sums[i, 2] = 1
+                parts[i] = part
+            except ChunkStoreError as err:
+                failures[i] = err
+        dist.all_reduce(sums, group=group.cpu_group)
+        if client is None or pool is None:  # whole entries: each rank checks its own
+            staged = [i for i, failure in enumerate(failures) if failure is None]
+            buffers = dict(zip(staged, self._buffers([loads[i][1] for i in staged]), strict=True))
+            verdicts, via_shm = self._read([loads[i] for i in staged], [buffers[i] for i in staged])
+            for i, verdict in zip(staged, verdicts, strict=True):
+                failures[i] = verdict
+            return dict(buffers), via_shm
+        for i in parts:
+            plain, weighted, ranks = sums[i].tolist()
+            lease, session = loads[i][1].lease, loads[i][1].session
+            if ranks != cp.size:  # the sums are not the whole entry's: nothing is known
+                failures[i] = LoadFailed(f"{cp.size - ranks} other rank(s) could not read theirs")
+            else:
+                failures[i] = client.check_sums(lease, plain, weighted, session)
+        return dict(parts), False
+
     def _check_layout(self, item: LoadItem) -> None:
         layout, want = item.lease.layout, self.keys.layout
         if (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype) != (
@@ -410,20 +466,31 @@ class Loads:
         ):
             raise LoadFailed(f"entry layout {layout} does not match the model's")
 
-    def _checked(self, plan: RequestPlan, item: LoadItem, buffer: torch.Tensor) -> Fetched:
-        """One entry read into ``buffer``, ready to write, if its layout is the model's."""
+    def _checked(
+        self, plan: RequestPlan, item: LoadItem, buffer: torch.Tensor | HeldPart
+    ) -> Fetched:
+        """One entry read into ``buffer`` (or this rank's part of it), ready to write, if
+        its layout is the model's."""
         self._check_layout(item)
         layout = item.lease.layout
-        keys, values = tensors_of(buffer, layout)
-        assert values is not None
-        rows = slice(item.entry_offset, item.entry_offset + item.num_tokens)
         heads = self.cache.heads.local_slice()
-        keys, values = keys[:, rows, heads], values[:, rows, heads]
         slots = self.cache.slots(plan.block_ids, item.actual_start, item.num_tokens)
-        if self.cache.cp.size > 1:  # context parallelism: only the tokens this rank holds
-            local = slots != PAD_SLOT
-            keys, values, slots = keys[:, local], values[:, local], slots[local]
-            self.stats.add("cp_read_bytes", item.lease.nbytes)
+        read = item.lease.nbytes
+        if isinstance(buffer, HeldPart):  # the rows this rank owns, the loaded ones written
+            keys, values = buffer.tensors(layout)
+            loaded = buffer.loaded(item)
+            keys, values = keys[:, loaded][:, :, heads], values[:, loaded][:, :, heads]
+            slots, read = slots[slots != PAD_SLOT], buffer.data.numel()
+        else:
+            whole_keys, whole_values = tensors_of(buffer, layout)
+            assert whole_values is not None
+            rows = slice(item.entry_offset, item.entry_offset + item.num_tokens)
+            keys, values = whole_keys[:, rows, heads], whole_values[:, rows, heads]
+            if self.cache.cp.size > 1:  # context parallelism: only the tokens this rank holds
+                local = slots != PAD_SLOT
+                keys, values, slots = keys[:, local], values[:, local], slots[local]
+        if self.cache.cp.size > 1:
+            self.stats.add("cp_read_bytes", read)
             self.stats.add("cp_held_bytes", item.lease.nbytes * len(slots) // layout.num_tokens)
         delta = item.actual_start - item.entry_offset - layout.virtual_start
         delta += (self.placed.get(plan.req_id) or {}).get(item.actual_start, 0)

@@ -225,6 +225,7 @@ def synchronize_pool(handle: IpcHandle) -> None:
 # Data path ---------------------------------------------------------------------------------
 
 DIGEST_PIECE = 4 << 20
+RUN_PIECE = 256 << 10  # bytes of runs summed at a time (``run_sums``)
 _MODULUS = 65521
 
 
@@ -264,7 +265,6 @@ class TensorDigest:
         self.length += nbytes
 
     def intdigest(self) -> int:
-        mask = (1 << 64) - 1
         sums = [self.plain, self.weighted]
         if isinstance(sums[0], torch.Tensor) and isinstance(sums[1], torch.Tensor):
             sums = torch.stack((sums[0], sums[1])).tolist()  # one wait on the device
@@ -272,8 +272,33 @@ class TensorDigest:
         if self.gathered is not None:
             more = self.gathered.tolist()  # a fused get: its one wait
             plain, weighted = plain + more[0], weighted + more[1]
-        words = (self.length & mask, plain & mask, weighted & mask)
-        return xxhash.xxh3_64_intdigest(b"".join(w.to_bytes(8, "little") for w in words))
+        return digest_of_sums(self.length, plain, weighted)
+
+
+def digest_of_sums(length: int, plain: int, weighted: int) -> int:
+    """``TensorDigest`` of an entry of ``length`` bytes from its two sums, wherever they were
+    added up: sums of disjoint parts of the entry (``run_sums``) add up to the whole's."""
+    mask = (1 << 64) - 1
+    words = (length & mask, plain & mask, weighted & mask)
+    return xxhash.xxh3_64_intdigest(b"".join(w.to_bytes(8, "little") for w in words))
+
+
+def run_sums(data: torch.Tensor, starts: torch.Tensor, length: int) -> torch.Tensor:
+    """``TensorDigest``'s two sums, [plain, weighted] (int64, on the bytes' device), of runs
+    of an entry's bytes: ``data`` (uint8) holds runs of ``length`` bytes one after another,
+    the run at ``starts[i]`` (int64) in the entry i-th. Parts that together hold each of the
+    entry's bytes once have sums that add up to the entry's (``digest_of_sums``)."""
+    sums = torch.zeros(2, dtype=torch.int64, device=data.device)
+    step = max(1, RUN_PIECE // length)  # runs at a time: the temporaries stay in cache
+    offsets = (torch.arange(length, device=data.device) % _MODULUS).to(torch.int32)
+    phases = (starts % _MODULUS).to(torch.int32)
+    runs = data.view(-1, length)
+    for lo in range(0, runs.shape[0], step):
+        wide = runs[lo : lo + step].to(torch.int32)
+        weights = (phases[lo : lo + step, None] + offsets) % _MODULUS + 1
+        sums[0] += wide.sum(dtype=torch.int64)
+        sums[1] += (wide * weights).sum(dtype=torch.int64)
+    return sums
 
 
 _weight_tables: dict[torch.device, torch.Tensor] = {}
@@ -311,6 +336,39 @@ def scatter_tensors(
             digest.update(source)
             done += length
         at += part.numel()
+
+
+_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def gather_runs(
+    pool: torch.Tensor,
+    blocks: Sequence[int],
+    block_size: int,
+    starts: torch.Tensor,
+    length: int,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Runs of ``length`` bytes of the entry, at ``starts`` (int64, on the pool's device),
+    copied into ``out`` (uint8, one after another, on the pool's device) in one gather of the
+    widest words that divide them, and their ``run_sums``: a context-parallel rank's part
+    of an entry, checked with the other ranks' parts."""
+    word = next(
+        w
+        for w in _WORDS
+        if length % w == 0
+        and block_size % w == 0
+        and pool.numel() % w == 0
+        and pool.data_ptr() % w == 0
+        and out.data_ptr() % w == 0
+        and not bool((starts % w).any())
+    )
+    per_run, per_block = length // word, block_size // word
+    at = (starts // word)[:, None] + torch.arange(per_run, device=pool.device)
+    table = torch.as_tensor(list(blocks), dtype=torch.int64, device=pool.device)
+    where = (table[at // per_block] * per_block + at % per_block).flatten()
+    torch.index_select(pool.view(_WORDS[word]), 0, where, out=out.view(_WORDS[word]))
+    return run_sums(out, starts, length)
 
 
 def gather_tensor(

@@ -27,16 +27,20 @@ def random_kv(
 
 
 def corrupt_entry(daemon: Any, key: bytes) -> None:
-    """Flip one byte of a stored entry in the shared-memory pool itself (a daemon started by
-    the tests' ``serve``): its next read fails its checksum."""
+    """Flip one byte (the eighth) of a stored entry in the pool itself, shared-memory or
+    device (a daemon started by the tests' ``serve``): its next read fails its checksum."""
     from chunkstore.client import ChunkStoreClient
     from chunkstore.protocol.shm import map_shared_pool
 
     with ChunkStoreClient(daemon.unix) as client:
         [entry] = client.acquire([key])
         assert entry is not None, "no entry under that key"
-        region = map_shared_pool(daemon.ready["shm_path"], client.stats().bytes_capacity)
-        region[entry.blocks[0] * client.block_size + 7] ^= 0xFF
+        at = entry.blocks[0] * client.block_size + 7
+        if client.device_pool is not None:
+            client.device_pool[at] ^= 0xFF
+        else:
+            region = map_shared_pool(daemon.ready["shm_path"], client.stats().bytes_capacity)
+            region[at] ^= 0xFF
         client.release([entry.lease_id])
 
 

@@ -160,6 +160,17 @@ class Transport(ABC):
             "transport: read the entry whole"
         )
 
+    def read_runs(
+        self, entry: LeasedEntry, starts: torch.Tensor, length: int, out: torch.Tensor
+    ) -> torch.Tensor:
+        """Copy the leased entry's runs of ``length`` bytes at ``starts`` into ``out``: their
+        two ``TensorDigest`` sums (``device_ipc.run_sums``), not yet compared with anything
+        (a device pool only)."""
+        raise InvalidRequest(
+            f"a read of runs of an entry's bytes needs a device pool, not the {self.name} "
+            "transport: read the entry whole"
+        )
+
 
 class EntryAtATime(Transport):
     """A transport that reads one entry at a time into a tensor of its length (an out given

