@@ -159,16 +159,14 @@ def load_cpus(text: str, bound: set[int] | None = None) -> set[int] | None:
 
 def unsupported_parallelism(vllm_config: Any) -> str | None:
     """Why the connector must stay off for this deployment, or None. Pipeline parallelism
-    spreads a request's layers over ranks, prefill context parallelism its tokens in a way
-    vLLM's block table does not say here (it shards the cache by the decode group only:
-    vllm/v1/worker/block_table.py:97-110, vLLM 0.32); the connector writes whole entries
-    into each rank's share of the cache, so those would put KV in the wrong places. Decode
-    context parallelism is served: each rank loads the tokens it holds, saves gather them
-    (``decode_context_parallel``)."""
-    parallel = vllm_config.parallel_config
-    for name in ("prefill_context_parallel_size", "pipeline_parallel_size"):
-        if getattr(parallel, name, 1) > 1:
-            return f"{name}={getattr(parallel, name)} is not supported"
+    spreads a request's layers over ranks, which the worker does not follow (it loads and
+    saves every layer it is given as the whole model's). Context parallelism is served:
+    under decode context parallelism each rank loads the tokens it holds and saves gather
+    them (``decode_context_parallel``); prefill context parallelism does not shard the
+    cache (``prefill_context_parallel``)."""
+    size = getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1)
+    if size > 1:
+        return f"pipeline_parallel_size={size} is not supported"
     return None
 
 
@@ -177,13 +175,27 @@ def decode_context_parallel(vllm_config: Any) -> int:
     return int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
 
 
+def prefill_context_parallel(vllm_config: Any) -> int:
+    """Ranks a request's prefill is split over by token (1: none). Each computes its share
+    of the tokens, and every one writes every token's KV into its own cache (vLLM 0.32's
+    model runner V2: the gathered KV and its slot mapping, sharded by the decode group
+    only, vllm/v1/worker/gpu/pcp_manager.py ``_build_batch_layout`` and
+    ``prepare_slot_mappings``; its scheduler counts blocks with ``pcp_world_size=1``,
+    vllm/v1/core/sched/scheduler.py:338). vllm-ascend serves none since July 2026 ("remove
+    PCP from MRV1", vllm-ascend #12592). So the group's ranks hold the same cache: each
+    loads, one stores."""
+    return int(getattr(vllm_config.parallel_config, "prefill_context_parallel_size", 1) or 1)
+
+
 def for_deployment(config: ConnectorConfig, vllm_config: Any) -> ConnectorConfig:
-    """The settings this deployment can serve: under decode context parallelism each rank's
-    cache holds a share of every chunk's tokens, so in-band isolation (the hook attends a
-    chunk's rows over its own keys, on one rank) is off, and with it recompute, moves and
-    sparse loads: stored chunks are loaded (isolated, as the router or ingest stored them)
-    and exact prefixes shared, as on a back end without the hook."""
-    if decode_context_parallel(vllm_config) == 1 or not config.inband_isolation:
+    """The settings this deployment can serve: under context parallelism a rank's cache
+    holds a share of every chunk's tokens (decode), or a rank computes a share of them
+    (prefill), so in-band isolation (the hook attends a chunk's rows over its own keys,
+    on one rank) is off, and with it recompute, moves and sparse loads: stored chunks are
+    loaded (isolated, as the router or ingest stored them) and exact prefixes shared, as on
+    a back end without the hook."""
+    parallel = decode_context_parallel(vllm_config) * prefill_context_parallel(vllm_config)
+    if parallel == 1 or not config.inband_isolation:
         return config
     return replace(config, inband_isolation=False)
 

@@ -63,9 +63,10 @@ class ChunkStoreConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             if config != asked:
                 log.warning(
-                    "chunkstore: decode context parallelism: in-band isolation is off (each "
-                    "rank holds a share of every chunk): stored chunks load isolated, none is "
-                    "stored from requests (store them with the router or `chunkstore ingest`)"
+                    "chunkstore: context parallelism: in-band isolation is off (each rank "
+                    "holds or computes a share of every chunk): stored chunks load isolated, "
+                    "none is stored from requests (store them with the router or `chunkstore "
+                    "ingest`)"
                 )
             warn_outside_matrix(log)  # once per engine: the scheduler has one connector
             # A chunk that fails to load (daemon gone, entry evicted, checksum) is computed,

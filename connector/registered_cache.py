@@ -13,7 +13,7 @@ import torch
 
 from chunkstore.kv.paging import cp_owner, cp_slot_mapping
 
-from .config import decode_context_parallel
+from .config import decode_context_parallel, prefill_context_parallel
 from .cpu_layout import CpuKVLayout
 from .device_layout import DeviceKVLayout
 from .heads import RankHeads
@@ -57,6 +57,23 @@ def context_parallel(vllm_config: Any) -> tuple[CpRank, Any]:
     return CpRank(size, group.rank_in_group, interleave), group
 
 
+def prefill_replica(vllm_config: Any) -> int:
+    """Which copy of the cache this worker holds under prefill context parallelism (0: the
+    first, or none): every prefill rank writes every token (``config.
+    prefill_context_parallel``), so prefill ranks whose decode rank and heads are the same
+    hold the same cache. vLLM lays ranks out as [.., pp, pcp, tp] and builds each decode
+    group over prefill ranks first, then tensor ranks (vllm/distributed/parallel_state.py:
+    2135-2141 and 2216-2224, vLLM 0.32): a decode group of ``dcp`` ranks covers ``dcp``
+    prefill ranks in a row (all of them where dcp >= pcp), so copy ``pcp_rank // dcp`` is
+    the same on every rank of a decode group and of a tensor group: its saves' collectives
+    are taken, or skipped, together."""
+    if prefill_context_parallel(vllm_config) == 1:
+        return 0
+    from vllm.distributed import get_pcp_group
+
+    return int(get_pcp_group().rank_in_group) // decode_context_parallel(vllm_config)
+
+
 @dataclass
 class RegisteredCache:
     """The caches in layer order, the access that reads and writes them (CPU or a device
@@ -75,8 +92,12 @@ class RegisteredCache:
     block_bytes: list[np.ndarray] = field(default_factory=list)  # each layer's, as bytes
     scratch: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.uint8))
     cp: CpRank = field(default_factory=CpRank)
-    # vLLM's context-parallel group where cp.size > 1 (a GroupCoordinator: ``all_gather``)
+    # vLLM's context-parallel group where cp.size > 1 (a GroupCoordinator: ``all_gather``,
+    # ``cpu_group``)
     cp_group: Any = None
+    # Which copy of the cache it holds under prefill context parallelism: copy 0 stores
+    # what was computed, the others only load (``prefill_replica``).
+    replica: int = 0
 
     def set_layers(self, kv_caches: dict[str, Any]) -> None:
         """vLLM's caches, by layer name, put in layer order."""

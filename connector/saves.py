@@ -67,14 +67,16 @@ class Saves:
         """Store the segments the scheduler marked. Under tensor parallelism every rank reads
         its heads and they are gathered, under context parallelism its tokens (collectives,
         so every rank takes every step here); rank 0 stores the entry, which holds every
-        head and token: the entry a single process stores."""
+        head and token: the entry a single process stores. Under prefill context
+        parallelism only the ranks holding copy 0 of the cache save
+        (``registered_cache.prefill_replica``)."""
         blended: dict[str, IsolatedCopy] = {}
         moved: dict[str, dict[int, int]] = {}
         if hook is not None:
             blended, moved = hook.end_step()
             self.stats.add("isolated_tokens", hook.take_isolated_tokens())
             self.stats.add("recomputed_tokens", sum(len(c.positions) for c in blended.values()))
-        if not self.cache.readable:
+        if not self.cache.readable or self.cache.replica:  # copy 0 stores the same KV
             return
         began = time.perf_counter()
         saved = False

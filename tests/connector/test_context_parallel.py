@@ -202,16 +202,19 @@ class GlooGroup:
         return dist.group.WORLD
 
 
-def save_rank(address: str, store: str, world: int, rank: int, interleave: int, key: int) -> None:
+def save_rank(
+    address: str, store: str, world: int, rank: int, interleave: int, key: int, copy: int = 0
+) -> None:
     """One context-parallel rank's process (``world`` 1: this one): its cache holds its
     own tokens of what vLLM computed (``random_kv``, written at the restated slots), and
-    the worker's save path gathers them over gloo; rank 0 stores the entry."""
+    the worker's save path gathers them over gloo; rank 0 stores the entry. ``copy``: which
+    copy of the cache it holds under prefill context parallelism (only copy 0 saves)."""
     import torch.distributed as dist
 
     if world > 1:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     cache = rank_cache(CpRank(world, rank, interleave))
-    cache.cp_group = GlooGroup()
+    cache.cp_group, cache.replica = GlooGroup(), copy
     table = table_for(world)
     slots = torch.tensor(
         vllm_cp_slots(range(START, START + TOKENS), table, BLOCK, world, rank, interleave)
@@ -227,7 +230,7 @@ def save_rank(address: str, store: str, world: int, rank: int, interleave: int, 
     saves = Saves(cache, model_keys(), DaemonLink(config, f"cp-rank-{rank}", stats), stats)
     plan = RequestPlan("r", table, saves=[SaveItem(entry_key(key), START, TOKENS)])
     saves.save(ChunkStoreMetadata([plan]), None)
-    assert stats.data["saved_segments"] == (rank == 0)  # rank 0 stores, the others gather
+    assert stats.data["saved_segments"] == (rank == copy == 0)  # rank 0 stores, others gather
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
@@ -259,10 +262,12 @@ def in_ranks(world: int, call: str) -> None:
 @pytest.mark.parametrize("world,interleave", [(2, 1), (4, BLOCK)], ids=str)
 def test_ranks_store_the_entry_one_process_stores(daemon, tmp_path, world, interleave) -> None:
     save_rank(daemon.unix, "", 1, 0, 1, key=20)  # one process: no group
+    save_rank(daemon.unix, "", 1, 0, 1, key=22, copy=1)  # another copy of the same cache
     saved_by(daemon, tmp_path, world, interleave, key=21)
     keys, values = random_kv(TOKENS, seed=5, heads=HEADS)
     with ChunkStoreClient(daemon.unix) as client:
         single, sharded = client.get(entry_key(20)), client.get(entry_key(21))
+        assert client.get(entry_key(22)) is None  # copy 1 stored nothing
     assert single is not None and sharded is not None
     assert torch.equal(single.keys, keys) and torch.equal(single.values, values)
     assert torch.equal(sharded.keys, keys) and torch.equal(sharded.values, values)
