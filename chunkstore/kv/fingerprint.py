@@ -52,6 +52,11 @@ def fingerprint(hf_config: Any, model: str | Path, kv_dtype: str) -> ModelFinger
 def kv_shape(hf_config: Any) -> tuple[RotaryConfig, KVLayout]:
     """The rotary set-up and the KV layout of a fingerprint, from the config alone: what
     ``chunkstore doctor`` checks in seconds, whatever the size of the weights."""
+    if is_mla(hf_config):
+        # One latent a token, [compressed KV | k_pe], shared by every head; vLLM rotates k_pe
+        # in GPT-J pairs (vllm/model_executor/models/deepseek_v2.py: is_neox_style=False).
+        rotary = RotaryConfig.from_hf_config(hf_config, "gptj")
+        return rotary, KVLayout(hf_config.num_hidden_layers, 1, rotary.head_dim, "mla")
     rotary = RotaryConfig.from_hf_config(hf_config)
     layout = KVLayout(
         num_layers=hf_config.num_hidden_layers,
@@ -60,6 +65,14 @@ def kv_shape(hf_config: Any) -> tuple[RotaryConfig, KVLayout]:
         head_dim=rotary.head_dim,
     )
     return rotary, layout
+
+
+def is_mla(hf_config: Any) -> bool:
+    """Whether the model attends through multi-head latent attention (DeepSeek V2 / V3):
+    its cache holds one latent a token instead of K and V per head."""
+    return bool(getattr(hf_config, "kv_lora_rank", None)) and bool(
+        getattr(hf_config, "qk_rope_head_dim", None)
+    )
 
 
 def fingerprint_of_folder(model_dir: str | Path, kv_dtype: str) -> ModelFingerprint:
