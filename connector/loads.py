@@ -431,10 +431,9 @@ class Loads:
                 starts = row_starts(item.lease.layout, rows, pool.device)
                 row = row_bytes(item.lease.layout)
                 data = torch.empty(len(starts) * row, dtype=torch.uint8, device=pool.device)
-                part = HeldPart(rows, data)
                 sums[i, :2] = client.read_runs(item.lease, starts, row, data).cpu()
                 sums[i, 2] = 1
-                parts[i] = part
+                parts[i] = HeldPart(rows, data)
             except ChunkStoreError as err:
                 failures[i] = err
         dist.all_reduce(sums, group=group.cpu_group)

@@ -40,6 +40,35 @@ SLOTS = torch.tensor([5, 0, 17, 9, 23, 12, 80, 95])
 VARIANTS = ROTARY_VARIANTS
 
 
+@pytest.mark.parametrize("row", [256, 320, 6])  # int64, int32 and int16 words
+def test_a_context_parallel_rank_s_part_gathers_on_the_device_as_on_the_host(
+    accelerator: str, row: int
+) -> None:
+    """``gather_runs`` (a context-parallel rank's rows of an entry in a device pool): on the
+    device the bytes and the two ``TensorDigest`` sums of the host's; the parts of every
+    rank add up to the whole entry's digest."""
+    block_size, blocks = 1 << 12, [5, 1, 7, 3, 0]
+    pool = torch.randint(0, 256, (8 * block_size,), dtype=torch.uint8)
+    nbytes = len(blocks) * block_size // row * row
+    entry = torch.cat([pool[b * block_size : (b + 1) * block_size] for b in blocks])[:nbytes]
+    whole = TensorDigest()
+    whole.update(entry)
+    total = torch.zeros(2, dtype=torch.int64)
+    for rank in range(3):  # rows dealt out to three ranks
+        starts = torch.arange(rank, nbytes // row, 3) * row
+        host = torch.empty(len(starts) * row, dtype=torch.uint8)
+        sums = device_ipc.gather_runs(pool, blocks, block_size, starts, row, host)
+        runs = (starts[:, None] + torch.arange(row)).flatten()
+        assert torch.equal(host, entry[runs])
+        out = torch.empty(len(host), dtype=torch.uint8, device=accelerator)
+        on_device = device_ipc.gather_runs(
+            pool.to(accelerator), blocks, block_size, starts.to(accelerator), row, out
+        )
+        assert torch.equal(out.cpu(), host) and torch.equal(on_device.cpu(), sums)
+        total += sums
+    assert device_ipc.digest_of_sums(nbytes, *total.tolist()) == whole.intdigest()
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_remap_of_every_rotary_variant_on_the_device(
