@@ -135,7 +135,7 @@ QUESTIONS = {  # other bad questions, and what the error says of them
     "no documents": ({"documents": []}, '"documents" is empty'),
 }
 NAMES = {  # a model given by a name or folder that is none, and what the error says of it
-    "tinyy": "tinyy: no such folder, nor a model of `chunkstore models` (tiny, smollm2",
+    "tinyy": "tinyy: no such folder, nor a model of `chunkstore models` (tiny, tiny-mla, smollm2",
     "{tmp}/modle": "/modle: no such folder, nor a model of `chunkstore models`",
     "/dev/zero": "/dev/zero: not a folder, nor a model of `chunkstore models`",
 }
