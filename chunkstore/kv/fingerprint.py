@@ -37,6 +37,15 @@ class ModelFingerprint:
     layout: KVLayout
     kv_dtype: str
 
+    @classmethod
+    def of(
+        cls, weights_id: str, kv_dtype: str, rotary: RotaryConfig, layout: KVLayout
+    ) -> ModelFingerprint:
+        """The fingerprints of weights ``weights_id`` whose KV has this dtype, rotary set-up
+        and layout."""
+        model_fp = model_fingerprint(weights_id, kv_dtype, rotary)
+        return cls(model_fp, layout.fingerprint(), rotary, layout, kv_dtype)
+
 
 def fingerprint(hf_config: Any, model: str | Path, kv_dtype: str) -> ModelFingerprint:
     """``model`` is the folder vLLM loads (its weights are hashed) or, for a hub name, the
@@ -44,9 +53,7 @@ def fingerprint(hf_config: Any, model: str | Path, kv_dtype: str) -> ModelFinger
     rotary, layout = kv_shape(hf_config)
     path = Path(model)
     weights = weights_digest(path) if path.is_dir() else str(model)
-    return ModelFingerprint(
-        model_fingerprint(weights, kv_dtype, rotary), layout.fingerprint(), rotary, layout, kv_dtype
-    )
+    return ModelFingerprint.of(weights, kv_dtype, rotary, layout)
 
 
 def kv_shape(hf_config: Any) -> tuple[RotaryConfig, KVLayout]:

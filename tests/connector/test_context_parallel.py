@@ -29,7 +29,7 @@ import torch
 from chunkstore.client import ChunkStoreClient
 from chunkstore.errors import InvalidRequest
 from chunkstore.kv.fingerprint import ModelFingerprint
-from chunkstore.kv.keys import KVLayout, model_fingerprint
+from chunkstore.kv.keys import KVLayout
 from chunkstore.kv.keyspace import KeySpace
 from chunkstore.kv.rope import RotaryConfig
 from chunkstore.processes.daemon import RunningDaemon
@@ -76,13 +76,7 @@ def vllm_cp_slots(
 
 def model_keys() -> ModelKeys:
     layout = KVLayout(num_layers=2, num_kv_heads=HEADS, head_dim=DIM)
-    fingerprint = ModelFingerprint(
-        model_fingerprint("context-parallel", "float32", ROTARY),
-        layout.fingerprint(),
-        ROTARY,
-        layout,
-        "float32",
-    )
+    fingerprint = ModelFingerprint.of("context-parallel", "float32", ROTARY, layout)
     return ModelKeys(KeySpace(fingerprint, (0,)))
 
 

@@ -20,7 +20,6 @@ from chunkstore.client import ChunkStoreClient
 from chunkstore.errors import LayoutError
 from chunkstore.kv.entry import layout_of
 from chunkstore.kv.fingerprint import ModelFingerprint, fingerprint_of_folder, kv_shape
-from chunkstore.kv.keys import model_fingerprint
 from chunkstore.kv.keyspace import KeySpace
 from chunkstore.models import model_dir
 from chunkstore.processes.daemon import RunningDaemon
@@ -52,13 +51,7 @@ def model() -> torch.nn.Module:
 
 def model_keys(model: torch.nn.Module) -> ModelKeys:
     rotary, layout = kv_shape(model.config)
-    fingerprint = ModelFingerprint(
-        model_fingerprint("mla-test", "float32", rotary),
-        layout.fingerprint(),
-        rotary,
-        layout,
-        "float32",
-    )
+    fingerprint = ModelFingerprint.of("mla-test", "float32", rotary, layout)
     return ModelKeys(KeySpace(fingerprint, (0,)))
 
 

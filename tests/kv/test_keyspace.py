@@ -7,7 +7,6 @@ from chunkstore.kv.fingerprint import ModelFingerprint
 from chunkstore.kv.keys import (
     Isolation,
     KVLayout,
-    model_fingerprint,
     prefix_keys,
     prefix_tail_key,
     segment_keys,
@@ -18,13 +17,7 @@ from chunkstore.kv.segments import SegmentKind, split_prompt
 
 ROTARY = RotaryConfig(head_dim=64, rotary_dim=64, theta=100000.0)
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64)
-FP = ModelFingerprint(
-    model_fingerprint("weights-a", "float32", ROTARY),
-    LAYOUT.fingerprint(),
-    ROTARY,
-    LAYOUT,
-    "float32",
-)
+FP = ModelFingerprint.of("weights-a", "float32", ROTARY, LAYOUT)
 SEP = (0,)
 CHUNKED = [1, 2, 0, 5, 5, 0, 7, 7, 7, 0, 9]  # sys, two chunks, a question
 
