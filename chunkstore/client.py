@@ -35,11 +35,11 @@ from chunkstore.kv.entry import EntryLayout, layout_of, tensors_of, torch_dtype
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol import streamcopy
 from chunkstore.protocol.convert import layout_to_proto
-from chunkstore.protocol.device_ipc import digest_of_sums
 from chunkstore.protocol.endpoints import default_address as default_address  # re-exported
 from chunkstore.protocol.shm import (
     Pieces as Pieces,  # re-exported: where read_each puts an entry in pieces
 )
+from chunkstore.protocol.shm import digest_of_sums
 from chunkstore.protocol.wire import MAX_BATCH
 from chunkstore.transport.base import Digest, Reads, Settings, TransportName, Wanted
 from chunkstore.transport.base import LeasedEntry as LeasedEntry  # re-exported
@@ -154,6 +154,12 @@ class ChunkStoreClient:
     def device_pool(self) -> torch.Tensor | None:
         """The daemon's device pool, opened here (the ipc transport's)."""
         return self._session.transport.device_pool
+
+    @property
+    def reads_runs(self) -> bool:
+        """Whether this session's transport reads runs of an entry (``read_runs``): a pool,
+        device or mapped, not the stream."""
+        return self._session.transport.reads_runs
 
     @property
     def pinned(self) -> bool:
@@ -374,11 +380,18 @@ class ChunkStoreClient:
     # Reads --------------------------------------------------------------------------------
 
     def acquire(
-        self, keys: Sequence[bytes], num_tokens: Sequence[int] = (), entry_kind: str = "chunk"
+        self,
+        keys: Sequence[bytes],
+        num_tokens: Sequence[int] = (),
+        entry_kind: str = "chunk",
+        summed: bool = False,
     ) -> list[LeasedEntry | None]:
         """Leases on the keys' entries (None where absent). Release them when done.
         ``num_tokens`` (one per key) makes the daemon count this as a lookup too, of
-        ``entry_kind`` entries.
+        ``entry_kind`` entries. ``summed``: each lease carries its entry's ``TensorDigest``
+        too (``LeasedEntry.summed``), which parts of it read apart (``read_runs``) are
+        checked against; a shared-memory pool adds it up at an entry's first such lease (a
+        pass over its bytes, after checking them), a device pool has it.
 
         Raises:
             InvalidRequest: a malformed key, or over MAX_BATCH of them.
@@ -391,6 +404,7 @@ class ChunkStoreClient:
                 keys=list(keys),
                 num_tokens=list(num_tokens),
                 entry_kind=entry_kind,
+                summed=summed,
             ),
             retry=True,
         )
@@ -547,22 +561,35 @@ class ChunkStoreClient:
         )
 
     def read_runs(
-        self, entry: LeasedEntry, starts: torch.Tensor, length: int, out: torch.Tensor
+        self,
+        entry: LeasedEntry,
+        starts: torch.Tensor,
+        length: int,
+        out: torch.Tensor,
+        session: str | None = None,
     ) -> torch.Tensor:
-        """Part of a leased entry from the device pool: its runs of ``length`` bytes at
-        ``starts`` (int64, on the pool's device) gathered into ``out`` (uint8, one after
-        another, on the pool's device). Returns their two ``TensorDigest`` sums
-        (``device_ipc.run_sums``): nothing is checked here; the sums of parts that together
-        hold every byte of the entry once (read by several processes: context-parallel
-        ranks) are checked by ``check_sums``. Do not use ``out`` before.
+        """Part of a leased entry, from a pool (``reads_runs``): its runs of ``length`` bytes
+        at ``starts`` (int64) gathered into ``out`` (uint8, one after another; on the pool's
+        device, or the CPU from the mapped pool). Returns their two ``TensorDigest`` sums
+        (``device_ipc.run_sums``, on ``out``'s device): nothing is checked here; the sums
+        of parts that together hold every byte of the entry once (read by several
+        processes: context-parallel ranks) are checked by ``check_sums``. Do not use ``out``
+        before. ``session``: as ``read_into``'s.
 
         Raises:
-            InvalidRequest: the transport is not a device pool, a run lies outside the
-                entry, or ``out`` is not a uint8 tensor of the runs' length.
+            InvalidRequest: the transport is not a pool, the lease was not taken ``summed``
+                (nothing to check the parts against), a run lies outside the entry, or
+                ``out`` is not a contiguous uint8 tensor of the runs' length where the pool
+                is.
         """
-        pool = self.device_pool
-        if pool is None:
-            return self._session.transport.read_runs(entry, starts, length, out)  # raises
+        transport = self._session.transport
+        if not transport.reads_runs:
+            return transport.read_runs(entry, starts, length, out)  # raises
+        if not entry.summed:
+            raise InvalidRequest(
+                f"the lease on entry {entry.key.hex()} has no summed checksum to check its "
+                "parts against: acquire it with summed=True"
+            )
         inside = not starts.numel() or (
             int(starts.min()) >= 0 and int(starts.max()) + length <= entry.nbytes
         )
@@ -570,25 +597,36 @@ class ChunkStoreClient:
             raise InvalidRequest(f"a run outside entry {entry.key.hex()} ({entry.nbytes} bytes)")
         if out.dtype != torch.uint8 or out.numel() != starts.numel() * length:
             raise InvalidRequest("read into a uint8 tensor of the runs' length")
-        if out.device != pool.device or not out.is_contiguous():
-            raise InvalidRequest("read into a contiguous tensor on the pool's device")
-        return self._session.transport.read_runs(entry, starts, length, out)
+        where = self.device_pool.device if self.device_pool is not None else torch.device("cpu")
+        if out.device != where or not out.is_contiguous():
+            raise InvalidRequest(f"read into a contiguous tensor on {where}, where the pool is")
+        sums = transport.read_runs(entry, starts.to(where), length, out)
+        if transport.reports_reads and session is None:
+            self._shm_reads[entry.lease_id] = self._shm_reads.get(entry.lease_id, 0) + out.numel()
+        return sums
 
     def check_sums(
         self, entry: LeasedEntry, plain: int, weighted: int, session: str | None = None
     ) -> StoreError | None:
         """Whether the two ``TensorDigest`` sums of every byte of a leased entry, added up
-        from its parts (``read_runs``), make its committed checksum: None if so, else as
+        from its parts (``read_runs``), make its summed checksum: None if so, else as
         ``read_each``'s verdicts (the daemon is told)."""
-        return self._verdict(entry, digest_of_sums(entry.nbytes, plain, weighted), session)
+        digest = digest_of_sums(entry.nbytes, plain, weighted)
+        return self._verdict(entry, digest, session, entry.summed)
 
     def _verdict(
-        self, entry: LeasedEntry, digest: Digest | int, session: str | None = None
+        self,
+        entry: LeasedEntry,
+        digest: Digest | int,
+        session: str | None = None,
+        expected: int | None = None,
     ) -> StoreError | None:
-        """None if the bytes read are those committed; else the daemon is told, and why."""
+        """None if the bytes read are those committed (their digest is ``expected``, the
+        entry's checksum by default); else the daemon is told, and why."""
         actual = digest if isinstance(digest, int) else digest.intdigest()
         session = session or self.session
-        if actual == entry.checksum:
+        expected = entry.checksum if expected is None else expected
+        if actual == expected:
             return None
         if self._report_corrupt(entry, session):
             return LeaseLapsed(
@@ -596,8 +634,7 @@ class ChunkStoreClient:
                 "holder paused or stalled past the lease TTL): not used"
             )
         return ChecksumMismatch(
-            f"entry {entry.key.hex()} hashes to {actual:#x}, committed as "
-            f"{entry.checksum:#x}: not used"
+            f"entry {entry.key.hex()} hashes to {actual:#x}, committed as {expected:#x}: not used"
         )
 
     def _report_corrupt(self, entry: LeasedEntry, session: str) -> bool:

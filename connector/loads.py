@@ -340,7 +340,9 @@ class Loads:
                 self._failed(plan, item)
                 continue
             if via_shm:
-                self._ended.shm_bytes[plan.req_id] += item.lease.nbytes
+                read = buffers.get(i)
+                part = read.data.numel() if isinstance(read, HeldPart) else item.lease.nbytes
+                self._ended.shm_bytes[plan.req_id] += part
         return fetched
 
     def _failed(self, plan: RequestPlan, item: LoadItem) -> None:
@@ -412,46 +414,47 @@ class Loads:
     def _read_held(
         self, loads: list[PlannedLoad], failures: list[ChunkStoreError | None]
     ) -> tuple[dict[int, torch.Tensor | HeldPart], bool]:
-        """Under context parallelism: from a device pool, each entry's rows this rank owns
-        (``held_parts``), checked with the group's parts; from any other pool, whole entries,
-        each checked here. Each rank calls the group's all-reduce once either way (a
-        collective: every rank has the step's loads). Updates ``failures``; returns what
-        was read (by load) and whether through shared memory."""
+        """Under context parallelism: from a pool (device or mapped), each entry's rows this
+        rank owns (``held_parts``), checked with the group's parts against the summed
+        checksum the scheduler's lease carries; over the stream (or a lease without it),
+        whole entries, each checked here. Each rank calls the group's all-reduce once
+        either way (a collective: every rank has the step's loads). Updates ``failures``;
+        returns what was read (by load) and whether through shared memory."""
         cp, group = self.cache.cp, self.cache.cp_group
         client = self.link.get()
-        pool = None if client is None else client.device_pool
         sums = torch.zeros(len(loads), 3, dtype=torch.int64)  # plain, weighted, ranks read
         parts: dict[int, HeldPart] = {}
         for i, (_, item) in enumerate(loads):
-            if client is None or pool is None or failures[i] is not None:
+            if client is None or not client.reads_runs or not item.lease.summed or failures[i]:
                 continue
+            pool = client.device_pool
+            where = torch.device("cpu") if pool is None else pool.device
             try:
                 self._check_layout(item)
                 rows = held_rows(item, cp, self.cache.block_size)
-                starts = row_starts(item.lease.layout, rows, pool.device)
+                starts = row_starts(item.lease.layout, rows, where)
                 row = row_bytes(item.lease.layout)
-                data = torch.empty(len(starts) * row, dtype=torch.uint8, device=pool.device)
-                sums[i, :2] = client.read_runs(item.lease, starts, row, data).cpu()
+                data = torch.empty(len(starts) * row, dtype=torch.uint8, device=where)
+                sums[i, :2] = client.read_runs(item.lease, starts, row, data, item.session).cpu()
                 sums[i, 2] = 1
                 parts[i] = HeldPart(rows, data)
             except ChunkStoreError as err:
                 failures[i] = err
         dist.all_reduce(sums, group=group.cpu_group)
-        if client is None or pool is None:  # whole entries: each rank checks its own
-            staged = [i for i, failure in enumerate(failures) if failure is None]
-            buffers = dict(zip(staged, self._buffers([loads[i][1] for i in staged]), strict=True))
-            verdicts, via_shm = self._read([loads[i] for i in staged], [buffers[i] for i in staged])
-            for i, verdict in zip(staged, verdicts, strict=True):
-                failures[i] = verdict
-            return dict(buffers), via_shm
         for i in parts:
+            assert client is not None  # they were read through it
             plain, weighted, ranks = sums[i].tolist()
             lease, session = loads[i][1].lease, loads[i][1].session
             if ranks != cp.size:  # the sums are not the whole entry's: nothing is known
                 failures[i] = LoadFailed(f"{cp.size - ranks} other rank(s) could not read theirs")
             else:
                 failures[i] = client.check_sums(lease, plain, weighted, session)
-        return dict(parts), False
+        whole = [i for i, failure in enumerate(failures) if failure is None and i not in parts]
+        buffers = dict(zip(whole, self._buffers([loads[i][1] for i in whole]), strict=True))
+        verdicts, via_shm = self._read([loads[i] for i in whole], [buffers[i] for i in whole])
+        for i, verdict in zip(whole, verdicts, strict=True):
+            failures[i] = verdict
+        return {**buffers, **parts}, client is not None and client.transport == "shm"
 
     def _check_layout(self, item: LoadItem) -> None:
         layout, want = item.lease.layout, self.keys.layout

@@ -71,6 +71,9 @@ class SchedulerSide:
         # vLLM's scheduler blocks: under decode context parallelism virtual blocks of a
         # rank's block size times the group's (vllm/v1/core/single_type_kv_cache_manager.py:108)
         self.block_size = vllm_config.cache_config.block_size * decode_context_parallel(vllm_config)
+        # Each decode context-parallel rank reads only its part of an entry, checked with the
+        # group's parts against the entry's summed checksum (``Loads._read_held``)
+        self.summed = decode_context_parallel(vllm_config) > 1
         transfer = vllm_config.kv_transfer_config
         role = getattr(transfer, "kv_role", None)
         self.producer, self.consumer = role == "kv_producer", role == "kv_consumer"
@@ -322,7 +325,7 @@ class SchedulerSide:
             return Held("")
         try:
             entries = client.acquire(
-                [s.key for s in segments], [len(s.segment) for s in segments], kind
+                [s.key for s in segments], [len(s.segment) for s in segments], kind, self.summed
             )
         except ChunkStoreError as err:
             self.link.trouble("lookup", err)

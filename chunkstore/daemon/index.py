@@ -480,6 +480,13 @@ class Index:
                     corrupt.append(key)
         return corrupt
 
+    def summed(self, entry: Entry) -> int:
+        """A leased entry's ``TensorDigest`` (0: its pool bytes failed its checksum), from its
+        pool bytes at the first call, outside the lock: a lease keeps its blocks."""
+        if entry.summed is None:
+            entry.summed = self.pool.summed(entry.blocks, entry.nbytes, entry.checksum)
+        return entry.summed
+
     def set_budgets(self, budgets: dict[str, Budget]) -> None:
         """The tenants' budgets from now on (a reload): nothing is evicted now; a tenant past
         a lowered quota evicts its own entries at its next write."""

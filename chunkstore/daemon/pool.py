@@ -92,6 +92,14 @@ class Pool(ABC):
     def checksum(self, blocks: Sequence[int], nbytes: int) -> int:
         """An entry's checksum, computed from its pool bytes the way its writers compute it."""
 
+    def summed(self, blocks: Sequence[int], nbytes: int, checksum: int) -> int:
+        """An entry's ``TensorDigest`` (``shm.summed``): what the sums of parts of it, read
+        apart, add up to; 0 where its pool bytes are not those committed under ``checksum``
+        (a part's sums could not be trusted)."""
+        if self.checksum(blocks, nbytes) != checksum:
+            return 0
+        return shm.summed(self.region(), blocks, self.block_size, nbytes)
+
     @abstractmethod
     def scatter(self, blocks: Sequence[int], data: np.ndarray, offset: int = 0) -> None:
         """Host bytes into an entry's blocks, from entry byte ``offset``."""

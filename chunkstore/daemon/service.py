@@ -326,6 +326,8 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
             message.CopyFrom(entry.lease_message)
             message.lease_id = lease.id
             message.key = key  # as the caller named it
+            if request.summed:
+                message.summed = self.index.summed(entry)
         return reply
 
     @_rpc

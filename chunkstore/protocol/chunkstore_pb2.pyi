@@ -181,34 +181,38 @@ class AbortReply(_message.Message):
     def __init__(self) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("session_id", "keys", "num_tokens", "entry_kind", "tenant")
+    __slots__ = ("session_id", "keys", "num_tokens", "entry_kind", "tenant", "summed")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ENTRY_KIND_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    SUMMED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     num_tokens: _containers.RepeatedScalarFieldContainer[int]
     entry_kind: str
     tenant: str
-    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., entry_kind: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+    summed: bool
+    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., entry_kind: _Optional[str] = ..., tenant: _Optional[str] = ..., summed: _Optional[bool] = ...) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("lease_id", "key", "layout", "nbytes", "blocks", "checksum")
+    __slots__ = ("lease_id", "key", "layout", "nbytes", "blocks", "checksum", "summed")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    SUMMED_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     key: bytes
     layout: EntryLayout
     nbytes: int
     blocks: _containers.RepeatedScalarFieldContainer[int]
     checksum: int
-    def __init__(self, lease_id: _Optional[int] = ..., key: _Optional[bytes] = ..., layout: _Optional[_Union[EntryLayout, _Mapping]] = ..., nbytes: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., checksum: _Optional[int] = ...) -> None: ...
+    summed: int
+    def __init__(self, lease_id: _Optional[int] = ..., key: _Optional[bytes] = ..., layout: _Optional[_Union[EntryLayout, _Mapping]] = ..., nbytes: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., checksum: _Optional[int] = ..., summed: _Optional[int] = ...) -> None: ...
 
 class AcquireReply(_message.Message):
     __slots__ = ("leases", "block_size")

@@ -58,6 +58,7 @@ class LeasedEntry:
     nbytes: int
     blocks: list[int]
     checksum: int
+    summed: int = 0  # its ``TensorDigest``, what read parts add up to; 0: not known
 
     @classmethod
     def from_proto(cls, lease: pb.Lease) -> LeasedEntry | None:
@@ -71,6 +72,7 @@ class LeasedEntry:
             lease.nbytes,
             list(lease.blocks),
             lease.checksum,
+            lease.summed,
         )
 
 
@@ -92,11 +94,17 @@ def _layout_of(message: pb.EntryLayout) -> EntryLayout:
 
 
 def lease_to_proto(
-    layout: EntryLayout, nbytes: int, blocks: Sequence[int], checksum: int
+    layout: EntryLayout, nbytes: int, blocks: Sequence[int], checksum: int, summed: int = 0
 ) -> pb.Lease:
     """What a lease says of its entry (the daemon keeps it with the entry and copies it per
     grant, setting the grant's ``lease_id`` and ``key``)."""
-    return pb.Lease(layout=layout_to_proto(layout), nbytes=nbytes, blocks=blocks, checksum=checksum)
+    return pb.Lease(
+        layout=layout_to_proto(layout),
+        nbytes=nbytes,
+        blocks=blocks,
+        checksum=checksum,
+        summed=summed,
+    )
 
 
 # TransferEndpoint: where a peer's transfer engine reads a pool (Hello)

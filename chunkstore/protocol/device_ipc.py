@@ -33,12 +33,12 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
-import xxhash
 
 from chunkstore.errors import DeviceError, InvalidRequest
 from chunkstore.protocol.device_runtime import DeviceIPC, IpcHandle
 from chunkstore.protocol.fake_device import FakeDeviceIPC
-from chunkstore.protocol.shm import extents
+from chunkstore.protocol.shm import SUM_MODULUS as _MODULUS
+from chunkstore.protocol.shm import digest_of_sums, extents
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +226,6 @@ def synchronize_pool(handle: IpcHandle) -> None:
 
 DIGEST_PIECE = 4 << 20
 RUN_PIECE = 256 << 10  # bytes of runs summed at a time (``run_sums``)
-_MODULUS = 65521
 
 
 class TensorDigest:
@@ -273,14 +272,6 @@ class TensorDigest:
             more = self.gathered.tolist()  # a fused get: its one wait
             plain, weighted = plain + more[0], weighted + more[1]
         return digest_of_sums(self.length, plain, weighted)
-
-
-def digest_of_sums(length: int, plain: int, weighted: int) -> int:
-    """``TensorDigest`` of an entry of ``length`` bytes from its two sums, wherever they were
-    added up: sums of disjoint parts of the entry (``run_sums``) add up to the whole's."""
-    mask = (1 << 64) - 1
-    words = (length & mask, plain & mask, weighted & mask)
-    return xxhash.xxh3_64_intdigest(b"".join(w.to_bytes(8, "little") for w in words))
 
 
 def run_sums(data: torch.Tensor, starts: torch.Tensor, length: int) -> torch.Tensor:

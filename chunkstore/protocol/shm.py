@@ -328,6 +328,43 @@ def checksum(region: np.ndarray, blocks: Sequence[int], block_size: int, nbytes:
     return digest.intdigest()
 
 
+SUM_MODULUS = 65521  # ``TensorDigest``'s weights cycle through 1..65521 by position
+
+
+def summed(region: np.ndarray, blocks: Sequence[int], block_size: int, nbytes: int) -> int:
+    """An entry's ``TensorDigest`` (``device_ipc``'s: a device pool's checksum), read in
+    place: the digest that the two sums of parts of the entry, read apart, add up to
+    (``digest_of_sums``). Plain numpy, so a pool's daemon needs no torch for it. A byte's
+    weight depends only on its position modulo SUM_MODULUS, so the bytes are added up by
+    that first (rows of SUM_MODULUS bytes summed by column: 2.5 GB/s here, 7x a product a
+    byte), then weighted once."""
+    columns = np.zeros(SUM_MODULUS, dtype=np.int64)
+    at = 0
+    for start, length in extents(blocks, block_size, 0, nbytes):
+        data, phase = region[start : start + length], at % SUM_MODULUS
+        head = min(length, (SUM_MODULUS - phase) % SUM_MODULUS)
+        columns[phase : phase + head] += data[:head]
+        rest = data[head:]
+        whole = len(rest) // SUM_MODULUS * SUM_MODULUS
+        if whole:
+            rows = rest[:whole].reshape(-1, SUM_MODULUS)
+            columns += rows.sum(axis=0, dtype=np.uint32)  # a column: under 2^32 / 255 rows
+        tail = rest[whole:]
+        columns[: len(tail)] += tail
+        at += length
+    weights = np.arange(1, SUM_MODULUS + 1, dtype=np.int64)
+    return digest_of_sums(nbytes, int(columns.sum()), int(columns @ weights))
+
+
+def digest_of_sums(length: int, plain: int, weighted: int) -> int:
+    """``TensorDigest`` of an entry of ``length`` bytes from its two sums, wherever they were
+    added up: sums of disjoint parts of the entry (``device_ipc.run_sums``) add up to the
+    whole's."""
+    mask = (1 << 64) - 1
+    words = (length & mask, plain & mask, weighted & mask)
+    return xxhash.xxh3_64_intdigest(b"".join(w.to_bytes(8, "little") for w in words))
+
+
 def map_shared_pool(path: str | Path, capacity: int) -> np.ndarray:
     """A client's view of a daemon's shared-memory pool (raises OSError if it cannot map it)."""
     fd = os.open(path, os.O_RDWR)

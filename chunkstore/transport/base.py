@@ -114,6 +114,7 @@ class Transport(ABC):
     region: np.ndarray | None = None  # the shared-memory pool, mapped
     device_pool: torch.Tensor | None = None  # the device pool, opened
     pinned = False  # the mapped pool is registered with the device runtime
+    reads_runs = False  # reads runs of an entry's bytes, summed (``read_runs``)
 
     def __init__(self, hello: pb.HelloReply) -> None:
         self.block_size = hello.block_size
@@ -165,10 +166,10 @@ class Transport(ABC):
     ) -> torch.Tensor:
         """Copy the leased entry's runs of ``length`` bytes at ``starts`` into ``out``: their
         two ``TensorDigest`` sums (``device_ipc.run_sums``), not yet compared with anything
-        (a device pool only)."""
+        (a pool: device or mapped; ``reads_runs``)."""
         raise InvalidRequest(
-            f"a read of runs of an entry's bytes needs a device pool, not the {self.name} "
-            "transport: read the entry whole"
+            f"a read of runs of an entry's bytes needs a pool, device or mapped, not the "
+            f"{self.name} transport: read the entry whole"
         )
 
 

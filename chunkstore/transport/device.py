@@ -45,6 +45,7 @@ class DevicePoolTransport(EntryAtATime):
     replaces it, the old import closed first."""
 
     name = TransportName.IPC
+    reads_runs = True
 
     def __init__(self, hello: pb.HelloReply, handle: IpcHandle, pool: torch.Tensor) -> None:
         super().__init__(hello)

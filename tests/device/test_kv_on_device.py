@@ -30,7 +30,7 @@ from chunkstore.kv.remap import remap_keys
 from chunkstore.kv.rope import rotation_table
 from chunkstore.kv.segments import SegmentKind
 from chunkstore.kv.writer import write_chunk
-from chunkstore.protocol import device_ipc
+from chunkstore.protocol import device_ipc, shm
 from chunkstore.protocol.device_ipc import DIGEST_PIECE, TensorDigest, gather_tensor
 from chunkstore.testing.devices import DTYPES, ROTARY_VARIANTS, tolerance
 
@@ -66,7 +66,7 @@ def test_a_context_parallel_rank_s_part_gathers_on_the_device_as_on_the_host(
         )
         assert torch.equal(out.cpu(), host) and torch.equal(on_device.cpu(), sums)
         total += sums
-    assert device_ipc.digest_of_sums(nbytes, *total.tolist()) == whole.intdigest()
+    assert shm.digest_of_sums(nbytes, *total.tolist()) == whole.intdigest()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
