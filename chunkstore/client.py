@@ -156,12 +156,6 @@ class ChunkStoreClient:
         return self._session.transport.device_pool
 
     @property
-    def reads_runs(self) -> bool:
-        """Whether this session's transport reads runs of an entry (``read_runs``): a pool,
-        device or mapped, not the stream."""
-        return self._session.transport.reads_runs
-
-    @property
     def pinned(self) -> bool:
         """Whether the mapped pool is registered with the device runtime (``pin_for``)."""
         return self._session.transport.pinned
@@ -568,23 +562,22 @@ class ChunkStoreClient:
         out: torch.Tensor,
         session: str | None = None,
     ) -> torch.Tensor:
-        """Part of a leased entry, from a pool (``reads_runs``): its runs of ``length`` bytes
-        at ``starts`` (int64) gathered into ``out`` (uint8, one after another; on the pool's
-        device, or the CPU from the mapped pool). Returns their two ``TensorDigest`` sums
-        (``device_ipc.run_sums``, on ``out``'s device): nothing is checked here; the sums
-        of parts that together hold every byte of the entry once (read by several
-        processes: context-parallel ranks) are checked by ``check_sums``. Do not use ``out``
-        before. ``session``: as ``read_into``'s.
+        """Part of a leased entry: its runs of ``length`` bytes at ``starts`` (int64)
+        gathered into ``out`` (uint8, one after another; on the device pool's device, else
+        the CPU), straight from a pool, or gathered by the daemon over the stream. Returns
+        their two ``TensorDigest`` sums (``device_ipc.run_sums``, on ``out``'s device):
+        nothing is checked here; the sums of parts that together hold every byte of the
+        entry once (read by several processes: context-parallel ranks) are checked by
+        ``check_sums``. Do not use ``out`` before. ``session``: as ``read_into``'s.
 
         Raises:
-            InvalidRequest: the transport is not a pool, the lease was not taken ``summed``
-                (nothing to check the parts against), a run lies outside the entry, or
-                ``out`` is not a contiguous uint8 tensor of the runs' length where the pool
-                is.
+            InvalidRequest: the lease was not taken ``summed`` (nothing to check the parts
+                against), a run lies outside the entry, or ``out`` is not a contiguous uint8
+                tensor of the runs' length on the device named.
+            NotFound, StoreError: over the stream, as ``read_each``'s.
+            ChecksumMismatch: over the stream, not as many bytes as the runs'.
         """
         transport = self._session.transport
-        if not transport.reads_runs:
-            return transport.read_runs(entry, starts, length, out)  # raises
         if not entry.summed:
             raise InvalidRequest(
                 f"the lease on entry {entry.key.hex()} has no summed checksum to check its "
@@ -600,7 +593,7 @@ class ChunkStoreClient:
         where = self.device_pool.device if self.device_pool is not None else torch.device("cpu")
         if out.device != where or not out.is_contiguous():
             raise InvalidRequest(f"read into a contiguous tensor on {where}, where the pool is")
-        sums = transport.read_runs(entry, starts.to(where), length, out)
+        sums = transport.read_runs(entry, starts.to(where), length, out, session or self.session)
         if transport.reports_reads and session is None:
             self._shm_reads[entry.lease_id] = self._shm_reads.get(entry.lease_id, 0) + out.numel()
         return sums

@@ -414,10 +414,10 @@ class Loads:
     def _read_held(
         self, loads: list[PlannedLoad], failures: list[ChunkStoreError | None]
     ) -> tuple[dict[int, torch.Tensor | HeldPart], bool]:
-        """Under context parallelism: from a pool (device or mapped), each entry's rows this
-        rank owns (``held_parts``), checked with the group's parts against the summed
-        checksum the scheduler's lease carries; over the stream (or a lease without it),
-        whole entries, each checked here. Each rank calls the group's all-reduce once
+        """Under context parallelism: each entry's rows this rank owns (``held_parts``), from
+        the pool or over the stream, checked with the group's parts against the summed
+        checksum the scheduler's lease carries; under a lease without it, whole entries,
+        each checked here. Each rank calls the group's all-reduce once
         either way (a collective: every rank has the step's loads). Updates ``failures``;
         returns what was read (by load) and whether through shared memory."""
         cp, group = self.cache.cp, self.cache.cp_group
@@ -425,7 +425,7 @@ class Loads:
         sums = torch.zeros(len(loads), 3, dtype=torch.int64)  # plain, weighted, ranks read
         parts: dict[int, HeldPart] = {}
         for i, (_, item) in enumerate(loads):
-            if client is None or not client.reads_runs or not item.lease.summed or failures[i]:
+            if client is None or not item.lease.summed or failures[i]:
                 continue
             pool = client.device_pool
             where = torch.device("cpu") if pool is None else pool.device

@@ -15,7 +15,7 @@ import torch
 from chunkstore.daemon.pool import Pool
 from chunkstore.errors import DeviceError, InvalidRequest
 from chunkstore.protocol import shm
-from chunkstore.protocol.device_ipc import TensorDigest, parse_device, runtime_for
+from chunkstore.protocol.device_ipc import TensorDigest, gather_runs, parse_device, runtime_for
 from chunkstore.protocol.device_runtime import IpcHandle
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,12 @@ class DevicePool(Pool):
     def summed(self, blocks: Sequence[int], nbytes: int, checksum: int) -> int:
         """The committed checksum: a device pool's is the ``TensorDigest``."""
         return checksum
+
+    def gather_runs(self, blocks: Sequence[int], starts: np.ndarray, length: int) -> np.ndarray:
+        where = torch.from_numpy(starts).to(self.tensor.device)
+        out = torch.empty(len(starts) * length, dtype=torch.uint8, device=self.tensor.device)
+        gather_runs(self.tensor, blocks, self.block_size, where, length, out)
+        return out.cpu().numpy()
 
     def scatter(self, blocks: Sequence[int], data: np.ndarray, offset: int = 0) -> None:
         with warnings.catch_warnings():  # read-only bytes off the wire: only read here

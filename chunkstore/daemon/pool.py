@@ -100,6 +100,11 @@ class Pool(ABC):
             return 0
         return shm.summed(self.region(), blocks, self.block_size, nbytes)
 
+    def gather_runs(self, blocks: Sequence[int], starts: np.ndarray, length: int) -> np.ndarray:
+        """An entry's runs of ``length`` bytes at ``starts`` (int64), one after another, to
+        the host (``shm.gather_runs``)."""
+        return shm.gather_runs(self.region(), blocks, self.block_size, starts, length)
+
     @abstractmethod
     def scatter(self, blocks: Sequence[int], data: np.ndarray, offset: int = 0) -> None:
         """Host bytes into an entry's blocks, from entry byte ``offset``."""

@@ -382,6 +382,12 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
             raise InvalidRequest(
                 f"piece_bytes {piece}: between {MIN_READ_PIECE} and {MAX_MESSAGE // 2} (0: default)"
             )
+        if request.run_starts or request.run_bytes:
+            data = self._runs(entry, request)
+            self.metrics.bytes.labels("grpc", "read").inc(len(data))
+            for lo in range(0, len(data), piece):
+                yield pb.ReadPiece(data=data[lo : lo + piece].tobytes())
+            return
         bs = self.pool.block_size
         remaining = entry.nbytes
         for first, count, _ in block_runs(entry.blocks):
@@ -392,6 +398,19 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
                 self.metrics.bytes.labels("grpc", "read").inc(hi - lo)
                 yield pb.ReadPiece(data=self.pool.read(lo, hi))
             remaining -= end - start
+
+    def _runs(self, entry: Entry, request: pb.ReadRequest) -> np.ndarray:
+        """The runs a ``Read`` names, gathered: together at most the entry's bytes, each
+        inside it (a part read many times over is refused)."""
+        starts, length = np.asarray(request.run_starts, dtype=np.uint64), request.run_bytes
+        if length < 1 or len(starts) * length > entry.nbytes:
+            raise InvalidRequest(
+                f"{len(starts)} runs of {length} bytes: at least one byte a run, and no more "
+                f"than the entry's {entry.nbytes} bytes in all"
+            )
+        if len(starts) and int(starts.max()) > entry.nbytes - length:
+            raise InvalidRequest(f"a run outside the entry ({entry.nbytes} bytes)")
+        return self.pool.gather_runs(entry.blocks, starts.astype(np.int64), length)
 
     @_rpc
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsReply:

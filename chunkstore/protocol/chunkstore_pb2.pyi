@@ -253,14 +253,18 @@ class WriteReply(_message.Message):
     def __init__(self, nbytes: _Optional[int] = ...) -> None: ...
 
 class ReadRequest(_message.Message):
-    __slots__ = ("session_id", "lease_id", "piece_bytes")
+    __slots__ = ("session_id", "lease_id", "piece_bytes", "run_starts", "run_bytes")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     PIECE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RUN_STARTS_FIELD_NUMBER: _ClassVar[int]
+    RUN_BYTES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     lease_id: int
     piece_bytes: int
-    def __init__(self, session_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., piece_bytes: _Optional[int] = ...) -> None: ...
+    run_starts: _containers.RepeatedScalarFieldContainer[int]
+    run_bytes: int
+    def __init__(self, session_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., piece_bytes: _Optional[int] = ..., run_starts: _Optional[_Iterable[int]] = ..., run_bytes: _Optional[int] = ...) -> None: ...
 
 class ReadPiece(_message.Message):
     __slots__ = ("data",)

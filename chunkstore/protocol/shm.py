@@ -232,6 +232,30 @@ def gather_spans(
     return digests
 
 
+_WORDS = (np.dtype(np.uint64), np.dtype(np.uint32), np.dtype(np.uint16), np.dtype(np.uint8))
+
+
+def gather_runs(
+    region: np.ndarray, blocks: Sequence[int], block_size: int, starts: np.ndarray, length: int
+) -> np.ndarray:
+    """An entry's runs of ``length`` bytes at ``starts`` (int64, each inside the entry) out
+    of its blocks, one after another (uint8), in one gather of the widest words that divide
+    them (``device_ipc.gather_runs`` on torch tensors)."""
+    word = next(
+        w
+        for w in _WORDS
+        if length % w.itemsize == 0
+        and block_size % w.itemsize == 0
+        and region.size % w.itemsize == 0
+        and not (starts % w.itemsize).any()
+    )
+    per_run, per_block = length // word.itemsize, block_size // word.itemsize
+    at = (starts // word.itemsize)[:, None] + np.arange(per_run)
+    table = np.asarray(blocks, dtype=np.int64)
+    where = table[at // per_block] * per_block + at % per_block
+    return region.view(word)[where.ravel()].view(np.uint8)
+
+
 def gather(
     region: np.ndarray,
     blocks: Sequence[int],

@@ -114,7 +114,6 @@ class Transport(ABC):
     region: np.ndarray | None = None  # the shared-memory pool, mapped
     device_pool: torch.Tensor | None = None  # the device pool, opened
     pinned = False  # the mapped pool is registered with the device runtime
-    reads_runs = False  # reads runs of an entry's bytes, summed (``read_runs``)
 
     def __init__(self, hello: pb.HelloReply) -> None:
         self.block_size = hello.block_size
@@ -161,16 +160,13 @@ class Transport(ABC):
             "transport: read the entry whole"
         )
 
+    @abstractmethod
     def read_runs(
-        self, entry: LeasedEntry, starts: torch.Tensor, length: int, out: torch.Tensor
+        self, entry: LeasedEntry, starts: torch.Tensor, length: int, out: torch.Tensor, session: str
     ) -> torch.Tensor:
-        """Copy the leased entry's runs of ``length`` bytes at ``starts`` into ``out``: their
-        two ``TensorDigest`` sums (``device_ipc.run_sums``), not yet compared with anything
-        (a pool: device or mapped; ``reads_runs``)."""
-        raise InvalidRequest(
-            f"a read of runs of an entry's bytes needs a pool, device or mapped, not the "
-            f"{self.name} transport: read the entry whole"
-        )
+        """Copy the leased entry's runs of ``length`` bytes at ``starts`` (int64, where
+        ``out`` is) into ``out`` one after another: their two ``TensorDigest`` sums
+        (``device_ipc.run_sums``), not yet compared with anything."""
 
 
 class EntryAtATime(Transport):

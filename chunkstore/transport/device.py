@@ -45,7 +45,6 @@ class DevicePoolTransport(EntryAtATime):
     replaces it, the old import closed first."""
 
     name = TransportName.IPC
-    reads_runs = True
 
     def __init__(self, hello: pb.HelloReply, handle: IpcHandle, pool: torch.Tensor) -> None:
         super().__init__(hello)
@@ -94,6 +93,6 @@ class DevicePoolTransport(EntryAtATime):
         gather_tensor(self._pool, entry.blocks, self.block_size, out, digest)
 
     def read_runs(
-        self, entry: LeasedEntry, starts: torch.Tensor, length: int, out: torch.Tensor
+        self, entry: LeasedEntry, starts: torch.Tensor, length: int, out: torch.Tensor, session: str
     ) -> torch.Tensor:
         return gather_runs(self._pool, entry.blocks, self.block_size, starts, length, out)

@@ -47,7 +47,6 @@ class SharedMemoryTransport(Transport):
 
     name = TransportName.SHM
     reports_reads = True
-    reads_runs = True
     region: np.ndarray
 
     def __init__(self, hello: pb.HelloReply, region: np.ndarray, settings: Settings) -> None:
@@ -120,7 +119,7 @@ class SharedMemoryTransport(Transport):
         return list(digests)
 
     def read_runs(
-        self, entry: LeasedEntry, starts: torch.Tensor, length: int, out: torch.Tensor
+        self, entry: LeasedEntry, starts: torch.Tensor, length: int, out: torch.Tensor, session: str
     ) -> torch.Tensor:
         """Gathered straight from the mapped pool (host memory: ``out`` on the CPU)."""
         if self._pool is None:

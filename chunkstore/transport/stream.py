@@ -12,7 +12,7 @@ import torch
 
 from chunkstore.errors import ChecksumMismatch
 from chunkstore.protocol import chunkstore_pb2 as pb
-from chunkstore.protocol.device_ipc import TensorDigest
+from chunkstore.protocol.device_ipc import TensorDigest, run_sums
 from chunkstore.protocol.wire import typed_error
 from chunkstore.transport.base import (
     Digest,
@@ -77,15 +77,33 @@ class StreamTransport(EntryAtATime):
         self, entry: LeasedEntry, out: torch.Tensor, digest: Digest, session: str
     ) -> None:
         target = out.numpy()
+        self._receive(pb.ReadRequest(session_id=session, lease_id=entry.lease_id), target)
+        _update(digest, target)
+
+    def _receive(self, request: pb.ReadRequest, target: np.ndarray) -> None:
+        """What a ``Read`` streams, into ``target``: every byte of it, or ChecksumMismatch."""
         offset = 0
-        request = pb.ReadRequest(session_id=session, lease_id=entry.lease_id)
         try:
             for piece in self.stub.Read(request, timeout=self.timeout, metadata=self.metadata):
                 data = np.frombuffer(piece.data, dtype=np.uint8)
+                if offset + data.shape[0] > target.shape[0]:
+                    raise ChecksumMismatch(f"the daemon sent over {target.shape[0]} bytes")
                 target[offset : offset + data.shape[0]] = data
                 offset += data.shape[0]
         except grpc.RpcError as err:
             raise typed_error(err) from None
-        if offset != entry.nbytes:
-            raise ChecksumMismatch(f"read {offset} of {entry.nbytes} bytes")
-        _update(digest, target)
+        if offset != target.shape[0]:
+            raise ChecksumMismatch(f"read {offset} of {target.shape[0]} bytes")
+
+    def read_runs(
+        self, entry: LeasedEntry, starts: torch.Tensor, length: int, out: torch.Tensor, session: str
+    ) -> torch.Tensor:
+        """The daemon gathers the runs (``Read`` with ``run_starts``); summed here."""
+        request = pb.ReadRequest(
+            session_id=session,
+            lease_id=entry.lease_id,
+            run_starts=starts.tolist(),
+            run_bytes=length,
+        )
+        self._receive(request, out.numpy())
+        return run_sums(out, starts, length)

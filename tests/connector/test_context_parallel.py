@@ -23,6 +23,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import grpc
 import pytest
 import torch
 
@@ -33,6 +34,7 @@ from chunkstore.kv.keys import KVLayout
 from chunkstore.kv.keyspace import KeySpace
 from chunkstore.kv.rope import RotaryConfig
 from chunkstore.processes.daemon import RunningDaemon
+from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol.device_ipc import TensorDigest, run_sums
 from chunkstore.testing.entries import corrupt_entry, entry_key, random_kv
 from chunkstore_vllm.client_holder import DaemonLink
@@ -283,7 +285,8 @@ HELD_CASES = [(1, 0), (BLOCK, 0), (4, 9)]  # interleave, rows of the entry not l
 CORRUPT = len(HELD_CASES)  # this case's entry has a byte flipped in the pool
 UNSUMMED = CORRUPT + 1  # this case's lease was taken without the summed checksum
 CASES = [*HELD_CASES, (1, 0), (BLOCK, 0)]
-POOLS = ("ipc", "shm")  # the fake device's pool, the shared-memory pool
+# The fake device's pool, the shared-memory pool, and the latter over the gRPC stream
+POOLS = ("ipc", "shm", "stream")
 
 
 def load_rank(addresses: list[str], store: str, world: int, rank: int, out: str) -> None:
@@ -296,10 +299,13 @@ def load_rank(addresses: list[str], store: str, world: int, rank: int, out: str)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     results: dict[str, list[dict]] = {}
     for pool, address in zip(POOLS, addresses, strict=True):
+        transport = "stream" if pool == "stream" else "auto"
         for case, (interleave, skipped) in enumerate(CASES):
             cache = rank_cache(CpRank(world, rank, interleave))
             cache.cp_group = GlooGroup()
-            config = ConnectorConfig(address=address, overlap_layers=False, load_cpus="all")
+            config = ConnectorConfig(
+                address=address, overlap_layers=False, load_cpus="all", transport=transport
+            )
             stats = ConnectorStats()
             link = DaemonLink(config, f"cp-rank-{rank}", stats)
             loads = Loads(cache, model_keys(), config, link, stats)
@@ -334,18 +340,19 @@ def load_rank(addresses: list[str], store: str, world: int, rank: int, out: str)
 def test_each_rank_reads_only_its_rows_from_a_pool_checked_with_the_group(
     serve, tmp_path, world: int
 ) -> None:
-    """From a device pool and from the shared-memory pool, 1/world of an entry's bytes read
-    per rank, every byte by one rank, the entry's summed checksum made of the ranks' sums:
-    the cache each rank holds is the CP 1 load re-sharded; a byte flipped in one rank's
-    rows fails the load on every rank; a lease without the summed checksum is read whole
-    by every rank."""
+    """From a device pool, from the shared-memory pool and over the stream, 1/world of an
+    entry's bytes read per rank, every byte by one rank, the entry's summed checksum made
+    of the ranks' sums: the cache each rank holds is the CP 1 load re-sharded; a byte
+    flipped in one rank's rows fails the load on every rank; a lease without the summed
+    checksum is read whole by every rank."""
     daemons = [
         serve("--device", "fake", name="device", pool_bytes=32 << 20, block_size=1 << 16),
         serve(name="shm", pool_bytes=32 << 20, block_size=1 << 16),
+        serve(name="streamed", pool_bytes=32 << 20, block_size=1 << 16),
     ]
     for pool, daemon in zip(POOLS, daemons, strict=True):
         with ChunkStoreClient(daemon.unix) as client:
-            assert client.transport == pool
+            assert client.transport == ("shm" if pool == "stream" else pool)
             for case in range(len(CASES)):
                 kv = random_kv(TOKENS, seed=30 + case, heads=HEADS)
                 assert client.put(entry_key(30 + case), *kv, STORED_AT)
@@ -407,7 +414,9 @@ def test_each_rank_reads_only_its_rows_from_a_pool_checked_with_the_group(
 def test_a_lease_carries_the_summed_checksum_of_bytes_that_pass_their_own(serve) -> None:
     """The shared-memory pool's summed checksum is the ``TensorDigest`` of the entry's
     bytes, added up once they passed the committed checksum; of bytes that did not, there
-    is none, and a read of runs refuses the lease (it is read whole, and fails)."""
+    is none, and a read of runs refuses the lease (it is read whole, and fails). Over the
+    stream the daemon gathers the runs, and refuses runs outside the entry or more bytes
+    than it holds."""
     daemon = serve(pool_bytes=32 << 20, block_size=1 << 16)
     keys, values = random_kv(TOKENS, seed=40, heads=HEADS)
     stored = torch.cat([t.flatten().view(torch.uint8) for t in (keys, values)])
@@ -431,11 +440,28 @@ def test_a_lease_carries_the_summed_checksum_of_bytes_that_pass_their_own(serve)
         sums = client.read_runs(good, starts, 8, out)
         assert torch.equal(out, torch.cat([stored[at : at + 8] for at in starts.tolist()]))
         assert torch.equal(sums, run_sums(out, starts, 8))
-    with ChunkStoreClient(daemon.unix, transport="stream") as client:
+    with ChunkStoreClient(daemon.unix, transport="stream") as client:  # the daemon gathers
         [lease] = client.acquire([entry_key(40)], summed=True)
-        assert lease is not None
-        with pytest.raises(InvalidRequest, match="needs a pool"):
-            client.read_runs(lease, starts, 8, out)
+        assert lease is not None and lease.summed == good.summed
+        out.zero_()
+        assert torch.equal(client.read_runs(lease, starts, 8, out), sums)
+        assert torch.equal(out, torch.cat([stored[at : at + 8] for at in starts.tolist()]))
+        too_many = len(stored) // 8 + 1  # more than the entry's bytes: refused
+        for runs, length in [
+            ([len(stored) - 4], 8),
+            ([0] * too_many, 8),
+            ([0], 0),
+            ([2**64 - 1], 8),
+        ]:
+            request = pb.ReadRequest(
+                session_id=client.session,
+                lease_id=lease.lease_id,
+                run_starts=runs,
+                run_bytes=length,
+            )
+            with pytest.raises(grpc.RpcError) as refused:
+                list(client.stub.Read(request))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 # Tensor x decode context parallelism ---------------------------------------------------------
