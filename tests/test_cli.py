@@ -271,6 +271,24 @@ def test_bench_pull_json() -> None:
     assert row["pull_engine_vs_stream"] > 0
 
 
+def test_bench_cp_json() -> None:
+    """A rank's part over each transport (the fake device's pool too), against the whole."""
+    run = chunkstore(
+        "bench", "cp", "--json", "--tokens", "64", "--layers", "2", "--block-size", "65536",
+        "--repeats", "2", "--dcp", "2", "4", "--device", "fake",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    rows = [json.loads(line) for line in run.stdout.splitlines()]
+    assert [(r["transport"], r["dcp"]) for r in rows] == [
+        (transport, dcp) for transport in ("shm", "stream", "ipc") for dcp in (2, 4)
+    ]
+    for row in rows:
+        assert row["bytes"] == 2 * 2 * 64 * 3 * 64 * 4
+        assert row["part_bytes"] == row["bytes"] // row["dcp"]
+        assert row["part_ms_p50"] > 0 and row["whole_ms_p50"] > 0 and row["part_vs_whole"] > 0
+    assert all(r["first_summed_ms"] > 0 for r in rows if r["transport"] != "ipc")
+
+
 @pytest.mark.release  # a bench mode's plumbing (~120 s); the sharing itself: test_prefix.py
 def test_bench_e2e_prefix_on_the_tiny_model() -> None:
     """A second vLLM process loads every context token of plain prompts a first one stored,

@@ -19,9 +19,11 @@ def chunk_kv(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor, int]
     return keys, values, 2 * keys.numel() * keys.element_size()
 
 
-def add_chunk_arguments(parser: argparse.ArgumentParser) -> None:
+def add_chunk_arguments(parser: argparse.ArgumentParser, tokens: int = 4096) -> None:
     """The chunk a bench moves: SmolLM2's KV shape by default, and the pool's block size."""
-    parser.add_argument("--tokens", type=int, default=4096, help="chunk length (default 4096)")
+    parser.add_argument(
+        "--tokens", type=int, default=tokens, help=f"chunk length (default {tokens})"
+    )
     parser.add_argument("--layers", type=int, default=30, help="layers (SmolLM2: 30)")
     parser.add_argument("--kv-heads", type=int, default=3, help="KV heads (SmolLM2: 3)")
     parser.add_argument("--head-dim", type=int, default=64, help="head dim (SmolLM2: 64)")

