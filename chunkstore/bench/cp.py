@@ -36,7 +36,7 @@ KEY = b"bench-cp-key-000"
 
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     keys, values, nbytes = chunk_kv(args)
-    blocks = -(-nbytes // args.block_size) + 1
+    blocks = 2 * -(-nbytes // args.block_size)  # under the eviction watermark
     pools = {"shm": ()} | ({"ipc": ("--device", args.device)} if args.device else {})
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="chunkstore-bench-")))

@@ -102,8 +102,10 @@ class Pool(ABC):
 
     def gather_runs(self, blocks: Sequence[int], starts: np.ndarray, length: int) -> np.ndarray:
         """An entry's runs of ``length`` bytes at ``starts`` (int64), one after another, to
-        the host (``shm.gather_runs``)."""
-        return shm.gather_runs(self.region(), blocks, self.block_size, starts, length)
+        the host (``shm.gather_runs_summed``; the reader sums what it receives)."""
+        out = np.empty(len(starts) * length, dtype=np.uint8)
+        shm.gather_runs_summed(self.region(), blocks, self.block_size, starts, length, out)
+        return out
 
     @abstractmethod
     def scatter(self, blocks: Sequence[int], data: np.ndarray, offset: int = 0) -> None:

@@ -38,7 +38,7 @@ from chunkstore.errors import DeviceError, InvalidRequest
 from chunkstore.protocol.device_runtime import DeviceIPC, IpcHandle
 from chunkstore.protocol.fake_device import FakeDeviceIPC
 from chunkstore.protocol.shm import SUM_MODULUS as _MODULUS
-from chunkstore.protocol.shm import digest_of_sums, extents
+from chunkstore.protocol.shm import digest_of_sums, extents, gather_runs_summed
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +278,12 @@ def run_sums(data: torch.Tensor, starts: torch.Tensor, length: int) -> torch.Ten
     """``TensorDigest``'s two sums, [plain, weighted] (int64, on the bytes' device), of runs
     of an entry's bytes: ``data`` (uint8) holds runs of ``length`` bytes one after another,
     the run at ``starts[i]`` (int64) in the entry i-th. Parts that together hold each of the
-    entry's bytes once have sums that add up to the entry's (``digest_of_sums``)."""
+    entry's bytes once have sums that add up to the entry's (``digest_of_sums``). On the
+    CPU: numba's loop (``runs_kernel``)."""
+    if data.device.type == "cpu":
+        from chunkstore.protocol.runs_kernel import sums_of_runs
+
+        return torch.tensor([int(s) for s in sums_of_runs(data.numpy(), starts.numpy(), length)])
     sums = torch.zeros(2, dtype=torch.int64, device=data.device)
     step = max(1, RUN_PIECE // length)  # runs at a time: the temporaries stay in cache
     offsets = (torch.arange(length, device=data.device) % _MODULUS).to(torch.int32)
@@ -343,7 +348,11 @@ def gather_runs(
     """Runs of ``length`` bytes of the entry, at ``starts`` (int64, on the pool's device),
     copied into ``out`` (uint8, one after another, on the pool's device) in one gather of the
     widest words that divide them, and their ``run_sums``: a context-parallel rank's part
-    of an entry, checked with the other ranks' parts."""
+    of an entry, checked with the other ranks' parts. On the CPU (a mapped pool, the fake
+    device): gathered and summed in one pass by numba's loop (``runs_kernel``)."""
+    if pool.device.type == "cpu":
+        args = (pool.numpy(), blocks, block_size, starts.numpy(), length, out.numpy())
+        return torch.tensor(gather_runs_summed(*args))
     word = next(
         w
         for w in _WORDS

@@ -232,28 +232,39 @@ def gather_spans(
     return digests
 
 
-_WORDS = (np.dtype(np.uint64), np.dtype(np.uint32), np.dtype(np.uint16), np.dtype(np.uint8))
+def gather_runs_summed(
+    region: np.ndarray,
+    blocks: Sequence[int],
+    block_size: int,
+    starts: np.ndarray,
+    length: int,
+    out: np.ndarray,
+    threads: int = 1,
+    helper: Executor | None = None,
+) -> tuple[int, int]:
+    """An entry's runs of ``length`` bytes at ``starts`` (int64, each inside the entry)
+    copied out of its blocks into ``out`` (uint8) one after another, with their two
+    ``TensorDigest`` sums (plain, weighted: ``device_ipc.run_sums``), in one pass of numba's
+    loop (``runs_kernel``); over ``threads`` (1 or 2: the caller's and ``helper``'s, or this
+    module's, each half the runs)."""
+    from chunkstore.protocol.runs_kernel import gather_summed
 
-
-def gather_runs(
-    region: np.ndarray, blocks: Sequence[int], block_size: int, starts: np.ndarray, length: int
-) -> np.ndarray:
-    """An entry's runs of ``length`` bytes at ``starts`` (int64, each inside the entry) out
-    of its blocks, one after another (uint8), in one gather of the widest words that divide
-    them (``device_ipc.gather_runs`` on torch tensors)."""
-    word = next(
-        w
-        for w in _WORDS
-        if length % w.itemsize == 0
-        and block_size % w.itemsize == 0
-        and region.size % w.itemsize == 0
-        and not (starts % w.itemsize).any()
-    )
-    per_run, per_block = length // word.itemsize, block_size // word.itemsize
-    at = (starts // word.itemsize)[:, None] + np.arange(per_run)
     table = np.asarray(blocks, dtype=np.int64)
-    where = table[at // per_block] * per_block + at % per_block
-    return region.view(word)[where.ravel()].view(np.uint8)
+
+    def gather(first: int, end: int) -> tuple[int, int]:
+        part = out[first * length : end * length]
+        plain, weighted = gather_summed(region, table, block_size, starts[first:end], length, part)
+        return int(plain), int(weighted)
+
+    half = len(starts) // 2 if threads > 1 else 0
+    if not half:
+        return gather(0, len(starts))
+    second = (helper or _COPIER).submit(gather, half, len(starts))
+    try:
+        plain, weighted = gather(0, half)
+    finally:
+        more = second.result()
+    return plain + more[0], weighted + more[1]
 
 
 def gather(

@@ -16,11 +16,12 @@ import torch
 from chunkstore.errors import Unavailable
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol.convert import LeasedEntry
-from chunkstore.protocol.device_ipc import gather_runs, pin_host_region
+from chunkstore.protocol.device_ipc import pin_host_region
 from chunkstore.protocol.shm import (
     EntryDigest,
     Pieces,
     gather_many,
+    gather_runs_summed,
     gather_spans,
     map_shared_pool,
     scatter_parts,
@@ -54,7 +55,6 @@ class SharedMemoryTransport(Transport):
         self.region = region
         self.copy_threads = settings.copy_threads
         self._closed = threading.Event()
-        self._pool: torch.Tensor | None = None  # the region as a tensor (``read_runs``)
         self._unpin: Callable[[], None] | None = None
         if settings.pin_for:
             self._unpin, why = pin_host_region(region, settings.pin_for)
@@ -121,10 +121,10 @@ class SharedMemoryTransport(Transport):
     def read_runs(
         self, entry: LeasedEntry, starts: torch.Tensor, length: int, out: torch.Tensor, session: str
     ) -> torch.Tensor:
-        """Gathered straight from the mapped pool (host memory: ``out`` on the CPU)."""
-        if self._pool is None:
-            self._pool = torch.from_numpy(self.region)
-        return gather_runs(self._pool, entry.blocks, self.block_size, starts, length, out)
+        """Gathered straight from the mapped pool (host memory: ``out`` on the CPU), and
+        summed on the way, over ``copy_threads``."""
+        args = (self.region, entry.blocks, self.block_size, starts.numpy(), length, out.numpy())
+        return torch.tensor(gather_runs_summed(*args, threads=self.copy_threads))
 
     def read_spans(
         self, entry: LeasedEntry, spans: Sequence[tuple[int, int]], out: np.ndarray
