@@ -283,7 +283,8 @@ def run_sums(data: torch.Tensor, starts: torch.Tensor, length: int) -> torch.Ten
     if data.device.type == "cpu":
         from chunkstore.protocol.runs_kernel import sums_of_runs
 
-        return torch.tensor([int(s) for s in sums_of_runs(data.numpy(), starts.numpy(), length)])
+        sums = sums_of_runs(data.numpy(), starts.numpy(), length, _MODULUS)
+        return torch.tensor([int(s) for s in sums])
     sums = torch.zeros(2, dtype=torch.int64, device=data.device)
     step = max(1, RUN_PIECE // length)  # runs at a time: the temporaries stay in cache
     offsets = (torch.arange(length, device=data.device) % _MODULUS).to(torch.int32)

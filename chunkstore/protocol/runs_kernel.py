@@ -7,15 +7,13 @@ torch's ops took 250 ms for a DCP 2 rank's half of a 47 MB entry here (30x a who
 check), most of it the weights made per byte. A run's weights are consecutive, so
 ``sum(b_j * (w + j)) = w * sum(b_j) + sum(j * b_j)``: the loop copies a byte and adds two
 int32 sums over pieces of at most 2 KiB (a vectorized loop), and the weights wrap from
-SUM_MODULUS to 1 between pieces: 16 ms for that half, one thread.
+the modulus to 1 between pieces: 16 ms for that half, one thread.
 """
 
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
-
-from chunkstore.protocol.shm import SUM_MODULUS
 
 Sums = tuple[np.signedinteger, np.signedinteger]  # plain, weighted (int64)
 _PIECE = 2048  # bytes summed in int32: 255 x 2048^2 / 2 < 2^31
@@ -45,9 +43,11 @@ def gather_summed(
     starts: np.ndarray,
     length: int,
     out: np.ndarray,
+    modulus: int,
 ) -> Sums:
     """The runs of ``length`` bytes of an entry at ``starts`` copied out of its ``blocks``
-    of ``region`` into ``out`` one after another; their plain and weighted sums."""
+    of ``region`` into ``out`` one after another; their plain and weighted sums, a byte's
+    weight its position modulo ``modulus``, plus 1 (``shm.SUM_MODULUS``)."""
     plain = np.int64(0)
     weighted = np.int64(0)
     at = 0
@@ -55,8 +55,8 @@ def gather_summed(
         position = starts[r]
         left = length
         while left > 0:
-            offset, phase = position % block_size, position % SUM_MODULUS
-            take = min(left, block_size - offset, SUM_MODULUS - phase, _PIECE)
+            offset, phase = position % block_size, position % modulus
+            take = min(left, block_size - offset, modulus - phase, _PIECE)
             source = blocks[position // block_size] * block_size + offset
             p, w = _piece(region[source : source + take], out[at : at + take], phase)
             plain += p
@@ -68,9 +68,9 @@ def gather_summed(
 
 
 @njit(nogil=True, cache=True, boundscheck=False)
-def sums_of_runs(data: np.ndarray, starts: np.ndarray, length: int) -> Sums:
+def sums_of_runs(data: np.ndarray, starts: np.ndarray, length: int, modulus: int) -> Sums:
     """Plain and weighted sums of runs of ``length`` bytes held one after another in
-    ``data``, the run at ``starts[r]`` in the entry the r-th."""
+    ``data``, the run at ``starts[r]`` in the entry the r-th (weights as ``gather_summed``'s)."""
     plain = np.int64(0)
     weighted = np.int64(0)
     at = 0
@@ -78,8 +78,8 @@ def sums_of_runs(data: np.ndarray, starts: np.ndarray, length: int) -> Sums:
         position = starts[r]
         left = length
         while left > 0:
-            phase = position % SUM_MODULUS
-            take = min(left, SUM_MODULUS - phase, _PIECE)
+            phase = position % modulus
+            take = min(left, modulus - phase, _PIECE)
             piece = data[at : at + take]
             p, w = _piece(piece, piece, phase)  # a copy onto itself: the same loop
             plain += p

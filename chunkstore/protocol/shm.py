@@ -253,7 +253,10 @@ def gather_runs_summed(
 
     def gather(first: int, end: int) -> tuple[int, int]:
         part = out[first * length : end * length]
-        plain, weighted = gather_summed(region, table, block_size, starts[first:end], length, part)
+        sums = gather_summed(
+            region, table, block_size, starts[first:end], length, part, SUM_MODULUS
+        )
+        plain, weighted = sums
         return int(plain), int(weighted)
 
     half = len(starts) // 2 if threads > 1 else 0

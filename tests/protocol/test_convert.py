@@ -38,11 +38,11 @@ def test_a_layout_goes_to_its_message_and_back() -> None:
 
 
 def test_a_lease_the_daemon_grants_is_the_entry_the_client_reads() -> None:
-    message = lease_to_proto(LAYOUT, LAYOUT.nbytes, [4, 5, 9], 0xFEED)
+    message = lease_to_proto(LAYOUT, LAYOUT.nbytes, [4, 5, 9], 0xFEED, 0xBEEF)
     assert LeasedEntry.from_proto(message) is None  # no lease id: no entry
     message.lease_id, message.key = 7, b"k" * 16
     assert LeasedEntry.from_proto(message) == LeasedEntry(
-        7, b"k" * 16, LAYOUT, LAYOUT.nbytes, [4, 5, 9], 0xFEED
+        7, b"k" * 16, LAYOUT, LAYOUT.nbytes, [4, 5, 9], 0xFEED, 0xBEEF
     )
 
 
