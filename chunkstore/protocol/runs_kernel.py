@@ -36,6 +36,23 @@ def _piece(source: np.ndarray, target: np.ndarray, phase: int) -> Sums:
 
 
 @njit(nogil=True, cache=True, boundscheck=False)
+def _run(source: np.ndarray, target: np.ndarray, position: int, modulus: int) -> Sums:
+    """``source`` (bytes of the entry from ``position`` on) copied into ``target``; its
+    plain and weighted sums, a byte's weight its position modulo ``modulus``, plus 1."""
+    plain = np.int64(0)
+    weighted = np.int64(0)
+    done = 0
+    while done < source.shape[0]:
+        phase = (position + done) % modulus
+        take = min(source.shape[0] - done, modulus - phase, _PIECE)
+        p, w = _piece(source[done : done + take], target[done : done + take], phase)
+        plain += p
+        weighted += w
+        done += take
+    return plain, weighted
+
+
+@njit(nogil=True, cache=True, boundscheck=False)
 def gather_summed(
     region: np.ndarray,
     blocks: np.ndarray,
@@ -46,45 +63,35 @@ def gather_summed(
     modulus: int,
 ) -> Sums:
     """The runs of ``length`` bytes of an entry at ``starts`` copied out of its ``blocks``
-    of ``region`` into ``out`` one after another; their plain and weighted sums, a byte's
-    weight its position modulo ``modulus``, plus 1 (``shm.SUM_MODULUS``)."""
+    of ``region`` into ``out`` one after another; their plain and weighted sums (``_run``'s,
+    ``modulus``: ``shm.SUM_MODULUS``)."""
     plain = np.int64(0)
     weighted = np.int64(0)
     at = 0
     for r in range(starts.shape[0]):
         position = starts[r]
-        left = length
-        while left > 0:
-            offset, phase = position % block_size, position % modulus
-            take = min(left, block_size - offset, modulus - phase, _PIECE)
+        end = position + length
+        while position < end:  # a run may cross into the next block
+            offset = position % block_size
+            take = min(end - position, block_size - offset)
             source = blocks[position // block_size] * block_size + offset
-            p, w = _piece(region[source : source + take], out[at : at + take], phase)
+            p, w = _run(region[source : source + take], out[at : at + take], position, modulus)
             plain += p
             weighted += w
             at += take
             position += take
-            left -= take
     return plain, weighted
 
 
 @njit(nogil=True, cache=True, boundscheck=False)
 def sums_of_runs(data: np.ndarray, starts: np.ndarray, length: int, modulus: int) -> Sums:
     """Plain and weighted sums of runs of ``length`` bytes held one after another in
-    ``data``, the run at ``starts[r]`` in the entry the r-th (weights as ``gather_summed``'s)."""
+    ``data``, the run at ``starts[r]`` in the entry the r-th (``_run``'s)."""
     plain = np.int64(0)
     weighted = np.int64(0)
-    at = 0
     for r in range(starts.shape[0]):
-        position = starts[r]
-        left = length
-        while left > 0:
-            phase = position % modulus
-            take = min(left, modulus - phase, _PIECE)
-            piece = data[at : at + take]
-            p, w = _piece(piece, piece, phase)  # a copy onto itself: the same loop
-            plain += p
-            weighted += w
-            at += take
-            position += take
-            left -= take
+        run = data[r * length : (r + 1) * length]
+        p, w = _run(run, run, starts[r], modulus)  # a copy onto itself: the same loop
+        plain += p
+        weighted += w
     return plain, weighted
