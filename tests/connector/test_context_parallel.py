@@ -361,6 +361,13 @@ def test_each_rank_reads_only_its_rows_and_the_ranks_store_what_one_process_stor
     assert torch.equal(single.keys, keys) and torch.equal(single.values, values)
     assert torch.equal(sharded.keys, keys) and torch.equal(sharded.values, values)
     assert sharded.layout.virtual_start == single.layout.virtual_start == START
+    # What the group stored loads at CP 1, where it was computed: the computed KV, exactly.
+    at_one, failed = loaded(daemons[1], entry_key(21), CpRank(), table_for(1))
+    slots = torch.tensor(vllm_cp_slots(range(START, START + TOKENS), table_for(1), BLOCK, 1, 0, 1))
+    assert not failed
+    for layer, cache in enumerate(at_one):
+        read_keys, read_values = CpuKVLayout.read(cache, slots)
+        assert torch.equal(read_keys, keys[layer]) and torch.equal(read_values, values[layer])
     results = [
         torch.load(tmp_path / f"rank-{rank}.pt", weights_only=False) for rank in range(world)
     ]
