@@ -72,10 +72,10 @@ FIELDS = {
     "saved_summaries": "Block summaries stored beside chunks of at least "
     "sparse_summary_tokens tokens (what a sparse read chooses blocks by).",
     "cp_read_bytes": "Bytes of entries a decode-context-parallel rank read to load them: "
-    "from a device pool only the rows it owns (about 1/dcp of each entry), from any "
-    "other pool whole entries.",
+    "only the rows it owns (about 1/dcp of each entry), from the pool or over the stream; "
+    "whole entries under a lease without the summed checksum.",
     "cp_held_bytes": "Of the entries loaded, the bytes of the tokens the rank writes (about "
-    "cp_read_bytes from a device pool; 1/dcp of it where a rank reads whole entries).",
+    "cp_read_bytes; 1/dcp of it where a rank reads whole entries).",
     "sparse_read_bytes": "Bytes of long chunks loaded sparse (sparse_threshold): the blocks "
     "each layer's question chose, read out of the pool.",
     "sparse_whole_bytes": "What those layers of those chunks hold whole (sparse_read_bytes "
