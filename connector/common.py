@@ -4,12 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorMetadata,
-    KVConnectorWorkerMetadata,
-)
-
 from chunkstore.client import LeasedEntry
+
+from .vllm_bases import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-    KVConnectorPromMetrics,
-    KVConnectorStats,
-)
+from .vllm_bases import KVConnectorPromMetrics, KVConnectorStats
 
 # field -> help text; every field is a running sum, exported as vllm:chunkstore_<field>_total.
 FIELDS = {

@@ -64,7 +64,7 @@ FORBIDDEN_IMPORTS = ("vllm", "transformers", "redis")
 IMPORTS = f"""
 import sys
 import chunkstore.cli, chunkstore.client, chunkstore.daemon.server, chunkstore.bench.device
-import chunkstore_vllm.device_layout
+import chunkstore_vllm.device_layout, chunkstore_vllm.loads, chunkstore_vllm.saves
 from chunkstore.protocol.device_ipc import accelerators
 stray = sorted(m for m in {FORBIDDEN_IMPORTS!r} if m in sys.modules)
 assert not stray, f"the device path imported {{stray}}"
@@ -94,12 +94,15 @@ def parts(device: str) -> list[Part]:
     if device == "cpu":  # the CI run: proves the path, not the speed
         bench += ("--mib", "8", "--tokens", "512", "--layers", "4", "--repeats", "3")
     return [
-        Part("imports", 60, command=("-c", IMPORTS)),
+        Part("imports", 45, command=("-c", IMPORTS)),
         # kv compiles the Triton writer's kernels (~25 of them, under a second each); the
-        # bench took 21 s of its 120 before the Triton row: the sum stays 8.5 minutes.
+        # bench took 21 s of its 120 before the Triton row. The sum stays 8.5 minutes: the
+        # connector's 60 s came from imports and npu_ops (15 each: seconds on a GPU) and
+        # pool (30: it took 88-117 s of its 180 on the H200s).
         Part("kv", 120, pytest_args=("tests/device/test_kv_on_device.py",)),
-        Part("npu_ops", 60, pytest_args=("tests/device/test_npu_ops.py",)),
-        Part("pool", 180, pytest_args=("tests/device/test_device_pool.py",)),
+        Part("npu_ops", 45, pytest_args=("tests/device/test_npu_ops.py",)),
+        Part("pool", 150, pytest_args=("tests/device/test_device_pool.py",)),
+        Part("connector", 60, pytest_args=("tests/device/test_connector_on_device.py",)),
         Part("bench", 90, command=bench),
     ]
 
