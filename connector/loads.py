@@ -417,9 +417,9 @@ class Loads:
         """Under context parallelism: each entry's rows this rank owns (``held_parts``), from
         the pool or over the stream, checked with the group's parts against the summed
         checksum the scheduler's lease carries; under a lease without it, whole entries,
-        each checked here. Each rank calls the group's all-reduce once
-        either way (a collective: every rank has the step's loads). Updates ``failures``;
-        returns what was read (by load) and whether through shared memory."""
+        each checked here. Each rank calls the group's all-reduce once either way (a
+        collective: every rank has the step's loads). Updates ``failures``; returns what
+        was read (by load) and whether through shared memory."""
         cp, group = self.cache.cp, self.cache.cp_group
         client = self.link.get()
         sums = torch.zeros(len(loads), 3, dtype=torch.int64)  # plain, weighted, ranks read
@@ -451,7 +451,7 @@ class Loads:
                 failures[i] = client.check_sums(lease, plain, weighted, session)
         whole = [i for i, failure in enumerate(failures) if failure is None and i not in parts]
         buffers = dict(zip(whole, self._buffers([loads[i][1] for i in whole]), strict=True))
-        verdicts, via_shm = self._read([loads[i] for i in whole], [buffers[i] for i in whole])
+        verdicts, _ = self._read([loads[i] for i in whole], [buffers[i] for i in whole])
         for i, verdict in zip(whole, verdicts, strict=True):
             failures[i] = verdict
         return {**buffers, **parts}, client is not None and client.transport == "shm"
