@@ -11,6 +11,7 @@ from PIL import Image
 
 from chunkstore.bench.plot import plot
 from chunkstore.cli import main
+from chunkstore.testing.cli import chunkstore
 
 
 def quality_rows() -> list[dict]:
@@ -72,3 +73,22 @@ def test_chunkstore_plot_draws_saved_rows_and_refuses_others(tmp_path: Path, cap
         assert "chunkstore plot:" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
     assert main(["plot", str(tmp_path / "missing.jsonl"), str(tmp_path / "x.png")]) == 2
+
+
+def test_a_row_with_a_wrong_typed_field_is_named_not_a_traceback(tmp_path: Path) -> None:
+    """The command as a user runs it: the line and the field that cannot be drawn, exit 2."""
+    saved = tmp_path / "rows.jsonl"
+    for n, field, value in ((0, "accuracy", "high"), (1, "ci95", 0.5), (2, "bench", ["quality"])):
+        rows = quality_rows()
+        rows[n][field] = value
+        saved.write_text("bench: a progress line\n" + "\n".join(map(json.dumps, rows)))
+        run = chunkstore("plot", saved, tmp_path / "x.png")
+        assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+        assert f"line {n + 2}: {field!r} is {json.dumps(value)}" in run.stderr, run.stderr
+    rows = workload_rows()
+    rows[-1]["store_hit_rate"] = None
+    saved.write_text("\n".join(map(json.dumps, rows)))
+    run = chunkstore("plot", saved, tmp_path / "x.png")
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert f"line {len(rows)}: 'store_hit_rate' is null, not a number" in run.stderr
+    assert not (tmp_path / "x.png").exists()

@@ -15,29 +15,86 @@ from typing import Any
 DPI = 110
 
 
+class RowError(ValueError):
+    """Row ``index`` (0-based) lacks a field the picture needs, or holds one of another type."""
+
+    def __init__(self, index: int, reason: str) -> None:
+        super().__init__(f"row {index + 1}: {reason}")
+        self.index = index
+        self.reason = reason
+
+
+# The fields each row is drawn from, and their kinds; a row of workload by its "way".
+_QUALITY = {"method": "text", "doc_tokens": "number", "accuracy": "number", "cases": "number"}
+_QUALITY |= {"ci95": "interval"}
+_TTFT = {"ttft_p50_s": "number", "ttft_p99_s": "number"}
+_WORKLOAD = {
+    "apc": _TTFT,
+    "replay": {"policy": "text", "pool_share": "number", "store_hit_rate": "number"},
+    "replay-disk": {},
+}
+_WAY = {"pool_share": "number", "throughput_vs_apc": "number"} | _TTFT
+
+
 def plot(rows: Iterable[dict[str, Any]], path: str | Path) -> Path:
-    """Draw ``rows`` (of one bench) to ``path`` (PNG); ValueError for rows it cannot draw."""
+    """Draw ``rows`` (of one bench) to ``path`` (PNG); ValueError for rows it cannot draw
+    (``RowError`` naming the row and the field for one of them)."""
     rows = list(rows)
     if not rows:
         raise ValueError("no rows: a bench's --json output has one JSON object a line")
-    benches = {row.get("bench") for row in rows}
+    for n, row in enumerate(rows):
+        _check(n, row, {"bench": "text"})
+    benches = {row["bench"] for row in rows}
     if benches == {"quality"}:
+        for n, row in enumerate(rows):
+            _check(n, row, _QUALITY)
         figure = _quality(rows)
     elif benches == {"workload"}:
+        for n, row in enumerate(rows):
+            _check(n, row, {"way": "text"})
+            _check(n, row, _WORKLOAD.get(row["way"], _WAY))
         figure = _workload(rows)
     else:
-        raise ValueError(f"rows of {sorted(map(str, benches))}: plots draw quality or workload")
+        raise ValueError(f"rows of {sorted(benches)}: plots draw quality or workload")
     out = Path(path)
     figure.savefig(out, dpi=DPI, bbox_inches="tight")
     return out
 
 
-def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    """A bench's ``--json`` output: one JSON object a line (other lines skipped)."""
+def _check(index: int, row: dict[str, Any], fields: dict[str, str]) -> None:
+    for field, kind in fields.items():
+        if field not in row:
+            raise RowError(index, f"no {field!r} ({kind})")
+        value = row[field]
+        if kind == "text":
+            fits = isinstance(value, str)
+        elif kind == "number":
+            fits = _number(value)
+        else:  # interval: [low, high]
+            fits = isinstance(value, list) and len(value) == 2 and all(map(_number, value))
+        if not fits:
+            shown = json.dumps(value)
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            raise RowError(index, f"{field!r} is {shown}, not {_KINDS[kind]}")
+
+
+_KINDS = {"text": "a string", "number": "a number", "interval": "[low, high] (two numbers)"}
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def numbered_rows(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
+    """A bench's ``--json`` output: one JSON object a line (other lines skipped), each with
+    its line number (from 1)."""
     rows = []
-    for line in Path(path).read_text().splitlines():
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         if line.startswith("{"):
-            rows.append(json.loads(line))
+            try:
+                rows.append((number, json.loads(line)))
+            except ValueError as err:
+                raise ValueError(f"line {number} is not JSON: {err}") from None
     return rows
 
 

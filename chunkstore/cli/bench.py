@@ -74,14 +74,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 def draw(args: argparse.Namespace) -> int:
-    from chunkstore.bench.plot import plot, read_rows
+    from chunkstore.bench.plot import RowError, numbered_rows, plot
 
     try:
-        rows = read_rows(args.rows)
-        print(f"chunkstore plot: drew {plot(rows, args.out)}", file=sys.stderr)
-    except (OSError, ValueError, KeyError) as err:
-        print(f"chunkstore plot: {args.rows}: {err!r}", file=sys.stderr)
+        numbered = numbered_rows(args.rows)
+        drawn = plot([row for _, row in numbered], args.out)
+    except RowError as err:
+        line = numbered[err.index][0]
+        print(f"chunkstore plot: {args.rows}, line {line}: {err.reason}", file=sys.stderr)
         return 2
+    except (OSError, ValueError) as err:
+        print(f"chunkstore plot: {args.rows}: {err}", file=sys.stderr)
+        return 2
+    print(f"chunkstore plot: drew {drawn}", file=sys.stderr)
     return 0
 
 
