@@ -6,11 +6,14 @@ it started may be left: no process, socket, folder or shared-memory pool."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -43,6 +46,55 @@ def left_behind() -> tuple[set[str], set[str], list[str]]:
 
 def _alive(pid: str) -> bool:
     return pid.isdigit() and Path(f"/proc/{pid}").exists()
+
+
+@dataclass
+class DaemonFacts:
+    tcp: list[str]  # the TCP ports it listens on, as /proc/net/tcp{,6} write them
+    unix: list[str]  # the unix socket paths it listens on
+    modes: dict[str, int]  # theirs and their folder's permission bits
+    pools: list[str]  # the pool files it maps
+
+
+def daemon_facts(up_pid: int) -> DaemonFacts:
+    """What others on the host can reach of the daemon `chunkstore up` (``up_pid``) started:
+    the TCP ports it listens on (/proc/net/tcp and tcp6 rows of its own sockets), the unix
+    socket paths it listens on, their modes and their folder's, and its pool's file."""
+    children = [
+        pid
+        for task in Path(f"/proc/{up_pid}/task").iterdir()
+        for pid in (task / "children").read_text().split()
+    ]
+    for pid in children:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        if "chunkstore.cli" in argv and "serve" in argv:
+            break
+    else:
+        raise AssertionError(f"no daemon among {up_pid}'s children {children}")
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):  # closed meanwhile
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    tcp = []
+    for table in ("tcp", "tcp6"):
+        for row in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            field = row.split()
+            if field[3] == "0A" and field[9] in inodes:  # 0A: LISTEN
+                tcp.append(f"{table} {field[1]}")
+    unix = {  # Flags 00010000: listening
+        field[7]
+        for field in map(str.split, Path("/proc/net/unix").read_text().splitlines()[1:])
+        if len(field) > 7 and field[3] == "00010000" and field[6] in inodes
+    }
+    modes = {path: stat.S_IMODE(os.stat(path).st_mode) for path in unix}
+    modes |= {
+        str(Path(path).parent): stat.S_IMODE(os.stat(Path(path).parent).st_mode) for path in unix
+    }
+    maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    pools = sorted({path for *_, path in map(str.split, maps) if "/chunkstore-" in path})
+    return DaemonFacts(tcp, sorted(unix), modes, pools)
 
 
 @pytest.mark.slow
@@ -87,7 +139,10 @@ def test_the_readme_quickstart_runs_as_written(tmp_path: Path, smollm2_dir: Path
 @pytest.mark.slow
 def test_ctrl_c_while_starting_stops_what_started(smollm2_dir: Path) -> None:
     """Ctrl-C (SIGINT) while `chunkstore up` waits for vLLM: it stops at once (exit 130),
-    not minutes later, and leaves nothing (the daemon, already up, stopped too)."""
+    not minutes later, and leaves nothing (the daemon, already up, stopped too). The daemon,
+    up by then, was this user's alone: no TCP port (any local user could write KV vLLM
+    serves), its unix sockets and their folder owner-only, its pool in /dev/shm. That the
+    connector and the router reach it over its socket: the quickstart above."""
     folders, pools, _ = left_behind()
     up = subprocess.Popen(
         [sys.executable, "-m", "chunkstore.cli", "up", "--model", str(smollm2_dir), "--port", "0"],
@@ -100,6 +155,7 @@ def test_ctrl_c_while_starting_stops_what_started(smollm2_dir: Path) -> None:
         for line in up.stderr:  # progress: the daemon, then vLLM starting
             if "vllm serve 1 of 1" in line:
                 break
+        daemon = daemon_facts(up.pid)  # asserted once up is stopped: nothing left either way
         up.send_signal(signal.SIGINT)
         _, err = up.communicate(timeout=60)
     finally:
@@ -111,3 +167,7 @@ def test_ctrl_c_while_starting_stops_what_started(smollm2_dir: Path) -> None:
     now_folders, now_pools, now_processes = left_behind()
     assert not now_processes, now_processes
     assert now_folders <= folders and now_pools <= pools, (now_folders, now_pools)
+    assert daemon.tcp == [], daemon
+    assert len(daemon.unix) == 2, daemon  # gRPC's socket and the fast path's
+    assert all(mode & 0o077 == 0 for mode in daemon.modes.values()), daemon
+    assert [Path(pool).parent for pool in daemon.pools] == [SHM], daemon

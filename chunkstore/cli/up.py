@@ -9,15 +9,18 @@ import contextlib
 import json
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from chunkstore.cli.common import bind_problem, host_address, port_number
 from chunkstore.daemon.signals import Signalled
 from chunkstore.processes import Cancelled
+from chunkstore.processes.daemon import SHM, pool_room
+
+LOOPBACK = "127.0.0.1"
 
 SYS = "Answer from the documents."
 DEMO_DOCS = [
@@ -44,9 +47,17 @@ def run(args: argparse.Namespace) -> int:
     if args.instances < 1:
         print("chunkstore up: --instances must be at least 1", file=sys.stderr)
         return 2
-    if args.port and not _free(args.host, args.port):
+    problem = bind_problem(args.host, args.port)
+    if problem:
+        print(f"chunkstore up: cannot listen on {problem}", file=sys.stderr)
+        return 2
+    # The pool is memory that vLLM's connector maps: in /dev/shm, or nowhere. A file on a
+    # disk would be served from the page cache and preallocated on the disk.
+    short = pool_room(args.pool_bytes)
+    if short:
         print(
-            f"chunkstore up: {args.host}:{args.port} is in use: --port another (0: any)",
+            f"chunkstore up: the pool goes in /dev/shm, and {short}: lower --pool-bytes, or "
+            "free /dev/shm (a container: docker run --shm-size)",
             file=sys.stderr,
         )
         return 2
@@ -82,15 +93,6 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def _free(host: str, port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
 def _start(
     args: argparse.Namespace,
     model: Path,
@@ -106,11 +108,27 @@ def _start(
     from chunkstore.processes.router import RunningRouter
     from chunkstore.processes.vllm_server import VllmServer
 
-    _say(f"the daemon: a pool of {args.pool_bytes >> 20} MiB")
+    # The daemon answers on its unix socket alone, in a folder of this user's only: a gRPC
+    # TCP port would let any local user write KV that vLLM serves, and nothing here dials
+    # one (the connector and the router use the socket). No /metrics port either: every
+    # local user could read it, and nothing here scrapes it (`chunkstore serve --metrics
+    # --metrics-token` is a scraped node's daemon).
+    folder = work / "daemon"
+    folder.mkdir(parents=True, exist_ok=True)
+    folder.chmod(0o700)
     daemon = start_daemon(
-        work / "daemon", pool_bytes=args.pool_bytes, block_size=1 << 20, own_session=True
+        folder,
+        *("--tcp", "", "--metrics", ""),
+        pool_bytes=args.pool_bytes,
+        block_size=1 << 20,
+        shm_dir=SHM,
+        own_session=True,
     )
     stack.callback(daemon.stop)
+    _say(
+        f"the daemon (pid {daemon.process.pid}): a pool of {args.pool_bytes >> 20} MiB in "
+        f"{SHM}, on {daemon.unix} alone (this user's)"
+    )
     watched: list[tuple[str, Any]] = [("the daemon", daemon.process)]
     urls = []
     for n in range(args.instances):
@@ -202,13 +220,21 @@ def add_commands(commands: Any) -> None:
         help="a model folder, or a model of `chunkstore models` built on first use (smollm2)",
     )
     up.add_argument("--instances", type=int, default=1, help="vllm serve processes (1)")
-    up.add_argument("--host", default="127.0.0.1", help="the router's address (127.0.0.1)")
-    up.add_argument("--port", type=int, default=8080, help="the router's port (8080; 0: any)")
+    up.add_argument(
+        "--host",
+        type=host_address,
+        default=LOOPBACK,
+        help="the router's address: IPv4, IPv6 or a name (127.0.0.1)",
+    )
+    up.add_argument(
+        "--port", type=port_number, default=8080, help="the router's port (8080; 0: any)"
+    )
     up.add_argument(
         "--pool-bytes",
         type=int,
         default=1 << 30,
-        help="the daemon's pool in bytes (1 GiB: ~23,000 tokens of SmolLM2's fp32 KV)",
+        help="the daemon's pool in bytes, in /dev/shm (1 GiB: ~23,000 tokens of SmolLM2's "
+        "fp32 KV); up refuses to start where /dev/shm or the memory cannot hold it",
     )
     up.add_argument(
         "--max-model-len", type=int, default=8192, help="vLLM's context per request (8192)"

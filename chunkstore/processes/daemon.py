@@ -17,6 +17,7 @@ from typing import Any
 UNIX_PATH_MAX = 107  # sun_path's 108 bytes, its terminating NUL left out
 MEMORY_POOL_BYTES = 64 << 20  # pools from this size up go in /dev/shm (serve_command)
 MEMORY_HEADROOM = 4 << 30  # memory left beside such a pool, for the vLLM a test starts
+SHM = Path("/dev/shm")  # where a node keeps its pool: memory, mapped by its clients
 
 
 @dataclass
@@ -135,20 +136,37 @@ def socket_path(workdir: Path) -> Path:
 
 
 def memory_dir(nbytes: int) -> Path | None:
-    """/dev/shm when it can hold a pool of ``nbytes``: where a deployed daemon keeps its pool
-    (the default ``--shm-dir``), so a bench reads memory, not a file of a disk's page cache
-    (a test's temporary directory may be either). None where it cannot: /dev/shm missing,
-    read-only or too small, or the memory available (/proc/meminfo) short of the pool and
-    ``MEMORY_HEADROOM`` for the vLLM beside it."""
-    shm = Path("/dev/shm")
-    try:
-        free = os.statvfs(shm)
-    except OSError:
-        return None
-    if not os.access(shm, os.W_OK) or free.f_bavail * free.f_frsize <= nbytes:
+    """/dev/shm when it can hold a pool of ``nbytes`` (``pool_room``) with ``MEMORY_HEADROOM``
+    of memory left for the vLLM a test starts beside it: where a deployed daemon keeps its pool
+    (the default ``--shm-dir``), so a bench reads memory, not a file of a disk's page cache (a
+    test's temporary directory may be either). None where it cannot."""
+    if pool_room(nbytes):
         return None
     available = _memory_available()
-    return shm if available is None or available > nbytes + MEMORY_HEADROOM else None
+    return SHM if available is None or available > nbytes + MEMORY_HEADROOM else None
+
+
+def pool_room(nbytes: int, directory: Path = SHM) -> str:
+    """Why a pool of ``nbytes`` cannot be kept in ``directory`` (shared memory), '' where it
+    can: the directory missing or read-only, its free space short of the pool, or the memory
+    available (/proc/meminfo) short of it (the daemon takes the pool's pages at start)."""
+    try:
+        free = os.statvfs(directory)
+    except OSError as err:
+        return f"{directory} cannot hold it: {err.strerror or err}"
+    if not os.access(directory, os.W_OK):
+        return f"{directory} is not writable by this user"
+    room = free.f_bavail * free.f_frsize
+    if room < nbytes:
+        return f"{directory} has {_mib(room)} free, the pool needs {_mib(nbytes)}"
+    available = _memory_available()
+    if available is not None and available < nbytes:
+        return f"the memory available is {_mib(available)}, the pool needs {_mib(nbytes)}"
+    return ""
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):,.0f} MiB"
 
 
 def _memory_available() -> int | None:
