@@ -119,7 +119,9 @@ def serve(settings: Any, host: str, port: int, log_level: str) -> int:
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
     try:
-        listener = socket.create_server((host, port))
+        # The family the address is: IPv6 as well as IPv4 (``create_server`` assumes IPv4).
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        listener = socket.create_server((host, port), family=family)
     except OSError as err:
         print(f"chunkstore: cannot listen on {host}:{port}: {err}", file=sys.stderr)
         return 2
@@ -134,6 +136,7 @@ def serve(settings: Any, host: str, port: int, log_level: str) -> int:
     )
     server = uvicorn.Server(config)
     bound, bound_port = listener.getsockname()[:2]
+    bound = f"[{bound}]" if ":" in bound else bound
     print(json.dumps({"router": f"http://{bound}:{bound_port}"}), flush=True)
     # uvicorn stops gracefully on SIGTERM / SIGINT, then raises the signal again for the
     # handler it found: this one, so that a stop asked for is a clean exit.
