@@ -36,10 +36,10 @@ from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol import streamcopy
 from chunkstore.protocol.convert import layout_to_proto
 from chunkstore.protocol.endpoints import default_address as default_address  # re-exported
+from chunkstore.protocol.keyed_digest import packed
 from chunkstore.protocol.shm import (
     Pieces as Pieces,  # re-exported: where read_each puts an entry in pieces
 )
-from chunkstore.protocol.shm import digest_of_sums
 from chunkstore.protocol.wire import MAX_BATCH
 from chunkstore.transport.base import Digest, Reads, Settings, TransportName, Wanted
 from chunkstore.transport.base import LeasedEntry as LeasedEntry  # re-exported
@@ -382,10 +382,11 @@ class ChunkStoreClient:
     ) -> list[LeasedEntry | None]:
         """Leases on the keys' entries (None where absent). Release them when done.
         ``num_tokens`` (one per key) makes the daemon count this as a lookup too, of
-        ``entry_kind`` entries. ``summed``: each lease carries its entry's ``TensorDigest``
-        too (``LeasedEntry.summed``), which parts of it read apart (``read_runs``) are
-        checked against; a shared-memory pool adds it up at an entry's first such lease (a
-        pass over its bytes, after checking them), a device pool has it.
+        ``entry_kind`` entries. ``summed``: each lease carries a fresh secret key and its
+        entry's keyed sums under it too (``LeasedEntry.summed``, ``keyed_digest``), which
+        parts of it read apart (``read_runs``) are checked against; the daemon adds them up
+        at each such lease, in a pass over the bytes that checks them (an entry that fails
+        is evicted: None).
 
         Raises:
             InvalidRequest: a malformed key, or over MAX_BATCH of them.
@@ -565,7 +566,8 @@ class ChunkStoreClient:
         """Part of a leased entry: its runs of ``length`` bytes at ``starts`` (int64)
         gathered into ``out`` (uint8, one after another; on the device pool's device, else
         the CPU), straight from a pool, or gathered by the daemon over the stream. Returns
-        their two ``TensorDigest`` sums (``device_ipc.run_sums``, on ``out``'s device):
+        their two keyed sums under the lease's key (``device_ipc.keyed_run_sums``, on
+        ``out``'s device):
         nothing is checked here; the sums of parts that together hold every byte of the
         entry once (read by several processes: context-parallel ranks) are checked by
         ``check_sums``. Do not use ``out`` before. ``session``: as ``read_into``'s.
@@ -578,11 +580,8 @@ class ChunkStoreClient:
             ChecksumMismatch: over the stream, not as many bytes as the runs'.
         """
         transport = self._session.transport
-        if not entry.summed:
-            raise InvalidRequest(
-                f"the lease on entry {entry.key.hex()} has no summed checksum to check its "
-                "parts against: acquire it with summed=True"
-            )
+        if entry.summed is None:
+            entry.sum_tables()  # raises: nothing to check the parts against
         inside = not starts.numel() or (
             int(starts.min()) >= 0 and int(starts.max()) + length <= entry.nbytes
         )
@@ -599,13 +598,15 @@ class ChunkStoreClient:
         return sums
 
     def check_sums(
-        self, entry: LeasedEntry, plain: int, weighted: int, session: str | None = None
+        self, entry: LeasedEntry, sums: Sequence[int], session: str | None = None
     ) -> StoreError | None:
-        """Whether the two ``TensorDigest`` sums of every byte of a leased entry, added up
-        from its parts (``read_runs``), make its summed checksum: None if so, else as
-        ``read_each``'s verdicts (the daemon is told)."""
-        digest = digest_of_sums(entry.nbytes, plain, weighted)
-        return self._verdict(entry, digest, session, entry.summed)
+        """Whether the keyed sums of every byte of a leased entry, added up from its parts
+        (``read_runs``; in any range, reduced here), are those its summed lease vouches for:
+        None if so, else as ``read_each``'s verdicts (the daemon is told)."""
+        if entry.summed is None:
+            entry.sum_tables()  # raises: nothing to check the parts against
+        assert entry.summed is not None
+        return self._verdict(entry, packed(sums), session, packed(entry.summed.sums))
 
     def _verdict(
         self,

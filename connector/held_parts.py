@@ -5,9 +5,11 @@ Under context parallelism a rank's cache holds only the positions it owns
 rows whose positions it owns, of the rows loaded and of the others alike (row r of an
 entry loaded at ``actual_start`` from row ``entry_offset`` stands at actual_start -
 entry_offset + r), so that the ranks of a group hold every byte of the entry once between
-them. Each rank adds up its bytes' two ``TensorDigest`` sums; the group adds them up
-(an all-reduce of three integers a load), and each rank checks the total against the
-entry's committed checksum: 1/cp of the bytes read per rank, with the whole entry's check.
+them. Each rank adds up its bytes' two keyed sums (``keyed_digest``: secret weights, the
+key the scheduler's summed lease carries); the group adds them up (an all-reduce of three
+integers a load), and each rank checks the total against the sums the daemon vouched for
+when it granted the lease, of bytes that passed the committed checksum then: 1/cp of the
+bytes read per rank, with the whole entry's check.
 """
 
 from __future__ import annotations

@@ -415,14 +415,15 @@ class Loads:
         self, loads: list[PlannedLoad], failures: list[ChunkStoreError | None]
     ) -> tuple[dict[int, torch.Tensor | HeldPart], bool]:
         """Under context parallelism: each entry's rows this rank owns (``held_parts``), from
-        the pool or over the stream, checked with the group's parts against the summed
-        checksum the scheduler's lease carries; under a lease without it, whole entries,
+        the pool or over the stream, checked with the group's parts against the keyed sums
+        the scheduler's lease carries (its secret key shared by the group through the
+        metadata); under a lease without them, whole entries,
         each checked here. Each rank calls the group's all-reduce once either way (a
         collective: every rank has the step's loads). Updates ``failures``; returns what
         was read (by load) and whether through shared memory."""
         cp, group = self.cache.cp, self.cache.cp_group
         client = self.link.get()
-        sums = torch.zeros(len(loads), 3, dtype=torch.int64)  # plain, weighted, ranks read
+        sums = torch.zeros(len(loads), 3, dtype=torch.int64)  # two keyed sums, ranks read
         parts: dict[int, HeldPart] = {}
         for i, (_, item) in enumerate(loads):
             if client is None or not item.lease.summed or failures[i]:
@@ -443,12 +444,12 @@ class Loads:
         dist.all_reduce(sums, group=group.cpu_group)
         for i in parts:
             assert client is not None  # they were read through it
-            plain, weighted, ranks = sums[i].tolist()
+            *keyed, ranks = sums[i].tolist()
             lease, session = loads[i][1].lease, loads[i][1].session
             if ranks != cp.size:  # the sums are not the whole entry's: nothing is known
                 failures[i] = LoadFailed(f"{cp.size - ranks} other rank(s) could not read theirs")
             else:
-                failures[i] = client.check_sums(lease, plain, weighted, session)
+                failures[i] = client.check_sums(lease, keyed, session)
         whole = [i for i, failure in enumerate(failures) if failure is None and i not in parts]
         buffers = dict(zip(whole, self._buffers([loads[i][1] for i in whole]), strict=True))
         verdicts, _ = self._read([loads[i] for i in whole], [buffers[i] for i in whole])

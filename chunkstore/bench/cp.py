@@ -8,8 +8,8 @@ A real daemon holds one chunk (SmolLM2's KV shape, 1,024 tokens by default: 47 M
 each round times rank 0's part (``ChunkStoreClient.read_runs``, the sums brought to the
 host: what ``Loads`` waits for) and the whole entry (``read_into``, checked), in alternating
 order; ``part_vs_whole`` is the median of their per-round ratios (below 1: the part is
-faster). ``first_summed_ms``: the daemon's one pass over the entry at its first summed lease
-(the shared-memory pool adds the ``TensorDigest`` up then, after checking the xxh3).
+faster). ``first_summed_ms``: a summed Acquire, the daemon's pass over the entry at each
+summed lease (it adds up the keyed sums under the lease's fresh key and checks the xxh3).
 """
 
 from __future__ import annotations

@@ -15,8 +15,16 @@ import torch
 from chunkstore.daemon.pool import Pool
 from chunkstore.errors import DeviceError, InvalidRequest
 from chunkstore.protocol import shm
-from chunkstore.protocol.device_ipc import TensorDigest, gather_runs, parse_device, runtime_for
+from chunkstore.protocol.device_ipc import (
+    DIGEST_PIECE,
+    TensorDigest,
+    gather_runs,
+    keyed_run_sums,
+    parse_device,
+    runtime_for,
+)
 from chunkstore.protocol.device_runtime import IpcHandle
+from chunkstore.protocol.keyed_digest import MODULUS, NO_LANES, SumKey
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +32,8 @@ log = logging.getLogger(__name__)
 class DevicePool(Pool):
     """One device allocation shared by IPC. The daemon's own reads and writes (streamed
     transport, verification) copy through the host; same-node clients copy device to device
-    through their import. Entries are checked with ``TensorDigest``."""
+    through their import. Entries are checked with ``TensorDigest``, and sealed at commit
+    with a key of the daemon's own for summed leases (``seal``)."""
 
     def __init__(self, device: str, block_size: int, num_blocks: int) -> None:
         super().__init__(block_size, num_blocks)
@@ -33,6 +42,7 @@ class DevicePool(Pool):
         self._device = f"{kind}:{index}"
         self.tensor = self.runtime.allocate(index, self.capacity)
         self._handle = self.runtime.export(self.tensor)
+        self._seal_key = SumKey.fresh()  # never leaves this process (``seal``)
         log.info(
             "device pool: %d bytes on %s (%s)", self.capacity, self._device, self._handle.device
         )
@@ -61,14 +71,48 @@ class DevicePool(Pool):
             digest.update(self.tensor[start : start + length])
         return digest.intdigest()
 
-    def summed(self, blocks: Sequence[int], nbytes: int, checksum: int) -> int:
-        """The committed checksum: a device pool's is the ``TensorDigest``."""
-        return checksum
+    def seal(self, blocks: Sequence[int], nbytes: int) -> tuple[int, int]:
+        """The entry's keyed sums under this daemon's own key, which never leaves it: the
+        committed checksum is the writer's ``TensorDigest``, which a change orthogonal to
+        its weights keeps, so a summed lease checks the bytes against this instead."""
+        [sealed] = self._keyed([self._seal_key], blocks, nbytes)
+        return sealed
+
+    def keyed_sums(
+        self,
+        blocks: Sequence[int],
+        nbytes: int,
+        checksum: int,
+        seal: tuple[int, int] | None,
+        key: SumKey,
+    ) -> tuple[int, int] | None:
+        """Under ``key``, of bytes that still make the entry's seal (both from one copy)."""
+        sealed, sums = self._keyed([self._seal_key, key], blocks, nbytes)
+        return sums if seal is not None and sealed == seal else None
+
+    def _keyed(
+        self, keys: Sequence[SumKey], blocks: Sequence[int], nbytes: int
+    ) -> list[tuple[int, int]]:
+        """The entry's keyed sums under each key, all of one private copy of each piece of it
+        (a change made while it is read is in all of them or in none)."""
+        tables = [(key.inner(), key.outer(nbytes)) for key in keys]
+        device = self.tensor.device
+        totals = [torch.zeros(2, dtype=torch.int64, device=device) for _ in keys]
+        copy = torch.empty(min(DIGEST_PIECE, nbytes), dtype=torch.uint8, device=device)
+        for lo in range(0, nbytes, DIGEST_PIECE):
+            piece, at = copy[: min(DIGEST_PIECE, nbytes - lo)], 0
+            for start, length in shm.extents(blocks, self.block_size, lo, lo + len(piece)):
+                piece[at : at + length].copy_(self.tensor[start : start + length])
+                at += length
+            where = torch.tensor([lo], device=device)
+            for total, weights in zip(totals, tables, strict=True):
+                total += keyed_run_sums(piece, where, len(piece), weights)
+        return [(a % MODULUS, b % MODULUS) for a, b in (t.tolist() for t in totals)]
 
     def gather_runs(self, blocks: Sequence[int], starts: np.ndarray, length: int) -> np.ndarray:
         where = torch.from_numpy(starts).to(self.tensor.device)
         out = torch.empty(len(starts) * length, dtype=torch.uint8, device=self.tensor.device)
-        gather_runs(self.tensor, blocks, self.block_size, where, length, out)
+        gather_runs(self.tensor, blocks, self.block_size, where, length, out, NO_LANES)
         return out.cpu().numpy()
 
     def scatter(self, blocks: Sequence[int], data: np.ndarray, offset: int = 0) -> None:

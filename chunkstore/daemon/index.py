@@ -48,6 +48,7 @@ from chunkstore.errors import (
     WrongState,
 )
 from chunkstore.kv.entry import EntryKind, EntryLayout
+from chunkstore.protocol.keyed_digest import SumKey, Summed
 from chunkstore.protocol.shm import Pieces
 
 log = logging.getLogger(__name__)
@@ -332,6 +333,8 @@ class Index:
         """Make a reservation readable. With ``verify`` (default: ``verify_commits``) the
         pool's bytes are hashed and must match the writer's checksum; a mismatch aborts the
         reservation."""
+        held = self.reservation(session_id, reservation_id)  # sealed outside the lock
+        seal = self.pool.seal(held.blocks, held.nbytes)
         with self.lock:
             reservation = self.reservation(session_id, reservation_id)
             if streamed and reservation.written != reservation.nbytes:
@@ -355,6 +358,7 @@ class Index:
                 reservation.blocks,
                 claimed_checksum,
                 tenant=reservation.tenant,
+                seal=seal,
             )
             self._add(entry)
             self._evict_to_watermark()
@@ -480,12 +484,20 @@ class Index:
                     corrupt.append(key)
         return corrupt
 
-    def summed(self, entry: Entry) -> int:
-        """A leased entry's ``TensorDigest`` (0: its pool bytes failed its checksum), from its
-        pool bytes at the first call, outside the lock: a lease keeps its blocks."""
-        if entry.summed is None:
-            entry.summed = self.pool.summed(entry.blocks, entry.nbytes, entry.checksum)
-        return entry.summed
+    def summed(self, lease: Lease) -> Summed | None:
+        """A fresh key and the leased entry's keyed sums under it (``Pool.keyed_sums``), of
+        its pool bytes now, checked in the same pass (outside the lock: a lease keeps its
+        blocks). None where they fail: the entry is evicted as corrupt and the lease ends."""
+        entry, key = lease.entry, SumKey.fresh()
+        sums = self.pool.keyed_sums(entry.blocks, entry.nbytes, entry.checksum, entry.seal, key)
+        if sums is not None:
+            return Summed(key, sums)
+        with self.lock:
+            if self.holders.leases.get(lease.id) is lease:
+                self._drop_lease(lease)
+            if self._entries.get(entry.key) is entry:
+                self._evict(entry, "corrupt")
+        return None
 
     def set_budgets(self, budgets: dict[str, Budget]) -> None:
         """The tenants' budgets from now on (a reload): nothing is evicted now; a tenant past

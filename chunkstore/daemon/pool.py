@@ -24,6 +24,7 @@ import numpy as np
 
 from chunkstore.errors import InvalidRequest
 from chunkstore.protocol import shm
+from chunkstore.protocol.keyed_digest import NO_LANES, SumKey
 
 if TYPE_CHECKING:
     from chunkstore.protocol.device_runtime import IpcHandle
@@ -92,19 +93,35 @@ class Pool(ABC):
     def checksum(self, blocks: Sequence[int], nbytes: int) -> int:
         """An entry's checksum, computed from its pool bytes the way its writers compute it."""
 
-    def summed(self, blocks: Sequence[int], nbytes: int, checksum: int) -> int:
-        """An entry's ``TensorDigest`` (``shm.summed``): what the sums of parts of it, read
-        apart, add up to; 0 where its pool bytes are not those committed under ``checksum``
-        (a part's sums could not be trusted)."""
-        if self.checksum(blocks, nbytes) != checksum:
-            return 0
-        return shm.summed(self.region(), blocks, self.block_size, nbytes)
+    def seal(self, blocks: Sequence[int], nbytes: int) -> tuple[int, int] | None:
+        """What a committed entry's bytes are later checked against before a summed lease
+        vouches for them, where the commit checksum cannot be trusted to (a device pool's:
+        its writer's ``TensorDigest``, forgeable). None: the checksum serves."""
+        return None
+
+    def keyed_sums(
+        self,
+        blocks: Sequence[int],
+        nbytes: int,
+        checksum: int,
+        seal: tuple[int, int] | None,
+        key: SumKey,
+    ) -> tuple[int, int] | None:
+        """An entry's keyed sums under ``key`` (``keyed_digest``): what the sums of parts of
+        it, read apart under a lease that carries the key, add up to. Of its pool bytes now,
+        in the pass that checks them against the committed ``checksum`` (each stripe copied
+        once, both computed from the copy); None where they fail it."""
+        weights = (key.inner(), key.outer(nbytes))
+        region = self.region()
+        actual, sums = shm.keyed_and_checksum(region, blocks, self.block_size, nbytes, weights)
+        return sums if actual == checksum else None
 
     def gather_runs(self, blocks: Sequence[int], starts: np.ndarray, length: int) -> np.ndarray:
         """An entry's runs of ``length`` bytes at ``starts`` (int64), one after another, to
-        the host (``shm.gather_runs_summed``; the reader sums what it receives)."""
+        the host (``shm.gather_runs_summed``, a copy: the reader sums what it receives)."""
         out = np.empty(len(starts) * length, dtype=np.uint8)
-        shm.gather_runs_summed(self.region(), blocks, self.block_size, starts, length, out)
+        region = self.region()
+        shm.gather_runs_summed(region, blocks, self.block_size, starts, length, out, NO_LANES)
         return out
 
     @abstractmethod

@@ -37,7 +37,7 @@ class Entry:
     spill: Spill = Spill.NONE
     tenant: str = ""  # whose namespace it is in ("" shared; tenants.py)
     rank: float = 0.0  # its place in the eviction order, set when it became evictable
-    summed: int | None = None  # its TensorDigest once a lease asked (``Index.summed``)
+    seal: tuple[int, int] | None = None  # a device pool's, at commit (``Pool.seal``)
     # Its lease message less the lease's id and key (service.py's Acquire), made at its first
     # lease and copied for each: its layout, bytes, blocks and checksum never change.
     lease_message: Any = field(default=None, repr=False, compare=False)

@@ -44,7 +44,7 @@ from chunkstore.errors import (
 from chunkstore.kv.entry import EntryKind, check_entry_kind
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol import chunkstore_pb2_grpc as pb_grpc
-from chunkstore.protocol.convert import layout_from_proto, lease_to_proto
+from chunkstore.protocol.convert import add_summed, layout_from_proto, lease_to_proto
 from chunkstore.protocol.shm import block_runs
 from chunkstore.protocol.wire import MAX_BATCH, MAX_MESSAGE, status_of
 
@@ -319,6 +319,9 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
             if got is None:
                 continue
             lease, entry = got
+            summed = self.index.summed(lease) if request.summed else None
+            if request.summed and summed is None:  # not the committed bytes: evicted
+                continue
             if entry.lease_message is None:  # a copy of it costs a quarter of making it
                 entry.lease_message = lease_to_proto(
                     entry.layout, entry.nbytes, entry.blocks, entry.checksum
@@ -326,8 +329,8 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
             message.CopyFrom(entry.lease_message)
             message.lease_id = lease.id
             message.key = key  # as the caller named it
-            if request.summed:
-                message.summed = self.index.summed(entry)
+            if summed is not None:
+                add_summed(message, summed)
         return reply
 
     @_rpc

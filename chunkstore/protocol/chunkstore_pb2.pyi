@@ -197,22 +197,24 @@ class AcquireRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., entry_kind: _Optional[str] = ..., tenant: _Optional[str] = ..., summed: _Optional[bool] = ...) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("lease_id", "key", "layout", "nbytes", "blocks", "checksum", "summed")
+    __slots__ = ("lease_id", "key", "layout", "nbytes", "blocks", "checksum", "sum_key", "keyed_sums")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
-    SUMMED_FIELD_NUMBER: _ClassVar[int]
+    SUM_KEY_FIELD_NUMBER: _ClassVar[int]
+    KEYED_SUMS_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     key: bytes
     layout: EntryLayout
     nbytes: int
     blocks: _containers.RepeatedScalarFieldContainer[int]
     checksum: int
-    summed: int
-    def __init__(self, lease_id: _Optional[int] = ..., key: _Optional[bytes] = ..., layout: _Optional[_Union[EntryLayout, _Mapping]] = ..., nbytes: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., checksum: _Optional[int] = ..., summed: _Optional[int] = ...) -> None: ...
+    sum_key: _containers.RepeatedScalarFieldContainer[int]
+    keyed_sums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[int] = ..., key: _Optional[bytes] = ..., layout: _Optional[_Union[EntryLayout, _Mapping]] = ..., nbytes: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., checksum: _Optional[int] = ..., sum_key: _Optional[_Iterable[int]] = ..., keyed_sums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AcquireReply(_message.Message):
     __slots__ = ("leases", "block_size")

@@ -11,8 +11,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
+from chunkstore.errors import InvalidRequest
 from chunkstore.kv.entry import EntryLayout
 from chunkstore.protocol import chunkstore_pb2 as pb
+from chunkstore.protocol.keyed_digest import LANES, SumKey, Summed
 
 # EntryLayout: an entry's shape (requests, leases, disk headers)
 
@@ -58,7 +62,20 @@ class LeasedEntry:
     nbytes: int
     blocks: list[int]
     checksum: int
-    summed: int = 0  # its ``TensorDigest``, what read parts add up to; 0: not known
+    summed: Summed | None = None  # its keyed sums and their key, what read parts add up to
+
+    def sum_tables(self) -> tuple[np.ndarray, np.ndarray]:
+        """The weights its parts are summed with (``SumKey.tables``) under a summed lease.
+
+        Raises:
+            InvalidRequest: the lease was not taken summed (nothing to check parts against).
+        """
+        if self.summed is None:
+            raise InvalidRequest(
+                f"the lease on entry {self.key.hex()} has no summed checksum to check its "
+                "parts against: acquire it with summed=True"
+            )
+        return self.summed.key.tables(self.nbytes)
 
     @classmethod
     def from_proto(cls, lease: pb.Lease) -> LeasedEntry | None:
@@ -72,8 +89,15 @@ class LeasedEntry:
             lease.nbytes,
             list(lease.blocks),
             lease.checksum,
-            lease.summed,
+            _summed_of(lease),
         )
+
+
+def _summed_of(lease: pb.Lease) -> Summed | None:
+    """A summed lease's key and sums (None: not summed, or lanes this client cannot check)."""
+    if not len(lease.sum_key) == len(lease.keyed_sums) == LANES:
+        return None
+    return Summed(SumKey(tuple(lease.sum_key)), tuple(lease.keyed_sums))
 
 
 _LAYOUTS: dict[bytes, EntryLayout] = {}  # layouts read, by their message's bytes
@@ -94,17 +118,26 @@ def _layout_of(message: pb.EntryLayout) -> EntryLayout:
 
 
 def lease_to_proto(
-    layout: EntryLayout, nbytes: int, blocks: Sequence[int], checksum: int, summed: int = 0
+    layout: EntryLayout,
+    nbytes: int,
+    blocks: Sequence[int],
+    checksum: int,
+    summed: Summed | None = None,
 ) -> pb.Lease:
     """What a lease says of its entry (the daemon keeps it with the entry and copies it per
-    grant, setting the grant's ``lease_id`` and ``key``)."""
-    return pb.Lease(
-        layout=layout_to_proto(layout),
-        nbytes=nbytes,
-        blocks=blocks,
-        checksum=checksum,
-        summed=summed,
+    grant, setting the grant's ``lease_id`` and ``key``, and a summed grant's sums)."""
+    message = pb.Lease(
+        layout=layout_to_proto(layout), nbytes=nbytes, blocks=blocks, checksum=checksum
     )
+    if summed is not None:
+        add_summed(message, summed)
+    return message
+
+
+def add_summed(message: pb.Lease, summed: Summed) -> None:
+    """A summed grant's key and sums, onto its lease message."""
+    message.sum_key.extend(summed.key.seeds)
+    message.keyed_sums.extend(summed.sums)
 
 
 # TransferEndpoint: where a peer's transfer engine reads a pool (Hello)

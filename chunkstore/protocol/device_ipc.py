@@ -32,15 +32,19 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from chunkstore.errors import DeviceError, InvalidRequest
 from chunkstore.protocol.device_runtime import DeviceIPC, IpcHandle
 from chunkstore.protocol.fake_device import FakeDeviceIPC
+from chunkstore.protocol.keyed_digest import MODULUS, SPAN
 from chunkstore.protocol.shm import SUM_MODULUS as _MODULUS
 from chunkstore.protocol.shm import digest_of_sums, extents, gather_runs_summed
 
 log = logging.getLogger(__name__)
+
+Weights = tuple[np.ndarray, np.ndarray]  # a SumKey's inner and outer tables (keyed_digest)
 
 
 class TorchIPC(DeviceIPC):
@@ -225,7 +229,7 @@ def synchronize_pool(handle: IpcHandle) -> None:
 # Data path ---------------------------------------------------------------------------------
 
 DIGEST_PIECE = 4 << 20
-RUN_PIECE = 256 << 10  # bytes of runs summed at a time (``run_sums``)
+RUN_PIECE = 256 << 10  # bytes of runs summed at a time (``keyed_run_sums``)
 
 
 class TensorDigest:
@@ -274,28 +278,41 @@ class TensorDigest:
         return digest_of_sums(self.length, plain, weighted)
 
 
-def run_sums(data: torch.Tensor, starts: torch.Tensor, length: int) -> torch.Tensor:
-    """``TensorDigest``'s two sums, [plain, weighted] (int64, on the bytes' device), of runs
-    of an entry's bytes: ``data`` (uint8) holds runs of ``length`` bytes one after another,
-    the run at ``starts[i]`` (int64) in the entry i-th. Parts that together hold each of the
-    entry's bytes once have sums that add up to the entry's (``digest_of_sums``). On the
-    CPU: numba's loop (``runs_kernel``)."""
+def keyed_run_sums(
+    data: torch.Tensor, starts: torch.Tensor, length: int, weights: Weights
+) -> torch.Tensor:
+    """The two keyed sums (``keyed_digest``; ``weights``: a ``SumKey``'s tables for the
+    entry), int64 [2] on the bytes' device, of runs of an entry's bytes: ``data`` (uint8)
+    holds runs of ``length`` bytes one after another, the run at ``starts[i]`` (int64) in
+    the entry i-th. Parts that together hold each of the entry's bytes once have sums that
+    add up (mod ``MODULUS``) to the entry's. On the CPU: numba's loop (``runs_kernel``);
+    elsewhere torch's (``keyed_run_sums_torch``)."""
     if data.device.type == "cpu":
         from chunkstore.protocol.runs_kernel import sums_of_runs
 
-        sums = sums_of_runs(data.numpy(), starts.numpy(), length, _MODULUS)
-        return torch.tensor([int(s) for s in sums])
-    sums = torch.zeros(2, dtype=torch.int64, device=data.device)
+        return torch.from_numpy(sums_of_runs(data.numpy(), starts.numpy(), length, *weights))
+    return keyed_run_sums_torch(data, starts, length, weights)
+
+
+def keyed_run_sums_torch(
+    data: torch.Tensor, starts: torch.Tensor, length: int, weights: Weights
+) -> torch.Tensor:
+    """``keyed_run_sums`` in torch's int64 ops, on any device (a device pool's; tested on
+    the CPU): each span's products added up, then weighted by its outer weight."""
+    if not len(weights[0]):  # ``NO_LANES``: a copy alone
+        return torch.zeros(0, dtype=torch.int64, device=data.device)
+    inner, outer = (torch.from_numpy(w.astype(np.int64)).to(data.device) for w in weights)
+    spans = torch.zeros(outer.shape, dtype=torch.int64, device=data.device)  # under 2^50 each
     step = max(1, RUN_PIECE // length)  # runs at a time: the temporaries stay in cache
-    offsets = (torch.arange(length, device=data.device) % _MODULUS).to(torch.int32)
-    phases = (starts % _MODULUS).to(torch.int32)
+    offsets = torch.arange(length, device=data.device)
     runs = data.view(-1, length)
     for lo in range(0, runs.shape[0], step):
-        wide = runs[lo : lo + step].to(torch.int32)
-        weights = (phases[lo : lo + step, None] + offsets) % _MODULUS + 1
-        sums[0] += wide.sum(dtype=torch.int64)
-        sums[1] += (wide * weights).sum(dtype=torch.int64)
-    return sums
+        at = (starts[lo : lo + step, None] + offsets).flatten()
+        wide = runs[lo : lo + step].flatten().to(torch.int64)
+        which, within = at // SPAN, at % SPAN
+        for lane in range(spans.shape[0]):
+            spans[lane].index_add_(0, which, wide * inner[lane, within])
+    return (spans % MODULUS * outer % MODULUS).sum(1) % MODULUS
 
 
 _weight_tables: dict[torch.device, torch.Tensor] = {}
@@ -345,14 +362,15 @@ def gather_runs(
     starts: torch.Tensor,
     length: int,
     out: torch.Tensor,
+    weights: Weights,
 ) -> torch.Tensor:
     """Runs of ``length`` bytes of the entry, at ``starts`` (int64, on the pool's device),
     copied into ``out`` (uint8, one after another, on the pool's device) in one gather of the
-    widest words that divide them, and their ``run_sums``: a context-parallel rank's part
-    of an entry, checked with the other ranks' parts. On the CPU (a mapped pool, the fake
-    device): gathered and summed in one pass by numba's loop (``runs_kernel``)."""
+    widest words that divide them, and their ``keyed_run_sums``: a context-parallel rank's
+    part of an entry, checked with the other ranks' parts. On the CPU (a mapped pool, the
+    fake device): gathered and summed in one pass by numba's loop (``runs_kernel``)."""
     if pool.device.type == "cpu":
-        args = (pool.numpy(), blocks, block_size, starts.numpy(), length, out.numpy())
+        args = (pool.numpy(), blocks, block_size, starts.numpy(), length, out.numpy(), weights)
         return torch.tensor(gather_runs_summed(*args))
     word = next(
         w
@@ -369,7 +387,7 @@ def gather_runs(
     table = torch.as_tensor(list(blocks), dtype=torch.int64, device=pool.device)
     where = (table[at // per_block] * per_block + at % per_block).flatten()
     torch.index_select(pool.view(_WORDS[word]), 0, where, out=out.view(_WORDS[word]))
-    return run_sums(out, starts, length)
+    return keyed_run_sums(out, starts, length, weights)
 
 
 def gather_tensor(

@@ -1,13 +1,14 @@
-"""The numba kernels behind ``device_ipc.gather_runs`` and ``run_sums`` on CPU memory (a mapped
-pool, the fake device's, bytes off the stream): a context-parallel rank's runs of an entry's
-bytes gathered and summed in one pass (imported at the first call, as ``streamcopy_kernel``
-is: vLLM scans a worker's loaded modules and trips on numba's objects).
+"""The numba kernels behind ``device_ipc.gather_runs`` and ``keyed_run_sums`` on CPU memory (a
+mapped pool, the fake device's, bytes off the stream), and the daemon's pass over an entry
+at a summed lease: runs of an entry's bytes copied and summed with ``keyed_digest``'s
+secret weights in one pass (imported at the first call, as ``streamcopy_kernel`` is: vLLM
+scans a worker's loaded modules and trips on numba's objects).
 
-torch's ops took 250 ms for a DCP 2 rank's half of a 47 MB entry here (30x a whole read and
-check), most of it the weights made per byte. A run's weights are consecutive, so
-``sum(b_j * (w + j)) = w * sum(b_j) + sum(j * b_j)``: the loop copies a byte and adds two
-int32 sums over pieces of at most 2 KiB (a vectorized loop), and the weights wrap from
-the modulus to 1 between pieces: 16 ms for that half, one thread.
+A run is cut at the weights' spans: within one, each lane's sum is a dot product of the
+bytes with a slice of the lane's inner table, in uint64 (a byte times a 31-bit weight, over
+2048 bytes: under 2^50; the products of zero-extended 32-bit values vectorize without
+AVX-512), then reduced and weighted by the span's outer weight. Both lanes in one loop over
+the bytes, each copied once: the sums are of the bytes the copy holds.
 """
 
 from __future__ import annotations
@@ -15,58 +16,60 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-Sums = tuple[np.signedinteger, np.signedinteger]  # plain, weighted (int64)
-_PIECE = 2048  # bytes summed in int32: 255 x 2048^2 / 2 < 2^31
-_RAMP = np.arange(_PIECE, dtype=np.int32)  # a piece's offsets, as int32 (no cast a byte)
+from chunkstore.protocol.keyed_digest import MODULUS, SPAN
+
+_MOD = np.uint64(MODULUS)
 
 
 @njit(nogil=True, cache=True, boundscheck=False)
-def _piece(source: np.ndarray, target: np.ndarray, phase: int) -> Sums:
-    """``source`` (at most _PIECE bytes, whose first byte's weight is phase + 1, without a
-    wrap) copied into ``target``; its plain and weighted sums."""
-    plain = np.int32(0)
-    linear = np.int32(0)
-    for j in range(source.shape[0]):
-        b = source[j]
-        target[j] = b
-        v = np.int32(b)
-        plain += v
-        linear += v * _RAMP[j]
-    return np.int64(plain), np.int64(plain) * (phase + 1) + linear
-
-
-@njit(nogil=True, cache=True, boundscheck=False)
-def _run(source: np.ndarray, target: np.ndarray, position: int, modulus: int) -> Sums:
-    """``source`` (bytes of the entry from ``position`` on) copied into ``target``; its
-    plain and weighted sums, a byte's weight its position modulo ``modulus``, plus 1."""
-    plain = np.int64(0)
-    weighted = np.int64(0)
+def _run(
+    source: np.ndarray,
+    target: np.ndarray,
+    position: int,
+    inner: np.ndarray,
+    outer: np.ndarray,
+    sums: np.ndarray,
+) -> None:
+    """``source`` (bytes of the entry from ``position`` on) copied into ``target``, their
+    keyed sums added into ``sums`` (two lanes, each kept below MODULUS; ``inner`` uint32
+    [2, SPAN], ``outer`` int64 [2, spans]). No lanes in ``inner``: a copy only."""
+    if inner.shape[0] == 0:
+        target[:] = source
+        return
     done = 0
     while done < source.shape[0]:
-        phase = (position + done) % modulus
-        take = min(source.shape[0] - done, modulus - phase, _PIECE)
-        p, w = _piece(source[done : done + take], target[done : done + take], phase)
-        plain += p
-        weighted += w
+        at = position + done
+        offset = at % SPAN
+        take = min(source.shape[0] - done, SPAN - offset)
+        piece, into = source[done : done + take], target[done : done + take]
+        first, second = inner[0, offset : offset + take], inner[1, offset : offset + take]
+        a = np.uint64(0)
+        b = np.uint64(0)
+        for j in range(take):
+            byte = piece[j]
+            into[j] = byte
+            a += np.uint64(byte) * np.uint64(first[j])
+            b += np.uint64(byte) * np.uint64(second[j])
+        span = at // SPAN
+        sums[0] = (sums[0] + np.int64(a % _MOD) * outer[0, span]) % MODULUS
+        sums[1] = (sums[1] + np.int64(b % _MOD) * outer[1, span]) % MODULUS
         done += take
-    return plain, weighted
 
 
 @njit(nogil=True, cache=True, boundscheck=False)
-def gather_summed(
+def gather_keyed(
     region: np.ndarray,
     blocks: np.ndarray,
     block_size: int,
     starts: np.ndarray,
     length: int,
     out: np.ndarray,
-    modulus: int,
-) -> Sums:
+    inner: np.ndarray,
+    outer: np.ndarray,
+) -> np.ndarray:
     """The runs of ``length`` bytes of an entry at ``starts`` copied out of its ``blocks``
-    of ``region`` into ``out`` one after another; their plain and weighted sums (``_run``'s,
-    ``modulus``: ``shm.SUM_MODULUS``)."""
-    plain = np.int64(0)
-    weighted = np.int64(0)
+    of ``region`` into ``out`` one after another; their keyed sums (``_run``'s), int64[2]."""
+    sums = np.zeros(2, dtype=np.int64)
     at = 0
     for r in range(starts.shape[0]):
         position = starts[r]
@@ -75,23 +78,20 @@ def gather_summed(
             offset = position % block_size
             take = min(end - position, block_size - offset)
             source = blocks[position // block_size] * block_size + offset
-            p, w = _run(region[source : source + take], out[at : at + take], position, modulus)
-            plain += p
-            weighted += w
+            _run(region[source : source + take], out[at : at + take], position, inner, outer, sums)
             at += take
             position += take
-    return plain, weighted
+    return sums
 
 
 @njit(nogil=True, cache=True, boundscheck=False)
-def sums_of_runs(data: np.ndarray, starts: np.ndarray, length: int, modulus: int) -> Sums:
-    """Plain and weighted sums of runs of ``length`` bytes held one after another in
-    ``data``, the run at ``starts[r]`` in the entry the r-th (``_run``'s)."""
-    plain = np.int64(0)
-    weighted = np.int64(0)
+def sums_of_runs(
+    data: np.ndarray, starts: np.ndarray, length: int, inner: np.ndarray, outer: np.ndarray
+) -> np.ndarray:
+    """Keyed sums (int64[2]) of runs of ``length`` bytes held one after another in ``data``,
+    the run at ``starts[r]`` in the entry the r-th (``_run``'s)."""
+    sums = np.zeros(2, dtype=np.int64)
     for r in range(starts.shape[0]):
         run = data[r * length : (r + 1) * length]
-        p, w = _run(run, run, starts[r], modulus)  # a copy onto itself: the same loop
-        plain += p
-        weighted += w
-    return plain, weighted
+        _run(run, run, starts[r], inner, outer, sums)  # a copy onto itself: the same loop
+    return sums

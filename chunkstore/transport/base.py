@@ -165,8 +165,8 @@ class Transport(ABC):
         self, entry: LeasedEntry, starts: torch.Tensor, length: int, out: torch.Tensor, session: str
     ) -> torch.Tensor:
         """Copy the leased entry's runs of ``length`` bytes at ``starts`` (int64, where
-        ``out`` is) into ``out`` one after another: their two ``TensorDigest`` sums
-        (``device_ipc.run_sums``), not yet compared with anything."""
+        ``out`` is) into ``out`` one after another: their two keyed sums under the lease's
+        key (``device_ipc.keyed_run_sums``), not yet compared with anything."""
 
 
 class EntryAtATime(Transport):

@@ -95,4 +95,5 @@ class DevicePoolTransport(EntryAtATime):
     def read_runs(
         self, entry: LeasedEntry, starts: torch.Tensor, length: int, out: torch.Tensor, session: str
     ) -> torch.Tensor:
-        return gather_runs(self._pool, entry.blocks, self.block_size, starts, length, out)
+        weights = entry.sum_tables()
+        return gather_runs(self._pool, entry.blocks, self.block_size, starts, length, out, weights)

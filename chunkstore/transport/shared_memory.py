@@ -124,7 +124,8 @@ class SharedMemoryTransport(Transport):
         """Gathered straight from the mapped pool (host memory: ``out`` on the CPU), and
         summed on the way, over ``copy_threads``."""
         args = (self.region, entry.blocks, self.block_size, starts.numpy(), length, out.numpy())
-        return torch.tensor(gather_runs_summed(*args, threads=self.copy_threads))
+        sums = gather_runs_summed(*args, entry.sum_tables(), threads=self.copy_threads)
+        return torch.tensor(sums)
 
     def read_spans(
         self, entry: LeasedEntry, spans: Sequence[tuple[int, int]], out: np.ndarray

@@ -12,7 +12,7 @@ import torch
 
 from chunkstore.errors import ChecksumMismatch
 from chunkstore.protocol import chunkstore_pb2 as pb
-from chunkstore.protocol.device_ipc import TensorDigest, run_sums
+from chunkstore.protocol.device_ipc import TensorDigest, keyed_run_sums
 from chunkstore.protocol.wire import typed_error
 from chunkstore.transport.base import (
     Digest,
@@ -106,4 +106,4 @@ class StreamTransport(EntryAtATime):
             run_bytes=length,
         )
         self._receive(request, out.numpy())
-        return run_sums(out, starts, length)
+        return keyed_run_sums(out, starts, length, entry.sum_tables())

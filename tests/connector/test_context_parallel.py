@@ -27,7 +27,7 @@ import grpc
 import pytest
 import torch
 
-from chunkstore.client import ChunkStoreClient
+from chunkstore.client import ChunkStoreClient, LeasedEntry
 from chunkstore.errors import InvalidRequest
 from chunkstore.kv.fingerprint import ModelFingerprint
 from chunkstore.kv.keys import KVLayout
@@ -35,7 +35,8 @@ from chunkstore.kv.keyspace import KeySpace
 from chunkstore.kv.rope import RotaryConfig
 from chunkstore.processes.daemon import RunningDaemon
 from chunkstore.protocol import chunkstore_pb2 as pb
-from chunkstore.protocol.device_ipc import TensorDigest, run_sums
+from chunkstore.protocol.device_ipc import keyed_run_sums
+from chunkstore.protocol.keyed_digest import keyed_sums
 from chunkstore.testing.entries import corrupt_entry, entry_key, random_kv
 from chunkstore_vllm.client_holder import DaemonLink
 from chunkstore_vllm.common import ChunkStoreMetadata, LoadItem, RequestPlan, SaveItem
@@ -289,16 +290,23 @@ def cp_rank(addresses: list[str], store: str, world: int, rank: int, out: str) -
             link = DaemonLink(config, f"cp-rank-{rank}", stats)
             loads = Loads(cache, model_keys(), config, link, stats)
             with ChunkStoreClient(address) as client:  # the scheduler's, as it acquires
-                [lease] = client.acquire([entry_key(30 + case)], summed=case != UNSUMMED)
-                assert lease is not None
-                item = LoadItem(
-                    lease.key, skipped, START + skipped, TOKENS - skipped, lease, client.session
-                )
+                granted: list[Any] = [None, ""]  # one lease for the group: its key the same
+                if rank == 0:
+                    [lease] = client.acquire([entry_key(30 + case)], summed=case != UNSUMMED)
+                    assert lease is not None
+                    if case == CORRUPT:  # after the lease: the group's keyed sums catch it
+                        flip_a_byte(client, lease)
+                    granted = [lease, client.session]
+                dist.broadcast_object_list(granted, src=0)  # the scheduler's metadata
+                lease, session = granted
+                rows = skipped, START + skipped, TOKENS - skipped
+                item = LoadItem(lease.key, *rows, lease, session)
                 plan = RequestPlan("r", table_for(world), loads=[item])
                 loads.start(ChunkStoreMetadata([plan]))
                 failed = loads.failed_blocks()
                 dist.barrier()  # every rank checked before any lets go of the entry
-                client.release([lease.lease_id])
+                if rank == 0:
+                    client.release([lease.lease_id])
             loads.shutdown()
             link_client = link.get()
             transport = None if link_client is None else link_client.transport
@@ -318,14 +326,23 @@ def cp_rank(addresses: list[str], store: str, world: int, rank: int, out: str) -
     dist.destroy_process_group()
 
 
+def flip_a_byte(client: ChunkStoreClient, lease: LeasedEntry) -> None:
+    """A byte of a leased entry flipped in the pool (the eighth; shared memory or device)."""
+    at = lease.blocks[0] * client.block_size + 7
+    pool = client.device_pool if client.device_pool is not None else client.region
+    assert pool is not None
+    pool[at] ^= 0xFF
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_each_rank_reads_only_its_rows_and_the_ranks_store_what_one_process_stores(
     serve, tmp_path, world: int
 ) -> None:
     """From a device pool, from the shared-memory pool and over the stream, 1/world of an
     entry's bytes read per rank, every byte by one rank, the entry's summed checksum made
-    of the ranks' sums: the cache each rank holds is the CP 1 load re-sharded; a byte
-    flipped in one rank's rows fails the load on every rank; a lease without the summed
+    of the ranks' keyed sums under the scheduler's one lease: the cache each rank holds is
+    the CP 1 load re-sharded; a byte flipped in the pool after the lease fails the load on
+    every rank; a lease without the summed
     checksum is read whole by every rank. The ranks, each holding its own tokens of a
     computed chunk, store the entry one process stores; a copy-1 cache stores nothing."""
     daemons = [
@@ -339,10 +356,6 @@ def test_each_rank_reads_only_its_rows_and_the_ranks_store_what_one_process_stor
             for case in range(len(CASES)):
                 kv = random_kv(TOKENS, seed=30 + case, heads=HEADS)
                 assert client.put(entry_key(30 + case), *kv, STORED_AT)
-            [lease] = client.acquire([entry_key(30 + CORRUPT)], summed=True)  # summed now
-            assert lease is not None and lease.summed
-            client.release([lease.lease_id])
-        corrupt_entry(daemon, entry_key(30 + CORRUPT))  # after: the sums are the check
     references = {
         case: loaded(daemons[0], entry_key(30 + case), CpRank(), table_for(1), skipped)[0]
         for case, (_, skipped) in enumerate(CASES)
@@ -411,10 +424,10 @@ def test_each_rank_reads_only_its_rows_and_the_ranks_store_what_one_process_stor
             assert all(not cache.any() for cache in got["caches"])  # nothing written
 
 
-def test_a_lease_carries_the_summed_checksum_of_bytes_that_pass_their_own(serve) -> None:
-    """The shared-memory pool's summed checksum is the ``TensorDigest`` of the entry's
-    bytes, added up once they passed the committed checksum; of bytes that did not, there
-    is none, and a read of runs refuses the lease (it is read whole, and fails). Over the
+def test_a_lease_carries_the_keyed_sums_of_bytes_that_pass_their_own(serve) -> None:
+    """A summed lease carries a fresh key and the entry's keyed sums under it, added up as
+    it was granted from bytes that passed the committed checksum; an entry whose bytes do
+    not is evicted (no lease), and a read of runs refuses a lease without a key. Over the
     stream the daemon gathers the runs, and refuses runs outside the entry or more bytes
     than it holds."""
     daemon = serve(pool_bytes=32 << 20, block_size=1 << 16)
@@ -426,26 +439,27 @@ def test_a_lease_carries_the_summed_checksum_of_bytes_that_pass_their_own(serve)
         corrupt_entry(daemon, entry_key(41))
         [unsummed] = client.acquire([entry_key(40)])
         good, bad = client.acquire([entry_key(40), entry_key(41)], summed=True)
-        assert unsummed is not None and good is not None and bad is not None
-        digest = TensorDigest()
-        digest.update(stored)
-        assert unsummed.summed == 0 and good.summed == digest.intdigest() != good.checksum
-        assert bad.summed == 0
+        assert unsummed is not None and unsummed.summed is None and bad is None
+        assert good is not None and good.summed is not None
+        weights = good.sum_tables()
+        assert list(good.summed.sums) == keyed_sums(stored.numpy(), 0, *weights)
+        assert client.stats().evictions["corrupt"] == 1
         starts, out = torch.tensor([0, 64, len(stored) - 8]), torch.empty(24, dtype=torch.uint8)
-        for lease in (bad, unsummed):
-            with pytest.raises(InvalidRequest, match="no summed checksum"):
-                client.read_runs(lease, starts, 8, out)
+        with pytest.raises(InvalidRequest, match="no summed checksum"):
+            client.read_runs(unsummed, starts, 8, out)
         with pytest.raises(InvalidRequest, match="outside entry"):
             client.read_runs(good, starts + 4, 8, out)
         sums = client.read_runs(good, starts, 8, out)
         assert torch.equal(out, torch.cat([stored[at : at + 8] for at in starts.tolist()]))
-        assert torch.equal(sums, run_sums(out, starts, 8))
+        assert torch.equal(sums, keyed_run_sums(out, starts, 8, weights))
     with ChunkStoreClient(daemon.unix, transport="stream") as client:  # the daemon gathers
         [lease] = client.acquire([entry_key(40)], summed=True)
-        assert lease is not None and lease.summed == good.summed
+        assert lease is not None and lease.summed is not None
+        assert lease.summed.key != good.summed.key  # a key a lease
         out.zero_()
-        assert torch.equal(client.read_runs(lease, starts, 8, out), sums)
+        sums = client.read_runs(lease, starts, 8, out)
         assert torch.equal(out, torch.cat([stored[at : at + 8] for at in starts.tolist()]))
+        assert torch.equal(sums, keyed_run_sums(out, starts, 8, lease.sum_tables()))
         too_many = len(stored) // 8 + 1  # more than the entry's bytes: refused
         for runs, length in [
             ([len(stored) - 4], 8),

@@ -20,10 +20,10 @@ import torch
 from chunkstore.client import ChunkStoreClient
 from chunkstore.errors import ChecksumMismatch, DeviceError, InvalidRequest
 from chunkstore.processes.daemon import memory_dir, serve_env
-from chunkstore.protocol.device_ipc import TensorDigest, parse_device, run_sums
+from chunkstore.protocol.device_ipc import TensorDigest, keyed_run_sums, parse_device
 from chunkstore.protocol.device_runtime import IpcHandle
 from chunkstore.protocol.fake_device import ENV, FakeDeviceIPC
-from chunkstore.protocol.shm import digest_of_sums
+from chunkstore.protocol.keyed_digest import SumKey, keyed_sums, packed
 from chunkstore.testing.entries import entry_key, random_kv, wait_for
 
 
@@ -154,19 +154,19 @@ def test_device_names_and_digests() -> None:
         changed.update(other)
         assert changed.intdigest() != whole.intdigest()
     # Bytes split any way over several readers (context-parallel ranks), each summing its own
-    # at their offsets in the entry: the sums add up to the whole's digest, past the weights'
-    # cycle of 65521; a byte counted at another offset does not.
+    # at their offsets in the entry under the lease's key: the sums add up to the whole's
+    # keyed sums; a byte counted at another offset does not.
     data = torch.randint(0, 256, (200_000,), dtype=torch.uint8)
-    whole = TensorDigest()
-    whole.update(data)
+    weights = SumKey.fresh().tables(data.numel())
+    whole = keyed_sums(data.numpy(), 0, *weights)
     owners = torch.randint(0, 3, (data.numel(),), generator=torch.Generator().manual_seed(1))
     held = [(owners == reader).nonzero().flatten() for reader in range(3)]
-    plain, weighted = sum(run_sums(data[at], at, 1) for at in held).tolist()
-    assert digest_of_sums(data.numel(), plain, weighted) == whole.intdigest()
-    plain, weighted = sum(
-        run_sums(data[at], at + (reader == 1), 1) for reader, at in enumerate(held)
-    ).tolist()
-    assert digest_of_sums(data.numel(), plain, weighted) != whole.intdigest()
+    total = sum(keyed_run_sums(data[at], at, 1, weights) for at in held)
+    assert packed(total.tolist()) == packed(whole)
+    total = sum(
+        keyed_run_sums(data[at], at + (reader == 1), 1, weights) for reader, at in enumerate(held)
+    )
+    assert packed(total.tolist()) != packed(whole)
 
 
 # The pool, served by a real daemon --------------------------------------------------------

@@ -30,8 +30,9 @@ from chunkstore.kv.remap import remap_keys
 from chunkstore.kv.rope import rotation_table
 from chunkstore.kv.segments import SegmentKind
 from chunkstore.kv.writer import write_chunk
-from chunkstore.protocol import device_ipc, shm
+from chunkstore.protocol import device_ipc
 from chunkstore.protocol.device_ipc import DIGEST_PIECE, TensorDigest, gather_tensor
+from chunkstore.protocol.keyed_digest import MODULUS, SumKey, keyed_sums
 from chunkstore.testing.devices import DTYPES, ROTARY_VARIANTS, tolerance
 
 BLOCKS, BLOCK_SIZE, HEADS, DIM = 6, 16, 4, 64
@@ -45,28 +46,27 @@ def test_a_context_parallel_rank_s_part_gathers_on_the_device_as_on_the_host(
     accelerator: str, row: int
 ) -> None:
     """``gather_runs`` (a context-parallel rank's rows of an entry in a device pool): on the
-    device the bytes and the two ``TensorDigest`` sums of the host's; the parts of every
-    rank add up to the whole entry's digest."""
+    device the bytes and the two keyed sums of the host's (torch's int64 ops there, numba's
+    loop here); the parts of every rank add up to the whole entry's keyed sums."""
     block_size, blocks = 1 << 12, [5, 1, 7, 3, 0]
     pool = torch.randint(0, 256, (8 * block_size,), dtype=torch.uint8)
     nbytes = len(blocks) * block_size // row * row
     entry = torch.cat([pool[b * block_size : (b + 1) * block_size] for b in blocks])[:nbytes]
-    whole = TensorDigest()
-    whole.update(entry)
+    weights = SumKey.fresh().tables(nbytes)
     total = torch.zeros(2, dtype=torch.int64)
     for rank in range(3):  # rows dealt out to three ranks
         starts = torch.arange(rank, nbytes // row, 3) * row
         host = torch.empty(len(starts) * row, dtype=torch.uint8)
-        sums = device_ipc.gather_runs(pool, blocks, block_size, starts, row, host)
+        sums = device_ipc.gather_runs(pool, blocks, block_size, starts, row, host, weights)
         runs = (starts[:, None] + torch.arange(row)).flatten()
         assert torch.equal(host, entry[runs])
         out = torch.empty(len(host), dtype=torch.uint8, device=accelerator)
         on_device = device_ipc.gather_runs(
-            pool.to(accelerator), blocks, block_size, starts.to(accelerator), row, out
+            pool.to(accelerator), blocks, block_size, starts.to(accelerator), row, out, weights
         )
         assert torch.equal(out.cpu(), host) and torch.equal(on_device.cpu(), sums)
         total += sums
-    assert shm.digest_of_sums(nbytes, *total.tolist()) == whole.intdigest()
+    assert (total % MODULUS).tolist() == keyed_sums(entry.numpy(), 0, *weights)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

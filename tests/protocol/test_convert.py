@@ -14,6 +14,7 @@ from chunkstore.protocol.convert import (
     layout_to_proto,
     lease_to_proto,
 )
+from chunkstore.protocol.keyed_digest import SumKey, Summed
 
 LAYOUT = EntryLayout(30, 3, 64, "bfloat16", "kv", 40, 12, "prefix", "")
 
@@ -38,12 +39,15 @@ def test_a_layout_goes_to_its_message_and_back() -> None:
 
 
 def test_a_lease_the_daemon_grants_is_the_entry_the_client_reads() -> None:
-    message = lease_to_proto(LAYOUT, LAYOUT.nbytes, [4, 5, 9], 0xFEED, 0xBEEF)
+    summed = Summed(SumKey((2**64 - 1, 5)), (2**31 - 2, 0))
+    message = lease_to_proto(LAYOUT, LAYOUT.nbytes, [4, 5, 9], 0xFEED, summed)
     assert LeasedEntry.from_proto(message) is None  # no lease id: no entry
     message.lease_id, message.key = 7, b"k" * 16
     assert LeasedEntry.from_proto(message) == LeasedEntry(
-        7, b"k" * 16, LAYOUT, LAYOUT.nbytes, [4, 5, 9], 0xFEED, 0xBEEF
+        7, b"k" * 16, LAYOUT, LAYOUT.nbytes, [4, 5, 9], 0xFEED, summed
     )
+    message.keyed_sums.pop()  # lanes without their sums: not summed, read whole
+    assert LeasedEntry.from_proto(message).summed is None  # type: ignore[union-attr]
 
 
 def test_endpoints_and_device_pool_handles_go_to_their_messages_and_back() -> None:
