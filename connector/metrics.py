@@ -81,6 +81,9 @@ FIELDS = {
     "and the exact attention over the candidates' keys with sparse_candidates).",
     "sparse_read_seconds": "Time the hook spent reading sparse loads' blocks out of the pool, "
     "checking their digests and rotating their keys.",
+    "sparse_fallbacks": "Sparse loads that did not choose by their summary, by reason (the "
+    "reason label, SPARSE_FALLBACKS): loaded whole, block by block, where the summary was "
+    "unusable; computed by vLLM (also in load_failures) where the digests or a read failed.",
     "save_failures": "Saves that failed (the request is unaffected).",
     "save_seconds": "Time spent saving.",
     "isolated_tokens": "Chunk tokens vLLM computed under the isolation mask (in-band).",
@@ -90,18 +93,41 @@ FIELDS = {
     "(computed causally, their chunks not stored).",
 }
 
+# Why a sparse load fell back (``sparse_fallbacks``' reason label) -> what then happened.
+SPARSE_FALLBACKS = {
+    "summary_unreadable": "its summary failed its checksum or lease (loaded whole)",
+    "summary_shape": "its summary's layers, heads, head_dim, dtype, blocks or frame are not "
+    "the entry's (loaded whole; not used again)",
+    "summary_values": "its summary holds NaN, infinities, a min above a max, or values whose "
+    "scores overflow (loaded whole; not used again)",
+    "summary_known_bad": "its summary was found unusable before in this process (loaded whole, "
+    "not read)",
+    "digests": "its block digests failed their checksum or shape (computed)",
+    "read": "the entry was refused, the daemon unreachable, or a block failed its digest "
+    "(computed)",
+    "error": "anything else raised in the sparse path (computed; never into vLLM's forward)",
+}
+# field -> (label, its values): counted per value under "field.value", exported as one
+# counter with that label.
+LABELLED = {"sparse_fallbacks": ("reason", tuple(SPARSE_FALLBACKS))}
+KEYS = [
+    *(name for name in FIELDS if name not in LABELLED),
+    *(f"{name}.{value}" for name, (_, values) in LABELLED.items() for value in values),
+]
+
 
 @dataclass
 class ConnectorStats(KVConnectorStats):
     def __post_init__(self) -> None:
-        for name in FIELDS:
+        for name in KEYS:
             self.data.setdefault(name, 0)
 
-    def add(self, name: str, amount: float = 1) -> None:
-        self.data[name] += amount
+    def add(self, name: str, amount: float = 1, label: str = "") -> None:
+        """``amount`` more of ``name`` (of a labelled field, of its value ``label``)."""
+        self.data[f"{name}.{label}" if label else name] += amount
 
     def reset(self) -> None:
-        self.data = dict.fromkeys(FIELDS, 0)
+        self.data = dict.fromkeys(KEYS, 0)
 
     def take(self) -> ConnectorStats | None:
         """What was counted since the last call (None if nothing), and start again."""
@@ -113,15 +139,15 @@ class ConnectorStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> ConnectorStats:
         for name, value in other.data.items():
-            if name in FIELDS:
+            if name in KEYS:
                 self.data[name] = self.data.get(name, 0) + value
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return {name: self.data[name] for name in FIELDS}
+        return {name: self.data[name] for name in KEYS}
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(name) for name in FIELDS)
+        return not any(self.data.get(name) for name in KEYS)
 
 
 class ConnectorPromMetrics(KVConnectorPromMetrics):
@@ -137,19 +163,23 @@ class ConnectorPromMetrics(KVConnectorPromMetrics):
             name: self._counter_cls(
                 name=f"vllm:chunkstore_{name}",  # prometheus_client appends _total
                 documentation=text,
-                labelnames=labelnames,
+                labelnames=[*labelnames, *(LABELLED[name][:1] if name in LABELLED else ())],
             )
             for name, text in FIELDS.items()
         }
         # Every series exists from the start (at 0), so rates and alerts on failures that
         # have not happened yet read 0, not "no data".
         for labels in per_engine_labelvalues.values():
-            for counter in self._counters.values():
-                counter.labels(*labels)
+            for _, counter, extra in self._series():
+                counter.labels(*labels, *extra)
+
+    def _series(self) -> list[tuple[str, Any, tuple[str, ...]]]:
+        """(stats key, counter, its extra label value) of every series."""
+        return [(key, self._counters[key.split(".")[0]], tuple(key.split(".")[1:])) for key in KEYS]
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
-        for name, counter in self._counters.items():
-            value = transfer_stats_data.get(name, 0)
+        for key, counter, extra in self._series():
+            value = transfer_stats_data.get(key, 0)
             if value:
-                counter.labels(*labels).inc(value)
+                counter.labels(*labels, *extra).inc(value)

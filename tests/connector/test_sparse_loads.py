@@ -5,7 +5,12 @@ With every block kept, a sparse load answers as the whole load does (decode incl
 row after the chunks goes through the hook). Under a threshold, each layer reads only the
 blocks its question's queries chose, checked by their digests, and the question's logits are
 the HF fp32 reference's with each layer's attention masked to those blocks (the choice
-recomputed here from the reference's own queries and the stored summary)."""
+recomputed here from the reference's own queries and the stored summary).
+
+A summary is what another process stored: one of the wrong layer count, of NaN, of the wrong
+head count, or whose bytes rotted in the pool, is not used (the chunk loads whole, block by
+block, counted in ``sparse_fallbacks``, logged once), and vLLM answers as the cold run; one
+found unusable is not read again. These share the same two vLLM engines."""
 
 from __future__ import annotations
 
@@ -15,7 +20,9 @@ import pytest
 import torch
 
 from chunkstore.client import ChunkStoreClient
+from chunkstore.errors import ChecksumMismatch
 from chunkstore.kv import sparse
+from chunkstore.kv.entry import EntryKind
 from chunkstore.kv.fingerprint import fingerprint_of_folder
 from chunkstore.kv.keys import Isolation, segment_keys, summary_key
 from chunkstore.processes.daemon import RunningDaemon
@@ -37,6 +44,8 @@ BLOCK = 4
 SETTINGS = {"sparse_summary_tokens": 64, "sparse_block": BLOCK, "relevant_last": 0}
 THRESHOLD = 0.3
 CANDIDATES = 0.7  # the two-step choice's: the bound's candidates, then their keys
+# Summaries that may not steer a load, each of its own long chunk: how each is spoilt.
+SPOILT = ("layers", "nan", "heads", "rotten")
 
 
 @pytest.fixture
@@ -58,7 +67,9 @@ def test_a_long_chunk_loads_sparse_and_attends_only_the_blocks_it_read(
         params = {"sparse_threshold": threshold, **more}
         return {"prompt_token_ids": ids, "kv_transfer_params": params}
 
-    cold, whole, bad, every, chosen, refined = run_probe(
+    # Long chunks of their own, stored cold here, whose summaries are spoilt below.
+    spoilt = [s.prompt(SYS, [DOCS[0], other_doc(n)], QUESTIONS[1]) for n in range(len(SPOILT))]
+    cold, whole, bad, every, chosen, refined, *spoilt_cold = run_probe(
         tiny_model_dir,
         [
             ids,
@@ -67,6 +78,7 @@ def test_a_long_chunk_loads_sparse_and_attends_only_the_blocks_it_read(
             asked(1.0),
             asked(THRESHOLD),
             asked(THRESHOLD, sparse_candidates=CANDIDATES),
+            *(list(p.token_ids) for p in spoilt),
         ],
         tmp_path,
         {"address": daemon.unix, **SETTINGS},
@@ -114,9 +126,19 @@ def test_a_long_chunk_loads_sparse_and_attends_only_the_blocks_it_read(
     # A block that rotted in the pool fails its digest: the load fails, loudly, and vLLM
     # computes the chunk (the daemon evicts the entry): the answer is the cold one.
     corrupt_entry(daemon, long_key(tiny_model_dir, segments))
-    [rotten] = run_probe(
+    # Summaries that may not steer a load: each chunk loads whole (every block read), the
+    # answer the cold one; the first spoilt again: not read again.
+    summary_keys = [
+        spoil(daemon, tiny_model_dir, p.segments, how)
+        for p, how in zip(spoilt, SPOILT, strict=True)
+    ]
+    rotten, *spoilt_sparse, again = run_probe(
         tiny_model_dir,
-        [asked(1.0)],
+        [
+            asked(1.0),
+            *(asked_of(p, THRESHOLD) for p in spoilt),
+            asked_of(spoilt[0], THRESHOLD),
+        ],
         tmp_path / "rotten",
         {"address": daemon.unix, **SETTINGS},
         extra=("--max-tokens", "16"),
@@ -124,8 +146,29 @@ def test_a_long_chunk_loads_sparse_and_attends_only_the_blocks_it_read(
     )
     assert rotten["connector"]["sparse_chunks"] == 1
     assert rotten["connector"]["load_failures"] >= 1
+    assert rotten["connector"]["sparse_fallbacks"] == 1  # a read failed (reason "read")
     assert_same_answer(rotten, cold)
     assert f"entry {long_key(tiny_model_dir, segments).hex()} failed its checksum" in daemon.log()
+
+    log = (tmp_path / "rotten" / "vllm.log").read_text()
+    for how, key, served, computed in zip(
+        SPOILT, summary_keys, spoilt_sparse, spoilt_cold, strict=True
+    ):
+        stats = served["connector"]
+        assert stats["sparse_chunks"] == 1, how
+        assert stats["sparse_read_bytes"] == stats["sparse_whole_bytes"] > 0, how  # whole
+        assert stats["load_failures"] == 0 and stats["sparse_fallbacks"] == 1, how
+        assert_same_answer(served, computed)
+        assert log.count(f"by summary {key.hex()} failed over") == 1, how
+    stats = again["connector"]  # remembered: not read, not logged again
+    assert stats["sparse_read_bytes"] == stats["sparse_whole_bytes"] > 0
+    assert stats["load_failures"] == 0 and stats["sparse_fallbacks"] == 1
+    assert_same_answer(again, spoilt_cold[0])
+    assert (
+        "(sparse_fallbacks, summary_shape:" in log and "(sparse_fallbacks, summary_values:" in log
+    )
+    assert "(sparse_fallbacks, summary_unreadable:" in log
+    assert "(sparse_fallbacks, error:" not in log  # nothing raised in the sparse path
 
 
 def masked_reference(
@@ -180,4 +223,42 @@ def long_key(model, segments) -> bytes:
     fp = fingerprint_of_folder(model, "float32")
     key = segment_keys(segments, fp.model_fp, fp.layout_fp, Isolation.SYS)[2]
     assert key is not None
+    return key
+
+
+def other_doc(n: int) -> str:
+    """A long document (a chunk of at least sparse_summary_tokens) of its own for each n."""
+    return " ".join([f"Record {n + 2}.", *DOCS, *reversed(DOCS)])
+
+
+def asked_of(prompt, threshold: float) -> dict:
+    return {
+        "prompt_token_ids": list(prompt.token_ids),
+        "kv_transfer_params": {"sparse_threshold": threshold},
+    }
+
+
+def spoil(daemon: RunningDaemon, model, segments, how: str) -> bytes:
+    """The long chunk's stored summary spoilt ``how``: its bytes rotted in the pool
+    ("rotten"), or replaced (the stored one rotted and read, so the daemon evicts it) by one
+    with a layer too few ("layers"), of NaN ("nan"), or of one KV head ("heads"), committed
+    as it is (its checksum holds). Returns the summary's key."""
+    key = summary_key(long_key(model, segments), BLOCK)
+    with ChunkStoreClient(daemon.unix) as client:
+        stored = client.get(key)
+        assert stored is not None and stored.values is not None
+        corrupt_entry(daemon, key)
+        if how == "rotten":
+            return key
+        with pytest.raises(ChecksumMismatch):
+            client.get(key)  # the daemon evicts it
+        lo, hi = stored.keys, stored.values
+        if how == "layers":
+            lo, hi = lo[:-1], hi[:-1]
+        elif how == "nan":
+            lo, hi = torch.full_like(lo, math.nan), torch.full_like(hi, math.nan)
+        else:
+            lo, hi = lo[:, :, :1], hi[:, :, :1]
+        virtual_start = stored.layout.virtual_start
+        assert client.put(key, lo.contiguous(), hi.contiguous(), virtual_start, EntryKind.SUMMARY)
     return key
