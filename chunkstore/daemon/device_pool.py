@@ -94,19 +94,20 @@ class DevicePool(Pool):
         self, keys: Sequence[SumKey], blocks: Sequence[int], nbytes: int
     ) -> list[tuple[int, int]]:
         """The entry's keyed sums under each key, all of one private copy of each piece of it
-        (a change made while it is read is in all of them or in none)."""
-        tables = [(key.inner(), key.outer(nbytes)) for key in keys]
+        (gathered and summed under the first key in one pass, then summed where it is under
+        the others): a change made while it is read is in all of them or in none."""
+        tables = [key.tables(nbytes) for key in keys]
         device = self.tensor.device
         totals = [torch.zeros(2, dtype=torch.int64, device=device) for _ in keys]
         copy = torch.empty(min(DIGEST_PIECE, nbytes), dtype=torch.uint8, device=device)
         for lo in range(0, nbytes, DIGEST_PIECE):
-            piece, at = copy[: min(DIGEST_PIECE, nbytes - lo)], 0
-            for start, length in shm.extents(blocks, self.block_size, lo, lo + len(piece)):
-                piece[at : at + length].copy_(self.tensor[start : start + length])
-                at += length
-            where = torch.tensor([lo], device=device)
-            for total, weights in zip(totals, tables, strict=True):
-                total += keyed_run_sums(piece, where, len(piece), weights)
+            piece = copy[: min(DIGEST_PIECE, nbytes - lo)]
+            at = torch.tensor([lo], device=device)
+            totals[0] += gather_runs(
+                self.tensor, blocks, self.block_size, at, len(piece), piece, tables[0]
+            )
+            for total, weights in zip(totals[1:], tables[1:], strict=True):
+                total += keyed_run_sums(piece, at, len(piece), weights)
         return [(a % MODULUS, b % MODULUS) for a, b in (t.tolist() for t in totals)]
 
     def gather_runs(self, blocks: Sequence[int], starts: np.ndarray, length: int) -> np.ndarray:
