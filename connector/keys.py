@@ -4,17 +4,21 @@ write."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
-from chunkstore.kv.fingerprint import ModelFingerprint, fingerprint
+from chunkstore.errors import UnsupportedRotaryError
+from chunkstore.kv.fingerprint import ModelFingerprint, fingerprint, unremappable
 from chunkstore.kv.keys import KVLayout
 from chunkstore.kv.keyspace import KeySpace, Piece
 from chunkstore.kv.rope import RotaryConfig
-from chunkstore.kv.segments import Segment
+from chunkstore.kv.segments import Segment, SegmentKind
 from chunkstore.kv.separator import separator_ids
 
 from .config import ConnectorConfig
+
+log = logging.getLogger("chunkstore.connector")
 
 SegmentPlan = Piece  # a cacheable segment of a request, with its key
 
@@ -32,7 +36,10 @@ class ModelKeys:
         cache_dtype = vllm_config.cache_config.cache_dtype
         if cache_dtype not in ("auto", None):
             kv_dtype = str(cache_dtype)
-        fp = fingerprint(model_config.hf_config, model_config.model, kv_dtype)
+        try:
+            fp = fingerprint(model_config.hf_config, model_config.model, kv_dtype)
+        except UnsupportedRotaryError as error:  # the scheduler says so (``rotary_refused``)
+            fp = unremappable(model_config.hf_config, model_config.model, kv_dtype, str(error))
         if isinstance(config.separator, str):
             from transformers import AutoTokenizer
 
@@ -54,6 +61,13 @@ class ModelKeys:
         return self.space.fingerprint
 
     @property
+    def rotary_refused(self) -> str:
+        """Why keys cannot be re-rotated for this model ("": they can): then every prompt is
+        served as a plain one, its exact prefix blocks shared (never rotated), no chunk loaded
+        or stored."""
+        return self.space.fingerprint.refused
+
+    @property
     def separator(self) -> list[int]:
         return list(self.space.separator)
 
@@ -71,6 +85,26 @@ class ModelKeys:
 
     def segments(self, token_ids: list[int]) -> list[Segment]:
         return self.space.segments(token_ids)
+
+    def served_segments(self, token_ids: list[int]) -> tuple[list[Segment], bool]:
+        """The segments the connector serves a prompt as, and whether a prompt holding the
+        separator is served as a plain one because the rotary cannot be remapped."""
+        segments = self.segments(token_ids)
+        if self.rotary_refused and segments and segments[0].kind is SegmentKind.SYS:
+            return [Segment(SegmentKind.QUESTION, 0, tuple(token_ids))], True
+        return segments, False
+
+    def say_if_refused(self, model: str) -> None:
+        """Log, loudly, that chunk loads are off for ``model`` and why (nothing if they are
+        not)."""
+        if self.rotary_refused:
+            log.error(
+                "chunkstore: model %s: %s; chunk loads are off (prompts with the separator "
+                "are served as plain ones: only their exact prefix blocks are shared, never "
+                "rotated), counted in rotary_refused_prompts",
+                model,
+                self.rotary_refused,
+            )
 
     def plan(self, segments: list[Segment], salt: str = "") -> list[SegmentPlan]:
         """The cacheable segments of a prompt (sys and chunks), with their keys, in order

@@ -27,6 +27,8 @@ FIELDS = {
     "computed_prompt_tokens": "Prompt tokens of looked-up prompts that neither vLLM's prefix "
     "cache nor the store supplied (vLLM computes them; on a decode instance behind the "
     "proxy, only the prefill's first token).",
+    "rotary_refused_prompts": "Prompts holding the separator served as plain prompts (exact "
+    "prefix blocks only) because the model's rotary cannot be remapped (said at start-up).",
     "short_segments": "Sys and chunk segments shorter than min_chunk_tokens (neither looked "
     "up nor stored).",
     "lookup_seconds": "Time spent looking chunked prompts up: segmenting, keying and the "

@@ -93,6 +93,7 @@ class SchedulerSide:
         self.link = DaemonLink(config, "chunkstore-scheduler", self.stats)
         self._warned_prefix_cache = False
         self.off = unsupported_parallelism(vllm_config)
+        self.keys.say_if_refused(vllm_config.model_config.model)  # once: one scheduler
         # What the back end can do decides the treatment (``chunkstore.kv.treatment``).
         no_recompute = unsupported_recompute(vllm_config)
         quality = config.quality
@@ -115,7 +116,8 @@ class SchedulerSide:
         req_id = request.request_id
         if req_id not in self._tracked:
             prompt = list(request.prompt_token_ids or [])
-            segments = self.keys.segments(prompt)
+            segments, refused = self.keys.served_segments(prompt)
+            self.stats.add("rotary_refused_prompts", refused)
             tracked = None
             salt = getattr(request, "cache_salt", None) or ""
             if segments and segments[0].kind is SegmentKind.SYS:  # a separator: chunked

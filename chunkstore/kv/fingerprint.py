@@ -9,7 +9,12 @@ from typing import Any
 
 import xxhash
 
-from chunkstore.kv.keys import KVLayout, length_prefixed, model_fingerprint
+from chunkstore.kv.keys import (
+    KVLayout,
+    length_prefixed,
+    model_fingerprint,
+    unremappable_fingerprint,
+)
 from chunkstore.kv.rope import RotaryConfig
 
 
@@ -36,6 +41,9 @@ class ModelFingerprint:
     rotary: RotaryConfig
     layout: KVLayout
     kv_dtype: str
+    # Why keys cannot be re-rotated for this model ("": they can). Then ``rotary`` is a
+    # stand-in that must rotate nothing: only exact prefix entries, never moved, are served.
+    refused: str = ""
 
     @classmethod
     def of(
@@ -54,6 +62,40 @@ def fingerprint(hf_config: Any, model: str | Path, kv_dtype: str) -> ModelFinger
     path = Path(model)
     weights = weights_digest(path) if path.is_dir() else str(model)
     return ModelFingerprint.of(weights, kv_dtype, rotary, layout)
+
+
+def unremappable(hf_config: Any, model: str | Path, kv_dtype: str, reason: str) -> ModelFingerprint:
+    """The fingerprints of a model whose rotary cannot be remapped (``reason``): its model
+    fingerprint hashes the config's raw rotary settings (never equal to a remappable one's),
+    its ``rotary`` a stand-in over the whole head that nothing may rotate with."""
+    head_dim = getattr(hf_config, "head_dim", None) or (
+        hf_config.hidden_size // hf_config.num_attention_heads
+    )
+    layout = KVLayout(
+        num_layers=hf_config.num_hidden_layers,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None)
+        or hf_config.num_attention_heads,
+        head_dim=head_dim,
+    )
+    raw = {name: getattr(hf_config, name, None) for name in RAW_ROTARY_FIELDS}
+    path = Path(model)
+    weights = weights_digest(path) if path.is_dir() else str(model)
+    model_fp = unremappable_fingerprint(weights, kv_dtype, raw)
+    stand_in = RotaryConfig(head_dim, head_dim, 10000.0)
+    return ModelFingerprint(model_fp, layout.fingerprint(), stand_in, layout, kv_dtype, reason)
+
+
+# What an unremappable model's fingerprint hashes of its config.
+RAW_ROTARY_FIELDS = (
+    "rope_parameters",
+    "rope_scaling",
+    "rope_theta",
+    "rope_local_base_freq",
+    "partial_rotary_factor",
+    "layer_types",
+    "sliding_window",
+    "sliding_window_pattern",
+)
 
 
 def kv_shape(hf_config: Any) -> tuple[RotaryConfig, KVLayout]:

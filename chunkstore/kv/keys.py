@@ -48,6 +48,17 @@ def model_fingerprint(weights_id: str, kv_dtype: str, rotary: RotaryConfig) -> b
     return _digest(b"model", [weights_id.encode(), kv_dtype.encode(), rotary_json.encode()])
 
 
+def unremappable_fingerprint(
+    weights_id: str, kv_dtype: str, raw_rotary: dict[str, object]
+) -> bytes:
+    """A model whose rotary cannot be remapped: its config's rotary settings as they are
+    (tagged apart, so never equal to ``model_fingerprint`` of a remappable model)."""
+    raw_json = json.dumps(raw_rotary, sort_keys=True, default=str)
+    return _digest(
+        b"model.unremappable", [weights_id.encode(), kv_dtype.encode(), raw_json.encode()]
+    )
+
+
 @dataclass(frozen=True)
 class KVLayout:
     """The shape of an entry's KV, independent of how a serving engine shards it.
