@@ -1,8 +1,10 @@
-"""The router tokenizes a completion's text itself once the instance gave the same IDs
-(``chunkstore.router.tokens``), and goes back to the instance's ``/tokenize`` for good when
-a check finds them different. The instance here is a stand-in that tokenizes with the tiny
-model's tokenizer and can be told to tokenize otherwise (as a vLLM started with another
-``--tokenizer`` does); that a real vLLM gives our IDs: tests/test_router.py."""
+"""The router tokenizes a completion's text itself once the instance's tokenizer is proven
+to be its own (``chunkstore.router.proof``), and goes back to the instance's ``/tokenize``
+when a sampled check finds a text tokenized otherwise, until a proof (holding that text)
+passes again. The instance here is a stand-in that parses its ``/tokenize`` and
+``/detokenize`` bodies with vLLM's own request models and tokenizes with the tiny model's
+tokenizer, and can be told to tokenize otherwise (as a vLLM started with another
+``--tokenizer`` does); a real vLLM behind real routers: tests/test_router_prompt.py."""
 
 from __future__ import annotations
 
@@ -16,6 +18,10 @@ from typing import Any
 import httpx
 import pytest
 from transformers import AutoTokenizer
+from vllm.entrypoints.serve.tokenize.protocol import (
+    DetokenizeRequest,
+    TokenizeCompletionRequest,
+)
 
 from chunkstore.kv.keyspace import KeySpace
 from chunkstore.kv.treatment import QualityConfig
@@ -36,10 +42,16 @@ class Tokenizing(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        if self.path == "/tokenize":
-            Tokenizing.asked.append(body["prompt"])
-            ids = Tokenizing.tokenizer(body["prompt"])["input_ids"]
+        if self.path == "/tokenize":  # read as vLLM reads it
+            asked = TokenizeCompletionRequest.model_validate(body)
+            Tokenizing.asked.append(asked.prompt)
+            found = Tokenizing.tokenizer(asked.prompt, add_special_tokens=asked.add_special_tokens)
+            ids = found["input_ids"]
             self._answer({"tokens": ids + [7] if Tokenizing.otherwise else ids})
+            return
+        if self.path == "/detokenize":
+            tokens = DetokenizeRequest.model_validate(body).tokens
+            self._answer({"prompt": Tokenizing.tokenizer.decode(tokens)})
             return
         Tokenizing.completed.append(body["prompt"])
         self._answer({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
@@ -66,16 +78,16 @@ def upstream(tiny_model_dir) -> Iterator[str]:
     server.shutdown()
 
 
-def test_text_is_tokenized_here_once_the_instance_agreed_and_there_again_once_it_did_not(
+def test_text_is_tokenized_here_once_the_instance_is_proven_and_there_until_proven_again(
     upstream, tiny_model_dir
 ) -> None:
     keys = KeySpace.for_model(tiny_model_dir, "float32")
     tokenizer = Tokenizer.for_model(tiny_model_dir)
     tokenizer.check_every = 3
-    router = app.Router(
-        app.RouterSettings(keys, [Instance(upstream, "unix:/nowhere")], tokenizer=tokenizer)
-    )
+    instance = Instance(upstream, "unix:/nowhere")
+    router = app.Router(app.RouterSettings(keys, [instance], tokenizer=tokenizer))
     metrics = router.metrics
+    assert router.prover is not None
 
     def count(name: str, **labels: str) -> float:
         value = metrics.registry.get_sample_value(f"chunkstore_router_{name}_total", labels)
@@ -90,35 +102,52 @@ def test_text_is_tokenized_here_once_the_instance_agreed_and_there_again_once_it
         while router._background:  # a check beside the request: let it finish
             await asyncio.sleep(0.01)
 
-    asyncio.run(ask(0))  # the first text: tokenized both ways, the same IDs
+    asyncio.run(ask(0))  # not proven: the instance tokenizes, nothing is trusted from it
     assert Tokenizing.asked == ["Question 0: which river?"]
-    assert (count("tokenizer_checks"), count("tokenizer_mismatch")) == (1, 0)
-    assert count("prompts_tokenized", by="instance") == 1
+    assert tokenizer.agrees(upstream) is None
+    assert asyncio.run(router.prover.prove(instance)) == "identical"
+    assert count("tokenizer_proofs", result="identical") == 1
+    Tokenizing.asked.clear()
     for n in (1, 2):  # from then on here, without a round trip
         asyncio.run(ask(n))
-    assert len(Tokenizing.asked) == 1
+    assert Tokenizing.asked == []
     assert count("prompts_tokenized", by="router") == 2
 
     Tokenizing.otherwise = True  # the instance now tokenizes otherwise (restarted so)
     asyncio.run(ask(3))  # the third since: compared beside it, found different
     assert Tokenizing.asked[-1] == "Question 3: which river?"
-    assert (count("tokenizer_checks"), count("tokenizer_mismatch")) == (2, 1)
-    assert tokenizer.agrees(upstream) is False
-    for n in (4, 5, 6, 7):  # every text through the instance, for good
+    assert (count("tokenizer_checks"), count("tokenizer_mismatch")) == (1, 1)
+    assert tokenizer.agrees(upstream) is None  # unproven: proven again before it is trusted
+    for n in (4, 5):  # every text through the instance
         asyncio.run(ask(n))
-    assert Tokenizing.asked[-4:] == [f"Question {n}: which river?" for n in (4, 5, 6, 7)]
+    assert Tokenizing.asked[-2:] == [f"Question {n}: which river?" for n in (4, 5)]
+    assert asyncio.run(router.prover.prove(instance)) == "differs"
+    assert tokenizer.agrees(upstream) is False
     assert count("prompts_tokenized", by="router") == 3
-    assert count("prompts_tokenized", by="instance") == 5
+    assert count("prompts_tokenized", by="instance") == 3
     assert count("tokenizer_mismatch") == 1  # counted where found, not per request after
 
 
-def test_an_instance_that_disagrees_at_once_tokenizes_everything(upstream, tiny_model_dir) -> None:
+def test_a_text_that_differed_is_one_of_the_next_proofs_probes(upstream, tiny_model_dir) -> None:
+    """A sampled text that differs makes the instance unproven; the next proof asks that
+    text again beside the probe set, and fails while the instance still differs on it."""
+    tokenizer = Tokenizer.for_model(tiny_model_dir)
+    text = {"prompt": "Paris is the capital of France.", "add_special_tokens": True}
+    tokenizer.proved(upstream, True)
+    assert not tokenizer.compared(upstream, text, [1, 2], [1, 3])
+    assert tokenizer.agrees(upstream) is None
+    assert ("/tokenize", text, tokenizer.ids(text)) in tokenizer.probes(upstream)
+
+
+def test_an_instance_whose_tokenizer_differs_tokenizes_everything(upstream, tiny_model_dir) -> None:
     Tokenizing.otherwise = True
     keys = KeySpace.for_model(tiny_model_dir, "float32")
     tokenizer = Tokenizer.for_model(tiny_model_dir)
-    router = app.Router(
-        app.RouterSettings(keys, [Instance(upstream, "unix:/nowhere")], tokenizer=tokenizer)
-    )
+    instance = Instance(upstream, "unix:/nowhere")
+    router = app.Router(app.RouterSettings(keys, [instance], tokenizer=tokenizer))
+    assert router.prover is not None
+    assert asyncio.run(router.prover.prove(instance)) == "differs"
+    Tokenizing.asked.clear()
 
     async def ask(prompt: str | list[Any]) -> None:
         transport = httpx.ASGITransport(app=router.app(), client=("127.0.0.1", 1))
@@ -132,7 +161,7 @@ def test_an_instance_that_disagrees_at_once_tokenizes_everything(upstream, tiny_
     asyncio.run(ask([5, 6, 7]))  # token IDs: nobody tokenizes them
     assert len(Tokenizing.asked) == 3
     samples = router.metrics.registry.get_sample_value
-    assert samples("chunkstore_router_tokenizer_mismatch_total") == 1
+    assert samples("chunkstore_router_tokenizer_proofs_total", {"result": "differs"}) == 1
     assert samples("chunkstore_router_prompts_tokenized_total", {"by": "router"}) == 0
 
 
@@ -159,7 +188,7 @@ def test_order_sent_ids_is_what_the_router_sends(upstream, tiny_model_dir) -> No
             assert (await client.post("/v1/completions", json=body)).status_code == 200
 
     asyncio.run(ask())
-    ids = tokenizer.ids({"prompt": text})
+    ids = tokenizer.ids({"prompt": text, "add_special_tokens": True})
     sent = order.sent_ids(keys, QualityConfig(), ids)
     assert sent != ids  # the Danube's document moved last
     assert Tokenizing.completed == [sent]

@@ -73,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         print("chunkstore router: --instance, or --prefill and --decode: not both", file=sys.stderr)
         return 2
     try:
+        operator_token = operator_token_of(args.operator_token)
         limits = Limits(**{name: getattr(args, name) for name in LIMITS})
         routed = [parse_instance(t, args.address) for t in args.instance or args.prefill]
         decode = [parse_instance(t, args.address) for t in args.decode or []]
@@ -101,9 +102,21 @@ def run(args: argparse.Namespace) -> int:
         health_interval=args.health_interval,
         daemon_token=args.token,
         limits=limits,
-        operator_token=args.operator_token or os.environ.get("CHUNKSTORE_ROUTER_OPERATOR_TOKEN"),
+        operator_token=operator_token,
     )
     return serve(settings, args.host, args.port, args.log_level)
+
+
+def operator_token_of(flag: str | None) -> str | None:
+    """--operator-token, else CHUNKSTORE_ROUTER_OPERATOR_TOKEN; None where neither is set.
+    An empty one is refused (ValueError): it would make every caller the operator."""
+    token = flag if flag is not None else os.environ.get("CHUNKSTORE_ROUTER_OPERATOR_TOKEN")
+    if token is not None and not token.strip():
+        raise ValueError(
+            "the operator token (--operator-token or CHUNKSTORE_ROUTER_OPERATOR_TOKEN) is "
+            "empty: give one, or unset it (operators are then callers on this host)"
+        )
+    return token
 
 
 def serve(settings: Any, host: str, port: int, log_level: str) -> int:
@@ -200,11 +213,13 @@ def add_commands(commands: Any) -> None:
         choices=TOKENIZE,
         default="router",
         help="router (the default, with --model): a completion's text is tokenized here with "
-        "the model folder's tokenizer, compared with the instance's /tokenize on the first "
-        "text sent to it and one in 64 after (a difference: that instance tokenizes every "
-        "prompt from then on, chunkstore_router_tokenizer_mismatch_total); instance: every "
-        "prompt through the instance's /tokenize, a round trip a request. Chats are always "
-        "tokenized by the instance (its chat template)",
+        "the model folder's tokenizer, for an instance whose tokenizer is proven the same "
+        "(its /tokenize and /detokenize on a probe set, at start-up and after it was down; "
+        "chunkstore_router_tokenizer_proofs_total), and compared with its /tokenize one text "
+        "in 64 (a difference: that instance tokenizes every prompt until proven again, "
+        "chunkstore_router_tokenizer_mismatch_total); until proven, the instance tokenizes. "
+        "instance: every prompt through the instance's /tokenize, a round trip a request. "
+        "Chats are always tokenized by the instance (its chat template)",
     )
     router.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     router.add_argument("--port", type=int, default=8080, help="port to listen on (8080; 0: any)")

@@ -91,6 +91,8 @@ def _context(model: dict[str, object]) -> int | None:
 
 class Operators:
     def __init__(self, token: str | None) -> None:
+        if token is not None and not token.strip():
+            raise ValueError("an empty operator token would make every caller the operator")
         self.token = token
 
     def allows(self, request: Request, bearer: bool = False) -> bool:
@@ -108,4 +110,4 @@ class Operators:
         authorization = request.headers.get("authorization", "")
         if bearer and not given and authorization.lower().startswith("bearer "):
             given = authorization[len("bearer ") :]
-        return hmac.compare_digest(given.encode(), self.token.encode())
+        return bool(given) and hmac.compare_digest(given.encode(), self.token.encode())

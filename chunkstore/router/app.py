@@ -3,20 +3,21 @@
 A completion or chat request goes: read (400 / 408 / 413 for what is not a JSON object, too
 slow or too big: ``limits``) -> the instance asked whether it admits the caller (``access``:
 nothing is done, and nothing said, for a caller it refuses) -> its prompts' token IDs
-(``requests``; a completion's text by the router's own tokenizer once the instance agreed
-with it, ``tokens``; otherwise the instance's ``/tokenize``) -> each chunked prompt's
-relevant documents last (``order``: the default's answers without the in-band hook; the one
-change the router makes to a request) -> their pieces and keys (``KeySpace.plan``) -> the
-daemons asked which they hold -> an instance chosen (``instances``) -> its missing chunks
-stored through it (``cold``) -> the request passed on (as the client sent it, its bytes,
-where its order stays), streamed back as the instance streams it. A request the instance
-would refuse (sampling fields, a prompt over the model's context), or past the router's
-bounds, is passed on without the router's work. An instance that is gone (it cannot be
-connected to, it broke off the request before answering, or it answered 5xx and then failed
-a health check: its engine died) is marked down and the request goes to the next: no byte
-had reached the client, and a completion has nothing to undo. An instance's own error (a
-4xx; a 5xx while it stays healthy) is passed back as it came. Each reply to an operator
-(``access.Operators``) names the instance and why in ``x-chunkstore-*`` headers.
+(``requests``, its fields read as vLLM reads them; a completion's text by the router's own
+tokenizer where the instance's is proven the same, ``tokens``; otherwise the instance's
+``/tokenize``) -> each chunked prompt's relevant documents last (``order``: the default's
+answers without the in-band hook; the one change the router makes to a request) -> their
+pieces and keys (``KeySpace.plan``) -> the daemons asked which they hold -> an instance
+chosen (``instances``) -> its missing chunks stored through it (``cold``) -> the request
+passed on (as the client sent it, its bytes, where its order stays), streamed back as the
+instance streams it. A request the instance would refuse (sampling fields, a prompt over the
+model's context), or past the router's bounds, is passed on without the router's work. An
+instance that is gone (it cannot be connected to, it broke off the request before answering,
+or it answered 5xx and then failed a health check: its engine died) is marked down and the
+request goes to the next: no byte had reached the client, and a completion has nothing to
+undo. An instance's own error (a 4xx; a 5xx while it stays healthy) is passed back as it
+came. Each reply to an operator (``access.Operators``) names the instance and why in
+``x-chunkstore-*`` headers.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from .cold import ColdChunks, Warmed
 from .instances import Choice, Instance, Instances
 from .limits import Limits, client_of, parse_body, read_body, would_refuse
 from .metrics import RouterMetrics
+from .proof import Prover
 from .requests import Refused, error, prompts_of
 from .stores import Stores, Unasked
 from .tokens import Tokenizer
@@ -76,8 +78,8 @@ class RouterSettings:
     # Relevant documents last (``order``): the default's answers without the in-band hook.
     relevant_last: bool = True
     quality: QualityConfig = field(default_factory=QualityConfig)  # the connector's
-    # Completions' text tokenized here, checked against the instance (``tokens``); None:
-    # every prompt through the instance's /tokenize.
+    # Completions' text tokenized here for instances proven to tokenize alike (``tokens``,
+    # ``proof``); None: every prompt through the instance's /tokenize.
     tokenizer: Tokenizer | None = None
     metrics: RouterMetrics = field(default_factory=RouterMetrics)
 
@@ -143,6 +145,8 @@ class Router:
         self.operators = Operators(settings.operator_token)
         self.cold = ColdChunks(self.http, self.stores, self.metrics, self.limits)
         self._background: set[asyncio.Task[None]] = set()  # tokenizer checks (``tokens``)
+        tokenizer = settings.tokenizer
+        self.prover = None if tokenizer is None else Prover(self.http, tokenizer, self.metrics)
 
     # -- a completion or chat request ---------------------------------------------------
 
@@ -253,8 +257,8 @@ class Router:
         if context is not None and _asks_past(body, context):
             return self._fallback("too_long")
         prompts = await self._cpu(ask.heavy, prompts_of, body, ask.chat)
-        if prompts is None:
-            return self._fallback("unparsed")
+        if isinstance(prompts, str):
+            return self._fallback(prompts)  # why it does no work for it (``requests``)
         if len(prompts) > self.limits.max_prompts:
             return self._fallback("too_many_prompts")
         ids = await asyncio.gather(
@@ -349,7 +353,7 @@ class Router:
         self, instance: Instance, body: dict[str, Any], ask: Asked
     ) -> list[int] | None:
         prompts = prompts_of(body, chat=True)
-        if not prompts or not isinstance(prompts[0], dict):
+        if isinstance(prompts, str) or not prompts or not isinstance(prompts[0], dict):
             return None
         return await self._tokenize(instance, prompts[0], ask.headers)
 
@@ -362,21 +366,17 @@ class Router:
         self, instance: Instance, body: dict[str, Any], headers: dict[str, str]
     ) -> list[int] | None:
         """A prompt's token IDs, the instance's (``tokens``: the router's own tokenizer's
-        where the instance agreed with it); None if the instance would not give them (the
-        request then goes on as it is, and the instance answers it, its error included)."""
+        where the instance's is proven the same, ``proof``); None if the instance would not
+        give them (the request then goes on as it is, and the instance answers it, its
+        error included)."""
         local = self.settings.tokenizer
-        if local is None or not local.reads(body) or local.agrees(instance.url) is False:
-            found = await self._instance_ids(instance, body, headers)
-        else:
+        if local is not None and local.reads(body) and local.agrees(instance.url):
             ours = await self._cpu(len(body["prompt"]) >= HEAVY, local.ids, body)
-            if local.agrees(instance.url):
-                self.metrics.tokenized.labels("router").inc()
-                if local.due(instance.url):
-                    self._beside(self._compare(local, instance, body, headers, ours))
-                return ours
-            found = await self._instance_ids(instance, body, headers)
-            if found is not None:
-                self._compared(local, instance, ours, found)
+            self.metrics.tokenized.labels("router").inc()
+            if local.due(instance.url):
+                self._beside(self._compare(local, instance, body, headers, ours))
+            return ours
+        found = await self._instance_ids(instance, body, headers)
         self.metrics.tokenized.labels("instance").inc()
         if found is None:
             self.metrics.fallbacks.labels("tokenize_failed").inc()
@@ -396,14 +396,9 @@ class Router:
         except Unreachable:
             return
         if theirs is not None:
-            self._compared(local, instance, ours, theirs)
-
-    def _compared(
-        self, local: Tokenizer, instance: Instance, ours: list[int], theirs: list[int]
-    ) -> None:
-        self.metrics.tokenizer_checks.inc()
-        if not local.compared(instance.url, ours, theirs):
-            self.metrics.tokenizer_mismatch.inc()
+            self.metrics.tokenizer_checks.inc()
+            if not local.compared(instance.url, body, ours, theirs):
+                self.metrics.tokenizer_mismatch.inc()
 
     def _beside(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)
@@ -668,13 +663,16 @@ class Router:
     def app(self) -> FastAPI:
         @contextlib.asynccontextmanager
         async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-            watch = asyncio.create_task(
-                self.instances.watch(self.http, self.settings.health_interval)
-            )
+            interval = self.settings.health_interval
+            watch = asyncio.create_task(self.instances.watch(self.http, interval))
+            if self.prover is not None:
+                self._beside(self.prover.keep(self.instances, interval))
             try:
                 yield
             finally:
                 watch.cancel()
+                for task in list(self._background):
+                    task.cancel()
                 await self.http.aclose()
                 await asyncio.to_thread(self.stores.close)
 

@@ -53,7 +53,7 @@ class RouterMetrics:
             "chunkstore_router_fallbacks",
             "Requests passed on without the store's help, by why: unparsed, tokenize_failed, "
             "daemon_unreachable, daemon_skipped (it failed within --daemon-retry), "
-            "too_many_prompts, too_many_chunks, refused_fields (sampling fields the instance "
+            "too_many_prompts, too_many_chunks, refused_fields (fields the instance "
             "refuses), unknown_model, too_long (over the model's context).",
             ["why"],
             registry=r,
@@ -75,22 +75,30 @@ class RouterMetrics:
         )
         self.tokenized = Counter(
             "chunkstore_router_prompts_tokenized",
-            "Prompts given token IDs, by where: router (its --model tokenizer, once the "
-            "instance agreed with it), instance (its /tokenize: a chat, the first text, or "
-            "no agreement).",
+            "Prompts given token IDs, by where: router (its --model tokenizer, for an "
+            "instance proven to tokenize alike), instance (its /tokenize: a chat, or an "
+            "instance not proven).",
             ["by"],
             registry=r,
         )
         self.tokenizer_checks = Counter(
             "chunkstore_router_tokenizer_checks",
-            "Texts tokenized by both the router and the instance, to compare (an instance's "
-            "first, then one in 64).",
+            "Texts tokenized by both the router and the instance, to compare (one in 64 "
+            "of those the router tokenizes).",
+            registry=r,
+        )
+        self.tokenizer_proofs = Counter(
+            "chunkstore_router_tokenizer_proofs",
+            "Instances' tokenizers asked the probe set (at start-up, after the instance was "
+            "down, after a text differed), by result: identical (the router sends its own "
+            "IDs there), differs (never), unanswered (asked again).",
+            ["result"],
             registry=r,
         )
         self.tokenizer_mismatch = Counter(
             "chunkstore_router_tokenizer_mismatch",
             "Texts the instance tokenized otherwise than the router's --model tokenizer: that "
-            "instance tokenizes every prompt from then on.",
+            "instance tokenizes every prompt until its tokenizer is proven again.",
             registry=r,
         )
         self.upstream = Histogram(
@@ -112,6 +120,8 @@ class RouterMetrics:
         self.order_kept.labels("chat_text")
         for by in ("router", "instance"):
             self.tokenized.labels(by)
+        for result in ("identical", "differs", "unanswered"):
+            self.tokenizer_proofs.labels(result)
 
 
 COLD_FAILED = ("prefill_error", "not_stored", "client_share")

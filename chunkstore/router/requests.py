@@ -1,16 +1,20 @@
 """What the router reads of an OpenAI request: its prompts, as vLLM will tokenize them.
 
-A chat request is rendered and tokenized by the instance itself (``POST /tokenize`` with the
-request's messages and template settings), so the token IDs are the instance's to the last
-one. A completion's text prompt is tokenized there too (special tokens added as its
-completions API adds them); token IDs are taken as they are. A prompt the router cannot read
-(embeddings, a shape it does not know) is passed on untouched: the instance answers it
-without the router's help.
+Every field is read as vLLM reads it (``fields``: its own request models), never by Python's
+truthiness. A chat request is rendered and tokenized by the instance itself (``POST
+/tokenize`` with the request's messages and template settings), so the token IDs are the
+instance's to the last one. A completion's text prompt is tokenized there too (special tokens
+added as its completions API adds them; or here, ``tokens``); token IDs are taken as they
+are. A prompt the router cannot read (embeddings, a truncated prompt, a shape it does not
+know) or a body vLLM refuses is passed on untouched: the instance answers it without the
+router's help.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from . import fields
 
 # The chat request fields that decide its token IDs (vLLM's TokenizeChatRequest).
 CHAT_TOKENIZE = (
@@ -43,30 +47,38 @@ def _is_ids(value: object) -> bool:
     )
 
 
-def prompts_of(body: dict[str, Any], chat: bool) -> list[list[int] | dict[str, Any]] | None:
+def prompts_of(body: dict[str, Any], chat: bool) -> list[list[int] | dict[str, Any]] | str:
     """Each prompt of the request: its token IDs, or the ``/tokenize`` body that gives them;
-    None if the router cannot read them (the request is passed on as it is)."""
+    else why the router does no work for it (the request is passed on as it is):
+    ``refused_fields`` (vLLM refuses the body), ``unparsed`` (the router cannot read it)."""
+    try:
+        read = fields.read(body, chat)
+    except fields.Unfit:
+        return "refused_fields"
     model = {"model": body["model"]} if "model" in body else {}
     if chat:
         if not isinstance(body.get("messages"), list):
-            return None
-        return [{k: body[k] for k in CHAT_TOKENIZE if k in body} | model]
-    prompt = body.get("prompt")
+            return "unparsed"
+        asked = {k: body[k] for k in CHAT_TOKENIZE if k in body}
+        return [asked | {k: v for k, v in read.chat_flags.items() if k in body} | model]
+    prompt = read.prompt
+    if read.other_prompt:
+        return "unparsed"
     if isinstance(prompt, str) or _is_ids(prompt):
         items: list[Any] = [prompt]
     elif isinstance(prompt, list) and prompt:
         items = prompt
     else:
-        return None
+        return "unparsed"
     found: list[list[int] | dict[str, Any]] = []
     for item in items:
         if isinstance(item, str):
-            special = body.get("add_special_tokens", True)
+            special = read.add_special_tokens  # a bool, as vLLM read it
             found.append({"prompt": item, "add_special_tokens": special} | model)
         elif _is_ids(item):
             found.append(list(item))
         else:
-            return None
+            return "unparsed"
     return found
 
 
