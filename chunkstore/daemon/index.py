@@ -283,8 +283,10 @@ class Index:
             return [i for i in lease_ids if i not in held or held[i].session != session_id]
 
     def lease(self, session_id: str, lease_id: int) -> Entry:
-        """The entry a held lease reads (for streaming its bytes)."""
+        """The entry a held lease reads (NotFound: none, or past its TTL: dropped here)."""
         with self.lock:
+            if self.holders.lease(session_id, lease_id).expires_at <= self.holders.clock():
+                self.expire()  # due: the reaper runs only every so often
             return self.holders.lease(session_id, lease_id).entry
 
     # Writes -------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from chunkstore.errors import (
     Busy,
     Forbidden,
     InvalidRequest,
+    LeaseLapsed,
     NotFound,
     SessionLost,
     StoreError,
@@ -46,7 +47,7 @@ from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol import chunkstore_pb2_grpc as pb_grpc
 from chunkstore.protocol.convert import add_summed, layout_from_proto, lease_to_proto
 from chunkstore.protocol.shm import block_runs
-from chunkstore.protocol.wire import MAX_BATCH, MAX_MESSAGE, status_of
+from chunkstore.protocol.wire import MAX_BATCH, MAX_MESSAGE, MAX_RUNS, status_of
 
 if TYPE_CHECKING:
     from chunkstore.daemon.auth import TokenCheck
@@ -398,13 +399,37 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
             end = start + min(count * bs, remaining)
             for lo in range(start, end, piece):
                 hi = min(lo + piece, end)
+                # Each piece copied under the lease, checked again: the reader may have
+                # paused (flow control parks this generator) past its TTL, and the blocks
+                # gone to another entry since the last piece.
+                with self.index.lock:
+                    self._still_leased(request, entry.nbytes - remaining + lo - start)
+                    copied = self.pool.read(lo, hi)
                 self.metrics.bytes.labels("grpc", "read").inc(hi - lo)
-                yield pb.ReadPiece(data=self.pool.read(lo, hi))
+                yield pb.ReadPiece(data=copied)
             remaining -= end - start
 
+    def _still_leased(self, request: pb.ReadRequest, sent: int) -> None:
+        """LeaseLapsed where the read's lease ended after it began (``sent``: the bytes
+        read by then)."""
+        try:
+            self.index.lease(request.session_id, request.lease_id)
+        except NotFound:
+            raise LeaseLapsed(
+                f"lease {request.lease_id} ended after {sent} bytes of its Read (its holder "
+                "paused past the lease TTL with no heartbeat, or released it): acquire the "
+                "entry again"
+            ) from None
+
     def _runs(self, entry: Entry, request: pb.ReadRequest) -> np.ndarray:
-        """The runs a ``Read`` names, gathered: together at most the entry's bytes, each
-        inside it (a part read many times over is refused)."""
+        """The runs a ``Read`` names, gathered: at most ``MAX_RUNS`` of them (counted before
+        they become arrays), together at most the entry's bytes, each inside it (a part
+        read many times over is refused)."""
+        if len(request.run_starts) > MAX_RUNS:
+            raise InvalidRequest(
+                f"{len(request.run_starts)} runs in one Read; at most {MAX_RUNS} (split them "
+                "over several Reads of the lease)"
+            )
         starts, length = np.asarray(request.run_starts, dtype=np.uint64), request.run_bytes
         if length < 1 or len(starts) * length > entry.nbytes:
             raise InvalidRequest(
@@ -413,7 +438,12 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
             )
         if len(starts) and int(starts.max()) > entry.nbytes - length:
             raise InvalidRequest(f"a run outside the entry ({entry.nbytes} bytes)")
-        return self.pool.gather_runs(entry.blocks, starts.astype(np.int64), length)
+        data = self.pool.gather_runs(entry.blocks, starts.astype(np.int64), length)
+        # Still held after the gather, so held throughout (an ended lease's blocks are freed
+        # only as it ends); not gathered under the lock: up to the entry's bytes, where a
+        # stream's piece is at most half a message.
+        self._still_leased(request, 0)
+        return data
 
     @_rpc
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsReply:

@@ -12,6 +12,7 @@ from chunkstore.errors import (
     Exhausted,
     Forbidden,
     InvalidRequest,
+    LeaseLapsed,
     NotFound,
     PoolFull,
     SessionLost,
@@ -23,6 +24,11 @@ from chunkstore.errors import (
 
 MAX_MESSAGE = 64 << 20  # bytes in one gRPC message, both ways
 MAX_BATCH = 4096  # keys in one lookup / acquire / admin call
+# Runs in one run read (``ReadRequest.run_starts``): twice a DCP 2 rank's part of a 4,096-token
+# entry of 32 layers (keys and values: 2 x 32 x 2,048 rows, one run a row); a client splits
+# more over several Reads. Bytes alone bounded them: 16M one-byte runs took the daemon 4.8 s
+# and 664 MiB.
+MAX_RUNS = 1 << 18
 
 
 _ERRORS: dict[grpc.StatusCode, type[StoreError]] = {
@@ -39,10 +45,12 @@ _ERRORS: dict[grpc.StatusCode, type[StoreError]] = {
 }
 
 
-# Subclasses their status code alone would not bring back (SessionLost is a NOT_FOUND, as an
-# unknown key is; PoolFull a RESOURCE_EXHAUSTED, as Busy is): their details start with their
-# name, "SessionLost: no session ...".
-_NAMED: dict[str, type[StoreError]] = {kind.__name__: kind for kind in (SessionLost, PoolFull)}
+# Subclasses their status code alone would not bring back (SessionLost and LeaseLapsed are
+# NOT_FOUNDs, as an unknown key is; PoolFull a RESOURCE_EXHAUSTED, as Busy is): their details
+# start with their name, "SessionLost: no session ...".
+_NAMED: dict[str, type[StoreError]] = {
+    kind.__name__: kind for kind in (SessionLost, LeaseLapsed, PoolFull)
+}
 
 
 def status_of(err: StoreError) -> tuple[grpc.StatusCode, str]:

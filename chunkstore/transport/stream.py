@@ -13,7 +13,7 @@ import torch
 from chunkstore.errors import ChecksumMismatch
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol.device_ipc import TensorDigest, keyed_run_sums
-from chunkstore.protocol.wire import typed_error
+from chunkstore.protocol.wire import MAX_RUNS, typed_error
 from chunkstore.transport.base import (
     Digest,
     EntryAtATime,
@@ -98,12 +98,17 @@ class StreamTransport(EntryAtATime):
     def read_runs(
         self, entry: LeasedEntry, starts: torch.Tensor, length: int, out: torch.Tensor, session: str
     ) -> torch.Tensor:
-        """The daemon gathers the runs (``Read`` with ``run_starts``); summed here."""
-        request = pb.ReadRequest(
-            session_id=session,
-            lease_id=entry.lease_id,
-            run_starts=starts.tolist(),
-            run_bytes=length,
-        )
-        self._receive(request, out.numpy())
+        """The daemon gathers the runs (``Read`` with ``run_starts``, at most ``MAX_RUNS`` a
+        Read: more go over several, one after another into ``out``); summed here."""
+        target = out.numpy()
+        for first in range(0, starts.numel(), MAX_RUNS):
+            these = starts[first : first + MAX_RUNS]
+            request = pb.ReadRequest(
+                session_id=session,
+                lease_id=entry.lease_id,
+                run_starts=these.tolist(),
+                run_bytes=length,
+            )
+            lo = first * length
+            self._receive(request, target[lo : lo + these.numel() * length])
         return keyed_run_sums(out, starts, length, entry.sum_tables())
