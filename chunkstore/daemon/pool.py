@@ -15,6 +15,7 @@ import mmap
 import os
 import secrets
 import stat
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,6 +33,18 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def _load_runs_kernel() -> None:
+    """Import numba's runs kernel and load its compiled code for the pools' arrays now, off
+    the serving path: left to the first summed lease, it held the GIL for 0.4-0.5 s of other
+    clients' calls (a Lookup waited 356-508 ms here)."""
+    from chunkstore.protocol.runs_kernel import sums_of_runs
+
+    byte, start = np.zeros(1, dtype=np.uint8), np.zeros(1, dtype=np.int64)
+    weights = SumKey((0, 0)).tables(1)
+    shm.gather_runs_summed(byte, [0], 1, start, 1, np.empty(1, dtype=np.uint8), weights)
+    sums_of_runs(byte, start, 1, *weights)  # a device pool on the CPU (the fake's)
+
+
 class Pool(ABC):
     """Fixed-size blocks over one region. Not thread-safe: its owner (the index) serializes."""
 
@@ -42,6 +55,7 @@ class Pool(ABC):
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low blocks first
         self.importers: set[str] = set()  # sessions whose process opened the pool by IPC
+        threading.Thread(target=_load_runs_kernel, name="runs-kernel", daemon=True).start()
 
     @property
     def capacity(self) -> int:
