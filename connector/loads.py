@@ -25,7 +25,6 @@ from chunkstore.client import Pieces
 from chunkstore.errors import ChunkStoreError
 from chunkstore.kv.entry import tensors_of
 from chunkstore.kv.paging import PAD_SLOT
-from chunkstore.kv.rope import rotation_table
 
 from .client_holder import DaemonLink
 from .common import ChunkStoreMetadata, LoadItem, LoadsEnded, RequestPlan
@@ -58,8 +57,9 @@ class Fetched:
     item: LoadItem
     keys: torch.Tensor  # [layers, tokens, local heads, head_dim], at the entry's positions
     values: torch.Tensor | None  # None: an MLA latent (keys)
-    # cos, sin of actual - virtual position (plus the chunk's shift where it is ``placed``)
-    rotation: tuple[torch.Tensor, torch.Tensor] | None
+    # cos, sin of actual - virtual position (plus the chunk's shift where it is ``placed``),
+    # one table per rotary kind (``LayerRotary.kinds``: Gemma 3's local and global bases)
+    rotations: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None
     slots: torch.Tensor
 
 
@@ -495,8 +495,8 @@ class Loads:
             self.stats.add("cp_held_bytes", item.lease.nbytes * len(slots) // layout.num_tokens)
         delta = item.actual_start - item.entry_offset - layout.virtual_start
         delta += (self.placed.get(plan.req_id) or {}).get(item.actual_start, 0)
-        rotation = rotation_table(self.keys.rotary, delta, len(slots)) if delta else None
-        return Fetched(plan, item, keys, values, rotation, slots)
+        rotations = self.keys.layers.tables(delta, len(slots)) if delta else None
+        return Fetched(plan, item, keys, values, rotations, slots)
 
     def _cache_blocks(self, plan: RequestPlan, item: LoadItem) -> Pieces | None:
         """Where a packed entry's bytes go, in their order: each layer's cache blocks at the
@@ -536,12 +536,13 @@ class Loads:
 
     def _write_layer(self, entry: Fetched, layer: int) -> None:
         name, cache = self.cache.layers[layer]
+        kind = self.keys.layers.of_layer[layer]  # the layer's own rotary
         self.cache.access.write_rotated(
             name,
             cache,
             entry.keys[layer],
             None if entry.values is None else entry.values[layer],
             entry.slots,
-            entry.rotation,
-            self.keys.rotary,
+            None if entry.rotations is None else entry.rotations[kind],
+            self.keys.layers.kinds[kind],
         )

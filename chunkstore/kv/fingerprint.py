@@ -9,12 +9,15 @@ from typing import Any
 
 import xxhash
 
+from chunkstore.errors import UnsupportedRotaryError
 from chunkstore.kv.keys import (
     KVLayout,
+    layered_model_fingerprint,
     length_prefixed,
     model_fingerprint,
     unremappable_fingerprint,
 )
+from chunkstore.kv.layer_rotary import LayerRotary
 from chunkstore.kv.rope import RotaryConfig
 
 
@@ -44,24 +47,44 @@ class ModelFingerprint:
     # Why keys cannot be re-rotated for this model ("": they can). Then ``rotary`` is a
     # stand-in that must rotate nothing: only exact prefix entries, never moved, are served.
     refused: str = ""
+    # Each layer's rotary and window (None: ``rotary`` in every layer, no window). With
+    # several kinds, ``rotary`` is layer 0's: what rotates keys must take each layer's.
+    layers: LayerRotary | None = None
 
     @classmethod
     def of(
-        cls, weights_id: str, kv_dtype: str, rotary: RotaryConfig, layout: KVLayout
+        cls,
+        weights_id: str,
+        kv_dtype: str,
+        rotary: RotaryConfig,
+        layout: KVLayout,
+        layers: LayerRotary | None = None,
     ) -> ModelFingerprint:
         """The fingerprints of weights ``weights_id`` whose KV has this dtype, rotary set-up
-        and layout."""
-        model_fp = model_fingerprint(weights_id, kv_dtype, rotary)
-        return cls(model_fp, layout.fingerprint(), rotary, layout, kv_dtype)
+        (``layers``: per layer, with the windows) and layout."""
+        if layers is not None and not layers.uniform:  # every layer's rotary and window
+            model_fp = layered_model_fingerprint(weights_id, kv_dtype, layers.describe())
+            rotary = layers.layer(0)
+        else:
+            model_fp = model_fingerprint(weights_id, kv_dtype, rotary)
+        return cls(model_fp, layout.fingerprint(), rotary, layout, kv_dtype, "", layers)
+
+    @property
+    def layer_rotary(self) -> LayerRotary:
+        """Each layer's rotary and window."""
+        if self.layers is not None:
+            return self.layers
+        count = self.layout.num_layers
+        return LayerRotary((self.rotary,), (0,) * count, (0,) * count)
 
 
 def fingerprint(hf_config: Any, model: str | Path, kv_dtype: str) -> ModelFingerprint:
     """``model`` is the folder vLLM loads (its weights are hashed) or, for a hub name, the
     name itself; ``kv_dtype`` the dtype of the KV cache ("float32", "bfloat16", ...)."""
-    rotary, layout = kv_shape(hf_config)
+    layers, layout = layer_kv_shape(hf_config)
     path = Path(model)
     weights = weights_digest(path) if path.is_dir() else str(model)
-    return ModelFingerprint.of(weights, kv_dtype, rotary, layout)
+    return ModelFingerprint.of(weights, kv_dtype, layers.layer(0), layout, layers)
 
 
 def unremappable(hf_config: Any, model: str | Path, kv_dtype: str, reason: str) -> ModelFingerprint:
@@ -99,21 +122,32 @@ RAW_ROTARY_FIELDS = (
 
 
 def kv_shape(hf_config: Any) -> tuple[RotaryConfig, KVLayout]:
-    """The rotary set-up and the KV layout of a fingerprint, from the config alone: what
-    ``chunkstore doctor`` checks in seconds, whatever the size of the weights."""
+    """The rotary set-up and the KV layout of a model whose layers share one rotary (a model
+    with several kinds is refused: its callers need ``layer_kv_shape``)."""
+    layers, layout = layer_kv_shape(hf_config)
+    if len(layers.kinds) > 1:
+        raise UnsupportedRotaryError("per-layer", "layers use different rotary settings")
+    return layers.kinds[0], layout
+
+
+def layer_kv_shape(hf_config: Any) -> tuple[LayerRotary, KVLayout]:
+    """Each layer's rotary and window, and the KV layout of a fingerprint, from the config
+    alone: what ``chunkstore doctor`` checks in seconds, whatever the size of the weights."""
     if is_mla(hf_config):
         # One latent a token, [compressed KV | k_pe], shared by every head; vLLM rotates k_pe
         # in GPT-J pairs (vllm/model_executor/models/deepseek_v2.py: is_neox_style=False).
         rotary = RotaryConfig.from_hf_config(hf_config, "gptj")
-        return rotary, KVLayout(hf_config.num_hidden_layers, 1, rotary.head_dim, "mla")
-    rotary = RotaryConfig.from_hf_config(hf_config)
+        count = hf_config.num_hidden_layers
+        layers = LayerRotary((rotary,), (0,) * count, (0,) * count)
+        return layers, KVLayout(count, 1, rotary.head_dim, "mla")
+    layers = LayerRotary.from_hf_config(hf_config)
     layout = KVLayout(
         num_layers=hf_config.num_hidden_layers,
         num_kv_heads=getattr(hf_config, "num_key_value_heads", None)
         or hf_config.num_attention_heads,
-        head_dim=rotary.head_dim,
+        head_dim=layers.kinds[0].head_dim,
     )
-    return rotary, layout
+    return layers, layout
 
 
 def is_mla(hf_config: Any) -> bool:

@@ -48,6 +48,11 @@ def model_fingerprint(weights_id: str, kv_dtype: str, rotary: RotaryConfig) -> b
     return _digest(b"model", [weights_id.encode(), kv_dtype.encode(), rotary_json.encode()])
 
 
+def layered_model_fingerprint(weights_id: str, kv_dtype: str, layers_json: str) -> bytes:
+    """A model whose layers differ in rotary or window: every layer's, in order."""
+    return _digest(b"model.layers", [weights_id.encode(), kv_dtype.encode(), layers_json.encode()])
+
+
 def unremappable_fingerprint(
     weights_id: str, kv_dtype: str, raw_rotary: dict[str, object]
 ) -> bytes:
