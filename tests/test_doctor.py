@@ -17,6 +17,7 @@ import pytest
 
 from chunkstore.cli import main
 from chunkstore.doctor import BELOW_BAR, REFERENCE_TOLERANCE, REFUSED, USE, WARM_TOLERANCE
+from chunkstore.models import MODELS
 from chunkstore.testing.cli import chunkstore
 
 
@@ -135,7 +136,7 @@ QUESTIONS = {  # other bad questions, and what the error says of them
     "no documents": ({"documents": []}, '"documents" is empty'),
 }
 NAMES = {  # a model given by a name or folder that is none, and what the error says of it
-    "tinyy": "tinyy: no such folder, nor a model of `chunkstore models` (tiny, tiny-mla, smollm2",
+    "tinyy": f"tinyy: no such folder, nor a model of `chunkstore models` ({', '.join(MODELS)})",
     "{tmp}/modle": "/modle: no such folder, nor a model of `chunkstore models`",
     "/dev/zero": "/dev/zero: not a folder, nor a model of `chunkstore models`",
 }
