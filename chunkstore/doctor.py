@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from chunkstore.kv.keys import KVLayout
     from chunkstore.kv.layer_rotary import LayerRotary
     from chunkstore.kv.rope import RotaryConfig
+    from chunkstore_vllm.config import ConnectorConfig
 
 WARM_TOLERANCE = 1e-4  # first-token logprobs, loaded against computed in the same vLLM
 REFERENCE_TOLERANCE = 1e-3  # against HF transformers fp32 (tests/connector's bound)
@@ -148,7 +149,7 @@ def support(model: Path) -> tuple[list[Check], Any]:
         return checks, None
     warning = vllm_warning(version)
     checks.append(Check("vllm", None if warning else True, warning or f"{version}, tested"))
-    checks.append(_back_end())
+    checks.append(_back_end(deployed(model)[0].inband_isolation))
     return checks, tokenizer
 
 
@@ -205,9 +206,38 @@ def _vllm_version() -> str | None:
     return None
 
 
-def _back_end() -> Check:
+def deployed(model: Path) -> tuple[ConnectorConfig, bool]:
+    """The connector's defaults as it serves this model (``for_deployment``: the in-band hook
+    off for some, what it serves narrowed for others), and whether its workers recompute:
+    what the served answers must equal."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from chunkstore_vllm.config import ConnectorConfig, for_deployment, unsupported_recompute
+
+    hf_config = AutoConfig.from_pretrained(model)
+    deployment = SimpleNamespace(
+        model_config=SimpleNamespace(
+            hf_config=hf_config, architectures=getattr(hf_config, "architectures", None)
+        ),
+        parallel_config=SimpleNamespace(),
+    )
+    config = for_deployment(ConnectorConfig(), deployment)
+    return config, unsupported_recompute(deployment) is None
+
+
+def _back_end(hook: bool) -> Check:
     import torch
 
+    if not hook:
+        return Check(
+            "back end",
+            True,
+            "in-band isolation is off for this model (the connector's log says why): chunks "
+            "are stored from prompts of sys and one document each (the router, `chunkstore "
+            "ingest`) and loaded; a prompt's chunks not stored are computed as in full prefill",
+        )
     if torch.cuda.is_available():
         return Check(
             "back end",
@@ -228,7 +258,6 @@ def exactness(model: Path, tokenizer: Any, work: Path, timeout: float) -> dict[s
     from chunkstore.processes.vllm_probe import run_probe
     from chunkstore.prompts import AUTO, separator_ids
     from chunkstore.reference import HFReference, default_reference
-    from chunkstore_vllm.config import ConnectorConfig
 
     def encode(text: str) -> list[int]:
         return list(tokenizer.encode(text, add_special_tokens=False))
@@ -236,42 +265,56 @@ def exactness(model: Path, tokenizer: Any, work: Path, timeout: float) -> dict[s
     sep = separator_ids(tokenizer, AUTO)
     first = build_chunked_prompt(encode, SYS, DOCS, QUESTIONS[0], sep)
     reordered = build_chunked_prompt(encode, SYS, DOCS[::-1], QUESTIONS[1], sep)
-    documents = build_chunked_prompt(encode, SYS, DOCS, None, sep)  # stores the rest
+    served, recompute = deployed(model)
+    hook = served.inband_isolation
+    # What stores the rest: the documents in one prompt, isolated by the hook; without it,
+    # each after sys alone (what the router sends), as a prompt's other chunks see earlier ones.
+    storing = [DOCS] if hook else [[doc] for doc in DOCS]
+    stores = [build_chunked_prompt(encode, SYS, docs, None, sep) for docs in storing]
     entries = [
         {"prompt_token_ids": list(p.token_ids), "max_tokens": 8}
-        for p in (first, documents, first, reordered)
+        for p in (first, *stores, first, reordered)
     ]
     with start_daemon(work / "daemon", pool_bytes=512 << 20, block_size=1 << 20) as daemon:
-        cold, alone, warm, moved = run_probe(
+        cold, *alone, warm, moved = run_probe(
             model, entries, work / "vllm", {"address": daemon.unix}, timeout=timeout, stats=True
         )
-    isolation = ConnectorConfig().isolation_mode
     ref = HFReference.load(model)
-    worst: dict[str, float] = {"warm": _worst(warm["logprobs"], cold["logprobs"])}
-    agree = {"warm": warm["generated"] == cold["generated"]}
-    for name, prompt, served in (("cold", first, cold), ("reordered", reordered, moved)):
-        logits = default_reference(ref, prompt.segments, isolation).logits[-1]
+
+    def served_as(prompt: Any) -> torch.Tensor:
+        return default_reference(
+            ref, prompt.segments, served.isolation_mode, 0, recompute, served.quality, hook
+        ).logits[-1]
+
+    # With the hook, cold computes the chunks isolated (the reference's semantics) and warm
+    # loads them: the same KV. Without it cold has nothing loaded and is full prefill.
+    checked = [
+        ("cold", cold, served_as(first) if hook else ref.forward(first.token_ids, 0).logits[-1])
+    ]
+    checked += [("warm", warm, served_as(first))] if not hook else []
+    checked += [("reordered", moved, served_as(reordered))]
+    worst: dict[str, float] = {"warm": _worst(warm["logprobs"], cold["logprobs"])} if hook else {}
+    agree = {"warm": warm["generated"] == cold["generated"]} if hook else {}
+    for name, served, logits in checked:
         expected = torch.log_softmax(logits.double(), dim=-1)
         reference = {t: float(expected[int(t)]) for t in served["logprobs"]}
         worst[name] = _worst(served["logprobs"], reference)
         agree[name] = served["token"] == int(expected.argmax())
     loaded = {"warm": warm["cached_tokens"], "reordered": moved["cached_tokens"]}
     failures = sum(r.get("connector", {}).get("load_failures", 0) for r in (warm, moved))
-    exact = (
-        all(agree.values())
-        and worst["warm"] <= WARM_TOLERANCE
-        and max(worst["cold"], worst["reordered"]) <= REFERENCE_TOLERANCE
-    )
+    bound = {k: WARM_TOLERANCE if hook and k == "warm" else REFERENCE_TOLERANCE for k in worst}
+    exact = all(agree.values()) and all(worst[k] <= bound[k] for k in worst)
     return {
         "ok": exact and min(loaded.values()) > 0 and not failures,
         "exact": exact,
+        "hook": hook,
         "same_first_token": agree,
         "same_tokens_warm": warm["generated"] == cold["generated"],
         "worst_logprob_diff": {k: float(f"{v:.3g}") for k, v in worst.items()},
-        "tolerance": {"warm": WARM_TOLERANCE, "reference": REFERENCE_TOLERANCE},
+        "tolerance": {"warm": bound["warm"], "reference": REFERENCE_TOLERANCE},
         "loaded_tokens": loaded,
         "stored_segments": sum(
-            r.get("connector", {}).get("saved_segments", 0) for r in (cold, alone)
+            r.get("connector", {}).get("saved_segments", 0) for r in (cold, *alone)
         ),
         "load_failures": failures,
         "prompt_tokens": len(first.token_ids),
@@ -466,6 +509,14 @@ def _print_report(report: dict[str, Any]) -> None:
         print(f"  {check['name']:10} {_mark(check['ok']):8} {check['detail']}")
     if "error" in report.get("exactness", {}):
         print(f"exactness: FAILED: {report['exactness']['error']}")
+    elif "exactness" in report and not report["exactness"].get("hook", True):
+        e, worst = report["exactness"], report["exactness"]["worst_logprob_diff"]
+        print(
+            f"exactness: {'ok' if e['ok'] else 'FAILED'} (in-band isolation off): cold (full "
+            f"prefill) / warm / reordered vs HF reference {worst['cold']} / {worst['warm']} / "
+            f"{worst['reordered']} (bound {REFERENCE_TOLERANCE}), "
+            f"{e['loaded_tokens']['warm']} tokens loaded warm"
+        )
     elif "exactness" in report:
         e = report["exactness"]
         print(

@@ -24,8 +24,10 @@ from typing import Any, cast
 
 import torch
 
-from chunkstore.kv.fingerprint import kv_shape
+from chunkstore.errors import UnsupportedRotaryError
+from chunkstore.kv.fingerprint import layer_kv_shape
 from chunkstore.kv.keys import Isolation
+from chunkstore.kv.layer_rotary import LayerRotary
 from chunkstore.kv.masks import MaskForm, SegmentLayout, isolation_mask
 from chunkstore.kv.remap import remap_keys
 from chunkstore.kv.rope import RotaryConfig
@@ -49,12 +51,20 @@ class KV:
     def cat(parts: Sequence[KV]) -> KV:
         return KV(torch.cat([p.keys for p in parts], 1), torch.cat([p.values for p in parts], 1))
 
-    def remapped(self, delta: int, rotary: RotaryConfig) -> KV:
-        """Keys rotated by ``delta`` positions, values untouched. An MLA model's (as HF's
-        DeepSeek-V2 caches it: the compressed latent as keys, k_pe as values): k_pe rotated,
-        the latent untouched (``rotary`` rotates the two side by side)."""
+    def remapped(self, delta: int, rotary: RotaryConfig | LayerRotary) -> KV:
+        """Keys rotated by ``delta`` positions, values untouched; with a ``LayerRotary``,
+        each layer with its own (Gemma 3). An MLA model's (as HF's DeepSeek-V2 caches it:
+        the compressed latent as keys, k_pe as values): k_pe rotated, the latent untouched
+        (``rotary`` rotates the two side by side)."""
         if delta == 0:
             return self
+        if isinstance(rotary, LayerRotary):
+            if len(rotary.kinds) > 1:
+                keys = torch.stack(
+                    [remap_keys(layer, delta, rotary.layer(i)) for i, layer in enumerate(self.keys)]
+                )
+                return KV(keys, self.values)
+            rotary = rotary.kinds[0]
         if rotary.rotary_offset and rotary.rotary_offset == self.keys.shape[-1]:  # MLA
             latent = torch.cat([self.keys, self.values], dim=-1)
             moved = torch.stack([remap_keys(layer, delta, rotary) for layer in latent])
@@ -87,17 +97,32 @@ def attention_queries(module: Any, args: Any, kwargs: dict[str, Any]) -> torch.T
     hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
     cos, sin = kwargs["position_embeddings"]
     q = module.q_proj(hidden).view(*hidden.shape[:-1], -1, module.head_dim)
+    if getattr(module, "q_norm", None) is not None:  # Qwen3, Gemma 3: normed before RoPE
+        q = module.q_norm(q)
     rotated, _ = apply_rotary_pos_emb(q.transpose(1, 2), q.transpose(1, 2), cos, sin)
     return rotated[0].transpose(0, 1).float()
 
 
 class HFReference:
-    """An HF causal LM driven token-exactly: explicit positions, masks and past KV."""
+    """An HF causal LM driven token-exactly: explicit positions, masks and past KV.
+
+    A model whose layers differ (Gemma 3: sliding-window layers at RoPE base 1e4, global
+    ones at 1e6) has each layer's keys moved with its own rotary, and its sliding layers
+    attend only keys less than their window behind, by position, as HF's own masks and
+    vLLM's kernel do; every layer keeps every token's KV (as vLLM does with its hybrid
+    KV-cache manager off, which it is with a connector), the window is a mask."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model.eval()
         self.config: Any = model.config
-        self.rotary = kv_shape(model.config)[0]  # as the served engine caches keys
+        self.layers = layer_kv_shape(model.config)[0]  # as the served engine caches keys
+
+    @property
+    def rotary(self) -> RotaryConfig:
+        """The rotary of a model whose layers share one (else: ``layers``)."""
+        if len(self.layers.kinds) > 1:
+            raise UnsupportedRotaryError("per-layer", "each layer has its own: use .layers")
+        return self.layers.kinds[0]
 
     @classmethod
     def load(cls, model_dir: str | Path) -> HFReference:
@@ -112,7 +137,10 @@ class HFReference:
         """``past`` as HF's cache ([1, KV heads, tokens, head_dim] a layer), empty for None."""
         from transformers import DynamicCache
 
-        cache = DynamicCache(config=self.config)
+        # With the config, HF's cache drops a sliding layer's keys past its window: this one
+        # keeps them (the KV returned is every token's) and ``forward`` masks them instead.
+        windowed = any(self.layers.windows)
+        cache = DynamicCache() if windowed else DynamicCache(config=self.config)
         if past is not None:
             for layer in range(past.keys.shape[0]):
                 cache.update(
@@ -132,28 +160,38 @@ class HFReference:
         positions: Sequence[int] | None = None,
         layer_allowed: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
     ) -> Forward:
-        """Run ``token_ids`` at positions start.. (or at ``positions``) on top of ``past``.
+        """Run ``token_ids`` at positions start.. (or at ``positions``) on top of ``past``
+        (which stands at positions 0.., in order, as every caller builds it).
 
         ``allowed`` is a boolean [new tokens, past + new tokens] mask; by default every new
         token sees all of ``past`` and the earlier new tokens (causal). ``layer_allowed``:
         such a mask for each layer instead, from the layer's index and its queries as
         attention uses them ([new tokens, query heads, head_dim], rotated): a sparse load's,
-        each layer attending the blocks its own queries choose.
+        each layer attending the blocks its own queries choose. A sliding-window layer's
+        mask is narrowed to its window either way.
         """
         n = len(token_ids)
         past_len = past.num_tokens if past is not None else 0
         if allowed is None:
             allowed = torch.ones(n, past_len + n, dtype=torch.bool)
             allowed[:, past_len:] = torch.ones(n, n, dtype=torch.bool).tril()
-        additive = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+        at = torch.arange(start, start + n) if positions is None else torch.tensor(positions)
+        behind = at[:, None] - torch.cat([torch.arange(past_len), at])[None, :]
+        windows = self.layers.windows
         cache = self._cache(past)
         hooks = []
-        if layer_allowed is not None:
-            choose = layer_allowed
+        if layer_allowed is not None or any(windows):
+            choose, everywhere = layer_allowed, allowed
 
             def masked(index: int) -> Any:
                 def hook(module: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-                    mask = choose(index, attention_queries(module, args, kwargs))
+                    mask = (
+                        everywhere
+                        if choose is None
+                        else choose(index, attention_queries(module, args, kwargs))
+                    )
+                    if windows[index]:  # HF's and vLLM's window: i - j < W
+                        mask = mask & (behind < windows[index])
                     layer_additive = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
                     kwargs["attention_mask"] = layer_additive[None, None]
                     return args, kwargs
@@ -165,14 +203,11 @@ class HFReference:
                 layer.self_attn.register_forward_pre_hook(masked(i), with_kwargs=True)
                 for i, layer in enumerate(layers)
             ]
+        additive = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
         try:
             out = self.model(
                 input_ids=torch.tensor([list(token_ids)]),
-                position_ids=(
-                    torch.tensor([list(positions)])
-                    if positions is not None
-                    else torch.arange(start, start + n)[None]
-                ),
+                position_ids=at[None],
                 attention_mask=additive[None, None],
                 past_key_values=cache,
                 use_cache=True,
@@ -275,7 +310,7 @@ class HFReference:
                     context, virtual_start = None, none_virtual_start
                 kv = self.segment_kv(seg, context, virtual_start)
                 delta = seg.start + shifts.get(index, 0) - virtual_start
-                parts.append(kv.remapped(delta, self.rotary))
+                parts.append(kv.remapped(delta, self.layers))
             else:
                 question = seg
         cache = KV.cat(parts)
@@ -421,13 +456,17 @@ def default_treatment(
     virtual_gap: int = 0,
     recompute: bool = True,
     quality: QualityConfig = DEFAULTS,
+    inband: bool = True,
 ) -> tuple[dict[int, range], dict[int, int], int]:
     """What the connector's defaults (or ``quality``) do with a prompt's chunks
     (``chunkstore.kv.treatment``, the policy the connector runs; ``recompute``: its workers
-    can recompute, not under tensor parallelism): segment index -> the offsets recomputed
-    in it, segment index -> positions each chunk moves, and how many first tokens of every
-    other chunk are recomputed with them, for the HF reference of a served prompt."""
-    treated = treat(segments, quality, isolation, virtual_gap, BackEnd(recompute=recompute))
+    can recompute, not under tensor parallelism; ``inband``: the in-band hook runs, not for
+    an MLA model or one whose layers rotate differently): segment index -> the offsets
+    recomputed in it, segment index -> positions each chunk moves, and how many first
+    tokens of every other chunk are recomputed with them, for the HF reference of a served
+    prompt."""
+    back_end = BackEnd(inband=inband, recompute=recompute)
+    treated = treat(segments, quality, isolation, virtual_gap, back_end)
     return treated.recomputed, treated.shifts, treated.first_tokens
 
 
@@ -438,15 +477,16 @@ def default_reference(
     virtual_gap: int = 0,
     recompute: bool = True,
     quality: QualityConfig = DEFAULTS,
+    inband: bool = True,
 ) -> Forward:
     """The HF reference of a prompt the connector serves with its defaults (or ``quality``'s
-    settings): the assembled
+    settings; ``inband``: ``default_treatment``'s): the assembled
     cache with the chunks ``default_treatment`` moves attended where it moves them (the
     prompt with them put last), those it recomputes blended there (and every other chunk's
     first tokens), the question on top. The KV is returned in the served prompt's order,
     each chunk's keys rotated to where it is attended, as the connector's cache holds it."""
     recomputed, shifts, first = default_treatment(
-        segments, isolation, virtual_gap, recompute, quality
+        segments, isolation, virtual_gap, recompute, quality, inband
     )
     if not recomputed:
         return ref.assembled_cache(segments, isolation, virtual_gap=virtual_gap, shifts=shifts)

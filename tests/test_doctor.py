@@ -17,7 +17,7 @@ import pytest
 
 from chunkstore.cli import main
 from chunkstore.doctor import BELOW_BAR, REFERENCE_TOLERANCE, REFUSED, USE, WARM_TOLERANCE
-from chunkstore.models import MODELS
+from chunkstore.models import MODELS, model_dir
 from chunkstore.testing.cli import chunkstore
 
 
@@ -279,6 +279,31 @@ def test_doctor_on_smollm2_is_exact(smollm2_dir, capsys) -> None:
     assert "exactness: ok: warm == cold True" in out
     assert out.splitlines()[-2].startswith("EXACT (answers not measured)")
     assert out.splitlines()[-1].startswith('--kv-transfer-config \'{"kv_connector"')
+
+
+def test_doctor_on_tiny_gemma3_is_exact(capsys) -> None:
+    """Sliding-window layers (window 32, the prompts past it) at two RoPE bases: stage 2's
+    served answers equal the HF reference's, each layer's keys moved with its own base and
+    its window masked (before, the reference refused the model)."""
+    code = main(["doctor", str(model_dir("tiny-gemma3")), "--no-answers", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == USE, report
+    exact = report["exactness"]
+    assert exact["ok"] and exact["exact"] and exact["load_failures"] == 0, exact
+    assert exact["prompt_tokens"] > 2 * 32 and exact["loaded_tokens"]["reordered"] > 0, exact
+    assert max(exact["worst_logprob_diff"].values()) <= REFERENCE_TOLERANCE
+
+
+@pytest.mark.release
+def test_doctor_on_gemma3_270m_is_exact_with_its_advice() -> None:
+    """The real Gemma 3 (270M base, fp32): chunks loaded at new positions give the HF
+    reference's first-token logprobs, and the verdict gives a setting."""
+    run = doctor("gemma3-270m", "--cases", "3", "--json", timeout=3600)
+    report = json.loads(run.stdout)
+    assert report["exactness"]["ok"], report["exactness"]
+    assert max(report["exactness"]["worst_logprob_diff"].values()) <= REFERENCE_TOLERANCE
+    assert run.returncode == report["verdict"]["code"] in (USE, BELOW_BAR), run.stderr[-3000:]
+    print(report["exactness"], report["verdict"]["line"])  # (make test-release shows them)
 
 
 @pytest.mark.release
