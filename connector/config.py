@@ -196,13 +196,45 @@ def for_deployment(config: ConnectorConfig, vllm_config: Any) -> ConnectorConfig
     (prefill), so in-band isolation (the hook attends a chunk's rows over its own keys,
     on one rank) is off, and with it recompute, moves and sparse loads: stored chunks are
     loaded (isolated, as the router or ingest stored them) and exact prefixes shared, as on
-    a back end without the hook. The same for an MLA model (``latent_attention``) and one whose
-    layers rotate keys differently (``several_rotaries``)."""
+    a back end without the hook. The same for an MLA model (``latent_attention``) and a
+    sliding-window one with ``virtual_gap`` (the hook's window counts positions from sys).
+    A model whose layers rotate keys differently or attend through a window keeps the hook
+    with what it serves there (``hook_limits``)."""
     parallel = decode_context_parallel(vllm_config) * prefill_context_parallel(vllm_config)
-    hookless = latent_attention(vllm_config) or several_rotaries(vllm_config)
-    if (parallel == 1 and not hookless) or not config.inband_isolation:
+    windowed = any(layer_rotary(vllm_config).windows)
+    hookless = latent_attention(vllm_config) or (windowed and config.virtual_gap > 0)
+    if not config.inband_isolation:
         return config
-    return replace(config, inband_isolation=False)
+    if parallel > 1 or hookless:
+        return replace(config, inband_isolation=False)
+    if windowed:
+        # Moves, recompute and question re-weighting attend chunks where vLLM's kernel
+        # counts other positions (its window covers where tokens stand in the cache).
+        quality = replace(
+            config.quality,
+            relevant_last=0,
+            recompute_chunks=0,
+            recompute_tokens=0,
+            question_temperature=1.0,
+            question_scale=1.0,
+        )
+        config = replace(config, quality=quality, fill_gaps=False)
+    if windowed or several_rotaries(vllm_config):  # sparse reads rotate with one rotary
+        config = replace(config, sparse_threshold=0.0, sparse_candidates=0.0)
+    return config
+
+
+def hook_limits(vllm_config: Any) -> str | None:
+    """What the hook does not serve for this model (``for_deployment``), or None."""
+    if any(layer_rotary(vllm_config).windows):
+        return (
+            "sliding-window layers: the hook isolates chunks with each layer's window; "
+            "relevant_last moves, recompute, question re-weighting, gap filling and sparse "
+            "reads are off"
+        )
+    if several_rotaries(vllm_config):
+        return "layers rotate keys differently: sparse reads are off"
+    return None
 
 
 def latent_attention(vllm_config: Any) -> bool:
@@ -213,18 +245,24 @@ def latent_attention(vllm_config: Any) -> bool:
     return hf_config is not None and is_mla(hf_config)
 
 
-def several_rotaries(vllm_config: Any) -> bool:
-    """Whether the model's layers rotate keys differently (Gemma 3: base 1e4 in sliding
-    layers, 1e6 in global ones). Loads rotate each layer with its own; the hook's rotations
-    (sys keys, sparse reads, relevant_last moves) take one, so it stays off."""
+def layer_rotary(vllm_config: Any) -> LayerRotary:
+    """Each layer's rotary and window (none known: one kind, no window)."""
     model_config = getattr(vllm_config, "model_config", None)
     hf_config = getattr(model_config, "hf_config", None)
-    if hf_config is None:
-        return False
+    none = LayerRotary((), (), ())
+    if hf_config is None or is_mla(hf_config):
+        return none
     try:
-        return len(LayerRotary.from_hf_config(hf_config).kinds) > 1
+        return LayerRotary.from_hf_config(hf_config)
     except UnsupportedRotaryError:  # no remap at all: the key space says so (``ModelKeys``)
-        return False
+        return none
+
+
+def several_rotaries(vllm_config: Any) -> bool:
+    """Whether the model's layers rotate keys differently (Gemma 3: base 1e4 in sliding
+    layers, 1e6 in global ones). Loads and the hook rotate each layer with its own; sparse
+    reads take one, so they are off."""
+    return len(layer_rotary(vllm_config).kinds) > 1
 
 
 # The models whose decoder layers the workers' recomputer drives (``recompute``).

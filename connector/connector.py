@@ -26,7 +26,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from .common import ChunkStoreMetadata
-from .config import ConnectorConfig, for_deployment, latent_attention, several_rotaries
+from .config import (
+    ConnectorConfig,
+    for_deployment,
+    hook_limits,
+    latent_attention,
+    layer_rotary,
+)
 from .metrics import ConnectorPromMetrics, ConnectorStats
 from .scheduler import SchedulerSide
 from .versions import warn_outside_matrix
@@ -61,18 +67,19 @@ class ChunkStoreConnector(KVConnectorBase_V1):
         asked = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         config = for_deployment(asked, vllm_config)
         if role == KVConnectorRole.SCHEDULER:
-            if config != asked:
+            if config.inband_isolation != asked.inband_isolation:
                 log.warning(
                     "chunkstore: in-band isolation is off (%s): stored chunks load "
                     "isolated, none is stored from requests (store them with the router or "
                     "`chunkstore ingest`)",
                     "an MLA model's latent cache"
                     if latent_attention(vllm_config)
-                    else "layers rotate keys differently: loads rotate each layer with its "
-                    "own; sys keys, sparse reads and relevant_last moves are not served"
-                    if several_rotaries(vllm_config)
+                    else "virtual_gap with sliding-window layers"
+                    if any(layer_rotary(vllm_config).windows)
                     else "context parallelism: each rank holds or computes a share of every chunk",
                 )
+            elif config.inband_isolation and hook_limits(vllm_config):
+                log.warning("chunkstore: in-band isolation: %s", hook_limits(vllm_config))
             warn_outside_matrix(log)  # once per engine: the scheduler has one connector
             # A chunk that fails to load (daemon gone, entry evicted, checksum) is computed,
             # never served wrong and never a failed request. The scheduler reads this after

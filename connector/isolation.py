@@ -45,6 +45,12 @@ requests whose scheduled tokens include chunk tokens (``IsolatedStep``). Per lay
 - every other row (plain requests, sys and question tokens, decode) goes to vLLM's own kernel,
   on a batch without the chunk rows, so no row pays for attention twice; a step with no chunk
   rows calls vLLM's forward untouched.
+- each layer rotates with its own rotary (``LayerRotary``: Gemma 3's sliding layers at base
+  1e4, global ones at 1e6), and a sliding-window layer passes its window to every kernel
+  call: a chunk row sees the keys of sys and of its chunk within the window of the position
+  it is computed at (its virtual one: the hook's cache holds sys, then the chunk, so with
+  ``virtual_gap`` 0 its positions are the virtual ones; a gap turns the hook off,
+  ``config.for_deployment``), the other rows the last ``window`` positions of the cache.
 
 Where the parts live: ``vllm_attention`` is the only code that touches vLLM's attention
 objects (it wraps each layer and hands the rest one ``LayerCall`` per layer call);
@@ -63,6 +69,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from chunkstore.kv.keys import Isolation
+from chunkstore.kv.layer_rotary import LayerRotary
 from chunkstore.kv.rope import RotaryConfig
 
 from .common import RequestPlan
@@ -110,13 +117,15 @@ class IsolationHook:
     def __init__(
         self,
         layout: CpuKVLayout,
-        rotary: RotaryConfig,
+        rotary: LayerRotary | RotaryConfig,  # each layer's (one for all: a RotaryConfig)
         config: ConnectorConfig,
         on_miss: Callable[[str], None],
         placed: Callable[[str], dict[int, int] | None] = lambda req_id: {},
         sparse: SparseReads | None = None,
     ) -> None:
         self.layout = layout
+        if isinstance(rotary, RotaryConfig):
+            rotary = LayerRotary.single(rotary)
         self.splitter = StepSplitter(
             layout,
             rotary,
@@ -134,6 +143,21 @@ class IsolationHook:
             math.log(config.quality.question_scale),
             sparse,
         )
+        # What attends chunks where the kernel's window does not count (``for_deployment``
+        # turns them off for a windowed model whose config names its windows)
+        quality = config.quality
+        self._unwindowed = [
+            name
+            for name, on in (
+                ("virtual_gap", config.virtual_gap),
+                ("relevant_last", quality.relevant_last),
+                ("recompute", quality.recompute_chunks or quality.recompute_tokens),
+                ("question re-weighting", quality.reweights_questions),
+                ("fill_gaps", config.fill_gaps),
+                ("sparse reads", config.sparse_threshold),
+            )
+            if on
+        ]
         self.on_miss = on_miss  # a planned request not found in the batch (computed causally)
         self.recomputes = bool(config.quality.recompute_tokens or config.quality.recompute_chunks)
         self.rides = config.recompute_in_vllm_batch
@@ -154,6 +178,8 @@ class IsolationHook:
         why = layers.refused()
         if why:
             return why
+        if self._unwindowed and layers.windowed():
+            return f"sliding window with {', '.join(self._unwindowed)} not supported"
         found = Recomputer.find(vllm_config, self.layout, layer_names)
         if isinstance(found, str):
             # Chunks then stay isolated: the answer the semantics give without recovery.

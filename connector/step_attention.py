@@ -18,8 +18,9 @@ from __future__ import annotations
 import torch
 
 from chunkstore.kv.attention import KeyBlock, attention_after_context
+from chunkstore.kv.layer_rotary import LayerRotary
 from chunkstore.kv.remap import rotate_keys
-from chunkstore.kv.rope import RotaryConfig, rotation_table
+from chunkstore.kv.rope import rotation_table
 
 from .cpu_layout import CpuKVLayout
 from .recompute import Blend, Recomputer
@@ -29,13 +30,14 @@ from .vllm_attention import QKV, KernelBatch, LayerCall
 
 
 class StepAttention:
-    """One layer's attention of a split step, phase by phase, in the cache ``layout``; the
-    question rows' chunks at ``temperature`` and ``log_scale`` (question re-weighting)."""
+    """One layer's attention of a split step, phase by phase, in the cache ``layout``, each
+    layer's keys rotated with its own rotary (``rotary``); the question rows' chunks at
+    ``temperature`` and ``log_scale`` (question re-weighting)."""
 
     def __init__(
         self,
         layout: CpuKVLayout,
-        rotary: RotaryConfig,
+        rotary: LayerRotary,
         temperature: float,
         log_scale: float,
         sparse: SparseReads | None = None,
@@ -104,6 +106,7 @@ class StepAttention:
     def _move(self, split: StepSplit, call: LayerCall, kv_cache: torch.Tensor) -> None:
         """The moved chunks' keys rotated in the cache (after the gaps' KV is written, before
         the recomputed tokens' is)."""
+        kind = self.rotary.kind(call.index)
         for move in split.moves:
             keys, values = self.layout.read(kv_cache, move.slots)
             self.layout.write_rotated(
@@ -112,8 +115,8 @@ class StepAttention:
                 keys,
                 values,
                 move.slots,
-                move.rotation,
-                self.rotary,
+                move.rotations[kind],
+                self.rotary.kinds[kind],
             )
 
     def attend_chunks(
@@ -167,7 +170,8 @@ class StepAttention:
         chunk sees copied into ``cache`` (its sys rotated), then one call of vLLM's kernel."""
         keys, values = self.layout.read(kv_cache, chunks.sources)
         for start, count, shift in chunks.shifts:
-            keys[start : start + count] = self._shifted(split, keys[start : start + count], shift)
+            span = slice(start, start + count)
+            keys[span] = self._shifted(split, call, keys[span], shift)
         self.layout.write(call.name, cache, keys, values, chunks.slots)
         return call.paged(chunks.batch, query.index_select(0, chunks.batch.rows), cache)
 
@@ -187,7 +191,7 @@ class StepAttention:
         if own is not None:
             rows = query.index_select(0, own.rows)
             for at, count, shift in own.shifts:
-                rows[at : at + count] = self._shifted(split, rows[at : at + count], shift)
+                rows[at : at + count] = self._shifted(split, call, rows[at : at + count], shift)
             q = torch.cat([q, rows.to(q.dtype)])
         how = recompute.how
         if isinstance(how, Reordered):
@@ -217,7 +221,7 @@ class StepAttention:
             context = []
             if rows.sys_end:
                 sys_k, sys_v = self._read(kv_cache, rows.block_ids, 0, rows.sys_end)
-                context.append(KeyBlock(self._shifted(split, sys_k, rows.sys_shift), sys_v))
+                context.append(KeyBlock(self._shifted(split, call, sys_k, rows.sys_shift), sys_v))
             span = slice(rows.row, rows.row + rows.count)
             if rows.chunks_end > rows.sys_end:
                 context += [
@@ -259,19 +263,24 @@ class StepAttention:
         """Keys and values of positions [start, end) from vLLM's paged cache."""
         return self.layout.read(kv_cache, self.layout.slots(block_ids, start, end - start))
 
-    def _shifted(self, split: StepSplit, sys_keys: torch.Tensor, shift: int) -> torch.Tensor:
+    def _shifted(
+        self, split: StepSplit, call: LayerCall, sys_keys: torch.Tensor, shift: int
+    ) -> torch.Tensor:
         """The sys keys as a chunk's queries must see them: rotated by ``p - v``, the
         distance the chunk stands from its virtual start (``virtual_gap`` past sys); or
-        in-place rows' queries, rotated to where their chunk is attended."""
+        in-place rows' queries, rotated to where their chunk is attended. With the layer's
+        own rotary (Gemma 3: base 1e4 in sliding layers, 1e6 in global ones)."""
         if shift == 0:
             return sys_keys
+        kind = self.rotary.kind(call.index)
+        rotary = self.rotary.kinds[kind]
         count = sys_keys.shape[0]  # requests of a step may have sys parts of other lengths
-        table = split.rotations.get((shift, count))
+        table = split.rotations.get((kind, shift, count))
         if table is None:
-            table = split.rotations[shift, count] = rotation_table(
-                self.rotary, shift, count, sys_keys.device
+            table = split.rotations[kind, shift, count] = rotation_table(
+                rotary, shift, count, sys_keys.device
             )
-        return rotate_keys(sys_keys, *table, self.rotary, out=torch.empty_like(sys_keys))
+        return rotate_keys(sys_keys, *table, rotary, out=torch.empty_like(sys_keys))
 
     def _kernel(
         self,

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from chunkstore.kv.rope import RotaryConfig, rotation_table
+from chunkstore.kv.layer_rotary import LayerRotary
 
 from .common import IsolatedStep, RequestPlan
 from .cpu_layout import CpuKVLayout
@@ -50,13 +50,14 @@ class HookRows:
 
 @dataclass(frozen=True)
 class Move:
-    """A chunk's keys rotated by ``shift`` positions where they stand in the cache."""
+    """A chunk's keys rotated by ``shift`` positions where they stand in the cache (each
+    layer with its own rotary: ``rotations`` holds one table per kind, ``LayerRotary``)."""
 
     req_id: str
     start: int
     shift: int
     slots: torch.Tensor
-    rotation: tuple[torch.Tensor, torch.Tensor]
+    rotations: tuple[tuple[torch.Tensor, torch.Tensor], ...]
 
 
 @dataclass(frozen=True)
@@ -136,9 +137,9 @@ class StepSplit:
     rows: list[HookRows]  # the hook's rows after the chunks (question re-weighting)
     kernel: KernelBatch | None
     recomputes: list[Recompute] = field(default_factory=list)
-    rotations: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(
+    rotations: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict
-    )  # (shift, tokens) -> the rotation table
+    )  # (rotary kind, shift, tokens) -> the rotation table
     moves: list[Move] = field(default_factory=list)
     chunks: ChunkBatch | None = None
     chunk_cache: torch.Tensor | None = None  # the hook's cache for ``chunks``, for every layer
@@ -164,7 +165,7 @@ class StepSplitter:
     def __init__(
         self,
         layout: CpuKVLayout,
-        rotary: RotaryConfig,
+        rotary: LayerRotary,
         isolate_from_sys: bool,
         virtual_gap: int,
         reweight: bool,
@@ -232,7 +233,7 @@ class StepSplitter:
                     start,
                     shift,
                     self.layout.slots(table, start, end - start),
-                    rotation_table(self.rotary, shift, end - start),
+                    self.rotary.tables(shift, end - start),
                 )
                 for start, end, shift in step.moves
                 if placed is not None and start not in placed

@@ -40,6 +40,7 @@ class KernelSettings(Protocol):
     num_kv_heads: int
     head_size: int
     kv_cache_dtype: str
+    sliding_window: int | None  # tokens a query sees back, itself included (-1, None: all)
 
 
 class CpuAttentionImpl(KernelSettings, Protocol):
@@ -91,6 +92,14 @@ class LayerCall:
         """The layer's softmax scale."""
         return self.impl.scale
 
+    @property
+    def window(self) -> int:
+        """The layer's sliding window, -1 for none: a query at position i sees keys at
+        positions (i - window, i] of the sub-request it is computed in (vLLM's kernel and
+        HF's sliding masks agree on the bound)."""
+        window = self.impl.sliding_window
+        return -1 if window is None else int(window)
+
     def scheduler_metadata(
         self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor
     ) -> torch.Tensor:
@@ -107,6 +116,8 @@ class LayerCall:
             dtype=self.dtype,
             query_start_loc=query_start_loc,
             causal=True,
+            # One plan for every layer of a step, as vLLM's own builder makes it where a
+            # group mixes windowed and global layers (Gemma 3): the window goes with each call.
             sliding_window_size=-1,
             isa=self.layer.isa,
             enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
@@ -128,7 +139,8 @@ class LayerCall:
         self, batch: KernelBatch, sub_query: torch.Tensor, kv_cache: torch.Tensor
     ) -> torch.Tensor:
         """vLLM's kernel over ``batch``: each run of queries attends causally to its
-        request's cache up to its ``seq_len``."""
+        request's cache up to its ``seq_len``, in a windowed layer to the last ``window``
+        positions of it."""
         from vllm import _custom_ops as ops
 
         blocks, heads, block_size, _ = kv_cache.shape
@@ -144,7 +156,7 @@ class LayerCall:
             scale=self.impl.scale,
             causal=True,
             alibi_slopes=None,
-            sliding_window=-1,
+            sliding_window=self.window,
             block_table=batch.block_table,
             softcap=0,
             scheduler_metadata=batch.scheduler_metadata,
@@ -167,8 +179,7 @@ def unsupported(impl: object, layer: object) -> str | None:
         return f"attention back end {type(impl).__name__} is not one the hook knows"
     if impl.attn_type != AttentionType.DECODER:
         return f"attention type {impl.attn_type} is not decoder self-attention"
-    features = {
-        "sliding window": impl.sliding_window not in (-1, None),
+    features = {  # a sliding window is served: ``LayerCall.window``
         "ALiBi": impl.alibi_slopes is not None,
         "logit soft-capping": bool(impl.logits_soft_cap),
         "attention sinks": impl.sinks is not None,
@@ -201,6 +212,10 @@ class AttentionLayers:
             if why:
                 return f"{name}: {why}"
         return None
+
+    def windowed(self) -> bool:
+        """Whether a layer attends through a sliding window."""
+        return any(self.call(index).window > 0 for index in range(len(self.names)))
 
     def call(self, index: int) -> LayerCall:
         """A call of layer ``index`` (outside its forward: the recomputed rows' split)."""

@@ -156,7 +156,7 @@ class WorkerSide:
             assert isinstance(access, CpuKVLayout)
             hook = IsolationHook(
                 access,
-                self.keys.rotary,
+                self.keys.layers,
                 self.config,
                 self._isolation_missed,
                 self.loads.moved_by_load,

@@ -107,6 +107,7 @@ class HookStep:
             head_size=head_size,
             scale=head_size**-0.5,
             kv_cache_dtype="auto",
+            sliding_window=None,
         )
         self.layer = SimpleNamespace(isa="vec", _k_scale_float=1.0, _v_scale_float=1.0)
         self.call = LayerCall(0, LAYER, self.impl, self.layer, torch.float32)

@@ -40,8 +40,21 @@ class LayerRotary:
         """One rotary and no window: keyed exactly as before layers had kinds."""
         return len(self.kinds) == 1 and not any(self.windows)
 
+    @classmethod
+    def single(cls, rotary: RotaryConfig) -> LayerRotary:
+        """One rotary for every layer, however many (no layer list: never fingerprinted)."""
+        return cls((rotary,), (), ())
+
+    def kind(self, index: int) -> int:
+        """Layer ``index``'s rotary, as an index into ``kinds``."""
+        return self.of_layer[index] if self.of_layer else 0
+
     def layer(self, index: int) -> RotaryConfig:
-        return self.kinds[self.of_layer[index]]
+        return self.kinds[self.kind(index)]
+
+    def window(self, index: int) -> int:
+        """Layer ``index``'s sliding window (0: it attends everything)."""
+        return self.windows[index] if self.windows else 0
 
     def tables(
         self, delta: int, num_tokens: int, device: torch.device | str = "cpu"

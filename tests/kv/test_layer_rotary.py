@@ -124,14 +124,24 @@ def test_doctor_reports_each_kind() -> None:
     assert "layers 2,5 (no window): default, theta 1e+06" in rotary.detail
 
 
-def test_the_hook_is_off_where_layers_rotate_differently() -> None:
-    """Sys keys, sparse reads and relevant_last moves rotate with one rotary, in the hook."""
+def test_the_hook_serves_windowed_layers_without_what_attends_elsewhere() -> None:
+    """The hook rotates each layer with its own rotary and passes each layer's window to
+    vLLM's kernel; what attends chunks where they do not stand in the cache (relevant_last
+    moves, recompute, question re-weighting, gap filling) and sparse reads (one rotary) are
+    off for a windowed model, and the whole hook with a ``virtual_gap`` (its window counts
+    positions from sys)."""
 
     def deployment(hf_config: Any) -> Any:
         return SimpleNamespace(
             model_config=SimpleNamespace(hf_config=hf_config), parallel_config=SimpleNamespace()
         )
 
-    config = ConnectorConfig()
-    assert not for_deployment(config, deployment(gemma3())).inband_isolation
-    assert for_deployment(config, deployment(LlamaConfig(**SIZES))).inband_isolation
+    config = ConnectorConfig.from_extra({"sparse_threshold": 0.5})
+    served = for_deployment(config, deployment(gemma3()))
+    assert served.inband_isolation and not served.fill_gaps and not served.sparse_threshold
+    assert served.quality.relevant_last == 0
+    assert served.quality.recompute_tokens == served.quality.recompute_chunks == 0
+    assert not served.quality.reweights_questions
+    gap = ConnectorConfig(virtual_gap=8)
+    assert not for_deployment(gap, deployment(gemma3())).inband_isolation
+    assert for_deployment(config, deployment(LlamaConfig(**SIZES))) == config
