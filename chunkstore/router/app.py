@@ -43,7 +43,7 @@ from chunkstore.kv.keyspace import KeySpace, Plan
 from chunkstore.kv.segments import Segment, reordered_ids
 from chunkstore.kv.treatment import QualityConfig
 
-from . import disagg, order
+from . import disagg, fields, order
 from .access import Admission, Gate, Operators
 from .cold import ColdChunks, Warmed
 from .instances import Choice, Instance, Instances
@@ -664,6 +664,7 @@ class Router:
         @contextlib.asynccontextmanager
         async def lifespan(_: FastAPI) -> AsyncIterator[None]:
             interval = self.settings.health_interval
+            await asyncio.to_thread(fields.request_models)  # vLLM's, before the first request
             watch = asyncio.create_task(self.instances.watch(self.http, interval))
             if self.prover is not None:
                 self._beside(self.prover.keep(self.instances, interval))

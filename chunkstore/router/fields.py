@@ -16,6 +16,7 @@ its own 400; the router never rewrites it.
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -55,14 +56,18 @@ class _Chat(BaseModel):
     add_special_tokens: bool = False
 
 
-try:  # vLLM's own request models where vLLM is installed
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+@functools.cache
+def request_models() -> tuple[type[BaseModel], type[BaseModel]]:
+    """The completion and chat request models: vLLM's own where vLLM is installed, else the
+    stand-ins above. Imported at the first request, not with the module: vLLM's import
+    brings torch (seconds), and the command line's parser reaches this module."""
+    try:
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    except ImportError:
+        return _Completion, _Chat
+    return CompletionRequest, ChatCompletionRequest
 
-    COMPLETION: type[BaseModel] = CompletionRequest
-    CHAT: type[BaseModel] = ChatCompletionRequest
-except ImportError:
-    COMPLETION, CHAT = _Completion, _Chat
 
 # A chat request's flags that decide its token IDs, as /tokenize is sent them.
 CHAT_FLAGS = ("add_generation_prompt", "continue_final_message", "add_special_tokens")
@@ -85,10 +90,10 @@ def read(body: dict[str, Any], chat: bool) -> Fields:
     try:
         if chat:
             messages = copy.deepcopy(body.get("messages"))  # strings shared, not copied
-            request: Any = CHAT.model_validate(dict(body, messages=messages))
+            request: Any = request_models()[1].model_validate(dict(body, messages=messages))
             flags = {name: bool(getattr(request, name)) for name in CHAT_FLAGS}
             return Fields(None, flags["add_special_tokens"], flags, False)
-        request = COMPLETION.model_validate(dict(body))
+        request = request_models()[0].model_validate(dict(body))
     except (ValueError, TypeError) as err:  # pydantic's ValidationError is a ValueError
         raise Unfit(str(err)) from None
     other = request.prompt_embeds is not None or request.truncate_prompt_tokens is not None
