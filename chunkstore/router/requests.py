@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import fields
-
 # The chat request fields that decide its token IDs (vLLM's TokenizeChatRequest).
 CHAT_TOKENIZE = (
     "messages",
@@ -51,6 +49,10 @@ def prompts_of(body: dict[str, Any], chat: bool) -> list[list[int] | dict[str, A
     """Each prompt of the request: its token IDs, or the ``/tokenize`` body that gives them;
     else why the router does no work for it (the request is passed on as it is):
     ``refused_fields`` (vLLM refuses the body), ``unparsed`` (the router cannot read it)."""
+    # Here, not with the module: pydantic is the router's dependency, and the command line's
+    # parser (the device check's machine has no pydantic) reaches this module through limits.
+    from . import fields
+
     try:
         read = fields.read(body, chat)
     except fields.Unfit:
