@@ -81,6 +81,18 @@ class RunningDaemon:
         status = Path(f"/proc/{self.process.pid}/status").read_text()
         return next(int(x.split()[1]) for x in status.splitlines() if x.startswith("VmRSS:"))
 
+    def settled_rss_kib(self, within_kib: int = 256, timeout: float = 15.0) -> int:
+        """The resident memory once it stops moving (two readings 0.25 s apart within
+        ``within_kib``): what a growth is measured from. A started pool loads its numba
+        kernel in a thread (~10 MiB, up to seconds on a busy host)."""
+        deadline, last = time.monotonic() + timeout, self.rss_kib()
+        while True:
+            time.sleep(0.25)
+            now = self.rss_kib()
+            if abs(now - last) <= within_kib or time.monotonic() > deadline:
+                return now
+            last = now
+
     def log(self) -> str:
         path = self.workdir / "daemon.log"
         return path.read_text() if path.exists() else ""

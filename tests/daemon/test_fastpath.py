@@ -206,7 +206,7 @@ def _declare(path: str, kind: int, length: int) -> socket.socket:
 def test_an_auth_frame_longer_than_a_token_is_refused_unread(serve) -> None:
     running = serve("--token", "s3cret")
     path = running.ready["fast"]
-    before = running.rss_kib()
+    before = running.settled_rss_kib()
     held = [_declare(path, AUTH, 32 << 20) for _ in range(4)]  # 32 MiB "tokens", kept open
     for sock in held:
         assert b"a token is at most" in _refused(sock)
