@@ -55,7 +55,13 @@ class Pool(ABC):
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low blocks first
         self.importers: set[str] = set()  # sessions whose process opened the pool by IPC
-        threading.Thread(target=_load_runs_kernel, name="runs-kernel", daemon=True).start()
+        self._kernel = threading.Thread(target=_load_runs_kernel, name="runs-kernel", daemon=True)
+        self._kernel.start()
+
+    def loaded(self) -> None:
+        """Wait until the runs kernel is loaded (the daemon, before it says it is ready: a
+        thread still importing numba when SIGUSR1 dumps every thread's stack crashed it)."""
+        self._kernel.join()
 
     @property
     def capacity(self) -> int:

@@ -427,6 +427,7 @@ def serve(config: ServeConfig) -> int:
     except BaseException:
         daemon.stop(drain_timeout=0)  # removes the pool file and the socket
         raise
+    daemon.pool.loaded()
     ready = {
         "event": "ready",
         "pid": os.getpid(),
