@@ -13,6 +13,10 @@ both, and the parts the index keeps under it:
 - ``spill.py``: the queue to the disk tier and what the tier did;
 - ``counts.py``: what ``stats`` reports, counted as it changes.
 
+The class is in three files, by job: ``entry_table.py`` (the state above and the steps every
+path takes under the lock: allocate, add, evict, drop), ``disk_moves.py`` (to and from the
+disk tier) and this one (the public paths: sessions, reads, writes, admin, stats).
+
 With a disk tier (``disk.py``) a committed entry is queued for the daemon's spill thread
 (``spill_one``) at its commit or once it is read again (``spill_when``); the thread holds
 its blocks while it writes them (an entry being written is not evictable, as a leased one);
@@ -22,78 +26,29 @@ a memory miss the tier holds is read back into new blocks and committed
 
 from __future__ import annotations
 
-import errno
-import logging
-import threading
-import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from chunkstore.daemon.budgets import Budgets
-from chunkstore.daemon.counts import Counts, IndexStats
-from chunkstore.daemon.disk import DiskEntry, DiskError, DiskTier
-from chunkstore.daemon.eviction import make_policy
-from chunkstore.daemon.pool import Pool
-from chunkstore.daemon.records import Budget, Entry, Lease, Reservation, Session, Spill, check_keys
-from chunkstore.daemon.sessions import Sessions
-from chunkstore.daemon.spill import DiskStats, SpillQueue, SpillWhen
+from chunkstore.daemon.counts import IndexStats
+from chunkstore.daemon.disk import DiskEntry
+from chunkstore.daemon.disk_moves import DiskMoves
+from chunkstore.daemon.records import Budget, Entry, Lease, Reservation, Session, check_keys
+from chunkstore.daemon.spill import SpillWhen
 from chunkstore.errors import (
     AlreadyExists,
     ChecksumMismatch,
     InvalidRequest,
     NotFound,
-    PoolFull,
     WrongState,
 )
 from chunkstore.kv.entry import EntryKind, EntryLayout
 from chunkstore.protocol.keyed_digest import SumKey, Summed
-from chunkstore.protocol.shm import Pieces
-
-log = logging.getLogger(__name__)
-
-DISK_READERS = 4  # disk hits of one Acquire read at once
 
 
-class Index:
-    def __init__(
-        self,
-        pool: Pool,
-        *,
-        lease_ttl: float = 30.0,
-        high_watermark: float = 0.95,
-        low_watermark: float = 0.85,
-        verify_commits: bool = False,
-        max_sessions: int = 1 << 30,
-        clock: Callable[[], float] = time.monotonic,
-        on_evict: Callable[[str, int], None] | None = None,
-        disk: DiskTier | None = None,
-        spill_queue_bytes: int = 1 << 30,
-        spill_when: SpillWhen = SpillWhen.COMMIT,
-        eviction: str = "lru",
-    ) -> None:
-        if not 0 < low_watermark <= high_watermark <= 1:
-            raise InvalidRequest("watermarks need 0 < low <= high <= 1")
-        self.pool = pool
-        self.high_watermark = high_watermark
-        self.low_watermark = low_watermark
-        self.verify_commits = verify_commits
-        self.on_evict = on_evict
-        self.lock = threading.RLock()
-        self.draining = False
-        self._entries: dict[bytes, Entry] = {}
-        self._pinned = 0
-        self.policy = make_policy(eviction)
-        self.holders = Sessions(lease_ttl, max_sessions, clock, free=pool.free)
-        self.budgets = Budgets(self.policy, pool.block_size)
-        self.counts = Counts()
-        # The disk tier: committed entries queued (bounded, in bytes) for the spill thread.
-        self.disk = disk
-        self.spill = SpillQueue(self.lock, spill_queue_bytes)
-        self.spill_when = spill_when
-        self._promoting: dict[bytes, threading.Event] = {}  # disk hits being read in
-        self._disk_readers = ThreadPoolExecutor(DISK_READERS, thread_name_prefix="disk-read")
+class Index(DiskMoves):
+    """The index's public paths; its state and lock-held steps are ``EntryTable``'s, its
+    moves to and from the disk tier ``DiskMoves``'."""
 
     # Sessions -----------------------------------------------------------------------------
 
@@ -203,73 +158,8 @@ class Index:
                 for got in out:
                     if got is not None and self.policy.read_again(got[1].key):
                         self._queue_spill(got[1])
-        disk = self.disk
-        missed = [i for i, got in enumerate(out) if got is None]
-        on_disk = [i for i in missed if keys[i] in disk] if disk is not None else []
-        if len(on_disk) == 1:
-            out[on_disk[0]] = self._acquire_from_disk(session_id, keys[on_disk[0]], tenant)
-        elif on_disk:  # several files read at once: the device's queue kept full
-            reads = [
-                self._disk_readers.submit(self._acquire_from_disk, session_id, keys[i], tenant)
-                for i in on_disk
-            ]
-            for i, read in zip(on_disk, reads, strict=True):
-                out[i] = read.result()
+        self._acquire_missed(session_id, keys, out, tenant)
         return out
-
-    def _acquire_from_disk(
-        self, session_id: str, key: bytes, tenant: str
-    ) -> tuple[Lease, Entry] | None:
-        """Promote a disk entry: take blocks for it, read it into them outside the lock
-        (lookups and other acquires go on meanwhile; a second acquire of the same key waits
-        for this one), then commit it (its checksum checked by the read) and lease it. None
-        where that fails: the file went bad or away (it is removed), or the pool has no room
-        (everything leased or pinned); counted, never served."""
-        assert self.disk is not None
-        while True:
-            with self.lock:
-                self._refuse_if_draining()
-                entry = self._entries.get(key)
-                if entry is not None:
-                    return self._lease(session_id, entry) if entry.tenant == tenant else None
-                pending = self._promoting.get(key)
-                if pending is None:
-                    found = self.disk.lookup(key)
-                    if found is None or found.tenant != tenant or key in self.holders.reserved_keys:
-                        return None
-                    try:
-                        blocks = self._allocate(self.pool.blocks_for(found.nbytes), tenant)
-                    except PoolFull as err:
-                        self.spill.failed("promote", err)
-                        return None
-                    done = self._promoting[key] = threading.Event()
-                    break
-            pending.wait()
-        began = time.perf_counter()
-        failure: Exception | None = None
-        try:
-            self.disk.read_into(key, Pieces(self.pool.views(blocks, found.nbytes)))
-        except (NotFound, ChecksumMismatch, DiskError) as err:
-            failure = err
-        with self.lock:
-            del self._promoting[key]
-            done.set()
-            if failure is not None:
-                self._free_charged(tenant, blocks)
-                self.spill.failed("read", failure)
-                return None
-            self.spill.promoted(found.nbytes, time.perf_counter() - began)
-            entry = Entry(key, found.layout, found.nbytes, blocks, found.checksum, tenant=tenant)
-            self._add(entry)
-            leased = self._lease(session_id, entry)
-            self._evict_to_watermark()
-            return leased
-
-    def _lease(self, session_id: str, entry: Entry) -> tuple[Lease, Entry]:
-        lease = self.holders.add_lease(session_id, entry)
-        entry.leases += 1
-        self.budgets.place(entry)  # out of the eviction order; ranked again when free
-        return lease, entry
 
     def release(self, session_id: str, lease_ids: Sequence[int]) -> None:
         with self.lock:
@@ -520,85 +410,6 @@ class Index:
             was, self.draining = self.draining, False
             return was
 
-    # The disk tier (the daemon's spill thread and its stop) -------------------------------
-
-    def spill_one(self, timeout: float = 0.2) -> bool:
-        """One step of the spill thread: write the oldest queued entry to the disk tier,
-        outside the lock. False if nothing was queued within ``timeout`` seconds."""
-        assert self.disk is not None
-        got = self.next_spill(timeout)
-        if got is None:
-            return False
-        entry, parts = got
-        began = time.perf_counter()
-        failure, evicted = None, []
-        try:
-            evicted = self.disk.write(entry.key, entry.layout, parts, entry.checksum, entry.tenant)
-        except DiskError as err:
-            failure = err
-        except Exception as err:  # a bug, not the disk: still hand the blocks back
-            failure = DiskError("unexpected failure", OSError(errno.EIO, repr(err)))
-            log.exception("disk tier: writing %s failed", entry.key.hex())
-        self.spilled(entry, time.perf_counter() - began, failure, len(evicted))
-        return True
-
-    def next_spill(self, timeout: float) -> tuple[Entry, list[np.ndarray]] | None:
-        """The oldest queued entry and its pool bytes, held for the spill thread (kept out
-        of eviction, blocks kept) until it calls ``spilled``; None if none came within
-        ``timeout`` seconds."""
-        assert self.disk is not None
-        with self.lock:
-            if not self.spill.queued and not self.spill.moved.wait(timeout):
-                return None
-            while (entry := self.spill.take()) is not None:
-                if entry.key in self.disk:
-                    continue
-                self.spill.start(entry)
-                self.budgets.place(entry)
-                return entry, self.pool.views(entry.blocks, entry.nbytes)
-            return None
-
-    def spilled(
-        self, entry: Entry, seconds: float, failure: DiskError | None, evicted: int = 0
-    ) -> None:
-        """The spill thread is done with ``entry`` (``evicted``: disk entries it displaced):
-        its blocks go back to the index's rules."""
-        with self.lock:
-            self.spill.written(entry, seconds, failure, evicted)
-            self.budgets.place(entry)
-            self._free_if_unheld(entry)
-
-    def persist(self, timeout: float) -> int:
-        """Queue every memory entry the disk tier lacks, whatever the queue's bound, and wait
-        up to ``timeout`` seconds for the spill thread to write them (a clean stop: called
-        once when draining begins with no wait, then again to wait). Returns how many were
-        left unwritten."""
-        if self.disk is None:
-            return 0
-        deadline = time.monotonic() + timeout
-        with self.lock:
-            for entry in self._entries.values():
-                self._queue_spill(entry, bounded=False)
-            while self.spill.pending():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self.spill.moved.wait(left)
-            return self.spill.pending()
-
-    def _queue_spill(self, entry: Entry, bounded: bool = True) -> None:
-        """Queue a committed entry for the disk tier (lock held), unless the tier holds it."""
-        if self.disk is None or entry.spill or entry.key in self.disk:
-            return
-        self.spill.add(entry, bounded)
-
-    def disk_stats(self) -> DiskStats | None:
-        disk = self.disk
-        if disk is None:
-            return None
-        with self.lock:
-            return self.spill.stats(disk)
-
     def stats(self) -> IndexStats:
         disk = self.disk_stats()
         with self.lock:
@@ -643,99 +454,3 @@ class Index:
     def reservations(self) -> list[Reservation]:
         with self.lock:
             return list(self.holders.reservations.values())
-
-    # Internals (called with the lock held) ------------------------------------------------
-
-    def _refuse_if_draining(self) -> None:
-        if self.draining:
-            raise WrongState("the daemon is draining: no new reads or writes")
-
-    def _allocate(self, count: int, tenant: str = "") -> list[int]:
-        """``count`` blocks, charged to ``tenant``. Past its quota, its own lowest ranked
-        entries go first; then, if the pool has too few free, the lowest ranked evictable
-        entry of any tenant that stays within what its reserved share keeps
-        (``Budgets.victim``). Nothing is evicted when that could not make room."""
-        budgets = self.budgets
-        while budgets.over_quota(tenant, count):
-            head = budgets.orders[tenant].head()
-            assert head is not None  # enough of its own was evictable (over_quota checks)
-            self._evict(head, "quota")
-        blocks = self.pool.allocate(count)
-        if blocks is None:
-            evictable = budgets.evictable_total(tenant)
-            free = self.pool.free_blocks
-            if free + evictable < count:  # evicting would not make room
-                bs = self.pool.block_size
-                raise PoolFull(
-                    f"need {count} blocks, {free} free and {evictable} evictable; the rest are "
-                    "leased, pinned, reserved or other tenants' reserved shares",
-                    needed=count * bs,
-                    free=free * bs,
-                    evictable=evictable * bs,
-                )
-            while blocks is None:
-                victim = budgets.victim(tenant)
-                if victim is None:  # an entry straddling a reserved share's edge
-                    raise PoolFull(f"need {count} blocks: other tenants' reserved shares")
-                self._evict(victim, "capacity")
-                blocks = self.pool.allocate(count)
-        budgets.held[tenant] += count
-        return blocks
-
-    def _free_charged(self, tenant: str, blocks: list[int]) -> None:
-        """Blocks ``_allocate`` charged to ``tenant`` back to the pool, unused."""
-        self.budgets.held[tenant] -= len(blocks)
-        self.pool.free(blocks)
-
-    def _evict_to_watermark(self) -> None:
-        total = self.pool.num_blocks
-        if total - self.pool.free_blocks <= self.high_watermark * total:
-            return
-        while total - self.pool.free_blocks > self.low_watermark * total:
-            victim = self.budgets.victim(None)
-            if victim is None:
-                return
-            self._evict(victim, "watermark")
-
-    def _add(self, entry: Entry) -> None:
-        """A committed entry into the index, the eviction order and (if the disk tier lacks
-        it, and ``spill_when`` says so now) the spill queue."""
-        self._entries[entry.key] = entry
-        self.counts.held(entry, 1)
-        self.budgets.place(entry)
-        if self.spill_when is SpillWhen.COMMIT or self.policy.read_again(entry.key):
-            self._queue_spill(entry)
-
-    def _evict(self, entry: Entry, reason: str) -> None:
-        del self._entries[entry.key]
-        self.counts.held(entry, -1)
-        self.counts.evicted(entry, reason)
-        self.budgets.held[entry.tenant] -= len(entry.blocks)  # even while leases read it
-        entry.evicted = True
-        self.budgets.place(entry)
-        if entry.pinned:
-            self._pinned -= 1
-        self.spill.drop(entry)  # gone before the spill thread got to it
-        if self.disk is not None and reason in ("admin", "clear", "corrupt"):
-            self.disk.remove(entry.key)  # forgotten, not moved down a tier
-        self._free_if_unheld(entry)
-        if reason in ("capacity", "watermark", "quota"):  # for room: the worth policy ages
-            self.policy.evicted(entry)
-        if self.on_evict:
-            self.on_evict(reason, entry.nbytes)
-
-    def _drop_reservation(self, reservation: Reservation, outcome: str = "aborted") -> None:
-        self.holders.forget_reservation(reservation, outcome)
-        self.budgets.held[reservation.tenant] -= len(reservation.blocks)
-        self.holders.free_reserved(reservation, outcome)
-
-    def _drop_lease(self, lease: Lease) -> None:
-        self.holders.forget_lease(lease)
-        lease.entry.leases -= 1
-        self.budgets.place(lease.entry)
-        self._free_if_unheld(lease.entry)
-
-    def _free_if_unheld(self, entry: Entry) -> None:
-        """An evicted entry's blocks go once no lease reads them and no spill writes them."""
-        if entry.evicted and not entry.leases and entry.spill is not Spill.WRITING:
-            self.pool.free(entry.blocks)
