@@ -192,95 +192,85 @@ class _Bound:
         return self.metric.labels(self.node, *values)
 
 
+# RPC latency: 0.1 ms to 10 s
+RPC_BUCKETS: tuple[float, ...] = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025)
+RPC_BUCKETS += (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+# What the server records, in the order they are exposed: attribute, kind, name (after the
+# prefix), help, labels beside ``node``, and the label values each given a series at 0 from
+# the start (so that dashboards and alerts see a zero, not an absence, until the first).
+SERIES: tuple[tuple[str, type, str, str, tuple[str, ...], tuple[tuple[str, ...], ...]], ...] = (
+    ("bytes", Counter, "bytes", "Entry bytes moved", ("transport", "direction"), ()),
+    ("rpc_seconds", Histogram, "rpc_seconds", "RPC latency", ("method",), ()),
+    ("errors", Counter, "errors", "RPCs answered with an error", ("code",), ()),
+    (
+        "remote_fetches",
+        Counter,
+        "remote_fetches",
+        "Local misses pulled from a peer found in the cluster directory, by result",
+        ("result",),
+        (("ok",), ("absent",), ("failed",), ("present",)),
+    ),
+    (
+        "directory_errors",
+        Counter,
+        "directory_errors",
+        "Cluster directory (Redis) or peer failures; the daemon serves on alone",
+        (),
+        ((),),
+    ),
+    (
+        "background_errors",
+        Counter,
+        "background_errors",
+        "Steps of a background thread (reap, publish, fetch) that raised; it goes on",
+        ("thread",),
+        (),
+    ),
+    (
+        "peer_pull_fallbacks",
+        Counter,
+        "peer_pull_fallbacks",
+        "Peer pulls the transfer engine could not serve, pulled over the gRPC stream "
+        "instead, by why",
+        ("reason",),
+        (("engine_unavailable",), ("peer_without_engine",), ("read_failed",)),
+    ),
+    (
+        "tenant_reloads",
+        Counter,
+        "tenant_reloads",
+        "Reloads of the tenants file (SIGHUP), by result: a failed one kept the tenants",
+        ("result",),
+        (("ok",), ("failed",)),
+    ),
+)
+
+
 class Metrics:
     """Every series carries ``node`` (the daemon's --node), so dashboards and rules group by
     node without relabelling, whatever discovers the targets."""
 
+    bytes: _Bound
+    rpc_seconds: _Bound
+    errors: _Bound
+    remote_fetches: _Bound
+    directory_errors: _Bound
+    background_errors: _Bound
+    peer_pull_fallbacks: _Bound
+    tenant_reloads: _Bound
+
     def __init__(self, index: Index, node: str) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(IndexCollector(index, node))
-        bytes_moved = Counter(
-            f"{PREFIX}_bytes",
-            "Entry bytes moved",
-            ["node", "transport", "direction"],
-            registry=self.registry,
-        )
-        rpc_seconds = Histogram(
-            f"{PREFIX}_rpc_seconds",
-            "RPC latency",
-            ["node", "method"],
-            registry=self.registry,
-            buckets=(
-                0.0001,
-                0.00025,
-                0.0005,
-                0.001,
-                0.0025,
-                0.005,
-                0.01,
-                0.025,
-                0.05,
-                0.1,
-                0.25,
-                0.5,
-                1,
-                2.5,
-                5,
-                10,
-            ),
-        )
-        errors = Counter(
-            f"{PREFIX}_errors",
-            "RPCs answered with an error",
-            ["node", "code"],
-            registry=self.registry,
-        )
-        remote_fetches = Counter(
-            f"{PREFIX}_remote_fetches",
-            "Local misses pulled from a peer found in the cluster directory, by result",
-            ["node", "result"],
-            registry=self.registry,
-        )
-        directory_errors = Counter(
-            f"{PREFIX}_directory_errors",
-            "Cluster directory (Redis) or peer failures; the daemon serves on alone",
-            ["node"],
-            registry=self.registry,
-        )
-        background_errors = Counter(
-            f"{PREFIX}_background_errors",
-            "Steps of a background thread (reap, publish, fetch) that raised; it goes on",
-            ["node", "thread"],
-            registry=self.registry,
-        )
-        fallbacks = Counter(
-            f"{PREFIX}_peer_pull_fallbacks",
-            "Peer pulls the transfer engine could not serve, pulled over the gRPC stream "
-            "instead, by why",
-            ["node", "reason"],
-            registry=self.registry,
-        )
-        tenant_reloads = Counter(
-            f"{PREFIX}_tenant_reloads",
-            "Reloads of the tenants file (SIGHUP), by result: a failed one kept the tenants",
-            ["node", "result"],
-            registry=self.registry,
-        )
-        for result in ("ok", "failed"):
-            tenant_reloads.labels(node, result)
-        self.tenant_reloads = _Bound(tenant_reloads, node)
-        for reason in ("engine_unavailable", "peer_without_engine", "read_failed"):
-            fallbacks.labels(node, reason)
-        self.peer_pull_fallbacks = _Bound(fallbacks, node)
-        for result in ("ok", "absent", "failed", "present"):
-            remote_fetches.labels(node, result)  # every series from the start, at 0
-        directory_errors.labels(node)
-        self.remote_fetches = _Bound(remote_fetches, node)
-        self.directory_errors = _Bound(directory_errors, node)
-        self.background_errors = _Bound(background_errors, node)
-        self.bytes = _Bound(bytes_moved, node)
-        self.rpc_seconds = _Bound(rpc_seconds, node)
-        self.errors = _Bound(errors, node)
+        for attr, kind, name, doc, labels, zeros in SERIES:
+            extra = {"buckets": RPC_BUCKETS} if kind is Histogram else {}
+            metric = kind(
+                f"{PREFIX}_{name}", doc, ["node", *labels], registry=self.registry, **extra
+            )
+            for values in zeros:
+                metric.labels(node, *values)
+            setattr(self, attr, _Bound(metric, node))
         self._http: Any = None
 
     def serve(self, address: str, token: str = "") -> int:
