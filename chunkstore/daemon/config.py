@@ -70,6 +70,16 @@ class ServeConfig:
     log_level: str = "INFO"
 
     def validate(self) -> None:
+        self._validate_access()
+        self._validate_sizes_and_cluster()
+        from chunkstore.protocol.device_ipc import parse_device  # torch: not for --help
+
+        parse_device(self.device)
+        self._validate_transfer()
+        self._validate_disk_dir()
+
+    def _validate_access(self) -> None:
+        """Who may connect, with what credentials, and what peers are sent."""
         remote = self.tcp and not _is_loopback(self.tcp)
         guarded = self.token or self.tenants
         if remote and not guarded and not self.allow_insecure_remote:
@@ -103,6 +113,9 @@ class ServeConfig:
             raise InvalidRequest("TLS needs both --tls-cert and --tls-key")
         if self.tls_client_ca and not self.tls_cert:
             raise InvalidRequest("mutual TLS (--tls-client-ca) needs --tls-cert and --tls-key")
+
+    def _validate_sizes_and_cluster(self) -> None:
+        """The pool, the cluster directory, the watermarks and the disk tier."""
         if self.block_size <= 0 or self.pool_bytes < 0:
             raise InvalidRequest("block size must be positive and pool bytes >= 0")
         if self.redis and not (self.advertise or self.tcp):
@@ -126,11 +139,6 @@ class ServeConfig:
                 f"the disk tier reads and writes host memory; a --device {self.device} pool has "
                 "none yet: leave --disk-dir unset (docs/whats-left.md, the disk tier)"
             )
-        from chunkstore.protocol.device_ipc import parse_device  # torch: not for --help
-
-        parse_device(self.device)
-        self._validate_transfer()
-        self._validate_disk_dir()
 
     def _validate_disk_dir(self) -> None:
         """A --disk-dir that holds what the tier did not write is refused: most likely the
@@ -278,100 +286,103 @@ def load(
     return config
 
 
+# The --help of each setting's flag (add_flags).
+FLAG_HELP = {
+    "device": "pool device: cpu (a shared-memory file), cuda[:N] or npu[:N] (one device "
+    "allocation same-node workers open by IPC), fake[:N] (a CPU stand-in for a device, "
+    "for tests)",
+    "pool_bytes": "pool size in bytes, e.g. 8G (default: pool_fraction of available memory)",
+    "pool_fraction": "share of available memory for the pool when pool_bytes is 0 (0.25)",
+    "block_size": "pool block size in bytes (default 1 MiB)",
+    "shm_dir": "where the shared-memory pool file lives (default /dev/shm)",
+    "socket": "unix socket path ('' disables; default $XDG_RUNTIME_DIR/chunkstore.sock)",
+    "tcp": "TCP address ('' disables; default 127.0.0.1:50551; port 0 picks one)",
+    "metrics": "Prometheus /metrics address ('' disables; default 127.0.0.1:9477)",
+    "metrics_token": "bearer token /metrics requires (Prometheus: authorization.credentials); "
+    "set it where /metrics is reachable by anyone who must not see each tenant's figures",
+    "group_access": "let the daemon's group use the socket and the pool (default: user only)",
+    "token": "bearer token clients must send (required beyond loopback, unless --tenants)",
+    "tenants": "a TOML file of tenants: each one's token (sha256), byte quota, reserved "
+    "share and access to the shared namespace (docs/tenants.md). A tenant's token reads and "
+    "writes its own namespace only; --token's clients use the shared one. Reloaded on SIGHUP",
+    "admin_token": "bearer token the admin calls (evict, clear, pin, unpin, drain, undrain) "
+    "need; it is good for every other call too. With --token set and no admin token, admin "
+    "calls are refused",
+    "tls_cert": "TLS certificate (PEM) for the TCP port",
+    "tls_key": "TLS private key (PEM)",
+    "tls_client_ca": "CA (PEM) that client certificates must chain to: mutual TLS",
+    "allow_insecure_remote": "allow a non-loopback TCP address without a token",
+    "lease_ttl_s": "seconds a silent client keeps its leases and reservations (30)",
+    "high_watermark": "evict LRU entries once the pool (or the disk tier) is this full (0.95)",
+    "low_watermark": "... down to this fill (0.85)",
+    "verify_commits": "also hash an entry's pool bytes at commit and refuse a mismatch "
+    "(false: every read checks the bytes, and a bad entry is evicted at its first read; "
+    "true catches a faulty writer before anyone reads, at ~30%% of a put's time; pulls "
+    "from peers are always checked)",
+    "drain_timeout_s": "on SIGTERM, how long to wait for leases to end (10); with a disk "
+    "tier, as long again at most for memory entries to reach the disk",
+    "disk_dir": "directory of the disk tier (default: none, memory only): committed "
+    "entries are also written there in the background (when: --spill), a memory miss it "
+    "holds is read back into the pool, and what it holds is served again after a restart "
+    "or a crash. CPU pools only, for now",
+    "disk_size": "bytes the disk tier may use, e.g. 500G (default: half the free space of "
+    "--disk-dir's filesystem at start); its least recently used entries go first",
+    "disk_dir_allow_foreign": "use a --disk-dir whose top level holds files or folders "
+    "the disk tier did not make (default false: refused at start). The tier still touches "
+    "only its own (<2 hex>/<32 hex>.entry files and its marker): the rest is left in "
+    "place, symlinks unfollowed, and counted in one warning at start",
+    "spill_queue_bytes": "bytes of committed entries waiting for the disk at most (default: "
+    "half the pool); beyond it an entry stays in memory only (counted as dropped), so a "
+    "put never waits for the disk",
+    "spill": "with --disk-dir, when an entry is written there: commit (the default: every "
+    "entry, as it is committed) or read-again (once its key is asked for a second time: "
+    "what only one request uses is never written: for a small or wear-limited disk, "
+    "which then takes fewer rewrites, at a few points of hit rate; a clean stop still "
+    "writes every memory entry; docs/benchmarks.md 'What to spill')",
+    "persist_on_stop": "with --disk-dir: on a clean stop, write the memory entries the disk "
+    "lacks (default true)",
+    "max_sessions": "client sessions served at once; Hello beyond it is refused with "
+    "RESOURCE_EXHAUSTED (1024; each holds a heartbeat stream and one server thread)",
+    "max_transfers": "Read / Write streams at once, beyond them refused with "
+    "RESOURCE_EXHAUSTED (64; shared-memory clients do not use them)",
+    "node": "node name reported to clients (default: hostname)",
+    "redis": "Redis URL of the cluster directory, e.g. redis://10.0.0.5:6379/0 "
+    "(default: none, standalone): misses are pulled from peers that hold the chunk",
+    "advertise": "host:port other nodes dial for this daemon (default: the --tcp address)",
+    "directory_ttl_s": "seconds a directory claim lives unless renewed (every ttl/3; 60)",
+    "peer_token": "bearer token this daemon pulls from peers with, and accepts from them "
+    "for read calls only (Hello, Heartbeat, Lookup, Acquire, Read, Release, Stats); needed "
+    "with --redis and --token. The client --token is never sent to a peer",
+    "peer_ca": "CA (PEM) peers' server certificates must chain to: pulls dial peers over "
+    "TLS and show --tls-cert / --tls-key, so a peer that is only listed in Redis gets "
+    "nothing and plants nothing",
+    "allow_insecure_peers": "send --peer-token to peers dialed without TLS (a network and "
+    "Redis that are yours alone)",
+    "eviction": "which evictable entry goes first: worth (the default: recompute cost "
+    "saved per byte x reads, aged: GreedyDual-Size-Frequency; a prefix block's tail "
+    "before its head) or lru (least recently released)",
+    "transfer_engine": "none (default: peers pull over the gRPC stream) or mooncake: "
+    "Mooncake's Transfer Engine reads entries one-sidedly between pools (pip install "
+    "'chunkstore[mooncake]'; Debian's libibverbs1 and libfabric1). It does not "
+    "authenticate readers: use it on a fabric that is the cluster's alone. Needs --redis; "
+    "any pull it cannot serve goes over the stream, counted by why",
+    "transfer_protocol": "the engine's fabric: tcp (default; any network), rdma "
+    "(RoCE / InfiniBand), ascend (HCCS / RoCE between Ascend NPUs)",
+    "transfer_devices": "the engine's devices, e.g. RDMA NICs 'mlx5_0,mlx5_1' (default: "
+    "its own choice)",
+    "transfer_host": "address the engine listens on (default: the host of --advertise, "
+    "else of --tcp)",
+    "log_level": "DEBUG, INFO, WARNING or ERROR",
+}
+
+
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per setting, each defaulting to None so that it overrides only when given."""
-    helps = {
-        "device": "pool device: cpu (a shared-memory file), cuda[:N] or npu[:N] (one device "
-        "allocation same-node workers open by IPC), fake[:N] (a CPU stand-in for a device, "
-        "for tests)",
-        "pool_bytes": "pool size in bytes, e.g. 8G (default: pool_fraction of available memory)",
-        "pool_fraction": "share of available memory for the pool when pool_bytes is 0 (0.25)",
-        "block_size": "pool block size in bytes (default 1 MiB)",
-        "shm_dir": "where the shared-memory pool file lives (default /dev/shm)",
-        "socket": "unix socket path ('' disables; default $XDG_RUNTIME_DIR/chunkstore.sock)",
-        "tcp": "TCP address ('' disables; default 127.0.0.1:50551; port 0 picks one)",
-        "metrics": "Prometheus /metrics address ('' disables; default 127.0.0.1:9477)",
-        "metrics_token": "bearer token /metrics requires (Prometheus: authorization.credentials); "
-        "set it where /metrics is reachable by anyone who must not see each tenant's figures",
-        "group_access": "let the daemon's group use the socket and the pool (default: user only)",
-        "token": "bearer token clients must send (required beyond loopback, unless --tenants)",
-        "tenants": "a TOML file of tenants: each one's token (sha256), byte quota, reserved "
-        "share and access to the shared namespace (docs/tenants.md). A tenant's token reads and "
-        "writes its own namespace only; --token's clients use the shared one. Reloaded on SIGHUP",
-        "admin_token": "bearer token the admin calls (evict, clear, pin, unpin, drain, undrain) "
-        "need; it is good for every other call too. With --token set and no admin token, admin "
-        "calls are refused",
-        "tls_cert": "TLS certificate (PEM) for the TCP port",
-        "tls_key": "TLS private key (PEM)",
-        "tls_client_ca": "CA (PEM) that client certificates must chain to: mutual TLS",
-        "allow_insecure_remote": "allow a non-loopback TCP address without a token",
-        "lease_ttl_s": "seconds a silent client keeps its leases and reservations (30)",
-        "high_watermark": "evict LRU entries once the pool (or the disk tier) is this full (0.95)",
-        "low_watermark": "... down to this fill (0.85)",
-        "verify_commits": "also hash an entry's pool bytes at commit and refuse a mismatch "
-        "(false: every read checks the bytes, and a bad entry is evicted at its first read; "
-        "true catches a faulty writer before anyone reads, at ~30%% of a put's time; pulls "
-        "from peers are always checked)",
-        "drain_timeout_s": "on SIGTERM, how long to wait for leases to end (10); with a disk "
-        "tier, as long again at most for memory entries to reach the disk",
-        "disk_dir": "directory of the disk tier (default: none, memory only): committed "
-        "entries are also written there in the background (when: --spill), a memory miss it "
-        "holds is read back into the pool, and what it holds is served again after a restart "
-        "or a crash. CPU pools only, for now",
-        "disk_size": "bytes the disk tier may use, e.g. 500G (default: half the free space of "
-        "--disk-dir's filesystem at start); its least recently used entries go first",
-        "disk_dir_allow_foreign": "use a --disk-dir whose top level holds files or folders "
-        "the disk tier did not make (default false: refused at start). The tier still touches "
-        "only its own (<2 hex>/<32 hex>.entry files and its marker): the rest is left in "
-        "place, symlinks unfollowed, and counted in one warning at start",
-        "spill_queue_bytes": "bytes of committed entries waiting for the disk at most (default: "
-        "half the pool); beyond it an entry stays in memory only (counted as dropped), so a "
-        "put never waits for the disk",
-        "spill": "with --disk-dir, when an entry is written there: commit (the default: every "
-        "entry, as it is committed) or read-again (once its key is asked for a second time: "
-        "what only one request uses is never written: for a small or wear-limited disk, "
-        "which then takes fewer rewrites, at a few points of hit rate; a clean stop still "
-        "writes every memory entry; docs/benchmarks.md 'What to spill')",
-        "persist_on_stop": "with --disk-dir: on a clean stop, write the memory entries the disk "
-        "lacks (default true)",
-        "max_sessions": "client sessions served at once; Hello beyond it is refused with "
-        "RESOURCE_EXHAUSTED (1024; each holds a heartbeat stream and one server thread)",
-        "max_transfers": "Read / Write streams at once, beyond them refused with "
-        "RESOURCE_EXHAUSTED (64; shared-memory clients do not use them)",
-        "node": "node name reported to clients (default: hostname)",
-        "redis": "Redis URL of the cluster directory, e.g. redis://10.0.0.5:6379/0 "
-        "(default: none, standalone): misses are pulled from peers that hold the chunk",
-        "advertise": "host:port other nodes dial for this daemon (default: the --tcp address)",
-        "directory_ttl_s": "seconds a directory claim lives unless renewed (every ttl/3; 60)",
-        "peer_token": "bearer token this daemon pulls from peers with, and accepts from them "
-        "for read calls only (Hello, Heartbeat, Lookup, Acquire, Read, Release, Stats); needed "
-        "with --redis and --token. The client --token is never sent to a peer",
-        "peer_ca": "CA (PEM) peers' server certificates must chain to: pulls dial peers over "
-        "TLS and show --tls-cert / --tls-key, so a peer that is only listed in Redis gets "
-        "nothing and plants nothing",
-        "allow_insecure_peers": "send --peer-token to peers dialed without TLS (a network and "
-        "Redis that are yours alone)",
-        "eviction": "which evictable entry goes first: worth (the default: recompute cost "
-        "saved per byte x reads, aged: GreedyDual-Size-Frequency; a prefix block's tail "
-        "before its head) or lru (least recently released)",
-        "transfer_engine": "none (default: peers pull over the gRPC stream) or mooncake: "
-        "Mooncake's Transfer Engine reads entries one-sidedly between pools (pip install "
-        "'chunkstore[mooncake]'; Debian's libibverbs1 and libfabric1). It does not "
-        "authenticate readers: use it on a fabric that is the cluster's alone. Needs --redis; "
-        "any pull it cannot serve goes over the stream, counted by why",
-        "transfer_protocol": "the engine's fabric: tcp (default; any network), rdma "
-        "(RoCE / InfiniBand), ascend (HCCS / RoCE between Ascend NPUs)",
-        "transfer_devices": "the engine's devices, e.g. RDMA NICs 'mlx5_0,mlx5_1' (default: "
-        "its own choice)",
-        "transfer_host": "address the engine listens on (default: the host of --advertise, "
-        "else of --tcp)",
-        "log_level": "DEBUG, INFO, WARNING or ERROR",
-    }
     for f in fields(ServeConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.type in (bool, "bool"):
             parser.add_argument(
-                flag, nargs="?", const="true", default=None, metavar="BOOL", help=helps[f.name]
+                flag, nargs="?", const="true", default=None, metavar="BOOL", help=FLAG_HELP[f.name]
             )
         else:
-            parser.add_argument(flag, default=None, help=helps[f.name])
+            parser.add_argument(flag, default=None, help=FLAG_HELP[f.name])
