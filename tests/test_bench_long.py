@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from chunkstore.bench import qa_cases
-from chunkstore.bench.long import LongReference
+from chunkstore.bench.long_reference import LongReference
 from chunkstore.bench.quality import QUESTION_TEXT, SYS_TEXT
 from chunkstore.reference import HFReference
 
