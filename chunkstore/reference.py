@@ -1,6 +1,6 @@
 """The reference every served KV is measured against: HF transformers, fp32, eager attention.
 
-Two oracles (DESIGN.md, "What is exact"):
+Two oracles (docs/semantics.md#what-is-exact):
 - ``masked_prompt``: the whole prompt in one forward pass under the isolation mask (a 4D mask),
   at the actual positions. In ``isolation: none`` reused chunks must equal it.
 - ``assembled_cache``: what chunkstore itself builds: sys computed alone, each chunk computed

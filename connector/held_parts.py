@@ -1,4 +1,4 @@
-"""A context-parallel rank's part of a stored entry (worker process; issue 75, seed 003).
+"""A context-parallel rank's part of a stored entry (worker process; issue 75).
 
 Under context parallelism a rank's cache holds only the positions it owns
 (``kv.paging.cp_owner``), so from a device pool it reads only those rows of an entry: the

@@ -1,6 +1,7 @@
 """In-band isolation (worker process): the isolation mask inside vLLM's attention, so a chunk
 vLLM computes in a request is the KV the store serves for it, and the same prompt gets the
-same answer whatever is stored (DESIGN.md, "In-band isolation"; seeds 000 and 001).
+same answer whatever is stored (docs/isolation-hook.md; where the method comes from:
+docs/design.md#sources).
 
 The hook wraps ``forward`` of each attention layer's implementation (vLLM's CPU back end;
 any other is refused, loudly, and attention stays vLLM's). Each step the scheduler names the
@@ -8,7 +9,7 @@ requests whose scheduled tokens include chunk tokens (``IsolatedStep``). Per lay
 
 - rows of chunk tokens are computed here: each sees its own chunk causally and, in
   ``isolation: sys``, the sys keys, read from vLLM's paged cache through the block table
-  (seed 004). A stored chunk was computed at virtual start ``v`` (right after sys, or
+  (vLLM's slot mapping). A stored chunk was computed at virtual start ``v`` (right after sys, or
   ``virtual_gap`` past it) and is loaded with its keys rotated by ``p - v``; a chunk computed
   at ``p`` must see sys at the same distances, so the sys keys are rotated by ``+(p - v)`` for
   its scores, which is the same as rotating its queries by ``-(p - v)`` (RoPE scores depend

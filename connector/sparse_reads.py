@@ -1,4 +1,5 @@
-"""Long stored chunks loaded sparse (worker process; ``sparse_threshold``, seed 002).
+"""Long stored chunks loaded sparse (worker process; ``sparse_threshold``,
+docs/sparse-loads.md).
 
 A chunk loaded sparse is not loaded with the step's other loads: its summary and its
 blocks' digests are (``kv.sparse``, small). In the step that computes the rows after the

@@ -1,5 +1,5 @@
 """The isolation hook's attention of one layer of a split step (worker process), its phases
-in the order the isolation semantics need (DESIGN.md, "In-band isolation"; the hook's own
+in the order the isolation semantics need (docs/isolation-hook.md; the hook's own
 docstring in ``isolation`` says why each is where it is):
 
 1. the chunk rows (``ChunkBatch``: one call of vLLM's kernel over the hook's cache);

@@ -1,6 +1,6 @@
 """vLLM's attention layers as the isolation hook serves them (worker process): the only code
 that touches vLLM's attention objects (a layer's ``impl`` and the layer itself), for the
-hook in ``isolation`` (DESIGN.md, "In-band isolation").
+hook in ``isolation`` (docs/isolation-hook.md).
 
 It says whether the hook can serve a layer (``unsupported``: vLLM's CPU back end, decoder
 self-attention, none of the features the hook does not compute), wraps each layer's

@@ -35,8 +35,7 @@ def add_commands(commands: Any) -> None:
         "whole prompt's KV from chunkstore and computes none of it. Prefill instances are "
         "used in turn, decode instances least loaded first. This is `chunkstore router "
         "--prefill URL --decode URL` without --model; the router with --model also stores "
-        "cold chunks and routes to them. See docs/connector.md, 'Prefill/decode "
-        "disaggregation'.",
+        "cold chunks and routes to them. See docs/prefix-sharing.md#prefilldecode-disaggregation.",
     )
     proxy.add_argument(
         "--prefill", action="append", required=True, metavar="URL", help="repeatable"

@@ -1,4 +1,5 @@
-"""The cluster directory (DESIGN.md, "Cluster"): which daemons hold which chunks, in Redis, so
+"""The cluster directory (docs/daemon.md#cluster-directory-optional): which daemons hold which
+chunks, in Redis, so
 a node pulls a chunk another node computed instead of having vLLM compute it again.
 
 Each stored key has a sorted set ``chunkstore:dir:<key hex>`` whose members are the gRPC

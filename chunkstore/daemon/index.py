@@ -1,12 +1,12 @@
 """The content-hash index: key -> entry, and every state change an entry goes through.
 
-One path (DESIGN.md): reserve -> commit (or abort) -> lease -> release -> evict. An entry is
-unreadable until committed; a leased or pinned entry is never evicted; leases and
+One path (docs/semantics.md#daemon): reserve -> commit (or abort) -> lease -> release -> evict.
+An entry is unreadable until committed; a leased or pinned entry is never evicted; leases and
 reservations belong to a session and go when it ends or stops renewing them (TTL). Eviction
-takes the lowest ranked entry (``eviction.py``: least recently used, or least worth): on
-demand when a reservation needs room, and down to the low watermark once usage passes the
-high one. The index owns entries; the pool owns bytes and free blocks; one lock serializes
-both, and the parts the index keeps under it:
+takes the lowest ranked entry (``eviction.py``: least recently used, or least worth): on demand
+when a reservation needs room, and down to the low watermark once usage passes the high one. The
+index owns entries; the pool owns bytes and free blocks; one lock serializes both, and the parts
+the index keeps under it:
 
 - ``sessions.py``: who holds what (sessions, their leases and reservations, quarantine);
 - ``budgets.py``: the tenants' shares (blocks held, eviction orders, what may go for whom);

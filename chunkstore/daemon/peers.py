@@ -1,4 +1,5 @@
-"""Pulling an entry from a peer daemon (DESIGN.md, "Cluster"): what the cluster directory needs
+"""Pulling an entry from a peer daemon (docs/daemon.md#cluster-directory-optional): what the
+cluster directory needs
 of a transport, and the two built: the peer's gRPC ``Read`` stream (everywhere) and Mooncake's
 Transfer Engine (a one-sided read of the peer's pool, ``transfer.py``), which falls back to the
 stream whenever it cannot serve a pull.

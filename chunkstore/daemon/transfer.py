@@ -1,4 +1,5 @@
-"""Mooncake's Transfer Engine for peer pulls (DESIGN.md, "Cluster"): a daemon registers its pool
+"""Mooncake's Transfer Engine for peer pulls
+(docs/daemon.md#peer-pulls-over-mooncakes-transfer-engine-optional): a daemon registers its pool
 with the engine once, and a peer holding a lease on an entry reads the entry's blocks
 one-sidedly, straight into blocks it reserved in its own pool; the owner's CPU does not copy.
 

@@ -2,7 +2,7 @@
 
 The estimate behind choosing what to recompute (the question reads a few blocks of its
 documents; those are the ones whose isolated KV costs answers) and, for a long document,
-what to load at all (seed 002's block-sparse policy). Pure: the question's queries (rotated
+what to load at all (XAttention's block-sparse policy). Pure: the question's queries (rotated
 at its positions) and the keys it attends (the context's as loaded, then its own) in,
 scores out. Shapes are [tokens, heads, head_dim], as in ``attention``; keys may have fewer
 heads than queries (GQA). Probabilities are computed in float32 whatever the inputs.

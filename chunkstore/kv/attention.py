@@ -1,11 +1,11 @@
 """Reference attention under the isolation mask, two ways.
 
-``dense_attention`` applies the dense boolean mask with torch SDPA. ``isolated_attention``
-uses only the compact form: each query segment attends to its visible key ranges one at a
-time, and the partial results are merged with their log-sum-exp (seed 003's online-softmax
-update, as context-parallel attention merges the shards of a sequence). The two must agree;
-the second is what a kernel without mask support does. Shapes are [tokens, heads, head_dim];
-key and value may have fewer heads than the query (GQA).
+``dense_attention`` applies the dense boolean mask with torch SDPA. ``isolated_attention`` uses
+only the compact form: each query segment attends to its visible key ranges one at a time, and
+the partial results are merged with their log-sum-exp (the online-softmax update
+context-parallel attention merges the shards of a sequence with: docs/design.md#sources). The
+two must agree; the second is what a kernel without mask support does. Shapes are [tokens,
+heads, head_dim]; key and value may have fewer heads than the query (GQA).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def partial_attention(
 def merge_partials(
     outs: list[torch.Tensor], lses: list[torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge partial attention outputs over disjoint key sets (seed 003, online softmax):
+    """Merge partial attention outputs over disjoint key sets (online softmax):
     lse = log sum_i exp(lse_i), out = sum_i exp(lse_i - lse) * out_i."""
     stacked = torch.stack(lses)  # [P, Tq, H]
     lse = torch.logsumexp(stacked, dim=0)
@@ -180,7 +180,7 @@ def attention_after_context(
     it, blocks of keys they see whole: a chunk under the isolation mask (its context: sys),
     or a question after isolated chunks (its context: sys, the chunks).
 
-    Partial attentions merged by their log-sum-exp (seed 003), none of which needs a mask:
+    Partial attentions merged by their log-sum-exp, none of which needs a mask:
     each context block, the own keys before the first query (all visible), and the queries'
     own keys (causal from the top-left). A dense mask would pay for every masked score.
     Rotary positions are the caller's: keys and queries as the scores must see them.

@@ -3,7 +3,7 @@
 A layout turns the cache tensor(s) vLLM hands the connector for one layer into K and V views
 of shape [blocks, block_size, kv_heads, head_dim] (whatever their strides): a load writes a
 chunk's tokens at their slots through them (keys rotated on the way), a save reads them back.
-The token at slot s lies in block s // block_size at offset s % block_size (seed 004); a
+The token at slot s lies in block s // block_size at offset s % block_size (vLLM's slot mapping); a
 negative slot (PAD_SLOT) is a token another rank owns and is skipped, as vLLM's own cache
 writes skip it. The facts each layout encodes are in its docstring, with the file they come
 from; ``tests/kv/test_cache_layouts.py`` checks each against the back end's own indexing.

@@ -1,8 +1,9 @@
 """Cache keys: xxh3-128 over (model fingerprint, KV layout fingerprint, context key, token IDs).
 
 Positions are not part of a key: a chunk's KV is stored at a virtual start and re-rotated to
-wherever it is reused (DESIGN.md, "Semantics"). Every field is length-prefixed and encoded
-little-endian, so a key is the same in every process and on every machine.
+wherever it is reused (docs/semantics.md#the-contract-everything-else-serves). Every field is
+length-prefixed and encoded little-endian, so a key is the same in every process and on every
+machine.
 """
 
 from __future__ import annotations

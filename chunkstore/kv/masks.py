@@ -1,11 +1,12 @@
 """The chunk-isolation attention mask, in every form an attention kernel takes.
 
-Rules (DESIGN.md): sys tokens are causal among themselves; a chunk token sees sys (in
-``isolation: sys``) and the earlier tokens of its own chunk, never another chunk; question
-tokens see everything before them. vLLM's kernels take no mask tensor (seed 000: seq_lens and
-a causal flag), so there the compact form (per-token segment ids, ``visible_ranges``) drives
-attention; vLLM-Ascend's take an explicit mask, int8 with 1 = masked, built once and cached
-by ``AttentionMaskBuilder`` (seed 000). ``IsolationMaskBuilder`` does the same here.
+Rules (docs/semantics.md#the-contract-everything-else-serves): sys tokens are causal among
+themselves; a chunk token sees sys (in ``isolation: sys``) and the earlier tokens of its own
+chunk, never another chunk; question tokens see everything before them. vLLM's kernels take no
+mask tensor (seq_lens and a causal flag: vLLM-Ascend's attention-mask design,
+docs/design.md#sources), so there the compact form (per-token segment ids, ``visible_ranges``)
+drives attention; vLLM-Ascend's take an explicit mask, int8 with 1 = masked, built once and
+cached by ``AttentionMaskBuilder``. ``IsolationMaskBuilder`` does the same here.
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def isolation_mask(
 
 class IsolationMaskBuilder:
     """Builds isolation masks once per (layout, isolation, form, dtype, device) and keeps the
-    most recent ones, as seed 000's AttentionMaskBuilder caches its causal mask."""
+    most recent ones, as vLLM-Ascend's AttentionMaskBuilder caches its causal mask."""
 
     def __init__(self, capacity: int = 32) -> None:
         self.capacity = capacity

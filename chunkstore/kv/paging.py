@@ -1,8 +1,8 @@
 """vLLM's paged KV cache: slot mapping and context-parallel ownership.
 
-Slot mapping (seed 004): a token at position ``pos`` of request ``r`` lands in slot
+Slot mapping (docs/design.md#sources): a token at position ``pos`` of request ``r`` lands in slot
 ``block_table[r, pos // block_size] * block_size + pos % block_size``. Under context
-parallelism (seed 003) the sequence is interleaved over ``cp_world_size`` ranks in runs of
+parallelism the sequence is interleaved over ``cp_world_size`` ranks in runs of
 ``cp_kv_cache_interleave_size`` tokens inside "virtual blocks" of ``block_size * cp_world_size``
 tokens; a rank stores only its own tokens, and other tokens map to slot -1.
 """
@@ -20,7 +20,7 @@ def slot_mapping(
     block_table: torch.Tensor,
     block_size: int,
 ) -> torch.Tensor:
-    """Slots of scheduled tokens given each token's request and position (seed 004)."""
+    """Slots of scheduled tokens given each token's request and position."""
     blocks_per_req = block_table.shape[1]
     table_indices = req_indices.long() * blocks_per_req + positions.long() // block_size
     block_numbers = block_table.reshape(-1)[table_indices].long()

@@ -2,10 +2,10 @@
 
 A rotary embedding that is a fixed set of per-pair frequencies f_i rotates pair i of a key at
 position p by the angle p * f_i. Rotations compose, so a key computed at virtual start v and
-rotated by (p - v) * f_i is the key at p; values are untouched (seed 001, "copy + RoPE remap").
-Variants whose frequencies depend on the sequence (dynamic NTK, LongRoPE) or that are not a
-plain 1D rotation (multimodal rotary) cannot be remapped exactly and raise
-UnsupportedRotaryError, so callers fall back to computing.
+rotated by (p - v) * f_i is the key at p; values are untouched ("copy + RoPE remap":
+docs/design.md#sources). Variants whose frequencies depend on the sequence (dynamic NTK,
+LongRoPE) or that are not a plain 1D rotation (multimodal rotary) cannot be remapped exactly and
+raise UnsupportedRotaryError, so callers fall back to computing.
 
 The frequencies are computed in float32 exactly as the serving engines compute them (HF
 transformers, vLLM): a key rotated with slightly different frequencies would drift by

@@ -17,8 +17,8 @@ from chunkstore.kv.rope import RotaryConfig, rotate_with_torch
 
 log = logging.getLogger(__name__)
 
-# npu_rotary_mul's documented limits on Atlas A2 / A3 (torch_npu-npu_rotary_mul.md, Ascend
-# op-plugin; ../shared/research/device-apis.md Q4), for our call: BSND input [1, tokens,
+# npu_rotary_mul's documented limits on Atlas A2 / A3 (its page in Ascend's op-plugin
+# documentation), for our call: BSND input [1, tokens,
 # heads, D], r1 / r2 [1, tokens, 1, D]. D even and under 896; B and N under 1000; in
 # "interleave" mode B * N under 1000 too.
 MAX_ROTATED_DIMS = 896

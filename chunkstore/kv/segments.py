@@ -1,8 +1,9 @@
 """Segmentation of chunked prompts: ``sys SEP c1 SEP c2 SEP ... SEP question`` as token IDs.
 
-The separator belongs to the segment before it (DESIGN.md). A prompt without a separator is an
-ordinary prompt: one question segment, nothing to reuse. A prompt that ends with a separator
-has no question (the shape of an ingest request, ``sys SEP chunk SEP``).
+The separator belongs to the segment before it
+(docs/semantics.md#the-contract-everything-else-serves). A prompt without a separator is an
+ordinary prompt: one question segment, nothing to reuse. A prompt that ends with a separator has
+no question (the shape of an ingest request, ``sys SEP chunk SEP``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Block-sparse reads of a long stored entry (seed 002; issue 74): which blocks of its tokens
-a question needs, chosen from summaries kept beside the entry without reading the entry, and
-attention that reads only those blocks.
+"""Block-sparse reads of a long stored entry (docs/sparse-loads.md; issue 74): which blocks of
+its tokens a question needs, chosen from summaries kept beside the entry without reading the
+entry, and attention that reads only those blocks.
 
 A summary is Quest's: per layer, block and KV head, the elementwise min and max of the
 block's keys as the entry stores them. For a query ``q``, ``sum_d max(q_d lo_d, q_d hi_d)``

@@ -1,5 +1,5 @@
-"""Writing a stored chunk into a paged KV cache, keys re-rotated on the way (seed 001's
-"copy + RoPE remap", seed 004's slot mapping).
+"""Writing a stored chunk into a paged KV cache, keys re-rotated on the way ("copy + RoPE
+remap" through vLLM's slot mapping: docs/design.md#sources).
 
 One interface, a back end per device: a fused single-pass kernel on the CPU
 (``writer_cpu``, numba), one fused Triton kernel on CUDA and on Ascend NPUs where triton-ascend

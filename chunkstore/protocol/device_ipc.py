@@ -4,7 +4,7 @@ each same-node worker through the platform's IPC handle, entries addressed as by
 The platform sits behind ``DeviceIPC`` (``device_runtime``, with the ``IpcHandle`` it
 exports): ``TorchIPC`` here drives torch's own sharing calls (CUDA ``_share_cuda_`` /
 ``_new_shared_cuda``; torch-npu ``_share_npu_`` / ``_new_shared_npu``, which wrap the ACL IPC
-calls, see ../shared/research/device-apis.md Q1/Q2), and ``fake_device`` stands in for a device
+calls), and ``fake_device`` stands in for a device
 on a CPU-only host; ``runtime_for`` picks one by name. Everything else
 (handle exchange over gRPC, offsets, who holds an import, close before free, the data path)
 is this module's and the pool's, the same code whichever runtime is beneath.

@@ -8,7 +8,7 @@ expansions); whether the real kernels match their documentation is for a run on 
 - ``npu_rotary_mul(input, r1, r2, rotary_mode)``: ``input * r1 + rotate(input) * r2`` on 4D
   tensors (BSND), "half" swapping halves (neox), "interleave" swapping pairs (GPT-J);
   D even and under 896, B and N under 1000, B * N under 1000 in "interleave"
-  (torch_npu-npu_rotary_mul.md; ../shared/research/device-apis.md Q4).
+  (its page in Ascend's op-plugin documentation).
 - ``_npu_reshape_and_cache(key, value, key_cache, value_cache, slot_indices)``: as vllm-ascend
   calls it (attention_v1.py): ``key_cache[slot // block_size, slot % block_size] = key[t]``,
   value likewise, int32 slots, caches [blocks, block_size, heads, dim] in the ND format.

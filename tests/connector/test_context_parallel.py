@@ -1,4 +1,4 @@
-"""Loads and saves under context parallelism (issue 75, seed 003): one entry, stored whole
+"""Loads and saves under context parallelism (issue 75): one entry, stored whole
 as a CP 1 instance stores it, loads into each rank of a CP group only the tokens that rank
 holds, at the slots vLLM's kernels read them from, for any group size and interleave; and
 the ranks of a group, each holding its own tokens of a computed chunk, store the entry one

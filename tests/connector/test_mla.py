@@ -1,4 +1,4 @@
-"""MLA models (DeepSeek V2 / V3; issue 75, seed 003): their cache holds one latent a token,
+"""MLA models (DeepSeek V2 / V3; issue 75): their cache holds one latent a token,
 the normalised compressed KV then the decoupled k_pe, rotated in GPT-J pairs. An entry holds
 that latent ([layers, tokens, 1, kv_lora_rank + rope_dim], no values); a load re-rotates the
 k_pe part to where the chunk stands and leaves the compressed part as it is.

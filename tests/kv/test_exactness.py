@@ -1,4 +1,4 @@
-"""What is exact, measured against HF transformers in fp32 (DESIGN.md, "Semantics").
+"""What is exact, measured against HF transformers in fp32 (docs/semantics.md#what-is-exact).
 
 - isolation none: a chunk computed alone at its virtual start and rotated to its actual start
   equals the chunk's KV in the full prompt under the isolation mask; the question's logits on

@@ -1,4 +1,4 @@
-"""Slot mapping (seed 004) and context-parallel ownership (seed 003)."""
+"""Slot mapping and context-parallel ownership (docs/design.md#sources)."""
 
 from __future__ import annotations
 
