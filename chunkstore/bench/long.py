@@ -1,5 +1,5 @@
-"""``chunkstore bench long`` (issue 74, seed 002): does a question over a long stored document
-keep its answers when it attends only the blocks the document's summaries pick?
+"""``chunkstore bench long`` (issue 74; docs/sparse-loads.md): does a question over a long
+stored document keep its answers when it attends only the blocks the document's summaries pick?
 
 Long documents (``qa_cases.long_cases``: prose with a fact every ~300 tokens, each fact one
 of many of its kind, so a question is a needle among look-alike keys), each put after the
