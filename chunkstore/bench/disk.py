@@ -107,15 +107,52 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     keys, values, nbytes = chunk_kv(args)
     base = Path(args.disk_dir)
     base.mkdir(parents=True, exist_ok=True)
-    # The pool holds one chunk at 90% at most (under the 95% watermark), never two.
-    blocks = -(-nbytes // args.block_size)
+    rows, dropped = _rounds(args, base, keys, values, nbytes)
+
+    def gb_s(name: str) -> float:
+        # Three significant figures: a small entry's rate is not rounded to 0.
+        return float(f"{nbytes / statistics.median(rows[name]) / 1e9:.3g}")
+
+    def ratio(tier: str, device: str) -> float:
+        pairs = zip(rows[tier], rows[device], strict=True)
+        return round(statistics.median(d / t for t, d in pairs), 3)
+
+    yield {
+        "bench": "store.disk",
+        "entry_mb": round(nbytes / 1e6, 1),
+        "filesystem": _filesystem(base),
+        "device_tool": "fio" if shutil.which("fio") else "dd",
+        "rounds": args.repeats,
+        "page_cache_dropped": dropped,
+        "spill_write_gb_s": gb_s("write"),
+        "device_write_gb_s": gb_s("device_write"),
+        "disk_hit_read_gb_s": gb_s("read"),
+        "device_read_gb_s": gb_s("device_read"),
+        "disk_hit_get_s": round(statistics.median(rows["get"]), 4),
+        "disk_read_vs_device": ratio("read", "device_read"),
+        "disk_write_vs_device": ratio("write", "device_write"),
+    }
+
+
+def _pool_bytes(nbytes: int, block_size: int) -> int:
+    """A pool that holds one chunk at 90% at most (under the 95% watermark), never two."""
+    blocks = -(-nbytes // block_size)
     pool_blocks = -(-blocks * 10 // 9)
     if pool_blocks >= 2 * blocks:
         raise ValueError(
             f"a chunk of {blocks} pool block(s) cannot evict another from a pool that holds "
             "it under the watermark: lower --block-size"
         )
-    pool_bytes = pool_blocks * args.block_size
+    return pool_blocks * block_size
+
+
+def _rounds(
+    args: argparse.Namespace, base: Path, keys: Any, values: Any, nbytes: int
+) -> tuple[dict[str, list[float]], bool]:
+    """``--repeats`` rounds over a daemon with a disk tier under ``base``: two chunks spilled
+    (the second evicts the first from memory), the device written and read as much by
+    fio / dd, and the first chunk got back from the disk. The times by name, and whether
+    the page cache was dropped before every device read."""
     names = ("write", "device_write", "read", "get", "device_read")
     rows: dict[str, list[float]] = {name: [] for name in names}
     dropped = True
@@ -126,7 +163,7 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                 tmp / "daemon",
                 "--disk-dir",
                 str(tmp / "tier"),
-                pool_bytes=pool_bytes,
+                pool_bytes=_pool_bytes(nbytes, args.block_size),
                 block_size=args.block_size,
             )
         )
@@ -156,27 +193,4 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             rows["read"].append(stats.disk.seconds["read"] - read_before)
             client.clear()  # both tiers: the next round starts empty
         probe.unlink(missing_ok=True)
-
-    def gb_s(name: str) -> float:
-        # Three significant figures: a small entry's rate is not rounded to 0.
-        return float(f"{nbytes / statistics.median(rows[name]) / 1e9:.3g}")
-
-    def ratio(tier: str, device: str) -> float:
-        pairs = zip(rows[tier], rows[device], strict=True)
-        return round(statistics.median(d / t for t, d in pairs), 3)
-
-    yield {
-        "bench": "store.disk",
-        "entry_mb": round(nbytes / 1e6, 1),
-        "filesystem": _filesystem(base),
-        "device_tool": "fio" if shutil.which("fio") else "dd",
-        "rounds": args.repeats,
-        "page_cache_dropped": dropped,
-        "spill_write_gb_s": gb_s("write"),
-        "device_write_gb_s": gb_s("device_write"),
-        "disk_hit_read_gb_s": gb_s("read"),
-        "device_read_gb_s": gb_s("device_read"),
-        "disk_hit_get_s": round(statistics.median(rows["get"]), 4),
-        "disk_read_vs_device": ratio("read", "device_read"),
-        "disk_write_vs_device": ratio("write", "device_write"),
-    }
+    return rows, dropped

@@ -176,6 +176,47 @@ def _rounds(
     return times
 
 
+def _leased_read(client: ChunkStoreClient, key: bytes, out: torch.Tensor) -> Callable[[], None]:
+    """A get of ``key`` into ``out`` through ``client``: acquire, read (checked), release."""
+
+    def read() -> None:
+        [entry] = client.acquire([key])
+        assert entry is not None
+        try:
+            client.read_into(entry, out)
+        finally:
+            client.release([entry.lease_id], wait=False)
+
+    return read
+
+
+def _read_paths(
+    shm: ChunkStoreClient,
+    stream: ChunkStoreClient,
+    r: redis.Redis,
+    key: bytes,
+    out: torch.Tensor,
+    source: torch.Tensor,
+) -> dict[str, Callable[[], object]]:
+    """Each way the chunk's bytes reach ``out``: a plain copy (the floor), the pool mapped
+    here, Redis, the gRPC stream."""
+
+    def memcpy() -> None:
+        out.copy_(source)
+
+    def redis_get() -> None:
+        data = r.get(key)
+        assert isinstance(data, bytes)
+        out.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+
+    return {
+        "memcpy": memcpy,
+        "shm": _leased_read(shm, key, out),
+        "redis": redis_get,
+        "grpc": _leased_read(stream, key, out),
+    }
+
+
 def _reads(
     args: argparse.Namespace,
     shm: ChunkStoreClient,
@@ -192,31 +233,7 @@ def _reads(
     out = torch.empty(nbytes, dtype=torch.uint8)
     r.set(key, as_bytes(source).tobytes())
 
-    def memcpy() -> None:
-        out.copy_(source)
-
-    def via(client: ChunkStoreClient) -> Callable[[], None]:
-        def read() -> None:
-            [entry] = client.acquire([key])
-            assert entry is not None
-            try:
-                client.read_into(entry, out)
-            finally:
-                client.release([entry.lease_id], wait=False)
-
-        return read
-
-    def redis_get() -> None:
-        data = r.get(key)
-        assert isinstance(data, bytes)
-        out.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
-
-    paths: dict[str, Callable[[], object]] = {
-        "memcpy": memcpy,
-        "shm": via(shm),
-        "redis": redis_get,
-        "grpc": via(stream),
-    }
+    paths = _read_paths(shm, stream, r, key, out, source)
     for fn in paths.values():
         fn()  # warm up; every path must produce the same bytes
         assert torch.equal(out, source), "a read path returned different bytes"
@@ -304,10 +321,39 @@ def _small_gets(
     peer: MooncakeStore | None,
     small_bytes: int,
 ) -> dict[str, Any]:
-    tokens = small_bytes // (2 * 4 * 64)
     keys = [(2 * 10**6 + i).to_bytes(16, "little") for i in range(SMALL)]
     names = [f"bench-small-{i}" for i in range(SMALL)]
     outs = [torch.empty(small_bytes, dtype=torch.uint8) for _ in keys]
+    _store_small(client, peer, keys, names, small_bytes)
+    ways = _small_ways(client, peer, keys, names, outs, small_bytes)
+    for fn in ways.values():
+        fn()  # warm up
+    times = _rounds(ways, args.repeats)
+    p50 = {name: statistics.median(t) for name, t in times.items()}
+    row = {
+        "bench": "store.small_get",
+        "entries": SMALL,
+        "entry_bytes": small_bytes,
+        "repeats": args.repeats,
+        **{f"{name}_ms_p50": round(t * 1e3, 2) for name, t in p50.items()},
+    }
+    if peer is not None:
+        row["small_get_vs_mooncake"] = _ratio(times["batch"], times["mooncake_batch"])
+        row["small_get_one_at_a_time_vs_mooncake"] = _ratio(
+            times["one_at_a_time"], times["mooncake_one_at_a_time"]
+        )
+    return row
+
+
+def _store_small(
+    client: ChunkStoreClient,
+    peer: MooncakeStore | None,
+    keys: list[bytes],
+    names: list[str],
+    small_bytes: int,
+) -> None:
+    """Seeded small entries of ``small_bytes`` each, put in the daemon and the peer store."""
+    tokens = small_bytes // (2 * 4 * 64)
     generator = torch.Generator().manual_seed(1)
     for i, key in enumerate(keys):
         kv = torch.randn(1, tokens, 1, 64, generator=generator)
@@ -316,6 +362,18 @@ def _small_gets(
             both = torch.cat([kv.reshape(-1), kv.reshape(-1)]).view(torch.uint8).numpy()
             peer.buffer[i * small_bytes : (i + 1) * small_bytes] = both
             peer.put(names[i], i * small_bytes, small_bytes)
+
+
+def _small_ways(
+    client: ChunkStoreClient,
+    peer: MooncakeStore | None,
+    keys: list[bytes],
+    names: list[str],
+    outs: list[torch.Tensor],
+    small_bytes: int,
+) -> dict[str, Callable[[], object]]:
+    """The small entries got one call each, or all in one Acquire and one read; and the
+    peer store's one at a time and batched."""
 
     def one_at_a_time() -> None:
         for key, out in zip(keys, outs, strict=True):
@@ -344,23 +402,7 @@ def _small_gets(
 
         ways["mooncake_one_at_a_time"] = mooncake_one_at_a_time
         ways["mooncake_batch"] = lambda: peer.batch_get(names, offsets, small_bytes)
-    for fn in ways.values():
-        fn()  # warm up
-    times = _rounds(ways, args.repeats)
-    p50 = {name: statistics.median(t) for name, t in times.items()}
-    row = {
-        "bench": "store.small_get",
-        "entries": SMALL,
-        "entry_bytes": small_bytes,
-        "repeats": args.repeats,
-        **{f"{name}_ms_p50": round(t * 1e3, 2) for name, t in p50.items()},
-    }
-    if peer is not None:
-        row["small_get_vs_mooncake"] = _ratio(times["batch"], times["mooncake_batch"])
-        row["small_get_one_at_a_time_vs_mooncake"] = _ratio(
-            times["one_at_a_time"], times["mooncake_one_at_a_time"]
-        )
-    return row
+    return ways
 
 
 def _readers(daemon: RunningDaemon, args: argparse.Namespace, nbytes: int) -> dict[str, Any]:
