@@ -14,8 +14,19 @@ import pytest
 
 from chunkstore.bench import qa_cases
 from chunkstore.bench.qa_cases import generate
-from chunkstore.bench.quality import _Prompts, cases_digest, cpu_kind, parse_method, wilson
+from chunkstore.bench.quality import (
+    CHATML,
+    COMPLETION,
+    _Prompts,
+    _prompts,
+    cases_digest,
+    cpu_kind,
+    parse_method,
+    prompt_format,
+    wilson,
+)
 from chunkstore.bench.quality import treatment as treat_as_the_bench
+from chunkstore.models import model_dir
 
 
 def test_cases_are_seeded_and_every_answer_is_in_the_documents() -> None:
@@ -344,3 +355,32 @@ def test_bench_quality_refuses_a_bad_method_before_running_anything() -> None:
     )
     assert run.returncode == 2 and "KNOB=VALUE" in run.stderr
     assert "bench quality: [" not in run.stderr
+
+
+def test_a_model_without_a_chat_template_gets_completion_prompts_its_bos_first() -> None:
+    """A chat model (ChatML's template) gets a chat turn; a base model (no template: Gemma 3
+    270M) a completion prompt, the tokenizer's <bos> first (Gemma writes nonsense without
+    it), its answer the reply's first line; another template is refused, not guessed."""
+    from transformers import AutoTokenizer
+
+    chat = prompt_format(AutoTokenizer.from_pretrained(model_dir("smollm2")))
+    assert (chat.name, chat.prefix) == (CHATML, ())
+    assert chat.answer(" Paris\nQuestion: x") == " Paris\nQuestion: x"  # the whole turn
+    base = AutoTokenizer.from_pretrained(model_dir("tiny"), add_bos_token=True)
+    assert base.chat_template is None and base.encode("a")[0] == base.bos_token_id
+    fmt = prompt_format(base)
+    assert (fmt.name, fmt.prefix) == (COMPLETION, (base.bos_token_id,))
+    assert fmt.answer(" Paris\nQuestion: Where does Bo live?\nAnswer: Rome") == "Paris"
+    cases = generate(2, seed=0, docs_per_case=2, filler=1)
+    sep = base.encode("##", add_special_tokens=False)
+    for prompt in _prompts(base, sep, cases, 1, fmt).qa:
+        assert prompt[0] == base.bos_token_id and base.bos_token_id not in prompt[1:]
+        assert base.decode(prompt[1:]).startswith(qa_cases.SYS)
+        assert base.decode(prompt).endswith("\nAnswer:")
+    # The digest tells a completion run from a chat run of the same cases.
+    assert cases_digest(base, cases, fmt) != cases_digest(base, cases)
+    other = AutoTokenizer.from_pretrained(model_dir("tiny"))
+    other.chat_template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}"
+    with pytest.raises(ValueError, match="--prompt-format completion"):
+        prompt_format(other)
+    assert prompt_format(other, COMPLETION).name == COMPLETION

