@@ -162,18 +162,7 @@ class Daemon:
         self.disk = self._open_disk() if config.disk_dir else None
         if self.tenants is not None:
             self.tenants.secret = namespace_secret(config.peer_token, config.disk_dir)
-        self.index = Index(
-            self.pool,
-            lease_ttl=config.lease_ttl_s,
-            high_watermark=config.high_watermark,
-            low_watermark=config.low_watermark,
-            verify_commits=config.verify_commits,
-            max_sessions=config.max_sessions,
-            disk=self.disk,
-            spill_queue_bytes=config.resolved_spill_queue_bytes(self.pool.capacity),
-            spill_when=SpillWhen(config.spill),
-            eviction=config.eviction,
-        )
+        self.index = self._index()
         self.metrics = Metrics(self.index, config.node)
         if self.tenants is not None:
             self.index.set_budgets(_budgets(self.tenants.by_name))
@@ -183,22 +172,7 @@ class Daemon:
             if guarded
             else None
         )
-        interceptors: list[grpc.ServerInterceptor] = [self.token_check] if self.token_check else []
-        interceptors.append(DecodeInHandler())
-        self.server = grpc.server(
-            # A thread per heartbeat stream and per transfer stream, both bounded, and 32 more
-            # that only short calls (and health checks) take.
-            futures.ThreadPoolExecutor(
-                max_workers=config.max_sessions + config.max_transfers + 32,
-                thread_name_prefix="chunkstore-rpc",
-            ),
-            interceptors=interceptors,
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE),
-                ("grpc.max_send_message_length", MAX_MESSAGE),
-                ("grpc.so_reuseport", 0),
-            ],
-        )
+        self.server = self._grpc_server()
         self.workers = Workers(self.metrics.background_errors)
         self.health = LiveHealth(self._unready)
         service = ChunkStoreService(
@@ -214,6 +188,42 @@ class Daemon:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.addresses: dict[str, str] = {}
         self._serving = False
+
+    def _index(self) -> Index:
+        """The index over the pool (and the disk tier), as the configuration says."""
+        config = self.config
+        return Index(
+            self.pool,
+            lease_ttl=config.lease_ttl_s,
+            high_watermark=config.high_watermark,
+            low_watermark=config.low_watermark,
+            verify_commits=config.verify_commits,
+            max_sessions=config.max_sessions,
+            disk=self.disk,
+            spill_queue_bytes=config.resolved_spill_queue_bytes(self.pool.capacity),
+            spill_when=SpillWhen(config.spill),
+            eviction=config.eviction,
+        )
+
+    def _grpc_server(self) -> grpc.Server:
+        """The gRPC server, its token check (if any) before every call."""
+        config = self.config
+        interceptors: list[grpc.ServerInterceptor] = [self.token_check] if self.token_check else []
+        interceptors.append(DecodeInHandler())
+        return grpc.server(
+            # A thread per heartbeat stream and per transfer stream, both bounded, and 32 more
+            # that only short calls (and health checks) take.
+            futures.ThreadPoolExecutor(
+                max_workers=config.max_sessions + config.max_transfers + 32,
+                thread_name_prefix="chunkstore-rpc",
+            ),
+            interceptors=interceptors,
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE),
+                ("grpc.max_send_message_length", MAX_MESSAGE),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
 
     def reload_tenants(self) -> bool:
         """Read the tenants file again (SIGHUP): new tokens, quotas and shares from the next
