@@ -186,8 +186,8 @@ def test_the_hit_rate_prometheus_computes_is_the_hit_rate_made(scraped) -> None:
 
 
 def test_hit_rate_picture_renders_from_scraped_data(scraped, tmp_path: Path) -> None:
-    """The picture in docs/operations.md ("What is checked"): the hit-rate panels drawn from
-    what Prometheus scraped here. Set CHUNKSTORE_DOCS_DIR to write it there as well."""
+    """The hit-rate panels drawn from what Prometheus scraped here (docs/operations.md, "What
+    is checked"). Set CHUNKSTORE_DOCS_DIR to write the picture there as well."""
     import matplotlib
 
     matplotlib.use("Agg")
