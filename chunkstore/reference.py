@@ -177,32 +177,8 @@ class HFReference:
             allowed[:, past_len:] = torch.ones(n, n, dtype=torch.bool).tril()
         at = torch.arange(start, start + n) if positions is None else torch.tensor(positions)
         behind = at[:, None] - torch.cat([torch.arange(past_len), at])[None, :]
-        windows = self.layers.windows
         cache = self._cache(past)
-        hooks = []
-        if layer_allowed is not None or any(windows):
-            choose, everywhere = layer_allowed, allowed
-
-            def masked(index: int) -> Any:
-                def hook(module: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-                    mask = (
-                        everywhere
-                        if choose is None
-                        else choose(index, attention_queries(module, args, kwargs))
-                    )
-                    if windows[index]:  # HF's and vLLM's window: i - j < W
-                        mask = mask & (behind < windows[index])
-                    layer_additive = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
-                    kwargs["attention_mask"] = layer_additive[None, None]
-                    return args, kwargs
-
-                return hook
-
-            layers: Any = cast(Any, self.model).model.layers
-            hooks = [
-                layer.self_attn.register_forward_pre_hook(masked(i), with_kwargs=True)
-                for i, layer in enumerate(layers)
-            ]
+        hooks = self._layer_masks(allowed, layer_allowed, behind)
         additive = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
         try:
             out = self.model(
@@ -218,6 +194,42 @@ class HFReference:
         keys = torch.stack([k[0].transpose(0, 1)[past_len:] for k, _, _ in out.past_key_values])
         values = torch.stack([v[0].transpose(0, 1)[past_len:] for _, v, _ in out.past_key_values])
         return Forward(out.logits[0].float(), KV(keys, values))
+
+    def _layer_masks(
+        self,
+        allowed: torch.Tensor,
+        layer_allowed: Callable[[int, torch.Tensor], torch.Tensor] | None,
+        behind: torch.Tensor,
+    ) -> list[Any]:
+        """Where a layer's mask is not ``allowed`` (``layer_allowed`` chooses it, or the
+        layer slides a window over ``behind``, each query's distance to each key): a forward
+        pre-hook on each attention layer that puts its own mask in; the hooks, to remove
+        after the forward."""
+        windows = self.layers.windows
+        if layer_allowed is None and not any(windows):
+            return []
+        choose, everywhere = layer_allowed, allowed
+
+        def masked(index: int) -> Any:
+            def hook(module: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+                mask = (
+                    everywhere
+                    if choose is None
+                    else choose(index, attention_queries(module, args, kwargs))
+                )
+                if windows[index]:  # HF's and vLLM's window: i - j < W
+                    mask = mask & (behind < windows[index])
+                layer_additive = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
+                kwargs["attention_mask"] = layer_additive[None, None]
+                return args, kwargs
+
+            return hook
+
+        layers: Any = cast(Any, self.model).model.layers
+        return [
+            layer.self_attn.register_forward_pre_hook(masked(i), with_kwargs=True)
+            for i, layer in enumerate(layers)
+        ]
 
     @torch.no_grad()
     def question_attention(self, token_ids: Sequence[int], start: int, past: KV) -> Attended:
