@@ -10,16 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from chunkstore.bench.workload import (
-    Trace,
-    connector_settings,
-    furthest_next_use_hit_rate,
-    make_trace,
-    prompt_text,
-    replay_hit_rate,
-    spill_rules,
-    write_dataset,
-)
+from chunkstore.bench.workload import connector_settings, spill_rules
+from chunkstore.bench.workload_replay import furthest_next_use_hit_rate, replay_hit_rate
+from chunkstore.bench.workload_trace import Trace, make_trace, prompt_text, write_dataset
 from chunkstore.testing.cli import chunkstore
 
 

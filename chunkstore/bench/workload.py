@@ -39,281 +39,22 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import random
-import statistics
 import sys
 import tempfile
-import threading
-import time
-import urllib.request
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from chunkstore.models import WORDS, kv_bytes_per_token, resolve
+from chunkstore.bench.workload_replay import furthest_next_use_hit_rate, replay, replay_hit_rate
+from chunkstore.bench.workload_trace import Trace, make_trace, prompt_text, write_dataset
+from chunkstore.bench.workload_traffic import prompt_hit_rate, router_figures, scrape, send
+from chunkstore.models import kv_bytes_per_token, resolve
 
 if TYPE_CHECKING:
     from chunkstore.processes.router import RunningRouter
 
 BLOCK = 64 << 10  # the daemon's block: small, so that a pool share is what entries get
-SYS = "You are a helpful assistant. Answer the question using only the documents below."
-QUESTION = "Question {n}: which of these documents says the most about {word}?"
-
-
-@dataclass(frozen=True)
-class Request:
-    docs: tuple[int, ...]  # corpus indices, in the order the retriever returned them
-    question: str
-    at: float  # seconds after the start (Poisson arrivals; 0 for all under a concurrency)
-
-
-@dataclass(frozen=True)
-class Trace:
-    docs: list[str]
-    requests: list[Request]
-
-
-def make_trace(
-    docs: int,
-    doc_words: tuple[int, int],
-    requests: int,
-    k: int,
-    skew: float,
-    rate: float,
-    seed: int = 0,
-) -> Trace:
-    """The corpus (texts of ``doc_words`` words, a range) and the requests: ``k`` distinct
-    documents each, drawn with Zipf weights 1 / rank^``skew`` (the popular ones shuffled
-    through the corpus), shuffled; Poisson arrivals at ``rate`` (0: all at once)."""
-    rng = random.Random(seed)
-    corpus = [
-        " ".join(rng.choice(WORDS) for _ in range(rng.randint(*doc_words))).capitalize() + "."
-        for _ in range(docs)
-    ]
-    popularity = list(range(docs))
-    rng.shuffle(popularity)
-    weights = [0.0] * docs
-    for rank, doc in enumerate(popularity, start=1):
-        weights[doc] = 1.0 / rank**skew
-    out, at = [], 0.0
-    for n in range(requests):
-        chosen: list[int] = []
-        while len(chosen) < k:
-            doc = rng.choices(range(docs), weights)[0]
-            if doc not in chosen:
-                chosen.append(doc)
-        if rate:
-            at += rng.expovariate(rate)
-        out.append(Request(tuple(chosen), QUESTION.format(n=n, word=rng.choice(WORDS)), at))
-    return Trace(corpus, out)
-
-
-def prompt_text(trace: Trace, request: Request, separator: str) -> str:
-    """``sys SEP doc SEP doc ... SEP question``: the connector's chunked prompt, as text."""
-    parts = [SYS, *(trace.docs[d] for d in request.docs), request.question]
-    return separator.join(parts)
-
-
-def write_dataset(path: Path, prompts: list[str], output_tokens: int) -> None:
-    """The trace as ``vllm bench serve --dataset-name custom --dataset-path PATH`` reads it
-    (one JSON object a line: prompt, output_tokens); replay it with --disable-shuffle to
-    keep the trace's order."""
-    with path.open("w") as out:
-        for prompt in prompts:
-            out.write(json.dumps({"prompt": prompt, "output_tokens": output_tokens}) + "\n")
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def send(url: str, model: str, trace: Trace, prompts: list[str], args: Any) -> dict[str, Any]:
-    """Every request through the OpenAI client, as the trace times them (or ``concurrency``
-    at once); per request the wall time of its first and last token."""
-    from openai import OpenAI
-
-    client = OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=600)
-    rows: list[dict[str, float]] = []
-    lock = threading.Lock()
-
-    def one(index: int, prompt: str) -> None:
-        sent = time.perf_counter()
-        first, tokens = None, 0
-        stream = client.completions.create(
-            model=model,
-            prompt=prompt,
-            max_tokens=args.output_tokens,
-            temperature=0.0,
-            stream=True,
-            stream_options={"include_usage": True},
-            # Every way generates the same number of tokens, whatever its KV makes of them.
-            extra_body={"ignore_eos": True},
-        )
-        for chunk in stream:
-            if chunk.choices and chunk.choices[0].text and first is None:
-                first = time.perf_counter()
-            if chunk.usage is not None:
-                tokens = chunk.usage.completion_tokens
-        done = time.perf_counter()
-        with lock:
-            rows.append(
-                {"i": index, "sent": sent, "first": first or done, "done": done, "tokens": tokens}
-            )
-
-    began = time.perf_counter()
-    workers = args.concurrency or 64
-    with ThreadPoolExecutor(workers) as pool:
-        futures = []
-        for index, (request, prompt) in enumerate(zip(trace.requests, prompts, strict=True)):
-            if not args.concurrency:  # Poisson: wait for the request's arrival
-                time.sleep(max(0.0, began + request.at - time.perf_counter()))
-            futures.append(pool.submit(one, index, prompt))
-        for future in futures:
-            future.result()
-    rows.sort(key=lambda r: r["i"])  # trace order
-    ttfts = [r["first"] - r["sent"] for r in rows]
-    # Past the cold start (the first fifth of the trace, when little is stored yet).
-    warm = [t for r, t in zip(rows, ttfts, strict=True) if r["i"] >= len(rows) // 5]
-    tpots = [(r["done"] - r["first"]) / (r["tokens"] - 1) for r in rows if r["tokens"] > 1]
-    span = max(r["done"] for r in rows) - min(r["sent"] for r in rows)
-    return {
-        "ttft_p50_s": round(_percentile(ttfts, 0.5), 4),
-        "ttft_p90_s": round(_percentile(ttfts, 0.9), 4),
-        "ttft_p99_s": round(_percentile(ttfts, 0.99), 4),
-        "ttft_p50_warm_s": round(_percentile(warm, 0.5), 4),
-        "ttft_p99_warm_s": round(_percentile(warm, 0.99), 4),
-        "tpot_s": round(statistics.median(tpots), 4) if tpots else None,
-        "throughput_rps": round(len(rows) / span, 4),
-        "completion_tokens_min": min(int(r["tokens"]) for r in rows),
-        "ttfts_s": [round(t, 4) for t in ttfts],
-    }
-
-
-def _scrape(url: str) -> dict[str, float]:
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = out.get(name, 0.0) + float(value)
-    return out
-
-
-def _summed(scraped: dict[str, float], prefix: str) -> float:
-    return sum(v for k, v in scraped.items() if k.partition("{")[0] == prefix)
-
-
-def _prompt_hit_rate(scraped: dict[str, float]) -> float | None:
-    """Prompt tokens vLLM did not compute (its prefix cache's hits, and what chunkstore
-    supplied beyond them) over all prompt tokens, from its /metrics."""
-    prompt = _summed(scraped, "vllm:prompt_tokens_total")
-    saved = _summed(scraped, "vllm:prefix_cache_hits_total")
-    saved += _summed(scraped, "vllm:chunkstore_hit_tokens_total")
-    return round(saved / prompt, 4) if prompt else None
-
-
-def replay_hit_rate(trace: Trace, doc_tokens: list[int], share: float, policy: str) -> float:
-    """The token hit rate the daemon's own index, evicting by ``policy``, gets on the trace
-    with a pool of ``share`` of its working set (``replay``)."""
-    return replay(trace, doc_tokens, share, policy)["store_hit_rate"]
-
-
-def replay(
-    trace: Trace,
-    doc_tokens: list[int],
-    share: float,
-    policy: str,
-    disk_share: float = 0.0,
-    spill: str = "commit",
-) -> dict[str, Any]:
-    """The trace replayed through the daemon's own index, as the connector drives it (each
-    request acquires its documents, stores the ones missed), with a pool of ``share`` of its
-    working set, evicting by ``policy``, and with ``disk_share`` a disk tier of that share
-    under it, spilling by ``spill`` (``serve --spill``; the spill thread run to the end after
-    each request): no vLLM, no timing, exact. Its token hit rate (both tiers), and the disk
-    tier's: hit tokens, tokens written a request (bytes: times the model's KV a token)."""
-    from chunkstore.daemon.disk import HEADER, DiskTier
-    from chunkstore.daemon.index import Index
-    from chunkstore.daemon.pool import SharedMemoryPool
-    from chunkstore.daemon.spill import SpillWhen
-    from chunkstore.kv.entry import EntryLayout
-
-    block = 64  # 16 bytes a token below: 4 tokens a block
-    used = {d for r in trace.requests for d in r.docs}
-    blocks = max(1, int(share * sum(-(-doc_tokens[d] * 16 // block) for d in used)))
-    with tempfile.TemporaryDirectory(prefix="chunkstore-replay-") as tmp:
-        pool = SharedMemoryPool(block, blocks, directory=tmp)
-        disk = None
-        if disk_share:
-            files = sum(HEADER + doc_tokens[d] * 16 for d in used)
-            disk = DiskTier(Path(tmp) / "disk", max(HEADER + 4096, int(disk_share * files)))
-        index = Index(
-            pool,
-            high_watermark=1.0,
-            low_watermark=1.0,
-            eviction=policy,
-            disk=disk,
-            spill_when=SpillWhen(spill),
-        )
-        session = index.open_session("replay")
-        looked = hit = 0
-        for request in trace.requests:
-            keys = [d.to_bytes(16, "little") for d in request.docs]
-            got = index.acquire(session, keys)
-            index.release(session, [g[0].id for g in got if g is not None])
-            for doc, key, found in zip(request.docs, keys, got, strict=True):
-                looked += doc_tokens[doc]
-                if found is not None:
-                    hit += doc_tokens[doc]
-                    continue
-                layout = EntryLayout(1, 1, 4, "float32", "mla", doc_tokens[doc], 0)
-                if layout.nbytes > pool.capacity:
-                    continue  # never fits: computed every time
-                reservation = index.reserve(session, key, layout, layout.nbytes)
-                checksum = pool.checksum(reservation.blocks, layout.nbytes)  # a disk read checks
-                index.commit(session, reservation.id, checksum)
-            while disk is not None and index.spill_one(0):
-                pass
-        stats = index.disk_stats()
-        pool.close()
-    counts = stats.counts if stats is not None else {}
-    return {
-        "store_hit_rate": hit / looked,
-        "disk_hit_tokens": counts.get("promoted_bytes", 0) // 16,
-        "disk_tokens_written_per_request": counts.get("spill_bytes", 0) / 16 / len(trace.requests),
-    }
-
-
-def furthest_next_use_hit_rate(trace: Trace, doc_tokens: list[int], share: float) -> float:
-    """Belady's offline rule (evict what is next needed furthest ahead) on the same trace and
-    room: what a policy that knew the future would get, near enough with entries of
-    different sizes to show the headroom left above LRU."""
-    accesses = [d for r in trace.requests for d in r.docs]
-    used = set(accesses)
-    room = share * sum(doc_tokens[d] for d in used)
-    upcoming: dict[int, list[int]] = {}
-    for i in reversed(range(len(accesses))):
-        upcoming.setdefault(accesses[i], []).append(i)
-    held: set[int] = set()
-    filled = looked = hit = 0
-    for doc in accesses:
-        upcoming[doc].pop()
-        looked += doc_tokens[doc]
-        if doc in held:
-            hit += doc_tokens[doc]
-            continue
-        if doc_tokens[doc] > room:
-            continue
-        held.add(doc)
-        filled += doc_tokens[doc]
-        while filled > room:
-            victim = max(held, key=lambda d: upcoming[d][-1] if upcoming[d] else len(accesses))
-            held.discard(victim)
-            filled -= doc_tokens[victim]
-    return hit / looked
 
 
 @dataclass(frozen=True)
@@ -347,7 +88,7 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         )
         try:
             apc = send(server.url, str(setup.model), setup.trace, setup.prompts, args)
-            apc["prompt_hit_rate"] = _prompt_hit_rate(_scrape(server.url))
+            apc["prompt_hit_rate"] = prompt_hit_rate(scrape(server.url))
         finally:
             server.stop()
         _write_ttfts(args, "apc", apc)
@@ -501,8 +242,8 @@ def _chunkstore_way(
             with _front(way, server.url, daemon.unix, setup.model, way_dir) as (url, router):
                 figures = send(url, str(setup.model), setup.trace, setup.prompts, args)
                 if router is not None:
-                    figures["router"] = _router_figures(router)
-            figures["prompt_hit_rate"] = _prompt_hit_rate(_scrape(server.url))
+                    figures["router"] = router_figures(router)
+            figures["prompt_hit_rate"] = prompt_hit_rate(scrape(server.url))
             # The connector's own counters a request: where its time went.
             requests = len(setup.prompts)
             counters = sorted(server.counters().items())
@@ -543,31 +284,6 @@ def _front(
         router.stop()
 
 
-def _router_figures(router: RunningRouter) -> dict[str, float]:
-    """What the router did for the trace: requests it reordered (relevant documents last),
-    cold chunks it sent as their own prompts, requests it passed on without its work."""
-    scraped = _scrape(router.url)
-    return {
-        "reordered": _summed(scraped, "chunkstore_router_reordered_total"),
-        "cold_chunks_sent": _summed(scraped, "chunkstore_router_cold_chunks_sent_total"),
-        "cold_chunks_failed": _summed(scraped, "chunkstore_router_cold_chunks_failed_total"),
-        **_failed_by_why(scraped),
-        "fallbacks": _summed(scraped, "chunkstore_router_fallbacks_total"),
-    }
-
-
-def _failed_by_why(scraped: dict[str, float]) -> dict[str, float]:
-    """Cold chunks the router sent and its request did not find, by why: ``prefill_error``,
-    ``not_stored`` (gone before its request looked: a full or evicting pool), ``client_share``."""
-    found = {}
-    prefix = 'chunkstore_router_cold_chunks_failed_total{why="'
-    for name, value in scraped.items():
-        if name.startswith(prefix) and value:
-            why = name.removeprefix(prefix).split('"')[0]
-            found[f"cold_chunks_failed_{why}"] = value
-    return found
-
-
 def _write_ttfts(args: argparse.Namespace, way: str, figures: dict[str, Any]) -> None:
     """A way's per-request TTFTs (trace order) to ``--ttfts``, a JSON line a way; out of the
     figures either way (300 numbers a row)."""
@@ -603,6 +319,13 @@ def _progress(what: str) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _trace_arguments(parser)
+    _pool_arguments(parser)
+    _way_arguments(parser)
+
+
+def _trace_arguments(parser: argparse.ArgumentParser) -> None:
+    """The trace: its corpus, its requests and their arrivals."""
     parser.add_argument("--model", default="smollm2", help="model name or folder")
     parser.add_argument("--docs", type=int, default=200, help="documents in the corpus (200)")
     parser.add_argument(
@@ -618,6 +341,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--concurrency", type=int, default=0, help="requests in flight instead of arrivals (0)"
     )
     parser.add_argument("--output-tokens", type=int, default=8, help="tokens generated (8)")
+
+
+def _pool_arguments(parser: argparse.ArgumentParser) -> None:
+    """The pools the ways run with, and the replayed curve's."""
     parser.add_argument(
         "--pool-shares",
         default="0.25,1.0",
@@ -654,6 +381,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --disk-share: the spill rules (serve --spill) to run each way with "
         "(commit,read-again)",
     )
+
+
+def _way_arguments(parser: argparse.ArgumentParser) -> None:
+    """The connector's settings, the router, and what is written beside the rows."""
     parser.add_argument(
         "--connector",
         action="append",
