@@ -21,11 +21,13 @@ from chunkstore.bench.quality import (
     _prompts,
     cases_digest,
     cpu_kind,
+    hook_limits_of,
     parse_method,
     prompt_format,
     wilson,
 )
 from chunkstore.bench.quality import treatment as treat_as_the_bench
+from chunkstore.kv.segments import split_prompt
 from chunkstore.models import model_dir
 
 
@@ -384,3 +386,32 @@ def test_a_model_without_a_chat_template_gets_completion_prompts_its_bos_first()
     with pytest.raises(ValueError, match="--prompt-format completion"):
         prompt_format(other)
     assert prompt_format(other, COMPLETION).name == COMPLETION
+
+
+def test_on_a_sliding_window_model_the_bench_reports_what_the_hook_serves() -> None:
+    """On Gemma 3 (sliding-window layers) the connector's hook does no relevant_last moves
+    or recompute (``for_deployment``): the bench reads a method's treatment as served there,
+    and says why it differs from the settings asked for; behind the router (the hook off)
+    the relevant chunks are still computed last."""
+    from transformers import AutoConfig
+
+    gemma = AutoConfig.from_pretrained(model_dir("tiny-gemma3"))
+    llama = AutoConfig.from_pretrained(model_dir("tiny"))
+    sep = [9]
+    prompt = [1, *sep, 7, 1, 1, *sep, 7, 42, 42, 42, *sep, 7, 2, 2, 2, 2, *sep, 7, 42, 5, *sep, 42]
+    ranking = [3, 2, 1, 0]
+    default = parse_method("default")
+    assert default is not None
+    on_llama, _ = treat_as_the_bench(default, prompt, sep, ranking, llama)
+    assert on_llama.last and on_llama.recomputed
+    on_gemma, _ = treat_as_the_bench(default, prompt, sep, ranking, gemma)
+    assert not on_gemma.last and not on_gemma.recomputed and not on_gemma.shifts
+    assert hook_limits_of(default, llama) is None
+    assert "relevant_last moves, recompute" in (hook_limits_of(default, gemma) or "")
+    assert hook_limits_of(parse_method("isolated"), gemma) is None  # asks for none of them
+    router = parse_method("inband_isolation=0+order=relevant")
+    assert router is not None and hook_limits_of(router, gemma) is None
+    behind, chunks = treat_as_the_bench(router, prompt, sep, ranking, gemma)
+    assert behind.computed_from(split_prompt(prompt, sep)) is not None
+    gap = parse_method("virtual_gap=200")
+    assert "hook is off" in (hook_limits_of(gap, gemma) or "")

