@@ -175,13 +175,7 @@ def _build_tiny_qk_norm(family: str, out: Path, log: Callable[[str], None]) -> N
     """``tiny-gemma3`` or ``tiny-qwen3``: QK-norm weights drawn with some spread, so a
     missing or wrong norm shows (left at their init they are all 0 or all 1)."""
     import torch
-    from transformers import (
-        AutoTokenizer,
-        Gemma3ForCausalLM,
-        Gemma3TextConfig,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-    )
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir("tiny", out.parent, log))
     tokenizer.save_pretrained(out)
@@ -197,41 +191,52 @@ def _build_tiny_qk_norm(family: str, out: Path, log: Callable[[str], None]) -> N
         head_dim=64,
         rms_norm_eps=1e-6,
     )
-    model: Any
     torch.manual_seed(0)
-    if family == "gemma3":
-        gemma = Gemma3TextConfig(
-            **common,
-            num_hidden_layers=6,
-            num_key_value_heads=1,
-            query_pre_attn_scalar=64,
-            layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
-            sliding_window=32,
-            rope_parameters={
-                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
-            },
-            attn_logit_softcapping=None,
-            final_logit_softcapping=None,
-            hidden_activation="gelu_pytorch_tanh",
-            tie_word_embeddings=True,
-        )
-        model, norm_mean = Gemma3ForCausalLM(gemma).float(), 0.0  # Gemma's norms: 1 + w
-    else:
-        qwen = Qwen3Config(
-            **common,
-            num_hidden_layers=4,
-            num_key_value_heads=2,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-            use_sliding_window=False,
-            tie_word_embeddings=False,
-        )
-        model, norm_mean = Qwen3ForCausalLM(qwen).float(), 1.0
+    model, norm_mean = _tiny_gemma3(common) if family == "gemma3" else _tiny_qwen3(common)
     with torch.no_grad():
         for name, weight in model.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 weight.normal_(norm_mean, 0.3)
     model.save_pretrained(out, safe_serialization=True)
+
+
+def _tiny_gemma3(common: dict[str, Any]) -> tuple[Any, float]:
+    """Gemma 3's shape, small: sliding and full layers, each with its own rotary base; and
+    the mean its QK-norm weights are drawn around (Gemma's norms scale by 1 + w)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    gemma = Gemma3TextConfig(
+        **common,
+        num_hidden_layers=6,
+        num_key_value_heads=1,
+        query_pre_attn_scalar=64,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        sliding_window=32,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+        attn_logit_softcapping=None,
+        final_logit_softcapping=None,
+        hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=True,
+    )
+    return Gemma3ForCausalLM(gemma).float(), 0.0
+
+
+def _tiny_qwen3(common: dict[str, Any]) -> tuple[Any, float]:
+    """Qwen 3's shape, small; its QK-norm weights are drawn around 1."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    qwen = Qwen3Config(
+        **common,
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        use_sliding_window=False,
+        tie_word_embeddings=False,
+    )
+    return Qwen3ForCausalLM(qwen).float(), 1.0
 
 
 def smollm2_gguf() -> Path:
