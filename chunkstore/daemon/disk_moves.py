@@ -28,6 +28,8 @@ log = logging.getLogger("chunkstore.daemon.index")
 
 
 class DiskMoves(EntryTable):
+    """The index's moves to and from the disk tier, over its entry table."""
+
     # Disk hits read into the pool ---------------------------------------------------------
 
     def _acquire_missed(

@@ -29,6 +29,8 @@ DISK_READERS = 4  # disk hits of one Acquire read at once
 
 
 class EntryTable:
+    """The index's state, and the steps its paths take under its lock (``Index``)."""
+
     def __init__(
         self,
         pool: Pool,
