@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -254,8 +255,6 @@ def exactness(model: Path, tokenizer: Any, work: Path, timeout: float) -> dict[s
     import torch
 
     from chunkstore.kv.segments import build_chunked_prompt
-    from chunkstore.processes.daemon import start_daemon
-    from chunkstore.processes.vllm_probe import run_probe
     from chunkstore.prompts import AUTO, separator_ids
     from chunkstore.reference import HFReference, default_reference
 
@@ -267,18 +266,7 @@ def exactness(model: Path, tokenizer: Any, work: Path, timeout: float) -> dict[s
     reordered = build_chunked_prompt(encode, SYS, DOCS[::-1], QUESTIONS[1], sep)
     served, recompute = deployed(model)
     hook = served.inband_isolation
-    # What stores the rest: the documents in one prompt, isolated by the hook; without it,
-    # each after sys alone (what the router sends), as a prompt's other chunks see earlier ones.
-    storing = [DOCS] if hook else [[doc] for doc in DOCS]
-    stores = [build_chunked_prompt(encode, SYS, docs, None, sep) for docs in storing]
-    entries = [
-        {"prompt_token_ids": list(p.token_ids), "max_tokens": 8}
-        for p in (first, *stores, first, reordered)
-    ]
-    with start_daemon(work / "daemon", pool_bytes=512 << 20, block_size=1 << 20) as daemon:
-        cold, *alone, warm, moved = run_probe(
-            model, entries, work / "vllm", {"address": daemon.unix}, timeout=timeout, stats=True
-        )
+    cold, alone, warm, moved = _served(model, encode, sep, (first, reordered), hook, work, timeout)
     ref = HFReference.load(model)
 
     def served_as(prompt: Any) -> torch.Tensor:
@@ -293,13 +281,7 @@ def exactness(model: Path, tokenizer: Any, work: Path, timeout: float) -> dict[s
     ]
     checked += [("warm", warm, served_as(first))] if not hook else []
     checked += [("reordered", moved, served_as(reordered))]
-    worst: dict[str, float] = {"warm": _worst(warm["logprobs"], cold["logprobs"])} if hook else {}
-    agree = {"warm": warm["generated"] == cold["generated"]} if hook else {}
-    for name, served, logits in checked:
-        expected = torch.log_softmax(logits.double(), dim=-1)
-        reference = {t: float(expected[int(t)]) for t in served["logprobs"]}
-        worst[name] = _worst(served["logprobs"], reference)
-        agree[name] = served["token"] == int(expected.argmax())
+    worst, agree = _judged(checked, warm, cold, hook)
     loaded = {"warm": warm["cached_tokens"], "reordered": moved["cached_tokens"]}
     failures = sum(r.get("connector", {}).get("load_failures", 0) for r in (warm, moved))
     bound = {k: WARM_TOLERANCE if hook and k == "warm" else REFERENCE_TOLERANCE for k in worst}
@@ -319,6 +301,58 @@ def exactness(model: Path, tokenizer: Any, work: Path, timeout: float) -> dict[s
         "load_failures": failures,
         "prompt_tokens": len(first.token_ids),
     }
+
+
+def _served(
+    model: Path,
+    encode: Callable[[str], list[int]],
+    sep: list[int],
+    asked: tuple[Any, Any],
+    hook: bool,
+    work: Path,
+    timeout: float,
+) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+    """vLLM with the connector over a daemon of its own: ``asked``'s first prompt cold, what
+    stores the rest, the first again (warm) and the reordered one. Their results: cold, the
+    stores', warm, reordered."""
+    from chunkstore.kv.segments import build_chunked_prompt
+    from chunkstore.processes.daemon import start_daemon
+    from chunkstore.processes.vllm_probe import run_probe
+
+    first, reordered = asked
+    # What stores the rest: the documents in one prompt, isolated by the hook; without it,
+    # each after sys alone (what the router sends), as a prompt's other chunks see earlier ones.
+    storing = [DOCS] if hook else [[doc] for doc in DOCS]
+    stores = [build_chunked_prompt(encode, SYS, docs, None, sep) for docs in storing]
+    entries = [
+        {"prompt_token_ids": list(p.token_ids), "max_tokens": 8}
+        for p in (first, *stores, first, reordered)
+    ]
+    with start_daemon(work / "daemon", pool_bytes=512 << 20, block_size=1 << 20) as daemon:
+        cold, *alone, warm, moved = run_probe(
+            model, entries, work / "vllm", {"address": daemon.unix}, timeout=timeout, stats=True
+        )
+    return cold, alone, warm, moved
+
+
+def _judged(
+    checked: list[tuple[str, dict[str, Any], Any]],
+    warm: dict[str, Any],
+    cold: dict[str, Any],
+    hook: bool,
+) -> tuple[dict[str, float], dict[str, bool]]:
+    """Each served result against its expected logits: the worst logprob difference and
+    whether the first token agrees (with the hook, warm against cold too)."""
+    import torch
+
+    worst: dict[str, float] = {"warm": _worst(warm["logprobs"], cold["logprobs"])} if hook else {}
+    agree = {"warm": warm["generated"] == cold["generated"]} if hook else {}
+    for name, served, logits in checked:
+        expected = torch.log_softmax(logits.double(), dim=-1)
+        reference = {t: float(expected[int(t)]) for t in served["logprobs"]}
+        worst[name] = _worst(served["logprobs"], reference)
+        agree[name] = served["token"] == int(expected.argmax())
+    return worst, agree
 
 
 def _worst(served: dict[str, float], expected: dict[str, float]) -> float:
