@@ -288,3 +288,167 @@ def test_the_extraction_reads_shell_as_bash_does() -> None:
     assert commands[5:] == ["chunkstore/   the daemon's code", "docs/         the README's pages"]
     with pytest.raises(ValueError):
         words(commands[5])
+
+
+# What docs/ may weigh (issue 95: a newcomer reads it in an evening). Every file counts, the
+# pictures and the device check's report included; history lives in git.
+DOCS_MAX_BYTES = 160 * 1024
+PAGE_MAX_BYTES = 40 * 1024
+README_MAX_BYTES = 12 * 1024  # one page
+
+
+def test_docs_stay_small_enough_to_read() -> None:
+    files = [p for p in (ROOT / "docs").rglob("*") if p.is_file()]
+    total = sum(p.stat().st_size for p in files)
+    heavy = [
+        f"{p.relative_to(ROOT)}: {p.stat().st_size:,} bytes"
+        for p in sorted((ROOT / "docs").glob("*.md"))
+        if p.stat().st_size > PAGE_MAX_BYTES
+    ]
+    assert not heavy, f"pages over {PAGE_MAX_BYTES:,} bytes (split them by topic):\n" + "\n".join(
+        heavy
+    )
+    readme = (ROOT / "README.md").stat().st_size
+    assert readme <= README_MAX_BYTES, f"README.md: {readme:,} bytes: one page, a few figures"
+    assert total <= DOCS_MAX_BYTES, (
+        f"docs/ holds {total:,} bytes, over {DOCS_MAX_BYTES:,}: keep each bench's latest table "
+        "and what is left, not the history (git log -p keeps it)"
+    )
+
+
+# Citations in the code: a page of the repository (docs/x.md, README.md), a heading of it
+# (docs/x.md#anchor, or docs/x.md, "Heading"), never a page beside the checkout nor the design
+# documents the project started from ("seed 002"), which a clone does not hold.
+CITED_PAGE = re.compile(r"(?<![\w/.-])((?:\.\./)*[\w./-]*?[\w-]+\.md)\b(?:#([\w-]+))?")
+CITED_HEADING = re.compile(r"(docs/[\w-]+\.md)(?:,\s*|\s+\(?)[\"']([^\"'\n]+)[\"']")
+SEED = re.compile(r"\bseeds?\s+0\d\d\b", re.I)
+URL = re.compile(r"\b[a-z][a-z0-9+.-]*://\S+", re.I)
+CODE_DIRS = ("chunkstore", "connector", "tests", "deploy", "docker", ".ci")
+CODE_FILES = ("Makefile", "pyproject.toml")
+
+
+def _code_files() -> list[Path]:
+    found = [ROOT / name for name in CODE_FILES]
+    for folder in CODE_DIRS:
+        found += [
+            p
+            for p in (ROOT / folder).rglob("*")
+            if p.is_file()
+            and "__pycache__" not in p.parts
+            and p.suffix not in {".png", ".pyc", ".so", ".gguf"}
+            and not p.name.endswith("_pb2.py")
+        ]
+    return sorted(set(found) - {Path(__file__).resolve()})
+
+
+def _prose_of(path: Path) -> Iterator[tuple[int, str]]:
+    """(first line, text) of what a file says to a reader: a Python file's strings (not one
+    that is a path and nothing else: a test's fixture, not a citation) and its runs of
+    comments, each whole (a citation may break across lines); any other file's lines."""
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        return
+    if path.suffix != ".py":
+        yield from enumerate(text.splitlines(), 1)
+        return
+    import tokenize
+
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(text).readline))
+    except (tokenize.TokenError, SyntaxError):
+        yield from enumerate(text.splitlines(), 1)
+        return
+    run: list[tokenize.TokenInfo] = []
+    for token in [*tokens, None]:
+        if token is not None and token.type == tokenize.COMMENT:
+            if run and token.start[0] != run[-1].start[0] + 1:
+                yield run[0].start[0], "\n".join(c.string.lstrip("#").strip() for c in run)
+                run = []
+            run.append(token)
+            continue
+        if token is not None and token.type in (tokenize.NL, tokenize.NEWLINE):
+            continue  # a comment's own line end: the run goes on
+        if run:
+            yield run[0].start[0], "\n".join(c.string.lstrip("#").strip() for c in run)
+            run = []
+        if token is not None and token.type == tokenize.STRING:
+            body = token.string.strip("\"'rRbBfFuU")
+            if not re.fullmatch(r"[\w./-]+", body):
+                yield token.start[0], token.string
+
+
+def _slug(heading: str) -> str:
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def wrong_citations(path: Path, lines: Iterator[tuple[int, str]]) -> Iterator[str]:
+    """What ``lines`` of ``path`` cite that the repository does not hold."""
+    pages = {p.name for p in ROOT.glob("*.md")} | {p.name for p in (ROOT / "docs").glob("*.md")}
+    where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    for number, text in lines:
+        at = f"{where}:{number}"
+        line = URL.sub("", text)
+        for seed in SEED.findall(line):
+            yield (
+                f"{at}: {seed!r}: the seed documents are not in the repository; cite the "
+                "method by name (docs/design.md#sources)"
+            )
+        for page, anchor in CITED_PAGE.findall(line):
+            if page.startswith("../"):
+                yield f"{at}: {page}: outside the repository"
+            elif "/" in page:
+                target = ROOT / page
+                if not target.is_file():
+                    yield f"{at}: {page}: no such file"
+                elif anchor and anchor not in anchors(target):
+                    yield f"{at}: {page}#{anchor}: no such heading"
+            elif page not in pages:
+                yield f"{at}: {page}: not a page of the repository"
+        for page, heading in CITED_HEADING.findall(line):
+            target = ROOT / page
+            slug = _slug(heading.replace("`", ""))
+            if target.is_file() and not any(a.startswith(slug) for a in anchors(target)):
+                yield f'{at}: {page}, "{heading}": no such heading'
+
+
+def test_pages_cite_no_seed_and_no_missing_page() -> None:
+    wrong = [
+        w
+        for path in doc_files()
+        for w in wrong_citations(path, enumerate(_prose(path.read_text()).splitlines(), 1))
+        if "seed" in w or "outside" in w
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_a_citation_the_repository_does_not_hold_is_found() -> None:
+    """The checks above can fail: a design document beside the checkout, a seed, a page or
+    a heading that is not there, each found; a page and heading that exist, not."""
+    design, seed = "DESIGN" + ".md", "seed " + "003"
+    lines = enumerate(
+        [
+            f"Rules ({design}, 'Semantics').",
+            f"merged by their log-sum-exp ({seed}'s online softmax)",
+            "see docs/nowhere.md and ../shared/research/notes.md",
+            "docs/semantics.md#no-such-heading",
+            'docs/daemon.md, "No such section"',
+            'docs/daemon.md#fast-path; docs/daemon.md, "Trust between daemons"; README.md',
+        ],
+        1,
+    )
+    found = list(wrong_citations(ROOT / "x.py", lines))
+    assert [w.split(":")[1] for w in found] == ["1", "2", "3", "3", "4", "5"], found
+
+
+def test_a_citation_broken_across_comment_lines_is_read_whole(tmp_path: Path) -> None:
+    """A run of comments is read as one text (a seed named across a line end is found); a
+    string that is a path and nothing else is a fixture, not a citation."""
+    source = tmp_path / "cited.py"
+    source.write_text(
+        "# chosen by its blocks (seed\n# " + "002; docs/sparse-loads.md)\n"
+        'FIXTURE = "docs/guide.md"\n'
+        "x = 1  # docs/daemon.md#fast-path\n"
+    )
+    found = list(wrong_citations(source, _prose_of(source)))
+    assert len(found) == 1 and "seed" in found[0], found
