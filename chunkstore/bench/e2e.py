@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -83,46 +84,74 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     if args.prefix:
         yield run_prefix(args, model, encode)
         return
+    prompts = _prompts(args, encode, sep)
+    yield _figures(args, model, prompts, _runs(args, model, prompts))
 
+
+@dataclass(frozen=True)
+class _Prompts:
+    """The run's prompts, as token IDs."""
+
+    warmup: list[int]
+    ingest: list[list[int]]  # what stores the chunks before the hits
+    measured: list[list[int]]  # the hits: the chunks reordered under each question
+    first: list[int]  # the chunks in their first order: what vLLM's prefix cache saw
+    cold: list[list[int]]  # documents and a sys prompt never seen before
+    plain: list[list[int]]  # the cold ones without a separator: plain prompts
+    question: list[int]  # the first question's tokens
+    max_len: int  # vLLM's --max-model-len
+
+
+def _prompts(
+    args: argparse.Namespace, encode: Callable[[str], list[int]], sep: list[int]
+) -> _Prompts:
+    """The hits, the cold and plain prompts, and what stores and primes them."""
     sys_ids = padded_sys(encode, sep, args.chunks, args.chunk_tokens, VLLM_CPU_BLOCK)
     docs = documents(encode, args.chunks, args.chunk_tokens, sep, seed=1)
     questions = [encode(q) for q in QUESTIONS]
     ingest, measured = shape_prompts(
         encode, sep, args.chunks, args.chunk_tokens, args.repeats, VLLM_CPU_BLOCK
     )
-
-    def prompt(
-        chunks: list[list[int]], question: list[int], sys_prompt: list[int] = sys_ids
-    ) -> list[int]:
-        return prompt_of(sys_prompt, chunks, question, sep)
-
     # Cold: documents and a sys prompt never seen before, so nothing of the prompt is stored.
     cold = [
-        prompt(
+        prompt_of(
+            encode(f"{SYS} Session {i}."),
             documents(encode, args.chunks, args.chunk_tokens, sep, seed=100 + i),
             questions[i % len(questions)],
-            encode(f"{SYS} Session {i}."),
+            sep,
         )
         for i in range(args.repeats)
     ]
     plain = [[t for t in p if t not in sep] for p in cold]  # no separator: a plain prompt
     warmup = encode("Hello, how are you today?")
-    length = len(measured[0])
-    max_len = max(4096, 1 << (length + 64).bit_length())
+    max_len = max(4096, 1 << (len(measured[0]) + 64).bit_length())
+    first = prompt_of(sys_ids, docs, questions[0], sep)
+    return _Prompts(warmup, ingest, measured, first, cold, plain, questions[0], max_len)
+
+
+def _runs(args: argparse.Namespace, model: Path, p: _Prompts) -> dict[str, list[dict[str, Any]]]:
+    """Every vLLM run's rows, by what they measure: vLLM alone (baseline, its prefix cache
+    and the floor) and the connector (cold, plain, hits; hits with no layer overlap)."""
+    runs: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="chunkstore-e2e-") as tmp:
         work = Path(tmp)
         baseline_rows = run_probe(
-            model, [warmup, *measured, *cold, *plain], work / "baseline", max_model_len=max_len
+            model,
+            [p.warmup, *p.measured, *p.cold, *p.plain],
+            work / "baseline",
+            max_model_len=p.max_len,
         )[1:]
-        baseline, baseline_cold, baseline_plain = split(baseline_rows, args.repeats)
-        prefix, floor = split(
+        runs["baseline"], runs["baseline_cold"], runs["baseline_plain"] = split(
+            baseline_rows, args.repeats
+        )
+        runs["prefix"], runs["floor"] = split(
             run_probe(
                 model,
                 # Each measured prompt twice: the second time its context (whole blocks) is
                 # a prefix-cache hit and only its question is computed: the floor.
-                [warmup, prompt(docs, questions[0]), *measured, *measured],
+                [p.warmup, p.first, *p.measured, *p.measured],
                 work / "prefix",
-                max_model_len=max_len,
+                max_model_len=p.max_len,
                 extra=("--prefix-caching",),
             )[2:],
             args.repeats,
@@ -130,23 +159,34 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         with bench_daemon(work, 2 << 30) as daemon:
             rows = run_probe(
                 model,
-                [warmup, *cold, *plain, *ingest, *measured],
+                [p.warmup, *p.cold, *p.plain, *p.ingest, *p.measured],
                 work / "chunkstore",
                 {"address": daemon.unix},
-                max_model_len=max_len,
+                max_model_len=p.max_len,
                 stats=True,
             )[1:]
-            chunkstore_cold, chunkstore_plain = split(rows, args.repeats)[:2]
-            hits = rows[-args.repeats :]
+            runs["chunkstore_cold"], runs["chunkstore_plain"] = split(rows, args.repeats)[:2]
+            runs["hits"] = rows[-args.repeats :]
             # The same hits with every layer written before the forward (no overlap).
-            serial = run_probe(
+            runs["serial"] = run_probe(
                 model,
-                [warmup, *measured],
+                [p.warmup, *p.measured],
                 work / "serial",
                 {"address": daemon.unix, "overlap_layers": False},
-                max_model_len=max_len,
+                max_model_len=p.max_len,
             )[1:]
+    return runs
 
+
+def _figures(
+    args: argparse.Namespace, model: Path, p: _Prompts, runs: dict[str, list[dict[str, Any]]]
+) -> dict[str, Any]:
+    """The run's row: TTFTs, their ratios, and where a full hit's time went."""
+    baseline, baseline_cold = runs["baseline"], runs["baseline_cold"]
+    baseline_plain = runs["baseline_plain"]
+    prefix, floor, hits, serial = runs["prefix"], runs["floor"], runs["hits"], runs["serial"]
+    chunkstore_cold, chunkstore_plain = runs["chunkstore_cold"], runs["chunkstore_plain"]
+    length = len(p.measured[0])
     ttft = median_ttft
     # Where a full hit's time goes: looked up and read before the forward; written beside
     # it (the forward waits only for what is not written yet); the question's own compute
@@ -154,11 +194,11 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     lookup, read, write, wait = (spent(hits, n) for n in ("lookup", "read", "write", "wait"))
     question = ttft(floor)
 
-    yield {
+    return {
         "bench": "e2e",
         "model": model.name,
         "prompt_tokens": length,
-        "context_tokens": length - len(questions[0]),  # before the question
+        "context_tokens": length - len(p.question),  # before the question
         "chunks": args.chunks,
         "chunk_tokens": args.chunk_tokens,
         "repeats": args.repeats,

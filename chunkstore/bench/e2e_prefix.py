@@ -25,6 +25,47 @@ def run_prefix(args: argparse.Namespace, model: Path, encode: Any) -> dict[str, 
     """Plain prompts, each a different text: computed by vLLM alone and then, in the same
     process with its prefix caching on, answered again (its own hit); through the
     connector, stored by one vLLM process and loaded by a second on the same daemon."""
+    warmup, prompts = _plain_prompts(args, encode)
+    computed, apc, stored, loaded, disk, peers = _runs(args, model, warmup, prompts)
+    ttft = median_ttft
+    worst_diff = _worst_diff_from(computed)
+    hit_tokens = [int(r["connector"].get("prefix_hit_tokens", 0)) for r in loaded]
+    if min(hit_tokens) < args.prefix_tokens:
+        raise RuntimeError(f"not every prompt was a full prefix hit: {hit_tokens} tokens")
+
+    return {
+        "bench": "e2e.prefix",
+        "model": model.name,
+        "prompt_tokens": len(prompts[0]),
+        "repeats": args.repeats,
+        "baseline_ttft_s": round(ttft(computed), 4),
+        "apc_hit_ttft_s": round(ttft(apc), 4),
+        "apc_cached_tokens": min(r["cached_tokens"] for r in apc),
+        "prefix_store_cold_ttft_s": round(ttft(stored), 4),
+        "prefix_store_ttft_s": round(ttft(loaded), 4),
+        "prefix_store_cached_tokens": min(r["cached_tokens"] for r in loaded),
+        # Where the load goes: the Acquire; reading the blocks out of the pool and checking
+        # them, before the forward; writing them into the paged cache beside it, of which
+        # the forward waited for ``write_wait``.
+        "hit_lookup_ms": scaled(spent(loaded, "lookup"), 1e3),
+        "hit_read_ms": scaled(spent(loaded, "read"), 1e3),
+        "hit_write_ms": scaled(spent(loaded, "write"), 1e3),
+        "hit_write_wait_ms": scaled(spent(loaded, "wait"), 1e3),
+        "prefix_ttft_speedup": round(ttft(computed) / ttft(loaded), 2),
+        "prefix_hit_vs_apc": round(ttft(loaded) / ttft(apc), 3),
+        "prefix_cold_vs_baseline": round(ttft(stored) / ttft(computed), 3),
+        "worst_logprob_diff": worst_diff(loaded),
+        "same_tokens_as_computed": sum(
+            a["generated"] == b["generated"] for a, b in zip(loaded, computed, strict=True)
+        ),
+        **({"peers": _peer_figures(peers, ttft, worst_diff, ttft(loaded))} if peers else {}),
+        **_disk_figures(disk, ttft, worst_diff, ttft(computed), ttft(loaded)),
+    }
+
+
+def _plain_prompts(args: argparse.Namespace, encode: Any) -> tuple[list[int], list[list[int]]]:
+    """The warm-up and the timed prompts: each a different text of ``--prefix-tokens`` tokens
+    and one more (the token computed on a hit)."""
     block = VLLM_CPU_BLOCK
     if args.prefix_tokens < block or args.prefix_tokens % 256:
         raise ValueError(f"--prefix-tokens must be a multiple of 256, not {args.prefix_tokens}")
@@ -37,7 +78,15 @@ def run_prefix(args: argparse.Namespace, model: Path, encode: Any) -> dict[str, 
     # The first is the warm-up, untimed: every timed load runs in a process that has loaded
     # one of this size before (its load threads, buffers and kernels ready), as a serving
     # process has; vLLM's own hit is timed after the same warm-up.
-    warmup, prompts = prompts[0], prompts[1:]
+    return prompts[0], prompts[1:]
+
+
+def _runs(
+    args: argparse.Namespace, model: Path, warmup: list[int], prompts: list[list[int]]
+) -> tuple[list[Any], list[Any], list[Any], list[Any], dict[str, Any], dict[str, Any]]:
+    """vLLM alone (computed, then its own hit), the connector's first process (stored) and
+    second (loaded); with ``--disk``, a third after a restart; with ``--peers``, vLLM's own
+    connectors."""
     max_len = max(4096, 1 << (args.prefix_tokens + 64).bit_length())
     with tempfile.TemporaryDirectory(prefix="chunkstore-e2e-") as tmp:
         work = Path(tmp)
@@ -81,7 +130,11 @@ def run_prefix(args: argparse.Namespace, model: Path, encode: Any) -> dict[str, 
             else {}
         )
 
-    ttft = median_ttft
+    return computed, apc, stored, loaded, disk, peers
+
+
+def _worst_diff_from(computed: list[dict[str, Any]]) -> Callable[[list[dict[str, Any]]], float]:
+    """The largest first-token logprob difference of a run's rows from ``computed``'s."""
 
     def worst_diff(rows: list[dict[str, Any]]) -> float:
         return max(
@@ -91,38 +144,7 @@ def run_prefix(args: argparse.Namespace, model: Path, encode: Any) -> dict[str, 
             if t in b["logprobs"]
         )
 
-    hit_tokens = [int(r["connector"].get("prefix_hit_tokens", 0)) for r in loaded]
-    if min(hit_tokens) < args.prefix_tokens:
-        raise RuntimeError(f"not every prompt was a full prefix hit: {hit_tokens} tokens")
-
-    return {
-        "bench": "e2e.prefix",
-        "model": model.name,
-        "prompt_tokens": len(prompts[0]),
-        "repeats": args.repeats,
-        "baseline_ttft_s": round(ttft(computed), 4),
-        "apc_hit_ttft_s": round(ttft(apc), 4),
-        "apc_cached_tokens": min(r["cached_tokens"] for r in apc),
-        "prefix_store_cold_ttft_s": round(ttft(stored), 4),
-        "prefix_store_ttft_s": round(ttft(loaded), 4),
-        "prefix_store_cached_tokens": min(r["cached_tokens"] for r in loaded),
-        # Where the load goes: the Acquire; reading the blocks out of the pool and checking
-        # them, before the forward; writing them into the paged cache beside it, of which
-        # the forward waited for ``write_wait``.
-        "hit_lookup_ms": scaled(spent(loaded, "lookup"), 1e3),
-        "hit_read_ms": scaled(spent(loaded, "read"), 1e3),
-        "hit_write_ms": scaled(spent(loaded, "write"), 1e3),
-        "hit_write_wait_ms": scaled(spent(loaded, "wait"), 1e3),
-        "prefix_ttft_speedup": round(ttft(computed) / ttft(loaded), 2),
-        "prefix_hit_vs_apc": round(ttft(loaded) / ttft(apc), 3),
-        "prefix_cold_vs_baseline": round(ttft(stored) / ttft(computed), 3),
-        "worst_logprob_diff": worst_diff(loaded),
-        "same_tokens_as_computed": sum(
-            a["generated"] == b["generated"] for a, b in zip(loaded, computed, strict=True)
-        ),
-        **({"peers": _peer_figures(peers, ttft, worst_diff, ttft(loaded))} if peers else {}),
-        **_disk_figures(disk, ttft, worst_diff, ttft(computed), ttft(loaded)),
-    }
+    return worst_diff
 
 
 def _from_disk(

@@ -7,6 +7,7 @@ import argparse
 import random
 import statistics
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,47 +36,9 @@ def run_slope(args: argparse.Namespace, model: Path, encode: Any, sep: list[int]
     the same run: vLLM alone (no connector) answering the same prompts after a prefix-cache
     hit on their context (primed by the same context under another question), fitted the
     same way: what the question's own forward costs per token of context it attends to."""
-    counts = [int(c) for c in args.slope.split(",")]
-    if len(set(counts)) < 2:
-        raise ValueError(f"--slope needs two chunk counts or more, not {args.slope!r}")
-    sys_ids = encode(SYS)
-    docs = documents(encode, max(counts), args.chunk_tokens, sep, seed=1)
-    rng = random.Random(0)
-    measured, primers, lengths = [], [], []
-    for count in counts:
-        for i in range(args.repeats):
-            order = docs[:count]
-            rng.shuffle(order)
-            measured.append(prompt_of(sys_ids, order, encode(QUESTIONS[i % len(QUESTIONS)]), sep))
-            primers.append(
-                prompt_of(sys_ids, order, encode(QUESTIONS[(i + 1) % len(QUESTIONS)]), sep)
-            )
-            lengths.append(len(measured[-1]))
-    ingest = [sys_ids + sep + doc + sep for doc in docs]
-    warmup = encode("Hello, how are you today?")
-    max_len = max(4096, 1 << (max(lengths) + 64).bit_length())
-    with tempfile.TemporaryDirectory(prefix="chunkstore-e2e-") as tmp:
-        work = Path(tmp)
-        with bench_daemon(work, 3 << 30) as daemon:
-            rows = run_probe(
-                model,
-                [warmup, *ingest, *measured],
-                work / "slope",
-                {
-                    "address": daemon.unix,
-                    "load_threads": args.load_threads,
-                    "load_cpus": args.load_cpus,
-                },
-                max_model_len=max_len,
-            )[1 + len(ingest) :]
-        paired = [p for pair in zip(primers, measured, strict=True) for p in pair]
-        floor_rows = run_probe(
-            model,
-            [warmup, *paired],
-            work / "floor",
-            max_model_len=max_len,
-            extra=("--prefix-caching",),
-        )[2::2]
+    p = _slope_prompts(args, encode, sep)
+    rows, floor_rows = _runs(args, model, p)
+    lengths = p.lengths
     loaded = [r["cached_tokens"] for r in rows]
     if any(n < length - 32 for n, length in zip(loaded, lengths, strict=True)):
         raise RuntimeError(f"not every prompt was a full hit: {loaded} of {lengths} tokens")
@@ -99,3 +62,68 @@ def run_slope(args: argparse.Namespace, model: Path, encode: Any, sep: list[int]
         "floor_fixed_ms": scaled(floor_intercept, 1e3, 1),
         "slope_vs_floor": None if not floor_slope else round(slope / floor_slope, 2),
     }
+
+
+@dataclass(frozen=True)
+class _SlopePrompts:
+    warmup: list[int]
+    ingest: list[list[int]]  # each document after sys, stored before the hits
+    measured: list[list[int]]  # per chunk count, --repeats prompts of that many chunks
+    primers: list[list[int]]  # each measured prompt's context under another question
+    lengths: list[int]  # the measured prompts'
+
+
+def _slope_prompts(args: argparse.Namespace, encode: Any, sep: list[int]) -> _SlopePrompts:
+    """Per chunk count, ``--repeats`` prompts of that many stored chunks in a shuffled
+    order, each with a primer of the same context under another question."""
+    counts = [int(c) for c in args.slope.split(",")]
+    if len(set(counts)) < 2:
+        raise ValueError(f"--slope needs two chunk counts or more, not {args.slope!r}")
+    sys_ids = encode(SYS)
+    docs = documents(encode, max(counts), args.chunk_tokens, sep, seed=1)
+    rng = random.Random(0)
+    measured, primers, lengths = [], [], []
+    for count in counts:
+        for i in range(args.repeats):
+            order = docs[:count]
+            rng.shuffle(order)
+            measured.append(prompt_of(sys_ids, order, encode(QUESTIONS[i % len(QUESTIONS)]), sep))
+            primers.append(
+                prompt_of(sys_ids, order, encode(QUESTIONS[(i + 1) % len(QUESTIONS)]), sep)
+            )
+            lengths.append(len(measured[-1]))
+    ingest = [sys_ids + sep + doc + sep for doc in docs]
+    warmup = encode("Hello, how are you today?")
+    return _SlopePrompts(warmup, ingest, measured, primers, lengths)
+
+
+def _runs(
+    args: argparse.Namespace, model: Path, p: _SlopePrompts
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The measured prompts' rows as full hits through the connector (every chunk ingested
+    first), and the floor's: vLLM alone, each after its primer."""
+    ingest, measured, warmup = p.ingest, p.measured, p.warmup
+    max_len = max(4096, 1 << (max(p.lengths) + 64).bit_length())
+    with tempfile.TemporaryDirectory(prefix="chunkstore-e2e-") as tmp:
+        work = Path(tmp)
+        with bench_daemon(work, 3 << 30) as daemon:
+            rows = run_probe(
+                model,
+                [warmup, *ingest, *measured],
+                work / "slope",
+                {
+                    "address": daemon.unix,
+                    "load_threads": args.load_threads,
+                    "load_cpus": args.load_cpus,
+                },
+                max_model_len=max_len,
+            )[1 + len(ingest) :]
+        paired = [q for pair in zip(p.primers, measured, strict=True) for q in pair]
+        floor_rows = run_probe(
+            model,
+            [warmup, *paired],
+            work / "floor",
+            max_model_len=max_len,
+            extra=("--prefix-caching",),
+        )[2::2]
+    return rows, floor_rows
