@@ -21,13 +21,46 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 MARKER = "VLLM_PROBE "
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    _engine_arguments(parser)
+    _step_arguments(parser)
+    args = parser.parse_args(argv)
+
+    from vllm import SamplingParams
+
+    transfer = _transfer_config(args)
+    llm = _start(args, transfer)
+    params = SamplingParams(max_tokens=args.max_tokens, logprobs=args.logprobs, temperature=0.0)
+    prompts = json.loads(Path(args.prompts).read_text())
+    if args.batch:
+        began = time.perf_counter()
+        batch: Any = [{"prompt_token_ids": p} for p in prompts]
+        outputs = llm.generate(batch, params, use_tqdm=False)
+        for output in outputs:
+            print(MARKER + json.dumps(_result(output, time.perf_counter() - began)), flush=True)
+        return
+    for index, entry in enumerate(prompts):
+        _before(args, index, transfer)
+        ids = entry["prompt_token_ids"] if isinstance(entry, dict) else entry
+        counted = _counters() if args.stats else {}
+        began = time.perf_counter()
+        prompt: Any = {"prompt_token_ids": ids}
+        output = llm.generate([prompt], _params_of(entry, args, params), use_tqdm=False)[0]
+        result = _result(output, time.perf_counter() - began)
+        if args.stats:
+            after = _counters()
+            result["connector"] = {k: v - counted.get(k, 0) for k, v in after.items()}
+        print(MARKER + json.dumps(result), flush=True)
+
+
+def _engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model, the prompts, and the engine's settings."""
     parser.add_argument("model_dir")
     parser.add_argument("prompts", help="JSON file: a list of token-ID lists")
     parser.add_argument(
@@ -65,6 +98,10 @@ def main(argv: list[str] | None = None) -> None:
         default=0,
         help="tokens per step (default: max-model-len); fewer splits a prompt's prefill",
     )
+
+
+def _step_arguments(parser: argparse.ArgumentParser) -> None:
+    """What happens between prompts (signals, pauses, a cleared store), and what is reported."""
     parser.add_argument("--signal-pid", type=int, default=0, help="a daemon to signal")
     parser.add_argument(
         "--signal-before",
@@ -95,22 +132,30 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--touch", default="", help="create this file before prompt --touch-before")
     parser.add_argument("--touch-before", type=int, default=-1)
-    args = parser.parse_args(argv)
 
-    from vllm import LLM, SamplingParams
 
-    kwargs: dict[str, Any] = {}
+def _transfer_config(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The kv_transfer_config: ChunkStoreConnector with --connector's settings, or
+    --kv-transfer-config's whole, or none."""
     if args.connector:
-        kwargs["kv_transfer_config"] = {
+        return {
             "kv_connector": "ChunkStoreConnector",
             "kv_connector_module_path": "chunkstore_vllm.connector",
             "kv_role": "kv_both",
             "kv_connector_extra_config": json.loads(Path(args.connector).read_text()),
         }
-    elif args.kv_transfer_config:
-        kwargs["kv_transfer_config"] = json.loads(Path(args.kv_transfer_config).read_text())
+    if args.kv_transfer_config:
+        return cast(dict[str, Any], json.loads(Path(args.kv_transfer_config).read_text()))
+    return None
+
+
+def _start(args: argparse.Namespace, transfer: dict[str, Any] | None) -> Any:
+    """vLLM's offline engine, fp32 and eager, seeded."""
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {} if transfer is None else {"kv_transfer_config": transfer}
     batched = args.max_num_batched_tokens or args.max_model_len
-    llm = LLM(
+    return LLM(
         model=args.model_dir,
         dtype="float32",
         enforce_eager=True,
@@ -124,47 +169,40 @@ def main(argv: list[str] | None = None) -> None:
         disable_log_stats=not args.stats,
         **kwargs,
     )
-    params = SamplingParams(max_tokens=args.max_tokens, logprobs=args.logprobs, temperature=0.0)
-    prompts = json.loads(Path(args.prompts).read_text())
-    if args.batch:
-        began = time.perf_counter()
-        batch: Any = [{"prompt_token_ids": p} for p in prompts]
-        outputs = llm.generate(batch, params, use_tqdm=False)
-        for output in outputs:
-            print(MARKER + json.dumps(_result(output, time.perf_counter() - began)), flush=True)
-        return
-    for index, entry in enumerate(prompts):
-        for when in args.pause_before:
-            before, seconds = when.split(":")
-            if int(before) == index:
-                time.sleep(float(seconds))
-        for when in args.signal_before:
-            before, name = when.split(":")
-            if int(before) == index:
-                os.kill(args.signal_pid, getattr(signal, f"SIG{name}"))
-        if index in args.clear_before:
-            _clear_store(kwargs["kv_transfer_config"]["kv_connector_extra_config"])
-        if args.touch and index == args.touch_before:
-            Path(args.touch).touch()
-        own = params
-        if isinstance(entry, dict) and ("max_tokens" in entry or "kv_transfer_params" in entry):
-            transfer = entry.get("kv_transfer_params")
-            own = SamplingParams(
-                max_tokens=entry.get("max_tokens", args.max_tokens),
-                logprobs=args.logprobs,
-                temperature=0.0,
-                extra_args={"kv_transfer_params": transfer} if transfer is not None else None,
-            )
-        ids = entry["prompt_token_ids"] if isinstance(entry, dict) else entry
-        counted = _counters() if args.stats else {}
-        began = time.perf_counter()
-        prompt: Any = {"prompt_token_ids": ids}
-        output = llm.generate([prompt], own, use_tqdm=False)[0]
-        result = _result(output, time.perf_counter() - began)
-        if args.stats:
-            after = _counters()
-            result["connector"] = {k: v - counted.get(k, 0) for k, v in after.items()}
-        print(MARKER + json.dumps(result), flush=True)
+
+
+def _before(args: argparse.Namespace, index: int, transfer: dict[str, Any] | None) -> None:
+    """What the run asked for before prompt ``index``: a pause, a signal to the daemon, an
+    emptied store, a file touched."""
+    for when in args.pause_before:
+        before, seconds = when.split(":")
+        if int(before) == index:
+            time.sleep(float(seconds))
+    for when in args.signal_before:
+        before, name = when.split(":")
+        if int(before) == index:
+            os.kill(args.signal_pid, getattr(signal, f"SIG{name}"))
+    if index in args.clear_before:
+        assert transfer is not None, "--clear-before needs --connector"
+        _clear_store(transfer["kv_connector_extra_config"])
+    if args.touch and index == args.touch_before:
+        Path(args.touch).touch()
+
+
+def _params_of(entry: Any, args: argparse.Namespace, params: Any) -> Any:
+    """A prompt's own sampling parameters where it names its max_tokens or its
+    kv_transfer_params, else the run's."""
+    from vllm import SamplingParams
+
+    if isinstance(entry, dict) and ("max_tokens" in entry or "kv_transfer_params" in entry):
+        transfer = entry.get("kv_transfer_params")
+        return SamplingParams(
+            max_tokens=entry.get("max_tokens", args.max_tokens),
+            logprobs=args.logprobs,
+            temperature=0.0,
+            extra_args={"kv_transfer_params": transfer} if transfer is not None else None,
+        )
+    return params
 
 
 def _counters() -> dict[str, float]:
