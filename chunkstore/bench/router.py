@@ -126,44 +126,66 @@ def _measured(
     )
     stack.callback(router.stop)
     client = stack.enter_context(httpx.Client(timeout=600))
+    traffic = _Traffic(args, model, client, prompts, rng)
+    for phase, times in _cold_and_warm(traffic, router.url, first).items():
+        yield {**figures, "phase": phase, **_compared(times)}
+    placed, times = _placement(traffic, router.url, first, second)
+    yield {**figures, "phase": "placement", "placed": placed, **_compared(times)}
 
-    def ask(url: str, prompt: str | list[int]) -> tuple[float, str]:
-        body = {"model": str(model), "prompt": prompt, "max_tokens": 1, "temperature": 0}
+
+class _Traffic:
+    """The bench's requests: seeded documents and questions, sent one at a time and timed."""
+
+    def __init__(
+        self, args: argparse.Namespace, model: Path, client: Any, prompts: Any, rng: random.Random
+    ) -> None:
+        self.args, self.model, self.client = args, model, client
+        self.prompts, self.rng = prompts, rng
+        self.tokenizer = Tokenizer.for_model(model)  # the router's defaults: what it sends
+        self.keys = KeySpace.for_model(model, "float32", tokenizer=self.tokenizer.tokenizer)
+
+    def ask(self, url: str, prompt: str | list[int]) -> tuple[float, str]:
+        """A one-token completion: its latency, and the instance the router says it chose."""
+        body = {"model": str(self.model), "prompt": prompt, "max_tokens": 1, "temperature": 0}
         began = time.perf_counter()
-        reply = client.post(f"{url}/v1/completions", json=body)
+        reply = self.client.post(f"{url}/v1/completions", json=body)
         took = time.perf_counter() - began
         reply.raise_for_status()
         return took, reply.headers.get(ROUTED, "")
 
-    def request(n: int, docs: list[str]) -> str:
-        return prompts.text(docs, QUESTION.format(n=n, word=rng.choice(WORDS)))
+    def request(self, n: int, docs: list[str]) -> str:
+        return self.prompts.text(docs, QUESTION.format(n=n, word=self.rng.choice(WORDS)))
 
-    def same_shape(n: int) -> tuple[str, str]:
+    def same_shape(self, n: int) -> tuple[str, str]:
         """Two requests of the same shape (documents of the same word counts, the same
         question), each over documents of its own."""
-        counts = [_words(rng, args.doc_words) for _ in range(args.k)]
+        rng = self.rng
+        counts = [_words(rng, self.args.doc_words) for _ in range(self.args.k)]
         word = rng.choice(WORDS)
         texts = [[_document(rng, c) for c in counts] for _ in range(2)]
-        one, other = (prompts.text(t, QUESTION.format(n=n, word=word)) for t in texts)
+        one, other = (self.prompts.text(t, QUESTION.format(n=n, word=word)) for t in texts)
         return one, other
 
-    tokenizer = Tokenizer.for_model(model)  # the router's defaults: what it sends
-    keys = KeySpace.for_model(model, "float32", tokenizer=tokenizer.tokenizer)
+    def as_sent(self, text: str) -> list[int]:
+        """The token IDs the router sends for ``text`` (its relevant order)."""
+        return order.sent_ids(self.keys, QualityConfig(), self.tokenizer.ids({"prompt": text}))
 
-    def as_sent(text: str) -> list[int]:
-        return order.sent_ids(keys, QualityConfig(), tokenizer.ids({"prompt": text}))
 
-    _progress(f"cold and warm: {args.requests} requests each way, alternating")
+def _cold_and_warm(traffic: _Traffic, router: str, first: str) -> dict[str, dict[str, list[float]]]:
+    """Cold pairs of the same shape, through the router and straight to the first instance,
+    alternating; each followed by its warm requests. The latencies, by phase and way."""
+    requests = traffic.args.requests
+    _progress(f"cold and warm: {requests} requests each way, alternating")
     phases: dict[str, dict[str, list[float]]] = {
         "cold": {"router": [], "straight": []},
         "warm": {"router": [], "straight": [], "text": []},
     }
-    for n in range(args.requests):
-        r, s = same_shape(n)
+    for n in range(requests):
+        r, s = traffic.same_shape(n)
         went = first
-        cold = [("router", router.url, r), ("straight", first, s)]
+        cold = [("router", router, r), ("straight", first, s)]
         for way, url, prompt in cold if n % 2 == 0 else cold[::-1]:
-            took, at = ask(url, prompt)
+            took, at = traffic.ask(url, prompt)
             phases["cold"][way].append(took)
             if way == "router":
                 went = at or first  # the instance it chose (its header, for operators)
@@ -173,31 +195,37 @@ def _measured(
         # router adds); and the text as written, straight there (its relevant documents
         # loaded isolated where they stand: what computing them last costs a warm
         # request). Each straight prompt sent once before, untimed.
-        sent = as_sent(r)
-        ask(went, sent)
-        ask(went, r)
+        sent = traffic.as_sent(r)
+        traffic.ask(went, sent)
+        traffic.ask(went, r)
         warm: list[tuple[str, str, str | list[int]]] = [
-            ("router", router.url, r),
+            ("router", router, r),
             ("straight", went, sent),
             ("text", went, r),
         ]
         for way, url, again in warm if n % 2 == 0 else warm[::-1]:
-            phases["warm"][way].append(ask(url, again)[0])
-    for phase, times in phases.items():
-        yield {**figures, "phase": phase, **_compared(times)}
+            phases["warm"][way].append(traffic.ask(url, again)[0])
+    return phases
 
+
+def _placement(
+    traffic: _Traffic, router: str, first: str, second: str
+) -> tuple[float, dict[str, list[float]]]:
+    """Requests over documents stored through the second instance only, through the router
+    and straight to the first: the share the router sent to the second, and the latencies."""
+    args, rng = traffic.args, traffic.rng
     _progress(f"placement: {args.requests} requests over the second instance's documents")
     docs = [_document(rng, _words(rng, args.doc_words)) for _ in range(2 * args.k)]
     for doc in docs:  # stored through the second instance: each as its own prompt
-        found = prompts.ingest_prompt(doc)
+        found = traffic.prompts.ingest_prompt(doc)
         if found is None:
             raise SystemExit(f"a generated document is not one chunk: {doc!r}")
-        ask(second, found[0])
-    times = {"router": [], "straight": []}
+        traffic.ask(second, found[0])
+    times: dict[str, list[float]] = {"router": [], "straight": []}
     placed = 0
     chosen = [rng.sample(docs, args.k) for _ in range(args.requests)]
     for n, picked in enumerate(chosen):
-        took, went = ask(router.url, request(n, picked))
+        took, went = traffic.ask(router, traffic.request(n, picked))
         times["router"].append(took)
         placed += went == second
     # Then straight to the instance whose daemon stores none of them (other questions: no
@@ -205,13 +233,8 @@ def _measured(
     # connector pulls what it lacks from the second's daemon (the Redis directory), and
     # would then hold the documents too.
     for n, picked in enumerate(chosen):
-        times["straight"].append(ask(first, request(-n - 1, picked))[0])
-    yield {
-        **figures,
-        "phase": "placement",
-        "placed": round(placed / args.requests, 3),
-        **_compared(times),
-    }
+        times["straight"].append(traffic.ask(first, traffic.request(-n - 1, picked))[0])
+    return round(placed / args.requests, 3), times
 
 
 def _words(rng: random.Random, words: str) -> int:
