@@ -64,8 +64,11 @@ def test_a_chat_message_is_rewritten_document_for_document(smollm2_dir) -> None:
 
 
 def test_an_application_keeps_its_order_by_asking() -> None:
-    assert order.keeps_order({"kv_transfer_params": {"keep_order": True}}, 1)
-    assert not order.keeps_order({"kv_transfer_params": {"chunk_scores": [1, 2]}}, 1)
+    def keeps(body: dict, prompts: int) -> bool:
+        return order.keeps_order(order.params_of(body), prompts)
+
+    assert keeps({"kv_transfer_params": {"keep_order": True}}, 1)
+    assert not keeps({"kv_transfer_params": {"chunk_scores": [1, 2]}}, 1)
     # Chunks named by place for several prompts at once: one order cannot serve them all.
-    assert order.keeps_order({"kv_transfer_params": {"recompute_chunks": [0]}}, 2)
-    assert not order.keeps_order({}, 3)
+    assert keeps({"kv_transfer_params": {"recompute_chunks": [0]}}, 2)
+    assert not keeps({}, 3)

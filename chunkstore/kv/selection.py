@@ -40,6 +40,7 @@ import functools
 import math
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from chunkstore.kv.segments import Segment, SegmentKind
@@ -128,36 +129,121 @@ def span(question: Sequence[int], chunks: Sequence[Sequence[int]], index: int, w
     return range(start, start + width)
 
 
-def requested(params: Any, chunks: int) -> tuple[list[int] | None, list[float] | None]:
-    """The request's own choice: (chunk indices, None), (None, a score per chunk), or
-    (None, None) when it makes none. Raises BadTransferParams on a malformed one."""
-    if not isinstance(params, dict):
+# The kv_transfer_params that name chunks by place (0: the first chunk after sys).
+NAMED = ("recompute_chunks", "chunk_scores")
+KEEP_ORDER = "keep_order"  # the application forbids reordering its chunks
+SPARSE_SHARES = ("sparse_threshold", "sparse_candidates")  # its own sparse loads
+
+
+@dataclass(frozen=True)
+class TransferParams:
+    """A request's ``kv_transfer_params`` as chunkstore reads them, parsed once (``parse``)
+    where the request comes in: the connector's scheduler, the policy and the router read
+    this, never the request's dict. Its keys: ``recompute_chunks`` (the chunks to recompute,
+    by index) or ``chunk_scores`` (a score per chunk, higher = more relevant),
+    ``keep_order`` (the router sends the prompt as it came), and ``sparse_threshold`` /
+    ``sparse_candidates`` (its own shares of the attention, 0 to 1). A malformed one is left
+    out, and ``ignored`` says why (the caller logs and counts it); other keys (another
+    connector's) are not read."""
+
+    recompute_chunks: tuple[int, ...] | None = None
+    chunk_scores: tuple[float, ...] | None = None
+    keep_order: bool = False
+    sparse_threshold: float | None = None
+    sparse_candidates: float | None = None
+    ignored: tuple[tuple[str, str], ...] = ()  # (key, why it was left out)
+
+    @classmethod
+    def parse(cls, raw: Any) -> TransferParams:
+        """From the request's ``kv_transfer_params`` (anything: None, or not a dict, is
+        none given)."""
+        if isinstance(raw, TransferParams):
+            return raw
+        if not isinstance(raw, dict):
+            return NO_PARAMS
+        ignored: list[tuple[str, str]] = []
+        indices, scores = raw.get("recompute_chunks"), raw.get("chunk_scores")
+        named: tuple[int, ...] | None = None
+        scored: tuple[float, ...] | None = None
+        if indices is not None and scores is not None:
+            ignored.append(("recompute_chunks", "give recompute_chunks or chunk_scores, not both"))
+        elif indices is not None:
+            if isinstance(indices, list) and all(
+                isinstance(i, int) and not isinstance(i, bool) for i in indices
+            ):
+                named = tuple(indices)
+            else:
+                why = f"recompute_chunks must be a list of indices: {indices!r}"
+                ignored.append(("recompute_chunks", why))
+        elif scores is not None:
+            if isinstance(scores, list) and all(
+                isinstance(s, int | float) and not isinstance(s, bool) and math.isfinite(s)
+                for s in scores
+            ):
+                scored = tuple(float(s) for s in scores)
+            else:
+                why = f"chunk_scores must be finite numbers, one per chunk: {scores!r}"
+                ignored.append(("chunk_scores", why))
+        shares: dict[str, float | None] = {}
+        for name in SPARSE_SHARES:
+            value = raw.get(name)
+            fits = isinstance(value, int | float) and not isinstance(value, bool)
+            if value is not None and not (fits and 0 <= value <= 1):
+                why = f"{name} is a share of the attention, 0 to 1, not {value!r}"
+                ignored.append((name, why))
+                value = None
+            shares[name] = None if value is None else float(value)
+        return cls(
+            named,
+            scored,
+            raw.get(KEEP_ORDER) is True,
+            shares["sparse_threshold"],
+            shares["sparse_candidates"],
+            tuple(ignored),
+        )
+
+    @property
+    def names_chunks(self) -> bool:
+        """Whether it names chunks by place (which a new order renames)."""
+        return self.recompute_chunks is not None or self.chunk_scores is not None
+
+    def why_ignored(self, *keys: str) -> str | None:
+        """Why these keys (all, where none are named) were left out, or None."""
+        said = [why for key, why in self.ignored if not keys or key in keys]
+        return "; ".join(said) or None
+
+    def chosen(self, chunks: int) -> tuple[list[int] | None, list[float] | None]:
+        """The request's own choice for a prompt of ``chunks`` chunks: (chunk indices, None),
+        (None, a score per chunk), or (None, None) when it makes none. Raises
+        BadTransferParams where what it names is malformed or does not fit the prompt."""
+        malformed = self.why_ignored(*NAMED)
+        if malformed:
+            raise BadTransferParams(malformed)
+        if self.recompute_chunks is not None:
+            wrong = [i for i in self.recompute_chunks if not 0 <= i < chunks]
+            if wrong:
+                raise BadTransferParams(
+                    f"recompute_chunks {wrong} out of range: the prompt has {chunks} chunks "
+                    "(0-based)"
+                )
+            return sorted(set(self.recompute_chunks)), None
+        if self.chunk_scores is not None:
+            if len(self.chunk_scores) != chunks:
+                raise BadTransferParams(
+                    f"chunk_scores must be {chunks} finite numbers, one per chunk: "
+                    f"{list(self.chunk_scores)!r}"
+                )
+            return None, list(self.chunk_scores)
         return None, None
-    indices, scores = params.get("recompute_chunks"), params.get("chunk_scores")
-    if indices is not None and scores is not None:
-        raise BadTransferParams("give recompute_chunks or chunk_scores, not both")
-    if indices is not None:
-        if not isinstance(indices, list) or not all(
-            isinstance(i, int) and not isinstance(i, bool) for i in indices
-        ):
-            raise BadTransferParams(f"recompute_chunks must be a list of indices: {indices!r}")
-        wrong = [i for i in indices if not 0 <= i < chunks]
-        if wrong:
-            raise BadTransferParams(
-                f"recompute_chunks {wrong} out of range: the prompt has {chunks} chunks (0-based)"
-            )
-        return sorted(set(indices)), None
-    if scores is not None:
-        if (
-            not isinstance(scores, list)
-            or len(scores) != chunks
-            or not all(isinstance(s, int | float) and math.isfinite(s) for s in scores)
-        ):
-            raise BadTransferParams(
-                f"chunk_scores must be {chunks} finite numbers, one per chunk: {scores!r}"
-            )
-        return None, [float(s) for s in scores]
-    return None, None
+
+
+NO_PARAMS = TransferParams()
+
+
+def requested(params: Any, chunks: int) -> tuple[list[int] | None, list[float] | None]:
+    """The request's own choice (``TransferParams.chosen``), from its parsed or raw
+    ``kv_transfer_params``. Raises BadTransferParams on a malformed one."""
+    return TransferParams.parse(params).chosen(chunks)
 
 
 def choose(

@@ -2,11 +2,14 @@
 isolated KV, decided once from the prompt's segments, the quality settings and what the
 back end can do.
 
-Every caller asks this module and nothing else: the connector's scheduler (what its
-workers recompute, move and blend), ``bench quality`` (what it reports a method
-recomputes), the HF reference (the KV a served prompt must equal) and whatever routes
-requests. The choices themselves (BM25, budgets, placement) are ``selection``'s pure
-functions; this module says which apply, in what order:
+Every caller asks this module and nothing else, through a ``Policy`` built from the
+connector's ``kv_connector_extra_config``: the connector's scheduler (what its workers
+recompute, move and blend: ``Policy.treat``), the router (the order it sends a prompt's
+chunks in: ``Policy.order``), ``bench quality`` (what it reports a method recomputes) and
+the HF reference (the KV a served prompt must equal). A request's own choice comes in as
+its ``kv_transfer_params``, parsed once (``selection.TransferParams``). The choices
+themselves (BM25, budgets, placement) are ``selection``'s pure functions; this module says
+which apply, in what order:
 
 1. chunks named by the request (``kv_transfer_params``) or ``recompute_chunks``: recomputed
    whole where they stand (needs the in-band hook);
@@ -32,12 +35,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from .keys import Isolation
 from .segments import Segment, SegmentKind
-from .selection import RECOMPUTE_BY, BadTransferParams, relevant, select
+from .selection import RECOMPUTE_BY, BadTransferParams, TransferParams, relevant, select
 
 # On Qwen2.5-Coder with 8 documents: at most the three BM25 ranks highest, those scoring at
 # least half the best (the one-fact and two-fact questions; over 120 cases of each length
@@ -140,6 +143,12 @@ class QualityConfig:
         return cls(**given)
 
     @classmethod
+    def from_extra(cls, extra: Mapping[str, Any]) -> QualityConfig:
+        """From the connector's ``kv_connector_extra_config``: its keys of this class's
+        names (the others are the connector's own)."""
+        return cls.from_settings({k: v for k, v in extra.items() if k in cls.names()})
+
+    @classmethod
     def names(cls) -> dict[str, type]:
         """Each setting's name and type, as a user writes it."""
         kinds = {"int": int, "float": float, "str": str}
@@ -198,6 +207,118 @@ def first_is_causal(isolation: Isolation, virtual_gap: int) -> bool:
     return isolation is Isolation.SYS and not virtual_gap
 
 
+@dataclass(frozen=True)
+class Policy:
+    """The policy as one deployment runs it: the quality settings, the isolation the keys
+    are made with and what the back end can do, all from the connector's
+    ``kv_connector_extra_config`` (``from_extra``; the connector narrows ``back_end`` to
+    what its deployment serves, ``for_deployment``). The connector's scheduler asks it what
+    a prompt's chunks get (``treat``), the router in what order to send them (``order``),
+    from the same settings."""
+
+    quality: QualityConfig = QualityConfig()
+    isolation: Isolation = Isolation.SYS
+    virtual_gap: int = 0
+    back_end: BackEnd = BackEnd()
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> Policy:
+        """From ``kv_connector_extra_config`` (the dict, as vLLM is given it): the quality
+        keys, ``isolation``, ``virtual_gap`` and ``inband_isolation`` (what is asked of the
+        back end; the connector's own keys are the connector's to check)."""
+        extra = dict(extra or {})
+        return cls(
+            QualityConfig.from_extra(extra),
+            Isolation(extra.get("isolation", Isolation.SYS.value)),
+            int(extra.get("virtual_gap", 0)),
+            BackEnd(inband=bool(extra.get("inband_isolation", True))),
+        )
+
+    @property
+    def first_is_causal(self) -> bool:
+        return first_is_causal(self.isolation, self.virtual_gap)
+
+    def treat(self, segments: Sequence[Segment], params: Any = None) -> Treatment:
+        """What ``segments`` (a chunked prompt, the question last) get; ``params``: the
+        request's ``TransferParams`` (or its raw ``kv_transfer_params``; what names chunks
+        wrongly is ignored, and the treatment says why)."""
+        params = TransferParams.parse(params)
+        causal = self.first_is_causal
+        quality, back_end = self.quality, self.back_end
+        chunks = [i for i, s in enumerate(segments) if s.kind is SegmentKind.CHUNK]
+        if not chunks or segments[-1].kind is not SegmentKind.QUESTION:
+            return Treatment({}, {}, first_tokens=quality.recompute_tokens, first_is_causal=causal)
+        if not back_end.inband:
+            return _without_hook(segments, quality, causal, params)
+        ignored = None
+        choice = functools.partial(
+            select,
+            segments[-1].token_ids,
+            [segments[i].token_ids for i in chunks],
+            quality.recompute_by,
+            quality.recompute_chunks,
+            quality.recompute_max_tokens,
+        )
+        try:
+            chosen = choice(params=params)
+        except BadTransferParams as err:
+            ignored, params = str(err), None
+            chosen = choice()
+        kept = [i for i in chosen if not (causal and i == 0)]  # causal already: left be
+        if kept:  # recomputed where they stand: nothing moves
+            recomputed = {chunks[i]: range(len(segments[chunks[i]])) for i in kept}
+            exact = frozenset(chunks[i] for i in chosen)
+            return Treatment(recomputed, {}, (), exact, quality.recompute_tokens, causal, ignored)
+        up_to = quality.relevant_recompute_tokens if back_end.recompute else 0
+        picks = functools.partial(
+            relevant,
+            segments,
+            quality.relevant_last,
+            up_to,
+            first_is_causal=causal,
+            min_score=quality.relevant_min_score,
+            span_tokens=quality.relevant_span_tokens,
+            recompute_share=quality.relevant_recompute_share,
+            span_min=quality.relevant_span_min_tokens,
+            first_tokens=quality.relevant_first_tokens,
+        )
+        try:
+            recomputed, shifts, last = picks(params)
+        except BadTransferParams as err:
+            ignored = ignored or str(err)
+            recomputed, shifts, last = picks()
+        first = quality.relevant_first_tokens if recomputed else 0
+        stays_first = causal and chunks[0] in last and chunks[0] not in shifts
+        kept_first = {chunks[0]} if stays_first else set()  # staying first: causal already
+        return Treatment(
+            recomputed,
+            shifts,
+            tuple(last),
+            frozenset({*recomputed, *kept_first}),
+            max(quality.recompute_tokens, first),
+            causal,
+            ignored,
+        )
+
+    def order(self, segments: Sequence[Segment], params: Any = None) -> list[int] | None:
+        """The chunks' order (segment indices) that puts the relevant ones last, the most
+        relevant last, the others in prompt order: what a router sends a back end without
+        the hook so that ``treat`` there leaves them to vLLM (with the hook, the chunks the
+        connector attends last, in its order); None where the order stays (nothing relevant
+        moves, or no question). What names chunks wrongly is ignored, as ``treat`` does."""
+        treated = _without_hook(
+            segments, self.quality, self.first_is_causal, TransferParams.parse(params)
+        )
+        chunks = [i for i, s in enumerate(segments) if s.kind is SegmentKind.CHUNK]
+        order = [i for i in chunks if i not in treated.last] + list(treated.last)
+        return None if order == chunks else order
+
+    def without_hook(self) -> Policy:
+        """The same settings on a back end without the in-band hook (what a router sends
+        its reordered prompts to)."""
+        return replace(self, back_end=BackEnd(inband=False, recompute=self.back_end.recompute))
+
+
 def treat(
     segments: Sequence[Segment],
     quality: QualityConfig,
@@ -206,68 +327,13 @@ def treat(
     back_end: BackEnd = BackEnd(),
     params: Any = None,
 ) -> Treatment:
-    """What ``segments`` (a chunked prompt, the question last) get under ``quality`` on
-    ``back_end``; ``params``: the request's ``kv_transfer_params`` (malformed ones are
-    ignored, and the treatment says why)."""
-    causal = first_is_causal(isolation, virtual_gap)
-    chunks = [i for i, s in enumerate(segments) if s.kind is SegmentKind.CHUNK]
-    if not chunks or segments[-1].kind is not SegmentKind.QUESTION:
-        return Treatment({}, {}, first_tokens=quality.recompute_tokens, first_is_causal=causal)
-    if not back_end.inband:
-        return _without_hook(segments, quality, causal, params)
-    ignored = None
-    choice = functools.partial(
-        select,
-        segments[-1].token_ids,
-        [segments[i].token_ids for i in chunks],
-        quality.recompute_by,
-        quality.recompute_chunks,
-        quality.recompute_max_tokens,
-    )
-    try:
-        chosen = choice(params=params)
-    except BadTransferParams as err:
-        ignored, params = str(err), None
-        chosen = choice()
-    kept = [i for i in chosen if not (causal and i == 0)]  # causal already: left be
-    if kept:  # recomputed where they stand: nothing moves
-        recomputed = {chunks[i]: range(len(segments[chunks[i]])) for i in kept}
-        exact = frozenset(chunks[i] for i in chosen)
-        return Treatment(recomputed, {}, (), exact, quality.recompute_tokens, causal, ignored)
-    up_to = quality.relevant_recompute_tokens if back_end.recompute else 0
-    picks = functools.partial(
-        relevant,
-        segments,
-        quality.relevant_last,
-        up_to,
-        first_is_causal=causal,
-        min_score=quality.relevant_min_score,
-        span_tokens=quality.relevant_span_tokens,
-        recompute_share=quality.relevant_recompute_share,
-        span_min=quality.relevant_span_min_tokens,
-        first_tokens=quality.relevant_first_tokens,
-    )
-    try:
-        recomputed, shifts, last = picks(params)
-    except BadTransferParams as err:
-        ignored = ignored or str(err)
-        recomputed, shifts, last = picks()
-    first = quality.relevant_first_tokens if recomputed else 0
-    stays_first = causal and chunks[0] in last and chunks[0] not in shifts
-    kept_first = {chunks[0]} if stays_first else set()  # staying first: causal already
-    return Treatment(
-        recomputed,
-        shifts,
-        tuple(last),
-        frozenset({*recomputed, *kept_first}),
-        max(quality.recompute_tokens, first),
-        causal,
-        ignored,
-    )
+    """``Policy(quality, isolation, virtual_gap, back_end).treat(segments, params)``: for
+    callers that hold the settings apart (the HF reference, the quality bench)."""
+    return Policy(quality, isolation, virtual_gap, back_end).treat(segments, params)
 
 
 def _without_hook(
-    segments: Sequence[Segment], quality: QualityConfig, causal: bool, params: Any
+    segments: Sequence[Segment], quality: QualityConfig, causal: bool, params: TransferParams
 ) -> Treatment:
     """``relevant_last`` where only a prefix loads: the relevant chunks recomputed whole that
     stand last already (a trailing run of them, just before the question) are left to vLLM,
@@ -304,12 +370,6 @@ def relevant_order(
     virtual_gap: int = 0,
     params: Any = None,
 ) -> list[int] | None:
-    """The chunks' order (segment indices) that puts the relevant ones last, the most
-    relevant last, the others in prompt order: what a router sends a back end without the
-    hook so that ``treat`` there leaves them to vLLM; None where the order stays (nothing
-    relevant moves, or no question). Malformed ``params`` are ignored, as ``treat`` does."""
-    causal = first_is_causal(isolation, virtual_gap)
-    treated = _without_hook(segments, quality, causal, params)
-    chunks = [i for i, s in enumerate(segments) if s.kind is SegmentKind.CHUNK]
-    order = [i for i in chunks if i not in treated.last] + list(treated.last)
-    return None if order == chunks else order
+    """``Policy(quality, isolation, virtual_gap).order(segments, params)``, for callers that
+    hold the settings apart."""
+    return Policy(quality, isolation, virtual_gap).order(segments, params)

@@ -41,6 +41,7 @@ from starlette.background import BackgroundTask
 
 from chunkstore.kv.keyspace import KeySpace, Plan
 from chunkstore.kv.segments import Segment, reordered_ids
+from chunkstore.kv.selection import TransferParams
 from chunkstore.kv.treatment import QualityConfig
 
 from . import disagg, fields, order
@@ -77,7 +78,9 @@ class RouterSettings:
     operator_token: str | None = None  # None: operators are callers on this host
     # Relevant documents last (``order``): the default's answers without the in-band hook.
     relevant_last: bool = True
-    quality: QualityConfig = field(default_factory=QualityConfig)  # the connector's
+    # The connector's quality settings, from the instances' kv_connector_extra_config
+    # (``chunkstore router --connector-config``): the router orders by the same policy.
+    quality: QualityConfig = field(default_factory=QualityConfig)
     # Completions' text tokenized here for instances proven to tokenize alike (``tokens``,
     # ``proof``); None: every prompt through the instance's /tokenize.
     tokenizer: Tokenizer | None = None
@@ -288,7 +291,7 @@ class Router:
         keys = self.settings.keys
         if keys is None or not prompts or not self.settings.relevant_last:
             return [plan for _, plan in prompts]
-        params = order.params_of(ask.body)
+        params = ask.params
         quality = self.settings.quality
 
         def loaded(ids: list[int], plan: Plan) -> Plan:
@@ -308,9 +311,9 @@ class Router:
         """The request with each prompt's relevant chunks last (``order``), and its prompts
         as sent; as it came where its order stays."""
         keys, body = self.settings.keys, ask.body
-        if keys is None or order.keeps_order(body, len(prompts)):
+        if keys is None or order.keeps_order(ask.params, len(prompts)):
             return ask, prompts
-        params = order.params_of(body)
+        params = ask.params
         quality = self.settings.quality
         salt = str(body.get("cache_salt") or "")
 
@@ -327,7 +330,10 @@ class Router:
             return ask, prompts
         sent = [p if f is None else f[0] for p, f in zip(prompts, found, strict=True)]
         new_ids = [ids for ids, _ in sent]
-        renamed = order.reordered_params(params, moved[0][2]) if len(sent) == 1 else params
+        sent_params = body.get("kv_transfer_params")
+        renamed = (
+            order.reordered_params(sent_params, moved[0][2]) if len(sent) == 1 else sent_params
+        )
         if ask.chat:
             _, segments, chunk_order = moved[0]
             messages = order.chat_messages(
@@ -343,7 +349,7 @@ class Router:
         else:
             prompt = new_ids[0] if len(new_ids) == 1 else new_ids
             rewritten = body | {"prompt": prompt}
-        if renamed is not params:
+        if renamed is not sent_params:
             rewritten["kv_transfer_params"] = renamed
         self.metrics.reordered.labels("chat" if ask.chat else "completion").inc()
         raw = await self._cpu(ask.heavy, _dumps, rewritten)
@@ -721,6 +727,10 @@ class Asked:
     headers: dict[str, str]  # those passed on (the API key)
     client: str  # its share of cold chunks (``limits.client_of``)
     heavy: bool  # big enough that reading it leaves the event loop
+    params: TransferParams = field(init=False)  # its kv_transfer_params, parsed once
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "params", order.params_of(self.body))
 
 
 Prompt = tuple[list[int], Plan]  # a prompt's token IDs, and its pieces and keys

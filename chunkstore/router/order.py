@@ -25,23 +25,25 @@ from typing import Any
 
 from chunkstore.kv.keyspace import KeySpace
 from chunkstore.kv.segments import Segment, SegmentKind, chunk_places, reordered_ids
-from chunkstore.kv.treatment import BackEnd, QualityConfig, relevant_order, treat
-
-KEEP_ORDER = "keep_order"  # in kv_transfer_params: the application forbids reordering
-NAMED = ("recompute_chunks", "chunk_scores")  # kv_transfer_params that name chunks by place
+from chunkstore.kv.selection import NAMED, TransferParams
+from chunkstore.kv.treatment import Policy, QualityConfig
 
 
-def params_of(body: dict[str, Any]) -> Any:
-    return body.get("kv_transfer_params")
+def params_of(body: dict[str, Any]) -> TransferParams:
+    """The request's ``kv_transfer_params``, parsed (once a body: ``app.Asked``)."""
+    return TransferParams.parse(body.get("kv_transfer_params"))
 
 
-def keeps_order(body: dict[str, Any], prompts: int) -> bool:
+def keeps_order(params: TransferParams, prompts: int) -> bool:
     """Whether the request's order stays: its application says so, or its kv_transfer_params
     name chunks by place for several prompts at once (one order could not serve them all)."""
-    params = params_of(body)
-    if not isinstance(params, dict):
-        return False
-    return params.get(KEEP_ORDER) is True or (prompts > 1 and any(k in params for k in NAMED))
+    return params.keep_order or (prompts > 1 and params.names_chunks)
+
+
+def policy(keys: KeySpace, quality: QualityConfig) -> Policy:
+    """The connector's policy on a back end without the hook (what the router orders for),
+    the isolation the keys are made with."""
+    return Policy(quality, keys.isolation, keys.virtual_gap).without_hook()
 
 
 def new_order(
@@ -52,7 +54,7 @@ def new_order(
     segments = keys.segments(ids)
     if not segments or segments[0].kind is not SegmentKind.SYS:
         return None
-    order = relevant_order(segments, quality, keys.isolation, keys.virtual_gap, params)
+    order = policy(keys, quality).order(segments, params)
     return None if order is None else (segments, order)
 
 
@@ -66,8 +68,8 @@ def sent_ids(
 
 
 def reordered_params(params: Any, order: Sequence[int]) -> Any:
-    """The request's kv_transfer_params with the chunks they name by place (0: the first
-    chunk) renamed for the new order; others as they came."""
+    """The request's kv_transfer_params (as it sent them) with the chunks they name by place
+    (0: the first chunk) renamed for the new order; others as they came."""
     if not isinstance(params, dict) or not any(k in params for k in NAMED):
         return params
     places = chunk_places(order)
@@ -90,8 +92,7 @@ def computed_from(
     segments = keys.segments(ids)
     if not segments or segments[0].kind is not SegmentKind.SYS:
         return None
-    treated = treat(segments, quality, keys.isolation, keys.virtual_gap, BackEnd(False), params)
-    return treated.computed_from(segments)
+    return policy(keys, quality).treat(segments, params).computed_from(segments)
 
 
 def chat_messages(
