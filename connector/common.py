@@ -107,11 +107,25 @@ class IsolatedStep:
 
 @dataclass
 class RequestPlan:
+    """A request's step: its block table, what the workers load and save, what the hook
+    serves. Under vLLM's hybrid KV-cache manager each KV-cache group has a table of its own
+    (``group_block_ids``, in vLLM's group order; ``block_ids`` is the first): a layer's
+    loads and saves use its group's, where block 0 (vLLM's null block) stands for a block a
+    sliding-window group let go, out of the window of every token still to come.
+    ``receiving``: its loads were asked for asynchronously (the hybrid manager takes no
+    failed blocks); the worker reports them done, or failed, by request."""
+
     req_id: str
     block_ids: list[int]
     loads: list[LoadItem] = field(default_factory=list)
     saves: list[SaveItem] = field(default_factory=list)
     isolation: IsolatedStep | None = None
+    group_block_ids: tuple[list[int], ...] = ()
+    receiving: bool = False
+
+    def tables(self) -> tuple[list[int], ...]:
+        """Each KV-cache group's block table (one group without the hybrid manager)."""
+        return self.group_block_ids or (self.block_ids,)
 
     def placed(self) -> dict[int, int]:
         """The chunks this step both moves (``isolation.moves``) and loads whole: start ->

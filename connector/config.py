@@ -199,10 +199,15 @@ def for_deployment(config: ConnectorConfig, vllm_config: Any) -> ConnectorConfig
     a back end without the hook. The same for an MLA model (``latent_attention``) and a
     sliding-window one with ``virtual_gap`` (the hook's window counts positions from sys).
     A model whose layers rotate keys differently or attend through a window keeps the hook
-    with what it serves there (``hook_limits``)."""
+    with what it serves there (``hook_limits``). Under vLLM's hybrid KV-cache manager
+    (``hybrid_kv_cache``) a sliding-window model's hook is off too: its sliding layers free
+    the blocks before their window, where a chunk's rows (at their virtual positions) read
+    sys's keys; the connector that is not ``SupportsHMA`` keeps it (full KV everywhere)."""
     parallel = decode_context_parallel(vllm_config) * prefill_context_parallel(vllm_config)
     windowed = any(layer_rotary(vllm_config).windows)
-    hookless = latent_attention(vllm_config) or (windowed and config.virtual_gap > 0)
+    hookless = latent_attention(vllm_config) or (
+        windowed and (config.virtual_gap > 0 or hybrid_kv_cache(vllm_config))
+    )
     if not config.inband_isolation:
         return config
     if parallel > 1 or hookless:
@@ -222,6 +227,14 @@ def for_deployment(config: ConnectorConfig, vllm_config: Any) -> ConnectorConfig
     if windowed or several_rotaries(vllm_config):  # sparse reads rotate with one rotary
         config = replace(config, sparse_threshold=0.0, sparse_candidates=0.0)
     return config
+
+
+def hybrid_kv_cache(vllm_config: Any) -> bool:
+    """Whether vLLM keeps its hybrid KV-cache manager on (a ``SupportsHMA`` connector, and
+    not ``--disable-hybrid-kv-cache-manager``): sliding-window layers then free the blocks
+    out of their window (``cache_groups``); decided before any connector exists."""
+    scheduler_config = getattr(vllm_config, "scheduler_config", None)
+    return getattr(scheduler_config, "disable_hybrid_kv_cache_manager", True) is False
 
 
 def hook_limits(vllm_config: Any) -> str | None:

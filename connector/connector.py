@@ -6,6 +6,14 @@
 
 The scheduler side decides (``scheduler.py``), the worker side moves bytes (``worker.py``),
 ``common.py`` holds what travels between them, ``metrics.py`` what they count.
+
+``ChunkStoreHybridConnector`` is the same connector declaring vLLM's ``SupportsHMA``: vLLM
+then keeps its hybrid KV-cache manager on (a sliding-window model's local layers hold only
+their window: ``cache_groups.py``), loads go per KV-cache group and asynchronously, and the
+in-band hook is off for a model with sliding-window layers (``config.for_deployment``). vLLM
+decides on the class, before any connector exists, so the choice is the class name:
+
+    --kv-transfer-config '{"kv_connector": "ChunkStoreHybridConnector", ...}'
 """
 
 from __future__ import annotations
@@ -18,18 +26,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
 
+from .cache_groups import CacheGroups
 from .common import ChunkStoreMetadata
 from .config import (
     ConnectorConfig,
     for_deployment,
     hook_limits,
+    hybrid_kv_cache,
     latent_attention,
     layer_rotary,
 )
@@ -74,6 +86,10 @@ class ChunkStoreConnector(KVConnectorBase_V1):
                     "`chunkstore ingest`)",
                     "an MLA model's latent cache"
                     if latent_attention(vllm_config)
+                    else "vLLM's hybrid KV-cache manager (ChunkStoreHybridConnector): a "
+                    "sliding-window layer's blocks before its window are freed, where a chunk's "
+                    "rows read sys's keys"
+                    if any(layer_rotary(vllm_config).windows) and hybrid_kv_cache(vllm_config)
                     else "virtual_gap with sliding-window layers"
                     if any(layer_rotary(vllm_config).windows)
                     else "context parallelism: each rank holds or computes a share of every chunk",
@@ -87,10 +103,12 @@ class ChunkStoreConnector(KVConnectorBase_V1):
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 log.info("chunkstore: kv_load_failure_policy set to 'recompute'")
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
-        self.scheduler = (
-            SchedulerSide(vllm_config, config) if (role == KVConnectorRole.SCHEDULER) else None
+        groups = CacheGroups.from_kv_cache_config(kv_cache_config)
+        scheduler = role == KVConnectorRole.SCHEDULER
+        self.scheduler = SchedulerSide(vllm_config, config, groups) if scheduler else None
+        self.worker = (
+            WorkerSide(vllm_config, config, groups) if role == KVConnectorRole.WORKER else None
         )
-        self.worker = WorkerSide(vllm_config, config) if role == KVConnectorRole.WORKER else None
 
     # Worker side ------------------------------------------------------------------------------
 
@@ -127,6 +145,16 @@ class ChunkStoreConnector(KVConnectorBase_V1):
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, ChunkStoreMetadata)
         self.worker.wait_for_save(metadata)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Asynchronous loads (the hybrid KV-cache manager's) that ended this step, and those
+        that failed among them (vLLM computes those requests whole)."""
+        results = super().get_transfer_results(finished_req_ids)
+        if self.worker is not None:
+            received, failed = self.worker.received()
+            results.finished_recving |= received | failed
+            results.failed_recving |= failed
+        return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors() if self.worker else set()
@@ -175,13 +203,15 @@ class ChunkStoreConnector(KVConnectorBase_V1):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         assert self.scheduler is not None
-        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens), False
+        count = self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        return count, self.scheduler.loads_async and count > 0
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         assert self.scheduler is not None
-        self.scheduler.update_state_after_alloc(request, num_external_tokens)
+        tables = blocks.get_block_ids() if self.scheduler.loads_async else ()
+        self.scheduler.update_state_after_alloc(request, num_external_tokens, tables)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
@@ -193,6 +223,17 @@ class ChunkStoreConnector(KVConnectorBase_V1):
 
     def request_finished(
         self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        self.scheduler.request_finished(request)
+        return False, None
+
+
+class ChunkStoreHybridConnector(ChunkStoreConnector, SupportsHMA):
+    """The connector with vLLM's hybrid KV-cache manager on (module docstring)."""
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
         self.scheduler.request_finished(request)

@@ -61,6 +61,9 @@ class Fetched:
     # one table per rotary kind (``LayerRotary.kinds``: Gemma 3's local and global bases)
     rotations: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None
     slots: torch.Tensor
+    # Under vLLM's hybrid KV-cache manager: each KV-cache group's slots and the tokens they
+    # take (``RegisteredCache.group_slots``); a layer writes its group's (empty: ``slots``)
+    groups: tuple[tuple[torch.Tensor, torch.Tensor | None], ...] = ()
 
 
 def _aligned(nbytes: int) -> int:
@@ -91,6 +94,11 @@ class Loads:
         self._layer_loads: LayerLoads | None = None
         self._failed_blocks: set[int] = set()
         self._ended = LoadsEnded()
+        # Asynchronous loads (``RequestPlan.receiving``): the requests whose loads this step
+        # carries, and those of them that failed (reported by request, not by block)
+        self._receiving: set[str] = set()
+        self._failed_requests: set[str] = set()
+        self._overlap = config.overlap_layers  # this step's: none after the forward
         # Where loads are read to, kept from step to step: a fresh buffer each step would
         # fault in every page of it first (~2 GB/s, slower than the copy itself).
         self._staging = torch.empty(0, dtype=torch.uint8)
@@ -124,8 +132,14 @@ class Loads:
         background thread (``LayerLoads``) while the model computes, or all at once.
         ``place``: the isolation hook moves chunks (``placed``)."""
         self.finish()  # a previous step's, should vLLM not have asked for its results
+        receiving = {plan.req_id for plan in metadata.requests if plan.receiving}
+        self._receiving |= receiving
+        # vLLM's asynchronous loads start after the forward: no layer waits for them.
+        self._overlap = self.config.overlap_layers and not receiving
         loads = []
         for plan in metadata.requests:
+            if plan.receiving and not plan.loads:  # vLLM waits for tokens nothing supplies
+                self._failed_requests.add(plan.req_id)
             for item in plan.loads:
                 if item.sparse is None:
                     loads.append((plan, item))
@@ -144,7 +158,7 @@ class Loads:
         else:
             staged = [i for i, fail in enumerate(failures) if fail is None and i not in pieces]
             staging = dict(zip(staged, self._buffers([loads[i][1] for i in staged]), strict=True))
-            if pieces and not staging and self.config.overlap_layers:
+            if pieces and not staging and self._overlap:
                 whole = all(loads[i][1].num_tokens % self.cache.block_size == 0 for i in pieces)
                 if whole:  # a part block would overwrite what vLLM writes into it, by layer
                     self._layer_loads = self._packed_loads(loads, pieces, failures)
@@ -216,6 +230,14 @@ class Loads:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
+    def received(self) -> tuple[set[str], set[str]]:
+        """The requests whose asynchronous loads ended since last asked: loaded, failed."""
+        self.finish()
+        failed = self._receiving & self._failed_requests
+        received = self._receiving - failed
+        self._receiving, self._failed_requests = set(), set()
+        return received, failed
+
     def ended(self) -> LoadsEnded | None:
         """The requests whose loads ended this step, for the scheduler to release their leases."""
         ended, self._ended = self._ended, LoadsEnded()
@@ -286,7 +308,7 @@ class Loads:
                 failures[i] = verdict
             self._settle(loads, failures, pieces, {}, read["via_shm"])
 
-        return LayerLoads(layers, produce, settle, True, self.cpus, phase="read")
+        return LayerLoads(layers, produce, settle, self._overlap, self.cpus, phase="read")
 
     def _staged_writes(self, fetched: list[Fetched]) -> LayerLoads:
         """The fetched entries written layer by layer (a layer's side by side on the
@@ -311,7 +333,7 @@ class Loads:
                     self._failed(entry.plan, entry.item)
 
         layers = len(self.cache.layers)
-        return LayerLoads(layers, produce, settle, self.config.overlap_layers, self.cpus)
+        return LayerLoads(layers, produce, settle, self._overlap, self.cpus)
 
     def _settle(
         self,
@@ -346,8 +368,12 @@ class Loads:
         return fetched
 
     def _failed(self, plan: RequestPlan, item: LoadItem) -> None:
-        """vLLM is told these blocks did not load, and computes them."""
+        """vLLM is told these blocks did not load, and computes them; an asynchronous
+        load's request is (``received``): the hybrid manager takes no failed blocks."""
         self.stats.add("load_failures")
+        if plan.receiving:
+            self._failed_requests.add(plan.req_id)
+            return
         slots = self.cache.slots(plan.block_ids, item.actual_start, item.num_tokens)
         slots = slots[slots != PAD_SLOT]  # another context-parallel rank's tokens
         self._failed_blocks.update(int(b) for b in torch.unique(slots // self.cache.block_size))
@@ -475,6 +501,14 @@ class Loads:
         self._check_layout(item)
         layout = item.lease.layout
         heads = self.cache.heads.local_slice()
+        groups: tuple[tuple[torch.Tensor, torch.Tensor | None], ...] = ()
+        if self.cache.groups.hybrid:  # each layer to its group's blocks, those there are
+            try:
+                groups = tuple(
+                    self.cache.group_slots(plan.tables(), item.actual_start, item.num_tokens)
+                )
+            except ValueError as err:
+                raise LoadFailed(str(err)) from err
         slots = self.cache.slots(plan.block_ids, item.actual_start, item.num_tokens)
         read = item.lease.nbytes
         if isinstance(buffer, HeldPart):  # the rows this rank owns, the loaded ones written
@@ -496,7 +530,7 @@ class Loads:
         delta = item.actual_start - item.entry_offset - layout.virtual_start
         delta += (self.placed.get(plan.req_id) or {}).get(item.actual_start, 0)
         rotations = self.keys.layers.tables(delta, len(slots)) if delta else None
-        return Fetched(plan, item, keys, values, rotations, slots)
+        return Fetched(plan, item, keys, values, rotations, slots, groups)
 
     def _cache_blocks(self, plan: RequestPlan, item: LoadItem) -> Pieces | None:
         """Where a packed entry's bytes go, in their order: each layer's cache blocks at the
@@ -537,12 +571,19 @@ class Loads:
     def _write_layer(self, entry: Fetched, layer: int) -> None:
         name, cache = self.cache.layers[layer]
         kind = self.keys.layers.of_layer[layer]  # the layer's own rotary
+        keys = entry.keys[layer]
+        values = None if entry.values is None else entry.values[layer]
+        rotation = None if entry.rotations is None else entry.rotations[kind]
+        slots = entry.slots
+        if entry.groups:  # the layer's KV-cache group's blocks, the tokens it holds
+            slots, held = entry.groups[self.cache.layer_groups[layer]]
+            if held is not None:
+                keys = keys[held]
+                values = None if values is None else values[held]
+                # every row is the same rotation (one delta): as many as tokens written
+                rotation = None if rotation is None else (rotation[0][held], rotation[1][held])
+            if not len(slots):
+                return
         self.cache.access.write_rotated(
-            name,
-            cache,
-            entry.keys[layer],
-            None if entry.values is None else entry.values[layer],
-            entry.slots,
-            None if entry.rotations is None else entry.rotations[kind],
-            self.keys.layers.kinds[kind],
+            name, cache, keys, values, slots, rotation, self.keys.layers.kinds[kind]
         )

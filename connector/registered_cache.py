@@ -13,6 +13,7 @@ import torch
 
 from chunkstore.kv.paging import cp_owner, cp_slot_mapping
 
+from .cache_groups import NULL_BLOCK, CacheGroups
 from .config import decode_context_parallel, prefill_context_parallel
 from .cpu_layout import CpuKVLayout
 from .device_layout import DeviceKVLayout
@@ -98,11 +99,41 @@ class RegisteredCache:
     # Which copy of the cache it holds under prefill context parallelism: copy 0 stores
     # what was computed, the others only load (``prefill_replica``).
     replica: int = 0
+    # vLLM's KV-cache groups (under its hybrid manager; else one) and each layer's, in
+    # layer order: a layer's tokens go to the slots of its group's block table
+    groups: CacheGroups = field(default_factory=CacheGroups)
+    layer_groups: list[int] = field(default_factory=list)
 
-    def set_layers(self, kv_caches: dict[str, Any]) -> None:
+    def set_layers(self, kv_caches: dict[str, Any], groups: CacheGroups | None = None) -> None:
         """vLLM's caches, by layer name, put in layer order."""
         self.layers = sorted(kv_caches.items(), key=lambda item: layer_number(item[0]))
         self.layer_index = {name: i for i, (name, _) in enumerate(self.layers)}
+        self.groups = groups or CacheGroups()
+        group_of = self.groups.group_of()
+        self.layer_groups = [group_of.get(name, 0) for name, _ in self.layers]
+
+    def group_slots(
+        self, tables: tuple[list[int], ...], start: int, count: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Under the hybrid manager: for each KV-cache group, the slots of positions
+        [start, start + count) its table holds, and which positions those are (None: all).
+        A sliding-window group holds none where its table has the null block (positions out
+        of the window of every token still to come: never attended there again); a group
+        that keeps every token must hold them all (``ValueError`` otherwise: no exact place)."""
+        placed: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        for group, block_ids in enumerate(tables):
+            if count and (start + count - 1) // self.block_size >= len(block_ids):
+                raise ValueError(f"KV-cache group {group}'s table ends before the tokens")
+            table = torch.tensor(block_ids, dtype=torch.int64)
+            slots = self.access.slots(table, start, count)
+            held = table[torch.arange(start, start + count) // self.block_size] != NULL_BLOCK
+            if bool(held.all()):
+                placed.append((slots, None))
+            elif group < len(self.groups.windows) and self.groups.windows[group]:
+                placed.append((slots[held], held))
+            else:
+                raise ValueError(f"KV-cache group {group} has no block for some of the tokens")
+        return placed
 
     def pack(self, packing: str) -> None:
         """Packed entries are read straight into each layer's blocks, viewed as bytes; a

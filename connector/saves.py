@@ -182,8 +182,15 @@ class Saves:
         self, plan: RequestPlan, item: SaveItem, blend: IsolatedCopy | None
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """K and V of a segment as the store holds them (an MLA model's: the latent, values
-        None); None where isolation cannot be put back (counted as a save failure)."""
-        keys, values = self._read_segment(plan, item)
+        None); None where isolation cannot be put back, or (vLLM's hybrid KV-cache manager)
+        a sliding-window layer no longer holds some of its tokens (counted as a save
+        failure)."""
+        try:
+            keys, values = self._read_segment(plan, item)
+        except ValueError as err:
+            log.info("chunkstore: not saving %s: %s", item.key.hex()[:12], err)
+            self.stats.add("save_failures")
+            return None
         if blend is None:
             return keys, values
         assert values is not None  # the hook serves K/V caches only
@@ -226,7 +233,16 @@ class Saves:
         (an MLA cache: the latent, [layers, tokens, 1, latent], values None)."""
         slots = self.cache.slots(plan.block_ids, item.start, item.num_tokens)
         slots = slots[slots != PAD_SLOT]  # context parallelism: this rank's tokens, gathered
-        pairs = [self.cache.access.read(layer, slots) for _, layer in self.cache.layers]
+        of_layer = [slots] * len(self.cache.layers)
+        if self.cache.groups.hybrid:  # each layer from its KV-cache group's blocks
+            groups = self.cache.group_slots(plan.tables(), item.start, item.num_tokens)
+            if any(held is not None for _, held in groups):
+                raise ValueError("a sliding-window layer's blocks of it are gone")
+            of_layer = [groups[group][0] for group in self.cache.layer_groups]
+        pairs = [
+            self.cache.access.read(layer, at)
+            for (_, layer), at in zip(self.cache.layers, of_layer, strict=True)
+        ]
         gathered = self.cache.cp_gathered
         keys = gathered(torch.stack([k for k, _ in pairs]), item.start, item.num_tokens)
         latent = any(v is None for _, v in pairs)

@@ -20,6 +20,7 @@ from chunkstore.kv.keys import Isolation, digests_key, summary_key
 from chunkstore.kv.segments import Segment, SegmentKind
 from chunkstore.kv.treatment import BackEnd, Treatment, first_is_causal, treat
 
+from .cache_groups import NULL_BLOCK, CacheGroups
 from .client_holder import DaemonLink
 from .common import (
     ChunkStoreMetadata,
@@ -60,8 +61,16 @@ class Held:
 
 
 class SchedulerSide:
-    def __init__(self, vllm_config: VllmConfig, config: ConnectorConfig) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, config: ConnectorConfig, groups: CacheGroups | None = None
+    ) -> None:
         self.config = config
+        # vLLM's KV-cache groups: several under its hybrid manager, whose loads are asked for
+        # asynchronously (``loads_async``)
+        self.groups = groups or CacheGroups()
+        self._receiving: dict[str, tuple[list[int], ...]] = {}  # async loads: their tables
+        self._received: set[str] = set()  # requests back from them (vLLM allocates again)
+        self._failed_loads: set[str] = set()  # requests whose async loads failed: computed
         self.keys = ModelKeys.from_vllm(vllm_config, config)
         log.info(
             "chunkstore: prompts split at the separator %r (token IDs %s)",
@@ -92,7 +101,7 @@ class SchedulerSide:
         self.stats = ConnectorStats()
         self.link = DaemonLink(config, "chunkstore-scheduler", self.stats)
         self._warned_prefix_cache = False
-        self.off = unsupported_parallelism(vllm_config)
+        self.off = unsupported_parallelism(vllm_config) or self.groups.unsupported
         self.keys.say_if_refused(vllm_config.model_config.model)  # once: one scheduler
         # What the back end can do decides the treatment (``chunkstore.kv.treatment``).
         no_recompute = unsupported_recompute(vllm_config)
@@ -257,8 +266,8 @@ class SchedulerSide:
         began = time.perf_counter()
         req_id = request.request_id
         self._release(req_id)  # asked again: the request was not scheduled last time
-        if self.off:
-            return 0
+        if self.off or req_id in self._failed_loads:
+            return 0  # (an async load that failed: vLLM computes the request whole)
         tracked = self._track(request)
         if tracked is None:
             return 0
@@ -373,8 +382,26 @@ class SchedulerSide:
         except ChunkStoreError as err:
             self.link.trouble("release", err)
 
-    def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
+    @property
+    def loads_async(self) -> bool:
+        """Whether loads are asked for asynchronously: under vLLM's hybrid KV-cache manager,
+        whose scheduler takes a failed load only by request (``failed_recving``), for a
+        request waiting for its loads, and stops the engine on failed blocks
+        (vllm/v1/core/sched/scheduler.py ``_handle_invalid_blocks``)."""
+        return self.groups.hybrid
+
+    def update_state_after_alloc(
+        self,
+        request: Request,
+        num_external_tokens: int,
+        tables: tuple[list[int], ...] = (),
+    ) -> None:
+        """``tables``: the request's blocks in each KV-cache group, as allocated (its loads'
+        destination when they are asynchronous)."""
         req_id = request.request_id
+        if req_id in self._received:  # back from its asynchronous loads: planned then
+            self._received.discard(req_id)
+            return
         tracked = self._tracked.get(req_id)
         held = self._held.get(req_id)
         if tracked is not None:
@@ -388,6 +415,10 @@ class SchedulerSide:
                 tracked.gaps = []
         if tracked is None or held is None or num_external_tokens <= 0:
             self._release(req_id)
+            if self.loads_async and num_external_tokens > 0:  # vLLM waits: it fails them
+                self._loads[req_id] = []
+                self._receiving[req_id] = tables
+                self._received.add(req_id)
             return
         start, end = tracked.local_computed, tracked.local_computed + num_external_tokens
         prefix = not tracked.chunked
@@ -403,6 +434,10 @@ class SchedulerSide:
         if not prefix:
             loads = self._sparse_loads(tracked, held, loads)
         self._loads[req_id] = loads
+        if self.loads_async:  # planned in the next metadata, the request not scheduled
+            computed = tracked.local_computed + num_external_tokens
+            self._receiving[req_id] = self._present(tables, computed)
+            self._received.add(req_id)
         self.stats.add("hit_tokens", num_external_tokens)
         if prefix:
             self.stats.add("prefix_hit_tokens", num_external_tokens)
@@ -462,35 +497,56 @@ class SchedulerSide:
         segment is saved in the step that computes its last token, read whole from the
         cache."""
         meta = ChunkStoreMetadata()
+        for req_id, tables in self._receiving.items():  # waiting for their loads
+            loads = self._loads.pop(req_id, [])
+            meta.requests.append(
+                RequestPlan(req_id, tables[0], loads, group_block_ids=tables, receiving=True)
+            )
+        self._receiving = {}
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             computed, count = new.num_computed_tokens, scheduled.get(new.req_id, 0)
-            self._plan(meta, new.req_id, list(new.block_ids[0]), True, computed, count)
+            self._plan(meta, new.req_id, new.block_ids, True, computed, count)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            new_ids = cached.new_block_ids[i]
-            blocks = list(new_ids[0]) if new_ids else []
             resumed = req_id in cached.resumed_req_ids
             computed, count = cached.num_computed_tokens[i], scheduled.get(req_id, 0)
-            self._plan(meta, req_id, blocks, resumed, computed, count)
+            self._plan(meta, req_id, cached.new_block_ids[i], resumed, computed, count)
         return meta
+
+    def _present(self, tables: tuple[list[int], ...], computed: int) -> tuple[list[int], ...]:
+        """Each group's table with the blocks a sliding-window group may have let go once
+        ``computed`` tokens are computed as the null block: vLLM tells the workers only of
+        new blocks, so a freed (and maybe reused) block still stands in the tables they
+        build; nothing of a request is read or written there."""
+        size = self.block_size
+        present = tuple(list(table) for table in tables)
+        for group, table in enumerate(present):
+            released = min(self.groups.released(group, computed, size), len(table))
+            table[:released] = [NULL_BLOCK] * released
+        return present
 
     def _plan(
         self,
         meta: ChunkStoreMetadata,
         req_id: str,
-        blocks: list[int],
-        replace: bool,
+        blocks: tuple[list[int], ...] | None,
+        replace_table: bool,
         computed: int,
         scheduled: int,
     ) -> None:
+        """``blocks``: the request's whole table in each KV-cache group (``replace_table``:
+        a new or resumed request) or its new blocks (None: none)."""
         tracked = self._tracked.get(req_id)
         if tracked is None:
             return
-        if replace:
-            tracked.block_ids = blocks
+        if replace_table or not tracked.tables:
+            tracked.tables = [list(table) for table in blocks or ()]
         else:
-            tracked.block_ids.extend(blocks)
+            for table, more in zip(tracked.tables, blocks or (), strict=False):
+                table.extend(more)
+        if self.groups.hybrid:
+            tracked.tables = list(self._present(tuple(tracked.tables), computed))
         end = computed + scheduled
         if not tracked.chunked and self.config.save_generated:
             self._grow(tracked, end)
@@ -501,8 +557,10 @@ class SchedulerSide:
         saves = self._saves(tracked, end) if self.config.save else []
         isolation = self._isolated_step(tracked, computed, end)
         if loads or saves or isolation:
+            tables = tuple(list(table) for table in tracked.tables) or ([],)
+            hybrid = tables if self.groups.hybrid else ()
             meta.requests.append(
-                RequestPlan(req_id, list(tracked.block_ids), loads, saves, isolation)
+                RequestPlan(req_id, tables[0], loads, saves, isolation, group_block_ids=hybrid)
             )
 
     def _grow(self, tracked: Tracked, computed_end: int) -> None:
@@ -558,6 +616,7 @@ class SchedulerSide:
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """These requests' loads ended on the workers: their leases can go."""
+        self._failed_loads |= set(output.failed_recving or ())  # looked up no more
         ended = output.kv_connector_worker_meta
         if isinstance(ended, LoadsEnded):
             for req_id, shm_bytes in ended.shm_bytes.items():
@@ -609,6 +668,9 @@ class SchedulerSide:
         return saves
 
     def request_finished(self, request: Request) -> None:
+        self._failed_loads.discard(request.request_id)
+        self._received.discard(request.request_id)
+        self._receiving.pop(request.request_id, None)
         self._release(request.request_id)
         self._tracked.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)

@@ -35,7 +35,9 @@ class Tracked:
     causal_start: int
     present: list[bool] | None = None  # stored when last looked up (None: not looked up)
     local_computed: int = 0  # tokens vLLM's own prefix cache had
-    block_ids: list[int] = field(default_factory=list)  # its block table, once scheduled
+    # its block table in each KV-cache group, once scheduled (one group without vLLM's
+    # hybrid manager)
+    tables: list[list[int]] = field(default_factory=list)
     saving: set[int] = field(default_factory=set)  # cacheable segments whose save is planned
     recomputed: dict[int, range] = field(default_factory=dict)  # segment -> its offsets
     shifts: tuple[tuple[int, int, int], ...] = ()  # chunks attended elsewhere: start, end, by

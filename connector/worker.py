@@ -23,6 +23,7 @@ import torch
 
 from chunkstore.errors import LayoutError
 
+from .cache_groups import CacheGroups
 from .client_holder import DaemonLink
 from .common import ChunkStoreMetadata, LoadsEnded
 from .config import ConnectorConfig, unsupported_parallelism
@@ -50,9 +51,12 @@ class WorkerSide:
     """What the connector calls in a worker process: set-up here, each step's loads and
     saves handed on."""
 
-    def __init__(self, vllm_config: VllmConfig, config: ConnectorConfig) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, config: ConnectorConfig, groups: CacheGroups | None = None
+    ) -> None:
         self.config = config
         self.vllm_config = vllm_config
+        self.groups = groups or CacheGroups()  # vLLM's KV-cache groups (hybrid manager)
         self.keys = ModelKeys.from_vllm(vllm_config, config)
         block_size = vllm_config.cache_config.block_size
         heads = self.keys.layout.num_kv_heads
@@ -82,7 +86,7 @@ class WorkerSide:
             log.warning("chunkstore: %s; loading and saving are off", off)
             return
         self.loads.place_threads()
-        self.cache.set_layers(kv_caches)
+        self.cache.set_layers(kv_caches, self.groups)
         self.cache.cp, self.cache.cp_group = context_parallel(self.vllm_config)
         self.cache.replica = prefill_replica(self.vllm_config)
         why = self._unusable_cache()
@@ -96,7 +100,9 @@ class WorkerSide:
                 "saving and in-band isolation are off (loads still go through vLLM's own "
                 "write op)"
             )
-        single = self.cache.heads.size == 1 and self.cache.cp.size == 1  # a block: every token
+        # a block: every token, every layer (not under the hybrid manager: a layer's block
+        # is its group's, and a sliding-window group's may be gone)
+        single = self.cache.heads.size == 1 and self.cache.cp.size == 1 and not self.groups.hybrid
         if single and isinstance(self.cache.access, CpuKVLayout):
             self.cache.pack(self.cache.access.packing(self.cache.layers, self.keys.kv_dtype))
         if self.cache.readable and isinstance(self.cache.access, CpuKVLayout):
@@ -113,6 +119,10 @@ class WorkerSide:
         as written (``readable``: a probe) are set."""
         layout, cache = self.keys.layout, self.cache
         first = cache.layers[0]
+        if self.groups.unsupported:
+            return f"vLLM's hybrid KV-cache manager with {self.groups.unsupported}"
+        if self.groups.hybrid and cache.cp.size > 1:
+            return "context parallelism under vLLM's hybrid KV-cache manager"
         try:
             latent = self.keys.rotary.rotary_offset if layout.kind == "mla" else 0
             cache.access = cache_access(
@@ -215,6 +225,10 @@ class WorkerSide:
         if self.hook is not None:
             failed |= self.hook.take_failed_blocks()
         return failed | self.sparse.take_failed_blocks()
+
+    def received(self) -> tuple[set[str], set[str]]:
+        """Requests whose asynchronous loads (the hybrid manager's) ended: loaded, failed."""
+        return self.loads.received()
 
     def loads_ended(self) -> LoadsEnded | None:
         return self.loads.ended()
