@@ -28,8 +28,8 @@ def layer_number(name: str) -> int:
 
 @dataclass(frozen=True)
 class CpRank:
-    """Where this worker stands in vLLM's context-parallel group (seed 003): the sequence
-    is interleaved over ``size`` ranks in runs of ``interleave`` tokens inside virtual
+    """Where this worker stands in vLLM's context-parallel group (docs/loads-and-saves.md): the
+    sequence is interleaved over ``size`` ranks in runs of ``interleave`` tokens inside virtual
     blocks of ``size`` x block_size tokens, and this rank's cache holds only its own runs
     (``kv.paging.cp_slot_mapping``). 1: no context parallelism."""
 

@@ -2,8 +2,8 @@
 stood last: the pure choices the policy (``treatment``) is made of.
 
 Under isolation a real model answers from the wrong document; recomputing the chunk that
-holds the answer, seeing everything before it, brings the answer back (docs/connector.md,
-"Answer quality"). Which chunk that is, the question's own attention does not tell: it
+holds the answer, seeing everything before it, brings the answer back
+(docs/answer-quality.md). Which chunk that is, the question's own attention does not tell: it
 follows recency. Relevance does. The choice, in order:
 
 - the application's, per request: ``kv_transfer_params`` in the request body (the openai

@@ -75,7 +75,7 @@ DEFAULT_RELEVANT_FIRST_TOKENS = 4
 @dataclass(frozen=True)
 class QualityConfig:
     """The quality settings (each a ``kv_connector_extra_config`` key of the same name;
-    docs/connector.md, "Answer quality")."""
+    docs/answer-quality.md)."""
 
     recompute_chunks: int = 0  # N chunks recomputed whole, seeing everything before them
     recompute_by: str = "relevance"  # which: relevance (BM25) | position (the last N)
