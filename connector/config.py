@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -12,7 +13,7 @@ from chunkstore.kv.fingerprint import is_mla
 from chunkstore.kv.keys import Isolation
 from chunkstore.kv.keyspace import DEFAULT_PREFIX_BLOCK_TOKENS
 from chunkstore.kv.layer_rotary import LayerRotary
-from chunkstore.kv.treatment import QualityConfig
+from chunkstore.kv.treatment import BackEnd, Policy, QualityConfig
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,9 @@ class ConnectorConfig:
     load_threads: int = 2  # threads that write a layer's loaded entries side by side
     load_cpus: str = "spare"  # where: spare (cores vLLM does not compute on) | all | vllm | "0-3"
     populate_pool: bool = True  # map the shared pool's pages in the background, not per read
-    inband_isolation: bool = True  # the isolation mask inside vLLM's attention (worker hook)
+    # The isolation mask inside vLLM's attention (the workers' hook), where the back end is
+    # the one it wraps: vLLM's CPU attention (``for_deployment`` decides, once).
+    inband_isolation: bool = True
     # Chunks computed as if standing this many tokens after sys (in the keys: each needs
     # in-band isolation).
     virtual_gap: int = 0
@@ -70,13 +73,16 @@ class ConnectorConfig:
     # keeps blocks up to sparse_threshold, whose values are read (kv.sparse.refine). 0: the
     # bound chooses alone.
     sparse_candidates: float = 0.0
+    # What this deployment's back end serves (the hook, recompute): ``for_deployment``'s
+    # decision, not a key of the extra config; read through ``back_end``.
+    decided: BackEnd | None = None
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
         """From ``kv_connector_extra_config``: its keys are this class's fields and, flat
         beside them, ``QualityConfig``'s."""
         extra = dict(extra or {})
-        own = {f.name for f in fields(cls)} - {"quality"}
+        own = {f.name for f in fields(cls)} - {"quality", "decided"}
         quality_names = set(QualityConfig.names())
         unknown = sorted(set(extra) - own - quality_names)
         if unknown:
@@ -84,8 +90,9 @@ class ConnectorConfig:
                 f"unknown kv_connector_extra_config keys {unknown}; known: "
                 f"{sorted(own | quality_names)}"
             )
-        quality = QualityConfig.from_settings({k: extra.pop(k) for k in quality_names & set(extra)})
-        config = cls(**extra, quality=quality)
+        policy = Policy.from_extra(extra)  # the quality settings, as the router reads them
+        own_keys = {k: v for k, v in extra.items() if k not in quality_names}
+        config = cls(**own_keys, quality=policy.quality)
         Isolation(config.isolation)  # raises on a bad mode
         if config.transport not in ("auto", "shm", "stream"):
             raise ValueError(f"transport must be auto, shm or stream, not {config.transport!r}")
@@ -127,6 +134,17 @@ class ConnectorConfig:
     @property
     def isolation_mode(self) -> Isolation:
         return Isolation(self.isolation)
+
+    @property
+    def back_end(self) -> BackEnd:
+        """What the back end serves: every part reads this, never ``inband_isolation`` (the
+        hook asked for); ``for_deployment`` decides it, once (until then: as asked)."""
+        return self.decided or BackEnd(inband=self.inband_isolation)
+
+    @property
+    def policy(self) -> Policy:
+        """What a prompt's chunks get, on this back end (``chunkstore.kv.treatment``)."""
+        return Policy(self.quality, self.isolation_mode, self.virtual_gap, self.back_end)
 
 
 def load_cpus(text: str, bound: set[int] | None = None) -> set[int] | None:
@@ -190,28 +208,85 @@ def prefill_context_parallel(vllm_config: Any) -> int:
     return int(getattr(vllm_config.parallel_config, "prefill_context_parallel_size", 1) or 1)
 
 
-def for_deployment(config: ConnectorConfig, vllm_config: Any) -> ConnectorConfig:
-    """The settings this deployment can serve: under context parallelism a rank's cache
-    holds a share of every chunk's tokens (decode), or a rank computes a share of them
-    (prefill), so in-band isolation (the hook attends a chunk's rows over its own keys,
-    on one rank) is off, and with it recompute, moves and sparse loads: stored chunks are
-    loaded (isolated, as the router or ingest stored them) and exact prefixes shared, as on
-    a back end without the hook. The same for an MLA model (``latent_attention``) and a
-    sliding-window one with ``virtual_gap`` (the hook's window counts positions from sys).
-    A model whose layers rotate keys differently or attend through a window keeps the hook
-    with what it serves there (``hook_limits``). Under vLLM's hybrid KV-cache manager
-    (``hybrid_kv_cache``) a sliding-window model's hook is off too: its sliding layers free
-    the blocks before their window, where a chunk's rows (at their virtual positions) read
-    sys's keys; the connector that is not ``SupportsHMA`` keeps it (full KV everywhere)."""
-    parallel = decode_context_parallel(vllm_config) * prefill_context_parallel(vllm_config)
+def device_type(vllm_config: Any) -> str:
+    """The device vLLM runs the model on (``cpu``, ``cuda``, ``npu``, ...): its device
+    config's, else (a config without one) the platform's."""
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
+    if not device:
+        try:
+            from vllm.platforms import current_platform
+        except ImportError:  # no vLLM (the doctor's reading of a model): the CPU build's
+            return "cpu"
+        device = current_platform.device_type or "cpu"
+    return str(device)
+
+
+def hook_refused(config: ConnectorConfig, vllm_config: Any) -> str | None:
+    """Why the in-band hook cannot serve this deployment, or None. It wraps vLLM's CPU
+    attention and attends a chunk's rows over its own keys on one rank: another device's
+    attention back end (CUDA, Ascend), context parallelism (a rank's cache holds a share of
+    every chunk's tokens, decode, or a rank computes a share of them, prefill), an MLA
+    model (``latent_attention``), ``virtual_gap`` with sliding-window layers (the hook's
+    window counts positions from sys) and a sliding-window model under vLLM's hybrid
+    KV-cache manager (``hybrid_kv_cache``: its sliding layers free the blocks before their
+    window, where a chunk's rows read sys's keys; the connector that is not ``SupportsHMA``
+    keeps the hook, full KV everywhere) are served without it."""
+    device = device_type(vllm_config)
+    if device != "cpu":
+        return f"the {device} attention back end (the hook wraps vLLM's CPU attention)"
+    if decode_context_parallel(vllm_config) * prefill_context_parallel(vllm_config) > 1:
+        return "context parallelism: each rank holds or computes a share of every chunk"
+    if latent_attention(vllm_config):
+        return "an MLA model's latent cache"
+    if any(layer_rotary(vllm_config).windows) and config.virtual_gap > 0:
+        return "virtual_gap with sliding-window layers"
+    if any(layer_rotary(vllm_config).windows) and hybrid_kv_cache(vllm_config):
+        return (
+            "vLLM's hybrid KV-cache manager (ChunkStoreHybridConnector): a sliding-window "
+            "layer's blocks before its window are freed, where a chunk's rows read sys's keys"
+        )
+    return None
+
+
+def hybrid_kv_cache(vllm_config: Any) -> bool:
+    """Whether vLLM keeps its hybrid KV-cache manager on (a ``SupportsHMA`` connector, and
+    not ``--disable-hybrid-kv-cache-manager``): sliding-window layers then free the blocks
+    out of their window (``cache_groups``); decided before any connector exists."""
+    scheduler_config = getattr(vllm_config, "scheduler_config", None)
+    return getattr(scheduler_config, "disable_hybrid_kv_cache_manager", True) is False
+
+
+def for_deployment(
+    config: ConnectorConfig, vllm_config: Any, say: logging.Logger | None = None
+) -> ConnectorConfig:
+    """The settings this deployment can serve, decided once, here: ``back_end`` (the hook,
+    recompute), which the scheduler and the workers read. Where the hook cannot serve the
+    deployment (``hook_refused``) it is off, and with it recompute, moves and sparse loads:
+    stored chunks are loaded (isolated, as the router or ingest stored them), exact
+    prefixes shared, and the relevant chunks standing last left to vLLM (what the router's
+    order sends). A model whose layers rotate keys differently or attend through a window
+    keeps the hook with what it serves there (``hook_limits``). ``say``: the log that tells
+    the operator (the scheduler's: once an engine)."""
+    no_recompute = unsupported_recompute(vllm_config)
+    refused = hook_refused(config, vllm_config) if config.inband_isolation else None
+    served = config
+    if refused:
+        served = replace(
+            config, inband_isolation=False, sparse_threshold=0.0, sparse_candidates=0.0
+        )
+    elif config.inband_isolation:
+        served = _within_hook_limits(config, vllm_config)
+    hook = served.inband_isolation
+    served = replace(served, decided=BackEnd(inband=hook, recompute=hook and not no_recompute))
+    if say is not None:
+        _say_back_end(say, config, served, refused, no_recompute, hook_limits(vllm_config))
+    return served
+
+
+def _within_hook_limits(config: ConnectorConfig, vllm_config: Any) -> ConnectorConfig:
+    """What the hook serves for a model whose layers attend through a window or rotate keys
+    differently."""
     windowed = any(layer_rotary(vllm_config).windows)
-    hookless = latent_attention(vllm_config) or (
-        windowed and (config.virtual_gap > 0 or hybrid_kv_cache(vllm_config))
-    )
-    if not config.inband_isolation:
-        return config
-    if parallel > 1 or hookless:
-        return replace(config, inband_isolation=False)
     if windowed:
         # Moves, recompute and question re-weighting attend chunks where vLLM's kernel
         # counts other positions (its window covers where tokens stand in the cache).
@@ -229,12 +304,45 @@ def for_deployment(config: ConnectorConfig, vllm_config: Any) -> ConnectorConfig
     return config
 
 
-def hybrid_kv_cache(vllm_config: Any) -> bool:
-    """Whether vLLM keeps its hybrid KV-cache manager on (a ``SupportsHMA`` connector, and
-    not ``--disable-hybrid-kv-cache-manager``): sliding-window layers then free the blocks
-    out of their window (``cache_groups``); decided before any connector exists."""
-    scheduler_config = getattr(vllm_config, "scheduler_config", None)
-    return getattr(scheduler_config, "disable_hybrid_kv_cache_manager", True) is False
+def _say_back_end(
+    say: logging.Logger,
+    asked: ConnectorConfig,
+    served: ConnectorConfig,
+    refused: str | None,
+    no_recompute: str | None,
+    limits: str | None,
+) -> None:
+    """The back end's decision, for the operator: once, with what it means for the router."""
+    if refused:
+        idle = [
+            name
+            for name, on in (
+                ("recompute_chunks", asked.quality.recompute_chunks),
+                ("recompute_tokens", asked.quality.recompute_tokens),
+                ("question re-weighting", asked.quality.reweights_questions),
+                ("sparse_threshold", asked.sparse_threshold),
+            )
+            if on
+        ]
+        say.warning(
+            "chunkstore: in-band isolation is off (%s): stored chunks load isolated and "
+            "none is stored from requests; the relevant chunks standing last are left to "
+            "vLLM. Put `chunkstore router` in front (its --order relevant-last, with this "
+            "--connector-config) to send them there and store chunks from live traffic, or "
+            "store them with `chunkstore ingest`%s",
+            refused,
+            f"; off with the hook: {', '.join(idle)}" if idle else "",
+        )
+    elif not served.back_end.inband:
+        say.info("chunkstore: in-band isolation is off (inband_isolation: false)")
+    elif limits:
+        say.warning("chunkstore: in-band isolation: %s", limits)
+    quality = served.quality
+    recomputes = quality.relevant_recompute_tokens and quality.relevant_last
+    if served.back_end.inband and no_recompute and recomputes:
+        say.info(
+            "chunkstore: relevant chunks are attended last, never recomputed: %s", no_recompute
+        )
 
 
 def hook_limits(vllm_config: Any) -> str | None:
@@ -288,7 +396,8 @@ def unsupported_recompute(vllm_config: Any) -> str | None:
     tensor_parallel = getattr(vllm_config.parallel_config, "tensor_parallel_size", 1)
     if tensor_parallel > 1:
         return f"tensor_parallel_size={tensor_parallel} is not supported"
-    architectures = list(getattr(vllm_config.model_config, "architectures", None) or [])
+    model_config = getattr(vllm_config, "model_config", None)
+    architectures = list(getattr(model_config, "architectures", None) or [])
     if not set(architectures) & set(RECOMPUTED_ARCHITECTURES):
         return f"{architectures} is not one of {list(RECOMPUTED_ARCHITECTURES)}"
     return None

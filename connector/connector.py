@@ -10,7 +10,7 @@ The scheduler side decides (``scheduler.py``), the worker side moves bytes (``wo
 ``ChunkStoreHybridConnector`` is the same connector declaring vLLM's ``SupportsHMA``: vLLM
 then keeps its hybrid KV-cache manager on (a sliding-window model's local layers hold only
 their window: ``cache_groups.py``), loads go per KV-cache group and asynchronously, and the
-in-band hook is off for a model with sliding-window layers (``config.for_deployment``). vLLM
+in-band hook is off for a model with sliding-window layers (``config.hook_refused``). vLLM
 decides on the class, before any connector exists, so the choice is the class name:
 
     --kv-transfer-config '{"kv_connector": "ChunkStoreHybridConnector", ...}'
@@ -37,14 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from .cache_groups import CacheGroups
 from .common import ChunkStoreMetadata
-from .config import (
-    ConnectorConfig,
-    for_deployment,
-    hook_limits,
-    hybrid_kv_cache,
-    latent_attention,
-    layer_rotary,
-)
+from .config import ConnectorConfig, for_deployment
 from .metrics import ConnectorPromMetrics, ConnectorStats
 from .scheduler import SchedulerSide
 from .versions import warn_outside_matrix
@@ -77,25 +70,10 @@ class ChunkStoreConnector(KVConnectorBase_V1):
             kv_cache_config=kv_cache_config,  # type: ignore[arg-type]
         )
         asked = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
-        config = for_deployment(asked, vllm_config)
-        if role == KVConnectorRole.SCHEDULER:
-            if config.inband_isolation != asked.inband_isolation:
-                log.warning(
-                    "chunkstore: in-band isolation is off (%s): stored chunks load "
-                    "isolated, none is stored from requests (store them with the router or "
-                    "`chunkstore ingest`)",
-                    "an MLA model's latent cache"
-                    if latent_attention(vllm_config)
-                    else "vLLM's hybrid KV-cache manager (ChunkStoreHybridConnector): a "
-                    "sliding-window layer's blocks before its window are freed, where a chunk's "
-                    "rows read sys's keys"
-                    if any(layer_rotary(vllm_config).windows) and hybrid_kv_cache(vllm_config)
-                    else "virtual_gap with sliding-window layers"
-                    if any(layer_rotary(vllm_config).windows)
-                    else "context parallelism: each rank holds or computes a share of every chunk",
-                )
-            elif config.inband_isolation and hook_limits(vllm_config):
-                log.warning("chunkstore: in-band isolation: %s", hook_limits(vllm_config))
+        scheduler = role == KVConnectorRole.SCHEDULER
+        # The back end decides the hook once; the scheduler's process says so, once.
+        config = for_deployment(asked, vllm_config, log if scheduler else None)
+        if scheduler:
             warn_outside_matrix(log)  # once per engine: the scheduler has one connector
             # A chunk that fails to load (daemon gone, entry evicted, checksum) is computed,
             # never served wrong and never a failed request. The scheduler reads this after
@@ -104,7 +82,6 @@ class ChunkStoreConnector(KVConnectorBase_V1):
                 log.info("chunkstore: kv_load_failure_policy set to 'recompute'")
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
         groups = CacheGroups.from_kv_cache_config(kv_cache_config)
-        scheduler = role == KVConnectorRole.SCHEDULER
         self.scheduler = SchedulerSide(vllm_config, config, groups) if scheduler else None
         self.worker = (
             WorkerSide(vllm_config, config, groups) if role == KVConnectorRole.WORKER else None

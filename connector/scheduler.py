@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING
 from chunkstore.client import LeasedEntry
 from chunkstore.errors import ChunkStoreError
 from chunkstore.kv.entry import EntryKind
-from chunkstore.kv.keys import Isolation, digests_key, summary_key
+from chunkstore.kv.keys import digests_key, summary_key
 from chunkstore.kv.segments import Segment, SegmentKind
-from chunkstore.kv.treatment import BackEnd, Treatment, first_is_causal, treat
+from chunkstore.kv.selection import TransferParams
+from chunkstore.kv.treatment import Treatment
 
 from .cache_groups import NULL_BLOCK, CacheGroups
 from .client_holder import DaemonLink
@@ -31,12 +32,7 @@ from .common import (
     SaveItem,
     SparseSource,
 )
-from .config import (
-    ConnectorConfig,
-    decode_context_parallel,
-    unsupported_parallelism,
-    unsupported_recompute,
-)
+from .config import ConnectorConfig, decode_context_parallel, unsupported_parallelism
 from .keys import ModelKeys, SegmentPlan
 from .metrics import ConnectorStats
 from .prefix_cache import keep_roles_apart
@@ -103,17 +99,12 @@ class SchedulerSide:
         self._warned_prefix_cache = False
         self.off = unsupported_parallelism(vllm_config) or self.groups.unsupported
         self.keys.say_if_refused(vllm_config.model_config.model)  # once: one scheduler
-        # What the back end can do decides the treatment (``chunkstore.kv.treatment``).
-        no_recompute = unsupported_recompute(vllm_config)
-        quality = config.quality
-        if quality.relevant_recompute_tokens and quality.relevant_last and no_recompute:
-            log.info(
-                "chunkstore: relevant chunks are attended last, never recomputed: %s",
-                no_recompute,
-            )
-        self.back_end = BackEnd(inband=config.inband_isolation, recompute=not no_recompute)
-        self.first_is_causal = first_is_causal(config.isolation_mode, config.virtual_gap)
-        self.fills_gaps = config.fill_gaps and config.inband_isolation and not no_recompute
+        # What the back end serves, decided once (``config.for_deployment``), decides the
+        # treatment (``chunkstore.kv.treatment``) and what is planned for the workers' hook.
+        self.back_end = config.back_end
+        self.policy = config.policy
+        self.first_is_causal = self.policy.first_is_causal
+        self.fills_gaps = config.fill_gaps and self.back_end.inband and self.back_end.recompute
         if self.off:
             log.warning(
                 "chunkstore: %s; the connector stays off (every request computed)", self.off
@@ -131,7 +122,9 @@ class SchedulerSide:
             salt = getattr(request, "cache_salt", None) or ""
             if segments and segments[0].kind is SegmentKind.SYS:  # a separator: chunked
                 self.stats.add("chunked_prompts")
-                treated = self._treat(request, segments)
+                # The request's own choices, parsed once.
+                params = TransferParams.parse(getattr(request, "kv_transfer_params", None))
+                treated = self._treat(request, segments, params)
                 causal = causal_start(segments)
                 recomputed = dict(treated.recomputed)
                 if not self.back_end.inband:  # relevant chunks standing last: vLLM's to compute
@@ -157,8 +150,8 @@ class SchedulerSide:
                     recomputed=recomputed,
                     shifts=moves,
                     first_tokens=treated.first_tokens,
-                    sparse_threshold=self._sparse_share(request, "sparse_threshold"),
-                    sparse_candidates=self._sparse_share(request, "sparse_candidates"),
+                    sparse_threshold=self._sparse_share(request, params, "sparse_threshold"),
+                    sparse_candidates=self._sparse_share(request, params, "sparse_candidates"),
                 )
             else:
                 self.stats.add("unchunked_prompts")
@@ -180,18 +173,12 @@ class SchedulerSide:
             self._tracked[req_id] = tracked
         return self._tracked[req_id]
 
-    def _treat(self, request: Request, segments: list[Segment]) -> Treatment:
+    def _treat(
+        self, request: Request, segments: list[Segment], params: TransferParams
+    ) -> Treatment:
         """What the request's chunks get (``chunkstore.kv.treatment``), its own choice
         (``kv_transfer_params``) first; malformed ones are ignored, said and counted."""
-        config = self.config
-        treated = treat(
-            segments,
-            config.quality,
-            config.isolation_mode,
-            config.virtual_gap,
-            self.back_end,
-            getattr(request, "kv_transfer_params", None),
-        )
+        treated = self.policy.treat(segments, params)
         if treated.ignored_params is not None:
             log.warning(
                 "chunkstore: request %s: kv_transfer_params ignored: %s",
@@ -206,7 +193,7 @@ class SchedulerSide:
     def on_new_request(self, request: Request) -> None:
         """With in-band isolation, keep vLLM's prefix cache from sharing blocks between
         tokens of different roles (``prefix_cache``), before vLLM looks the request up."""
-        if self.off or not self.config.inband_isolation:
+        if self.off or not self.back_end.inband:
             return
         tracked = self._track(request)
         if tracked is None or not tracked.chunked:
@@ -225,29 +212,25 @@ class SchedulerSide:
             self._warned_prefix_cache = True
         request.skip_reading_prefix_cache = True
 
-    def _sparse_share(self, request: Request, name: str) -> float:
+    def _sparse_share(self, request: Request, params: TransferParams, name: str) -> float:
         """The request's ``name`` (``sparse_threshold`` or ``sparse_candidates``: its
         ``kv_transfer_params``', else the connector's); a malformed one is ignored, said and
         counted."""
-        params = getattr(request, "kv_transfer_params", None)
-        value = params.get(name) if isinstance(params, dict) else None
         default = float(getattr(self.config, name))
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        why = params.why_ignored(name)
+        if why is not None:
             log.warning(
-                "chunkstore: request %s: kv_transfer_params ignored: %s is a share of the "
-                "attention, 0 to 1, not %r",
-                request.request_id,
-                name,
-                value,
+                "chunkstore: request %s: kv_transfer_params ignored: %s", request.request_id, why
             )
             self.stats.add("bad_transfer_params")
             return default
-        if value and not (self.config.inband_isolation and self.config.sparse_summary_tokens):
+        value = getattr(params, name)
+        if value is None:
+            return default
+        if value and not (self.back_end.inband and self.config.sparse_summary_tokens):
             log.warning(
-                "chunkstore: request %s: %s ignored: sparse loads need "
-                "inband_isolation and sparse_summary_tokens > 0",
+                "chunkstore: request %s: %s ignored: sparse loads need the in-band hook "
+                "and sparse_summary_tokens > 0",
                 request.request_id,
                 name,
             )
@@ -551,7 +534,7 @@ class SchedulerSide:
         if not tracked.chunked and self.config.save_generated:
             self._grow(tracked, end)
         loads = self._loads.pop(req_id, [])
-        if self.config.recompute_in_one_pass and self.config.inband_isolation:
+        if self.config.recompute_in_one_pass and self.back_end.inband:
             once = tracked.plan_in_place(computed, end) + tracked.plan_gap_picks(computed, end)
             self.stats.add("one_pass_chunks", once)
         saves = self._saves(tracked, end) if self.config.save else []
@@ -581,11 +564,11 @@ class SchedulerSide:
         the step computes some of their tokens, or (question re-weighting) causal tokens
         that attend to them."""
         chunks = tracked.isolated_chunks
-        if not self.config.inband_isolation or start >= end or not chunks:
+        if not self.back_end.inband or start >= end or not chunks:
             return None
         computes_chunks = any(lo < end and hi > start for lo, hi in chunks)
         reweights = (
-            self.config.quality.reweights_questions or bool(tracked.sparse)
+            self.policy.quality.reweights_questions or bool(tracked.sparse)
         ) and end > tracked.causal_start
         recomputes = tracked.first_tokens or tracked.recomputed
         blends = bool(recomputes) and start <= tracked.causal_start < end
@@ -646,10 +629,9 @@ class SchedulerSide:
             causal_is_isolated = seg.kind in (SegmentKind.SYS, SegmentKind.PREFIX) or (
                 seg.kind is SegmentKind.CHUNK
                 and seg.start == tracked.sys_end
-                and self.config.isolation_mode is Isolation.SYS
-                and self.config.virtual_gap == 0
+                and self.first_is_causal
             )
-            if causal_is_isolated or self.config.inband_isolation:
+            if causal_is_isolated or self.back_end.inband:
                 tracked.saving.add(index)
                 saves.append(
                     SaveItem(

@@ -108,9 +108,10 @@ class WorkerSide:
         if self.cache.readable and isinstance(self.cache.access, CpuKVLayout):
             self.cache.access.warm_up(*self.cache.layers[0], self.keys.rotary)
         self.link.connect_early()
-        if self.config.inband_isolation and self.keys.rotary_refused:
+        hook = self.config.back_end.inband  # decided once (``config.for_deployment``)
+        if hook and self.keys.rotary_refused:
             log.info("chunkstore: in-band isolation is off: %s", self.keys.rotary_refused)
-        elif self.config.inband_isolation:
+        elif hook:
             self._install_hook()
 
     def _unusable_cache(self) -> str | None:

@@ -74,7 +74,10 @@ def parallel(**sizes: int) -> SimpleNamespace:
         "prefill_context_parallel_size": 1,
         "decode_context_parallel_size": 1,
     }
-    return SimpleNamespace(parallel_config=SimpleNamespace(**{**defaults, **sizes}))
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(**{**defaults, **sizes}),
+        device_config=SimpleNamespace(device_type="cpu"),  # vLLM's CPU attention: the hook's
+    )
 
 
 def test_pipeline_parallelism_keeps_the_connector_off() -> None:
@@ -91,12 +94,14 @@ def test_context_parallelism_turns_in_band_isolation_off() -> None:
     attend a chunk's rows over its keys, so the connector serves as on a back end without
     it (loads, prefixes)."""
     config = ConnectorConfig.from_extra({"sparse_threshold": 0.5})
-    assert config.inband_isolation
-    assert for_deployment(config, parallel()) == config
+    assert config.back_end.inband
+    assert replace(for_deployment(config, parallel()), decided=None) == config
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         served = for_deployment(config, parallel(**{name: 2}))
-        assert not served.inband_isolation
-        assert replace(served, inband_isolation=True) == config  # nothing else changed
+        assert not served.back_end.inband and not served.back_end.recompute
+        # Sparse loads go with the hook; nothing else changed.
+        hookless = {"inband_isolation": False, "sparse_threshold": 0.0, "decided": None}
+        assert replace(config, **hookless) == replace(served, decided=None)
     assert context_parallel(parallel()) == (CpRank(), None)
     assert prefill_replica(parallel()) == 0
 

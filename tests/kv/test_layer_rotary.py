@@ -5,6 +5,7 @@ fingerprint keyed by every layer's rotary and window."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 from typing import Any
 
@@ -133,7 +134,9 @@ def test_the_hook_serves_windowed_layers_without_what_attends_elsewhere() -> Non
 
     def deployment(hf_config: Any) -> Any:
         return SimpleNamespace(
-            model_config=SimpleNamespace(hf_config=hf_config), parallel_config=SimpleNamespace()
+            model_config=SimpleNamespace(hf_config=hf_config),
+            parallel_config=SimpleNamespace(),
+            device_config=SimpleNamespace(device_type="cpu"),
         )
 
     config = ConnectorConfig.from_extra({"sparse_threshold": 0.5})
@@ -144,4 +147,5 @@ def test_the_hook_serves_windowed_layers_without_what_attends_elsewhere() -> Non
     assert not served.quality.reweights_questions
     gap = ConnectorConfig(virtual_gap=8)
     assert not for_deployment(gap, deployment(gemma3())).inband_isolation
-    assert for_deployment(config, deployment(LlamaConfig(**SIZES))) == config
+    served = for_deployment(config, deployment(LlamaConfig(**SIZES)))
+    assert served.back_end.inband and dataclasses.replace(served, decided=None) == config
