@@ -192,9 +192,10 @@ class ColdChunks:
         self._warned = True
         log.warning(
             "chunkstore router: %d of %d cold chunks sent to %s were not stored under the keys "
-            "the router computed: its --model, --dtype, --separator, --isolation and "
-            "--virtual-gap must be the connector's, and the instance must use the daemon at "
-            "%s (or its pool is full). Requests compute these chunks themselves.",
+            "the router computed: its --model and --dtype must be the instance's, its "
+            "--connector-config the instance's kv_connector_extra_config, and the instance "
+            "must use the daemon at %s (or its pool is full). Requests compute these chunks "
+            "themselves.",
             lost,
             sent,
             instance.url,
