@@ -37,8 +37,8 @@ class ConnectorConfig:
     # Chunks computed as if standing this many tokens after sys (in the keys: each needs
     # in-band isolation).
     virtual_gap: int = 0
-    # Answer quality under isolation (each needs in-band isolation; docs/connector.md,
-    # "Answer quality"), set as flat keys of the same names.
+    # Answer quality under isolation (each needs in-band isolation; docs/answer-quality.md),
+    # set as flat keys of the same names.
     quality: QualityConfig = QualityConfig()
     # A chunk recomputed whole that the request computes anyway (not loaded) is computed
     # once, where it is attended, and not stored by this request (a request that uses it
@@ -58,8 +58,8 @@ class ConnectorConfig:
     save_generated: bool = True
     # Chunks of at least this many tokens are stored with a summary of their keys (each
     # block of sparse_block tokens' min and max, 1/sparse_block of the entry's bytes): what
-    # a sparse read of a long document chooses its blocks by, read without the entry (seed
-    # 002; docs/whats-left.md). 0: none.
+    # a sparse read of a long document chooses its blocks by, read without the entry
+    # (docs/sparse-loads.md). 0: none.
     sparse_summary_tokens: int = 1024
     sparse_block: int = 16
     # Long stored chunks (with a summary) are loaded sparse: per layer only the blocks that
