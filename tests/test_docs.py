@@ -412,6 +412,11 @@ def wrong_citations(path: Path, lines: Iterator[tuple[int, str]]) -> Iterator[st
                 yield f'{at}: {page}, "{heading}": no such heading'
 
 
+def test_code_cites_only_pages_and_headings_the_repository_holds() -> None:
+    wrong = [w for path in _code_files() for w in wrong_citations(path, _prose_of(path))]
+    assert not wrong, "citations a clone cannot follow:\n" + "\n".join(wrong)
+
+
 def test_pages_cite_no_seed_and_no_missing_page() -> None:
     wrong = [
         w
