@@ -10,9 +10,9 @@ import logging
 import time
 
 from chunkstore.client import ChunkStoreClient
+from chunkstore.connector_config import ConnectorConfig
 from chunkstore.errors import ChunkStoreError, StoreError, Unauthenticated, Unavailable
 
-from .config import ConnectorConfig
 from .metrics import ConnectorStats
 
 log = logging.getLogger("chunkstore.connector")

@@ -35,9 +35,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from chunkstore.connector_config import ConnectorConfig
+
 from .cache_groups import CacheGroups
 from .common import ChunkStoreMetadata
-from .config import ConnectorConfig, for_deployment
+from .config import for_deployment
 from .metrics import ConnectorPromMetrics, ConnectorStats
 from .scheduler import SchedulerSide
 from .versions import warn_outside_matrix

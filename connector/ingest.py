@@ -16,10 +16,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from chunkstore.client import ChunkStoreClient
+from chunkstore.connector_config import ConnectorConfig
 from chunkstore.ingest import IngestSummary, LLMBackend, ingest
 from chunkstore.prompts import RagPrompts
 
-from .config import ConnectorConfig
 from .keys import ModelKeys
 
 

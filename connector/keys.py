@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from chunkstore.connector_config import ConnectorConfig
 from chunkstore.errors import UnsupportedRotaryError
 from chunkstore.kv.fingerprint import ModelFingerprint, fingerprint, unremappable
 from chunkstore.kv.keys import KVLayout
@@ -16,8 +17,6 @@ from chunkstore.kv.layer_rotary import LayerRotary
 from chunkstore.kv.rope import RotaryConfig
 from chunkstore.kv.segments import Segment, SegmentKind
 from chunkstore.kv.separator import separator_ids
-
-from .config import ConnectorConfig
 
 log = logging.getLogger("chunkstore.connector")
 

@@ -22,13 +22,13 @@ import torch
 import torch.distributed as dist
 
 from chunkstore.client import Pieces
+from chunkstore.connector_config import ConnectorConfig, load_cpus
 from chunkstore.errors import ChunkStoreError
 from chunkstore.kv.entry import tensors_of
 from chunkstore.kv.paging import PAD_SLOT
 
 from .client_holder import DaemonLink
 from .common import ChunkStoreMetadata, LoadItem, LoadsEnded, RequestPlan
-from .config import ConnectorConfig, load_cpus
 from .held_parts import HeldPart, held_rows, row_bytes, row_starts
 from .keys import ModelKeys
 from .layer_loads import LayerLoads, place_thread

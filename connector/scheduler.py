@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from chunkstore.client import LeasedEntry
+from chunkstore.connector_config import ConnectorConfig
 from chunkstore.errors import ChunkStoreError
 from chunkstore.kv.entry import EntryKind
 from chunkstore.kv.keys import digests_key, summary_key
@@ -32,7 +33,7 @@ from .common import (
     SaveItem,
     SparseSource,
 )
-from .config import ConnectorConfig, decode_context_parallel, unsupported_parallelism
+from .config import decode_context_parallel, unsupported_parallelism
 from .keys import ModelKeys, SegmentPlan
 from .metrics import ConnectorStats
 from .prefix_cache import keep_roles_apart

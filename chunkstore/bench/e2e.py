@@ -45,10 +45,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from chunkstore.connector_config import ConnectorConfig
 from chunkstore.models import resolve
 from chunkstore.processes.vllm_probe import run_probe
 from chunkstore.prompts import AUTO, separator_ids
-from chunkstore_vllm.config import ConnectorConfig
 
 from .e2e_prefix import run_prefix
 from .e2e_shapes import (

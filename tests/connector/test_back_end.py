@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 from transformers import LlamaConfig
 
+from chunkstore.connector_config import ConnectorConfig
 from chunkstore.kv.segments import SegmentKind
-from chunkstore_vllm.config import ConnectorConfig, for_deployment
+from chunkstore_vllm.config import for_deployment
 from chunkstore_vllm.scheduler import SchedulerSide
 
 SEPARATOR = 7

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from chunkstore.client import ChunkStoreClient
+from chunkstore.connector_config import ConnectorConfig
 from chunkstore.kv.keys import Isolation
 from chunkstore.kv.selection import placed
 from chunkstore.processes.daemon import RunningDaemon
@@ -31,7 +32,6 @@ from chunkstore.testing.scenario import (
     Scenario,
     assert_logprobs_match,
 )
-from chunkstore_vllm.config import ConnectorConfig
 
 
 def run_vllm(

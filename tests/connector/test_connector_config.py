@@ -9,13 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from chunkstore_vllm.config import (
-    ConnectorConfig,
-    for_deployment,
-    load_cpus,
-    unsupported_parallelism,
-    unsupported_recompute,
-)
+from chunkstore.connector_config import ConnectorConfig, load_cpus
+from chunkstore_vllm.config import for_deployment, unsupported_parallelism, unsupported_recompute
 from chunkstore_vllm.registered_cache import CpRank, context_parallel, prefill_replica
 
 

@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from chunkstore.client import ChunkStoreClient, LeasedEntry
+from chunkstore.connector_config import ConnectorConfig
 from chunkstore.errors import InvalidRequest
 from chunkstore.kv.fingerprint import ModelFingerprint
 from chunkstore.kv.keys import KVLayout
@@ -40,7 +41,6 @@ from chunkstore.protocol.keyed_digest import keyed_sums
 from chunkstore.testing.entries import corrupt_entry, entry_key, random_kv
 from chunkstore_vllm.client_holder import DaemonLink
 from chunkstore_vllm.common import ChunkStoreMetadata, LoadItem, RequestPlan, SaveItem
-from chunkstore_vllm.config import ConnectorConfig
 from chunkstore_vllm.cpu_layout import CpuKVLayout
 from chunkstore_vllm.heads import RankHeads
 from chunkstore_vllm.keys import ModelKeys

@@ -3,9 +3,9 @@ restarted daemon is used again without recomputing forever, and the lost session
 
 from __future__ import annotations
 
+from chunkstore.connector_config import ConnectorConfig
 from chunkstore.testing.entries import entry_key, random_kv, wait_for
 from chunkstore_vllm.client_holder import DaemonLink
-from chunkstore_vllm.config import ConnectorConfig
 from chunkstore_vllm.metrics import ConnectorStats
 
 

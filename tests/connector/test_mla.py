@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from chunkstore.client import ChunkStoreClient
+from chunkstore.connector_config import ConnectorConfig
 from chunkstore.errors import LayoutError
 from chunkstore.kv.entry import layout_of
 from chunkstore.kv.fingerprint import ModelFingerprint, fingerprint_of_folder, kv_shape
@@ -29,7 +30,7 @@ from chunkstore.testing.entries import entry_key
 from chunkstore.testing.scenario import DOCS, QUESTIONS, SYS, Scenario
 from chunkstore_vllm.client_holder import DaemonLink
 from chunkstore_vllm.common import ChunkStoreMetadata, LoadItem, RequestPlan, SaveItem
-from chunkstore_vllm.config import ConnectorConfig, for_deployment
+from chunkstore_vllm.config import for_deployment
 from chunkstore_vllm.device_layout import DeviceKVLayout, cache_access
 from chunkstore_vllm.heads import RankHeads
 from chunkstore_vllm.held_parts import HeldPart, row_bytes, row_starts

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 from transformers import LlamaConfig
 
+from chunkstore.connector_config import ConnectorConfig
 from chunkstore.errors import UnsupportedRotaryError
 from chunkstore.kv.fingerprint import fingerprint
-from chunkstore_vllm.config import ConnectorConfig
 from chunkstore_vllm.keys import ModelKeys
 from chunkstore_vllm.scheduler import SchedulerSide
 from chunkstore_vllm.worker import WorkerSide

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from chunkstore.bench.qa_cases import generate
+from chunkstore.connector_config import ConnectorConfig
 from chunkstore.kv.segments import Segment, SegmentKind
 from chunkstore.kv.selection import (
     RECOMPUTE_FLOOR,
@@ -24,7 +25,6 @@ from chunkstore.kv.selection import (
     span,
 )
 from chunkstore.models import model_dir
-from chunkstore_vllm.config import ConnectorConfig
 
 
 def test_bm25_ranks_the_chunk_sharing_the_questions_rare_tokens_first() -> None:
