@@ -16,9 +16,15 @@ from typing import Any
 import pytest
 
 from chunkstore.cli import main
-from chunkstore.doctor import BELOW_BAR, REFERENCE_TOLERANCE, REFUSED, USE, WARM_TOLERANCE
 from chunkstore.models import MODELS, model_dir
 from chunkstore.testing.cli import chunkstore
+from chunkstore_vllm.doctor.stages import (
+    BELOW_BAR,
+    REFERENCE_TOLERANCE,
+    REFUSED,
+    USE,
+    WARM_TOLERANCE,
+)
 
 
 def doctor(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:

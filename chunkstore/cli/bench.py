@@ -1,6 +1,8 @@
 """``chunkstore bench NAME``: each bench is the module chunkstore.bench.NAME, with
 add_arguments(parser) and run(args) -> rows, imported only when it runs (the benches load
-torch and vLLM's helpers, seconds that ``chunkstore serve`` and the admin verbs skip)."""
+torch and vLLM's helpers, seconds that ``chunkstore serve`` and the admin verbs skip). A bench
+of the connector's internals (``hook``) is its module, found through the ``chunkstore.benches``
+entry points (pyproject.toml): chunkstore imports nothing of ``chunkstore_vllm`` by name."""
 
 from __future__ import annotations
 
@@ -8,9 +10,11 @@ import argparse
 import importlib
 import json
 import sys
+from importlib.metadata import entry_points
 from typing import Any
 
-# Bench name -> what it measures. Each is the module chunkstore.bench.NAME, with
+# Bench name -> what it measures. Each is the module chunkstore.bench.NAME (or the one its
+# entry point in PLUGGED names), with
 # add_arguments(parser) and run(args) -> rows; imported only by `chunkstore bench` (the benches
 # load torch and vLLM's helpers, seconds that `chunkstore serve` and the admin verbs skip).
 BENCHES: dict[str, str] = {
@@ -38,9 +42,13 @@ BENCHES: dict[str, str] = {
 
 
 PLOTTED = ("quality", "workload")  # benches with --plot (chunkstore.bench.plot)
+PLUGGED = "chunkstore.benches"  # the entry-point group of benches other packages hold
 
 
 def _bench_module(name: str) -> Any:
+    plugged = {e.name: e for e in entry_points(group=PLUGGED)}
+    if name in plugged:
+        return plugged[name].load()
     return importlib.import_module(f"chunkstore.bench.{name}")
 
 

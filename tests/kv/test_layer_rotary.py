@@ -12,13 +12,14 @@ from typing import Any
 import pytest
 from transformers import Gemma3TextConfig, LlamaConfig
 
-from chunkstore.doctor import support
+from chunkstore.connector_config import ConnectorConfig
 from chunkstore.errors import UnsupportedRotaryError
 from chunkstore.kv.fingerprint import fingerprint, kv_shape
 from chunkstore.kv.keys import model_fingerprint
 from chunkstore.kv.layer_rotary import LayerRotary
 from chunkstore.models import model_dir
-from chunkstore_vllm.config import ConnectorConfig, for_deployment
+from chunkstore_vllm.config import for_deployment
+from chunkstore_vllm.doctor.stages import support
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 SIZES = dict(

@@ -1,4 +1,6 @@
-"""``chunkstore doctor``: is chunk reuse supported, exact and worth it for a model."""
+"""``chunkstore doctor``: is chunk reuse supported, exact and worth it for a model. The
+``chunkstore`` command finds it through its ``chunkstore.commands`` entry point
+(pyproject.toml): chunkstore imports nothing of the connector."""
 
 from __future__ import annotations
 
@@ -31,11 +33,11 @@ DESCRIPTION = (
 
 
 def run(args: argparse.Namespace) -> int:
-    from chunkstore import doctor
+    from . import stages
 
     try:
-        return doctor.run(args)
-    except doctor.DoctorInputError as err:
+        return stages.run(args)
+    except stages.DoctorInputError as err:
         print(f"chunkstore doctor: {err}", file=sys.stderr)
         return 2
     except (TimeoutError, subprocess.TimeoutExpired):

@@ -5,7 +5,7 @@ user's kind of documents, with the setting to use.
 Four stages, each reported as it ends (progress on stderr):
 
 1. ``support`` (no vLLM, seconds): the model's files (regular files, with weights: a FIFO
-   would block its reader) and config (its sizes within ``doctor_inputs.SIZE_CAPS``), the
+   would block its reader) and config (its sizes within ``inputs.SIZE_CAPS``), the
    rotary variant and the KV layout the connector keys chunks by
    (``chunkstore.kv.fingerprint``, without hashing the weights: that takes minutes on a big
    model), the tokenizer and its separator, the vLLM installed against the tested matrix
@@ -43,7 +43,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from chunkstore.doctor_inputs import (
+from chunkstore.errors import ChunkStoreError
+
+from .inputs import (
     DoctorInputError,
     check_config,
     check_folder,
@@ -51,13 +53,12 @@ from chunkstore.doctor_inputs import (
     read_text,
     user_cases,
 )
-from chunkstore.errors import ChunkStoreError
 
 if TYPE_CHECKING:
+    from chunkstore.connector_config import ConnectorConfig
     from chunkstore.kv.keys import KVLayout
     from chunkstore.kv.layer_rotary import LayerRotary
     from chunkstore.kv.rope import RotaryConfig
-    from chunkstore_vllm.config import ConnectorConfig
 
 WARM_TOLERANCE = 1e-4  # first-token logprobs, loaded against computed in the same vLLM
 REFERENCE_TOLERANCE = 1e-3  # against HF transformers fp32 (tests/connector's bound)
@@ -133,7 +134,8 @@ def support(model: Path) -> tuple[list[Check], Any]:
     from transformers import AutoTokenizer
 
     from chunkstore.prompts import AUTO, resolve_separator, separator_ids
-    from chunkstore_vllm.versions import vllm_warning
+
+    from ..versions import vllm_warning
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(model)
@@ -215,7 +217,9 @@ def deployed(model: Path) -> tuple[ConnectorConfig, bool]:
 
     from transformers import AutoConfig
 
-    from chunkstore_vllm.config import ConnectorConfig, for_deployment, unsupported_recompute
+    from chunkstore.connector_config import ConnectorConfig
+
+    from ..config import for_deployment, unsupported_recompute
 
     hf_config = AutoConfig.from_pretrained(model)
     deployment = SimpleNamespace(
