@@ -23,10 +23,10 @@ from chunkstore.kv.sparse import block_digests, digest_tensors, summary_tensors
 from .client_holder import DaemonLink
 from .common import ChunkStoreMetadata, RequestPlan, SaveItem
 from .cpu_layout import CpuKVLayout
-from .isolation import IsolationHook
+from .hook.isolation import IsolationHook
+from .hook.recompute import IsolatedCopy
 from .keys import ModelKeys
 from .metrics import ConnectorStats
-from .recompute import IsolatedCopy
 from .registered_cache import RegisteredCache
 
 log = logging.getLogger("chunkstore.connector")

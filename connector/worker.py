@@ -30,7 +30,7 @@ from .config import ConnectorConfig, unsupported_parallelism
 from .cpu_layout import CpuKVLayout
 from .device_layout import DeviceKVLayout, cache_access
 from .heads import RankHeads
-from .isolation import IsolationHook
+from .hook.isolation import IsolationHook
 from .keys import ModelKeys
 from .layer_loads import LayerLoads
 from .loads import DaemonDown, LoadFailed, Loads

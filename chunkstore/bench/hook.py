@@ -35,7 +35,9 @@ from chunkstore.kv.rope import RotaryConfig
 from chunkstore.models import resolve
 from chunkstore_vllm.config import ConnectorConfig
 from chunkstore_vllm.cpu_layout import CpuKVLayout
-from chunkstore_vllm.isolation import HookRows, IsolationHook, LayerCall, StepSplit
+from chunkstore_vllm.hook.isolation import IsolationHook
+from chunkstore_vllm.hook.step_split import HookRows, StepSplit
+from chunkstore_vllm.hook.vllm_attention import LayerCall
 
 LAYER = "model.layers.0.self_attn.attn"
 

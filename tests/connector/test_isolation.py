@@ -669,7 +669,7 @@ def chunk_key(model: Path, prompt: ChunkedPrompt, index: int, gap: int = 0) -> b
 
 
 def test_attention_the_hook_does_not_know_is_refused_with_the_reason() -> None:
-    from chunkstore_vllm.isolation import unsupported
+    from chunkstore_vllm.hook.vllm_attention import unsupported
 
     class FlashAttentionImpl:  # any back end but vLLM's CPU one
         pass

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from chunkstore.bench.hook import LAYER, HookStep
-from chunkstore_vllm.isolation import HookRows, StepSplit
+from chunkstore_vllm.hook.step_split import HookRows, StepSplit
 
 TOLERANCE = 1e-5
 

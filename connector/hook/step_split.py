@@ -20,10 +20,10 @@ import torch
 
 from chunkstore.kv.layer_rotary import LayerRotary
 
-from .common import IsolatedStep, RequestPlan
-from .cpu_layout import CpuKVLayout
+from ..common import IsolatedStep, RequestPlan
+from ..cpu_layout import CpuKVLayout
+from ..sparse_reads import SparseRead
 from .recompute import Blend, Recomputer
-from .sparse_reads import SparseRead
 from .vllm_attention import KernelBatch, LayerCall, StepMetadata
 
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from .cpu_layout import CpuKVLayout
+from ..cpu_layout import CpuKVLayout
 
 
 @dataclass

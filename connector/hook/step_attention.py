@@ -22,9 +22,9 @@ from chunkstore.kv.layer_rotary import LayerRotary
 from chunkstore.kv.remap import rotate_keys
 from chunkstore.kv.rope import rotation_table
 
-from .cpu_layout import CpuKVLayout
+from ..cpu_layout import CpuKVLayout
+from ..sparse_reads import SparseReads
 from .recompute import Blend, Recomputer
-from .sparse_reads import SparseReads
 from .step_split import ChunkBatch, Gaps, HookRows, Recompute, Reordered, StepSplit
 from .vllm_attention import QKV, KernelBatch, LayerCall
 

@@ -73,40 +73,15 @@ from chunkstore.kv.keys import Isolation
 from chunkstore.kv.layer_rotary import LayerRotary
 from chunkstore.kv.rope import RotaryConfig
 
-from .common import RequestPlan
-from .config import ConnectorConfig
-from .cpu_layout import CpuKVLayout
+from ..common import RequestPlan
+from ..config import ConnectorConfig
+from ..cpu_layout import CpuKVLayout
+from ..sparse_reads import SparseReads
 from .recompute import Blend, IsolatedCopy, Recomputer
-from .sparse_reads import SparseReads
 from .step_attention import StepAttention
-from .step_split import (
-    ChunkBatch,
-    Gaps,
-    HookRows,
-    InPlace,
-    Move,
-    Recompute,
-    Reordered,
-    StepSplit,
-    StepSplitter,
-)
-from .vllm_attention import QKV, AttentionLayers, KernelBatch, LayerCall, StepMetadata, unsupported
+from .step_split import StepSplit, StepSplitter
+from .vllm_attention import QKV, AttentionLayers, LayerCall, StepMetadata
 from .vllm_attention import step_metadata as forward_step_metadata
-
-__all__ = [
-    "ChunkBatch",
-    "Gaps",
-    "HookRows",
-    "InPlace",
-    "IsolationHook",
-    "KernelBatch",
-    "LayerCall",
-    "Move",
-    "Recompute",
-    "Reordered",
-    "StepSplit",
-    "unsupported",
-]
 
 if TYPE_CHECKING:  # vLLM's types at the boundary, for the type checker only
     from vllm.config import VllmConfig
