@@ -163,11 +163,10 @@ def test_imports_run_one_way() -> None:
     assert [p for p in broken_rules(sources) if p.split()[0] not in NOT_MOVED_YET] == []
 
 
-# The modules that still import the connector, each to move out (issue 95): bench hook drives
-# the hook's internals (to the connector, found through the chunkstore.benches entry point);
-# bench quality reads how the connector serves a method on a model (for_deployment). The test
-# fails on any other module, and on one listed here that no longer does (take it off).
-NOT_MOVED_YET = {"chunkstore.bench.hook", "chunkstore.bench.quality"}
+# The modules that still import the connector, each to move out (issue 95): bench quality reads
+# how the connector serves a method on a model (for_deployment). The test fails on any other
+# module, and on one listed here that no longer does (take it off).
+NOT_MOVED_YET = {"chunkstore.bench.quality"}
 
 
 def test_chunkstore_imports_nothing_of_the_connector() -> None:

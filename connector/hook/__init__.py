@@ -9,6 +9,8 @@ so a chunk vLLM computes in a request is the KV the store serves for it
 - ``step_split``: which rows of a step are which (``StepSplit``, built once per step).
 - ``step_attention``: a layer's attention phases in the order the semantics need.
 - ``recompute``: recomputing selected chunk tokens (the blend) and the isolated copies.
+- ``bench``: ``chunkstore bench hook``, the kernel path against the merged one (found by
+  ``chunkstore bench`` through its ``chunkstore.benches`` entry point).
 
 Import each name from the module that defines it; this package re-exports nothing.
 """

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chunkstore.bench.hook import LAYER, HookStep
+from chunkstore_vllm.hook.bench import LAYER, HookStep
 from chunkstore_vllm.hook.step_split import HookRows, StepSplit
 
 TOLERANCE = 1e-5

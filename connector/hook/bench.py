@@ -17,6 +17,9 @@ alternating rounds, from that cache to the rows' outputs:
 the largest difference between the two outputs (both fp32): a fast wrong answer does not
 count. Heads and head size are the model's (``--model``, its config.json), the layer
 settings vLLM's CPU back end would give it ("vec" kernels, fp32, no KV scaling).
+
+It drives the hook's own classes, so it lives with them; ``chunkstore bench`` finds it through
+its ``chunkstore.benches`` entry point (pyproject.toml).
 """
 
 from __future__ import annotations
@@ -31,13 +34,14 @@ from typing import Any
 import torch
 
 from chunkstore.bench.timing import timed
+from chunkstore.connector_config import ConnectorConfig
 from chunkstore.kv.rope import RotaryConfig
 from chunkstore.models import resolve
-from chunkstore_vllm.config import ConnectorConfig
-from chunkstore_vllm.cpu_layout import CpuKVLayout
-from chunkstore_vllm.hook.isolation import IsolationHook
-from chunkstore_vllm.hook.step_split import HookRows, StepSplit
-from chunkstore_vllm.hook.vllm_attention import LayerCall
+
+from ..cpu_layout import CpuKVLayout
+from .isolation import IsolationHook
+from .step_split import HookRows, StepSplit
+from .vllm_attention import LayerCall
 
 LAYER = "model.layers.0.self_attn.attn"
 
