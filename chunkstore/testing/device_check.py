@@ -14,11 +14,14 @@ fails. It writes two files to OUT (the device tool returns up to eight): ``devic
 rewritten after every part, and ``device-check.log``, every part's output. Exit 0 only when
 every part passed.
 
-No vLLM, transformers or Redis is imported on this path (``imports`` checks it): the GPU
-machine has none of vLLM and redis-py. ``--device npu`` on a host without an NPU runs the
-Ascend twin against the FAKE ``torch_npu`` (chunkstore.testing.fake_torch_npu), the KV math on
-the CPU, and says so in the report. This module imports only the standard library at the top:
-it runs before the wheels are unpacked.
+No vLLM, transformers or Redis is imported on this path (``imports`` checks chunkstore's
+side, the ``connector`` part the connector's): the GPU machine has none of vLLM and redis-py.
+The connector (``connector/``, installed as another name) is laid out on the path as
+pyproject.toml's ``package-dir`` installs it: chunkstore names none of its modules.
+
+``--device npu`` on a host without an NPU runs the Ascend twin against the FAKE ``torch_npu``
+(chunkstore.testing.fake_torch_npu), the KV math on the CPU, and says so in the report. This
+module imports only the standard library at the top: it runs before the wheels are unpacked.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 import xml.etree.ElementTree as ElementTree
 import zipfile
 from dataclasses import dataclass
@@ -64,12 +68,19 @@ FORBIDDEN_IMPORTS = ("vllm", "transformers", "redis")
 IMPORTS = f"""
 import sys
 import chunkstore.cli, chunkstore.client, chunkstore.daemon.server, chunkstore.bench.device
-import chunkstore_vllm.device_layout, chunkstore_vllm.loads, chunkstore_vllm.saves
 from chunkstore.protocol.device_ipc import accelerators
 stray = sorted(m for m in {FORBIDDEN_IMPORTS!r} if m in sys.modules)
 assert not stray, f"the device path imported {{stray}}"
 print("accelerators:", accelerators())
 """
+
+
+def renamed_packages() -> dict[str, Path]:
+    """The packages pyproject.toml installs from a folder of another name (the connector's
+    ``connector/``) -> that folder: what the path needs beside the repository's root."""
+    with (ROOT / "pyproject.toml").open("rb") as config:
+        folders = tomllib.load(config)["tool"]["setuptools"]["package-dir"]
+    return {name: ROOT / folder for name, folder in folders.items() if name != folder}
 
 
 @dataclass(frozen=True)
@@ -324,7 +335,8 @@ def run(out: Path, asked: str, wheels: Path, only: list[str] | None = None) -> i
     site = scratch / "site"
     site.mkdir()
     unpacked = unpack_missing(wheels, site)
-    (site / "chunkstore_vllm").symlink_to(ROOT / "connector")  # as pyproject installs it
+    for name, folder in renamed_packages().items():
+        (site / name).symlink_to(folder)  # as pyproject installs it
     sys.path[:0] = [str(site), str(ROOT)]
     device, npu_runtime = choose_device(asked)
     env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKSTORE_")}

@@ -21,11 +21,16 @@ with the fake device pool."""
 
 from __future__ import annotations
 
+import importlib.util
+import subprocess
+import sys
 from typing import Any
 
+import pytest
 import torch
 
 from chunkstore.client import ChunkStoreClient
+from chunkstore.connector_config import ConnectorConfig
 from chunkstore.kv.attention import partial_attention
 from chunkstore.kv.cache_layouts import PackedLayout, SplitLayout
 from chunkstore.kv.fingerprint import ModelFingerprint
@@ -33,11 +38,11 @@ from chunkstore.kv.keys import KVLayout
 from chunkstore.kv.keyspace import KeySpace
 from chunkstore.kv.remap import rotate_keys
 from chunkstore.kv.rope import RotaryConfig, rotation_table
+from chunkstore.testing.device_check import FORBIDDEN_IMPORTS
 from chunkstore.testing.devices import tolerance
 from chunkstore.testing.entries import entry_key, random_kv
 from chunkstore_vllm.client_holder import DaemonLink
 from chunkstore_vllm.common import ChunkStoreMetadata, LoadItem, RequestPlan, SaveItem
-from chunkstore_vllm.config import ConnectorConfig
 from chunkstore_vllm.device_layout import DeviceKVLayout, ascend_write
 from chunkstore_vllm.heads import RankHeads
 from chunkstore_vllm.keys import ModelKeys
@@ -51,6 +56,24 @@ ROTARY = RotaryConfig(DIM, DIM, 10000.0)
 TOKENS, STORED_AT, START = 70, 5, 37  # computed at 5, loaded at 37: rotated by 32
 TABLE = [7, 2, 9, 4, 11, 1, 5, 3]  # the request's blocks, in no order (block 0: vLLM's null)
 POOL_DEVICE = {"cpu": "fake", "cuda": "cuda", "npu": "npu"}
+
+
+@pytest.mark.skipif(
+    any(importlib.util.find_spec(name) for name in FORBIDDEN_IMPORTS),
+    reason="where vLLM, transformers or Redis is installed, the connector uses what is there",
+)
+def test_the_workers_device_path_imports_no_vllm() -> None:
+    """What the workers run on the device (the cache access, loads, saves) imports none of
+    vLLM, transformers and Redis, which the GPU machine does not have (the device check's
+    ``imports`` part checks chunkstore's side); in a fresh interpreter, as that part does."""
+    code = (
+        "import sys, chunkstore_vllm.device_layout, chunkstore_vllm.loads, chunkstore_vllm.saves\n"
+        f"print(sorted(m for m in {FORBIDDEN_IMPORTS!r} if m in sys.modules))"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert run.stdout.splitlines()[-1] == "[]", run.stdout
 
 
 def flash_reshape_and_cache(cache: Any, keys: Any, values: Any, slots: Any) -> None:
