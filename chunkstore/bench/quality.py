@@ -809,8 +809,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default="qwen2.5-0.5b",
-        help="a model of `chunkstore models` (qwen2.5-0.5b, qwen2.5-1.5b; smollm2 and tiny "
-        "for speed, not for quality) or a model folder (default qwen2.5-0.5b)",
+        help="a model of `chunkstore models` (qwen2.5-0.5b, qwen2.5-1.5b, gemma3-270m: a base "
+        "model, asked in completion prompts; smollm2 and tiny for speed, not for quality) or a "
+        "model folder (default qwen2.5-0.5b)",
     )
     parser.add_argument("--cases", type=int, default=60, help="QA cases, a third of each kind (60)")
     parser.add_argument(
