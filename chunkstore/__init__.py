@@ -13,7 +13,12 @@ Where things live (imports run down this list, never up):
   the commands run beside the daemon; they import only the layers above this line.
 - the faces: ``cli`` (the ``chunkstore`` command), ``ingest``, ``bench``, and ``testing``
   (helpers only the tests import).
-The vLLM connector is the sibling package ``chunkstore_vllm`` (folder ``connector/``).
+- ``chunkstore.connector_config``: the connector's settings (``kv_connector_extra_config``),
+  which the router and the benches read too.
+The vLLM connector is the sibling package ``chunkstore_vllm`` (folder ``connector/``): it
+imports chunkstore, never the reverse (``tests/test_layout.py``); its commands (``chunkstore
+doctor``, ``bench hook``) reach the ``chunkstore`` command through entry points
+(pyproject.toml).
 """
 
 __version__ = "0.1.0"
