@@ -2,17 +2,22 @@
 (``chunkstore_vllm``), the router (``--connector-config``, the order it sends a prompt's chunks
 in) and the benches read, so that they agree on it. What a deployment serves of them is the
 connector's decision (``chunkstore_vllm.config.for_deployment``: it reads vLLM's config);
-``back_end`` and ``policy`` are read from its result."""
+``back_end`` and ``policy`` are read from its result. What the hook serves on a model, read
+from the model's HF config alone (``served_on_model``), is decided here: the connector and
+``bench quality`` read it the same way."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from chunkstore.client import default_address
+from chunkstore.errors import UnsupportedRotaryError
+from chunkstore.kv.fingerprint import is_mla
 from chunkstore.kv.keys import Isolation
 from chunkstore.kv.keyspace import DEFAULT_PREFIX_BLOCK_TOKENS
+from chunkstore.kv.layer_rotary import LayerRotary
 from chunkstore.kv.treatment import BackEnd, Policy, QualityConfig
 
 
@@ -176,3 +181,76 @@ def load_cpus(text: str, bound: set[int] | None = None) -> set[int] | None:
             f"load_cpus must be spare, all, vllm or a CPU list like 0-3,8, not {text!r}"
         )
     return cpus
+
+
+# What the in-band hook serves on a model, from its HF config alone (``for_deployment`` adds
+# what vLLM's config decides: the device, parallelism, the KV-cache manager).
+
+
+def served_on_model(config: ConnectorConfig, hf_config: Any) -> ConnectorConfig:
+    """The settings the hook serves for the model of ``hf_config`` on one rank of vLLM's CPU
+    back end: off where the model refuses it (``hook_refused_by_model``), narrowed where it
+    serves less (``within_model_limits``)."""
+    if not config.inband_isolation:
+        return config
+    if hook_refused_by_model(config, hf_config):
+        return replace(config, inband_isolation=False, sparse_threshold=0.0, sparse_candidates=0.0)
+    return within_model_limits(config, hf_config)
+
+
+def hook_refused_by_model(config: ConnectorConfig, hf_config: Any) -> str | None:
+    """Why the hook cannot serve this model, or None: an MLA model (its cache holds one
+    latent a token, which vLLM's CPU attention over K and V does not), ``virtual_gap`` with
+    sliding-window layers (the hook's window counts positions from sys)."""
+    if hf_config is not None and is_mla(hf_config):
+        return "an MLA model's latent cache"
+    if any(model_rotary(hf_config).windows) and config.virtual_gap > 0:
+        return "virtual_gap with sliding-window layers"
+    return None
+
+
+def within_model_limits(config: ConnectorConfig, hf_config: Any) -> ConnectorConfig:
+    """What the hook serves for a model whose layers attend through a window or rotate keys
+    differently."""
+    layers = model_rotary(hf_config)
+    windowed = any(layers.windows)
+    if windowed:
+        # Moves, recompute and question re-weighting attend chunks where vLLM's kernel
+        # counts other positions (its window covers where tokens stand in the cache).
+        quality = replace(
+            config.quality,
+            relevant_last=0,
+            recompute_chunks=0,
+            recompute_tokens=0,
+            question_temperature=1.0,
+            question_scale=1.0,
+        )
+        config = replace(config, quality=quality, fill_gaps=False)
+    if windowed or len(layers.kinds) > 1:  # sparse reads rotate with one rotary
+        config = replace(config, sparse_threshold=0.0, sparse_candidates=0.0)
+    return config
+
+
+def model_limits(hf_config: Any) -> str | None:
+    """What the hook does not serve for this model (``within_model_limits``), or None."""
+    layers = model_rotary(hf_config)
+    if any(layers.windows):
+        return (
+            "sliding-window layers: the hook isolates chunks with each layer's window; "
+            "relevant_last moves, recompute, question re-weighting, gap filling and sparse "
+            "reads are off"
+        )
+    if len(layers.kinds) > 1:  # Gemma 3: base 1e4 in sliding layers, 1e6 in global ones
+        return "layers rotate keys differently: sparse reads are off"
+    return None
+
+
+def model_rotary(hf_config: Any) -> LayerRotary:
+    """Each layer's rotary and window (none known, or an MLA model: one kind, no window)."""
+    none = LayerRotary((), (), ())
+    if hf_config is None or is_mla(hf_config):
+        return none
+    try:
+        return LayerRotary.from_hf_config(hf_config)
+    except UnsupportedRotaryError:  # no remap at all: the key space says so (``ModelKeys``)
+        return none

@@ -8,10 +8,13 @@ import logging
 from dataclasses import replace
 from typing import Any
 
-from chunkstore.connector_config import ConnectorConfig
-from chunkstore.errors import UnsupportedRotaryError
-from chunkstore.kv.fingerprint import is_mla
-from chunkstore.kv.layer_rotary import LayerRotary
+from chunkstore.connector_config import (
+    ConnectorConfig,
+    hook_refused_by_model,
+    model_limits,
+    model_rotary,
+    within_model_limits,
+)
 from chunkstore.kv.treatment import BackEnd
 
 
@@ -62,9 +65,9 @@ def hook_refused(config: ConnectorConfig, vllm_config: Any) -> str | None:
     """Why the in-band hook cannot serve this deployment, or None. It wraps vLLM's CPU
     attention and attends a chunk's rows over its own keys on one rank: another device's
     attention back end (CUDA, Ascend), context parallelism (a rank's cache holds a share of
-    every chunk's tokens, decode, or a rank computes a share of them, prefill), an MLA
-    model (``latent_attention``), ``virtual_gap`` with sliding-window layers (the hook's
-    window counts positions from sys) and a sliding-window model under vLLM's hybrid
+    every chunk's tokens, decode, or a rank computes a share of them, prefill), what the
+    model refuses (``hook_refused_by_model``: MLA, ``virtual_gap`` with sliding-window
+    layers) and a sliding-window model under vLLM's hybrid
     KV-cache manager (``hybrid_kv_cache``: its sliding layers free the blocks before their
     window, where a chunk's rows read sys's keys; the connector that is not ``SupportsHMA``
     keeps the hook, full KV everywhere) are served without it."""
@@ -73,11 +76,10 @@ def hook_refused(config: ConnectorConfig, vllm_config: Any) -> str | None:
         return f"the {device} attention back end (the hook wraps vLLM's CPU attention)"
     if decode_context_parallel(vllm_config) * prefill_context_parallel(vllm_config) > 1:
         return "context parallelism: each rank holds or computes a share of every chunk"
-    if latent_attention(vllm_config):
-        return "an MLA model's latent cache"
-    if any(layer_rotary(vllm_config).windows) and config.virtual_gap > 0:
-        return "virtual_gap with sliding-window layers"
-    if any(layer_rotary(vllm_config).windows) and hybrid_kv_cache(vllm_config):
+    refused = hook_refused_by_model(config, hf_config_of(vllm_config))
+    if refused:
+        return refused
+    if any(model_rotary(hf_config_of(vllm_config)).windows) and hybrid_kv_cache(vllm_config):
         return (
             "vLLM's hybrid KV-cache manager (ChunkStoreHybridConnector): a sliding-window "
             "layer's blocks before its window are freed, where a chunk's rows read sys's keys"
@@ -112,33 +114,12 @@ def for_deployment(
             config, inband_isolation=False, sparse_threshold=0.0, sparse_candidates=0.0
         )
     elif config.inband_isolation:
-        served = _within_hook_limits(config, vllm_config)
+        served = within_model_limits(config, hf_config_of(vllm_config))
     hook = served.inband_isolation
     served = replace(served, decided=BackEnd(inband=hook, recompute=hook and not no_recompute))
     if say is not None:
         _say_back_end(say, config, served, refused, no_recompute, hook_limits(vllm_config))
     return served
-
-
-def _within_hook_limits(config: ConnectorConfig, vllm_config: Any) -> ConnectorConfig:
-    """What the hook serves for a model whose layers attend through a window or rotate keys
-    differently."""
-    windowed = any(layer_rotary(vllm_config).windows)
-    if windowed:
-        # Moves, recompute and question re-weighting attend chunks where vLLM's kernel
-        # counts other positions (its window covers where tokens stand in the cache).
-        quality = replace(
-            config.quality,
-            relevant_last=0,
-            recompute_chunks=0,
-            recompute_tokens=0,
-            question_temperature=1.0,
-            question_scale=1.0,
-        )
-        config = replace(config, quality=quality, fill_gaps=False)
-    if windowed or several_rotaries(vllm_config):  # sparse reads rotate with one rotary
-        config = replace(config, sparse_threshold=0.0, sparse_candidates=0.0)
-    return config
 
 
 def _say_back_end(
@@ -183,44 +164,14 @@ def _say_back_end(
 
 
 def hook_limits(vllm_config: Any) -> str | None:
-    """What the hook does not serve for this model (``for_deployment``), or None."""
-    if any(layer_rotary(vllm_config).windows):
-        return (
-            "sliding-window layers: the hook isolates chunks with each layer's window; "
-            "relevant_last moves, recompute, question re-weighting, gap filling and sparse "
-            "reads are off"
-        )
-    if several_rotaries(vllm_config):
-        return "layers rotate keys differently: sparse reads are off"
-    return None
+    """What the hook does not serve for this deployment's model (``for_deployment``), or
+    None."""
+    return model_limits(hf_config_of(vllm_config))
 
 
-def latent_attention(vllm_config: Any) -> bool:
-    """Whether the model attends through MLA (DeepSeek V2 / V3): its cache holds one latent a
-    token, which the hook (vLLM's CPU attention over K and V) does not serve."""
-    model_config = getattr(vllm_config, "model_config", None)
-    hf_config = getattr(model_config, "hf_config", None)
-    return hf_config is not None and is_mla(hf_config)
-
-
-def layer_rotary(vllm_config: Any) -> LayerRotary:
-    """Each layer's rotary and window (none known: one kind, no window)."""
-    model_config = getattr(vllm_config, "model_config", None)
-    hf_config = getattr(model_config, "hf_config", None)
-    none = LayerRotary((), (), ())
-    if hf_config is None or is_mla(hf_config):
-        return none
-    try:
-        return LayerRotary.from_hf_config(hf_config)
-    except UnsupportedRotaryError:  # no remap at all: the key space says so (``ModelKeys``)
-        return none
-
-
-def several_rotaries(vllm_config: Any) -> bool:
-    """Whether the model's layers rotate keys differently (Gemma 3: base 1e4 in sliding
-    layers, 1e6 in global ones). Loads and the hook rotate each layer with its own; sparse
-    reads take one, so they are off."""
-    return len(layer_rotary(vllm_config).kinds) > 1
+def hf_config_of(vllm_config: Any) -> Any:
+    """The model's HF config in vLLM's config (None: none known)."""
+    return getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
 
 
 # The models whose decoder layers the workers' recomputer drives (``recompute``).

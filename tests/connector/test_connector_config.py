@@ -9,8 +9,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from chunkstore.connector_config import ConnectorConfig, load_cpus
-from chunkstore_vllm.config import for_deployment, unsupported_parallelism, unsupported_recompute
+from chunkstore.connector_config import ConnectorConfig, load_cpus, model_limits, served_on_model
+from chunkstore.models import model_dir
+from chunkstore_vllm.config import (
+    for_deployment,
+    hook_limits,
+    unsupported_parallelism,
+    unsupported_recompute,
+)
 from chunkstore_vllm.registered_cache import CpRank, context_parallel, prefill_replica
 
 
@@ -189,3 +195,37 @@ def test_the_connector_warns_at_start_up_outside_the_tested_vllm_versions(monkey
     assert [r.getMessage() for r in caplog.records] == [f"chunkstore: {vllm_warning('0.40.0')}"]
     page = (Path(__file__).parents[2] / "docs" / "versions.md").read_text()
     assert all(f"{v}." in page for v in TESTED_VLLM)
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-gemma3", "tiny-mla"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"virtual_gap": 200},
+        {"sparse_threshold": 0.9},
+        {"inband_isolation": False, "relevant_last": 2},
+        {"recompute_chunks": 1, "question_temperature": 0.5},
+    ],
+)
+def test_what_the_hook_serves_on_a_model_is_decided_on_the_chunkstore_side(
+    model: str, extra: dict
+) -> None:
+    """``served_on_model`` (chunkstore: what bench quality reads, without the connector) is
+    ``for_deployment`` on one rank of vLLM's CPU back end for the same model, and
+    ``model_limits`` its ``hook_limits``: a sliding-window model (tiny-gemma3) narrowed, an
+    MLA one (tiny-mla) and a window with ``virtual_gap`` without the hook."""
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(model_dir(model))
+    config = ConnectorConfig.from_extra(extra)
+    one_cpu_rank = SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=hf_config),
+        parallel_config=SimpleNamespace(),
+        device_config=SimpleNamespace(device_type="cpu"),
+    )
+    deployed = for_deployment(config, one_cpu_rank)
+    assert served_on_model(config, hf_config) == replace(deployed, decided=None)
+    assert model_limits(hf_config) == hook_limits(one_cpu_rank)
+    if model != "tiny" and config.inband_isolation:  # the model narrows or refuses the hook
+        assert served_on_model(config, hf_config) != config
