@@ -16,14 +16,31 @@ ALLOWED: list[tuple[str, tuple[str, ...] | None]] = [
     ("chunkstore.errors", ()),
     ("chunkstore.kv", ("chunkstore.kv", "chunkstore.errors")),
     ("chunkstore.protocol", ("chunkstore.protocol", "chunkstore.kv", "chunkstore.errors")),
+    # Device memory: runtimes, IPC pools and their kernels, over the shared layout and digest.
+    (
+        "chunkstore.device",
+        ("chunkstore.device", "chunkstore.protocol", "chunkstore.kv", "chunkstore.errors"),
+    ),
     (
         "chunkstore.daemon",
-        ("chunkstore.daemon", "chunkstore.protocol", "chunkstore.kv", "chunkstore.errors"),
+        (
+            "chunkstore.daemon",
+            "chunkstore.device",
+            "chunkstore.protocol",
+            "chunkstore.kv",
+            "chunkstore.errors",
+        ),
     ),
     # Under the client: its calls, its session, the transports its bytes move over.
     (
         "chunkstore.transport",
-        ("chunkstore.transport", "chunkstore.protocol", "chunkstore.kv", "chunkstore.errors"),
+        (
+            "chunkstore.transport",
+            "chunkstore.device",
+            "chunkstore.protocol",
+            "chunkstore.kv",
+            "chunkstore.errors",
+        ),
     ),
     (
         "chunkstore.client",

@@ -12,7 +12,7 @@ bytes on the same device, timed side by side (ratios are medians of per-round ra
   ``TensorDigest``: in one fused Triton kernel where the device has it, the row's ``gather``)
   against a device-to-device copy of as many bytes (cudaMemcpy);
 - ``ipc_get_triton``: the same entry's get without the client around it, through the fused
-  kernel (``protocol/gather_triton``: gather and digest in one pass, the digest compared with
+  kernel (``device/gather_triton``: gather and digest in one pass, the digest compared with
   the committed checksum), with today's torch gather (a copy per extent, then the digest's
   passes) timed beside it (``torch_get_gb_s``); on the CPU (a fake pool), or where triton does
   not import or its self-check failed, the row says why it is absent;
@@ -36,14 +36,14 @@ from typing import Any
 import torch
 
 from chunkstore.client import ChunkStoreClient
+from chunkstore.device import device_ipc
+from chunkstore.device.device_ipc import TensorDigest, accelerators, gather_with_torch
 from chunkstore.kv.paging import slot_mapping
 from chunkstore.kv.remap import remap_keys
 from chunkstore.kv.rope import RotaryConfig
 from chunkstore.kv.writer import Writer, triton_problem, write_chunk, write_torch, writer_for
 from chunkstore.processes.daemon import memory_dir, start_daemon
-from chunkstore.protocol import device_ipc
 from chunkstore.protocol.convert import LeasedEntry
-from chunkstore.protocol.device_ipc import TensorDigest, accelerators, gather_with_torch
 from chunkstore.protocol.shm import extents
 
 MIB = 1 << 20

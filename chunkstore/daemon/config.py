@@ -72,7 +72,7 @@ class ServeConfig:
     def validate(self) -> None:
         self._validate_access()
         self._validate_sizes_and_cluster()
-        from chunkstore.protocol.device_ipc import parse_device  # torch: not for --help
+        from chunkstore.device.device_ipc import parse_device  # torch: not for --help
 
         parse_device(self.device)
         self._validate_transfer()

@@ -1,5 +1,5 @@
 """A pool in device memory (CUDA, NPU, or the CPU stand-in "fake"): one device allocation
-that same-node clients open once through its IPC handle (``protocol/device_ipc.py``); the
+that same-node clients open once through its IPC handle (``device/device_ipc.py``); the
 daemon frees it only after every importer closed."""
 
 from __future__ import annotations
@@ -13,9 +13,7 @@ import numpy as np
 import torch
 
 from chunkstore.daemon.pool import Pool
-from chunkstore.errors import DeviceError, InvalidRequest
-from chunkstore.protocol import shm
-from chunkstore.protocol.device_ipc import (
+from chunkstore.device.device_ipc import (
     DIGEST_PIECE,
     TensorDigest,
     gather_runs,
@@ -23,7 +21,9 @@ from chunkstore.protocol.device_ipc import (
     parse_device,
     runtime_for,
 )
-from chunkstore.protocol.device_runtime import IpcHandle
+from chunkstore.device.device_runtime import IpcHandle
+from chunkstore.errors import DeviceError, InvalidRequest
+from chunkstore.protocol import shm
 from chunkstore.protocol.keyed_digest import MODULUS, NO_LANES, SumKey
 
 log = logging.getLogger(__name__)

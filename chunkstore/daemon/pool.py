@@ -28,7 +28,7 @@ from chunkstore.protocol import shm
 from chunkstore.protocol.keyed_digest import NO_LANES, SumKey
 
 if TYPE_CHECKING:
-    from chunkstore.protocol.device_runtime import IpcHandle
+    from chunkstore.device.device_runtime import IpcHandle
 
 log = logging.getLogger(__name__)
 

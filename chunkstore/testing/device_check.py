@@ -68,7 +68,7 @@ FORBIDDEN_IMPORTS = ("vllm", "transformers", "redis")
 IMPORTS = f"""
 import sys
 import chunkstore.cli, chunkstore.client, chunkstore.daemon.server, chunkstore.bench.device
-from chunkstore.protocol.device_ipc import accelerators
+from chunkstore.device.device_ipc import accelerators
 stray = sorted(m for m in {FORBIDDEN_IMPORTS!r} if m in sys.modules)
 assert not stray, f"the device path imported {{stray}}"
 print("accelerators:", accelerators())

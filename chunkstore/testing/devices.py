@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from chunkstore.device.device_ipc import accelerators as real_devices  # noqa: F401
 from chunkstore.kv.rope import RotaryConfig
-from chunkstore.protocol.device_ipc import accelerators as real_devices  # noqa: F401
 
 # Every rotary variant the remap supports (rope.SUPPORTED_ROPE_TYPES), with the pairings and
 # partial / offset widths real models use.

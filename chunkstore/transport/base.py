@@ -14,10 +14,10 @@ from enum import StrEnum
 import numpy as np
 import torch
 
+from chunkstore.device.device_ipc import TensorDigest
 from chunkstore.errors import InvalidRequest
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol.convert import LeasedEntry
-from chunkstore.protocol.device_ipc import TensorDigest
 from chunkstore.protocol.shm import EntryDigest, Pieces
 from chunkstore.transport.calls import DaemonCalls
 

@@ -8,9 +8,7 @@ import logging
 
 import torch
 
-from chunkstore.errors import StoreError, Unavailable
-from chunkstore.protocol import chunkstore_pb2 as pb
-from chunkstore.protocol.device_ipc import (
+from chunkstore.device.device_ipc import (
     TensorDigest,
     close_pool,
     gather_runs,
@@ -20,7 +18,9 @@ from chunkstore.protocol.device_ipc import (
     synchronize_pool,
     tensor_bytes,
 )
-from chunkstore.protocol.device_runtime import IpcHandle
+from chunkstore.device.device_runtime import IpcHandle
+from chunkstore.errors import StoreError, Unavailable
+from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.transport.base import (
     Digest,
     EntryAtATime,

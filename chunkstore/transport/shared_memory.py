@@ -13,10 +13,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from chunkstore.device.device_ipc import pin_host_region
 from chunkstore.errors import Unavailable
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol.convert import LeasedEntry
-from chunkstore.protocol.device_ipc import pin_host_region
 from chunkstore.protocol.shm import (
     EntryDigest,
     Pieces,

@@ -10,9 +10,9 @@ import grpc
 import numpy as np
 import torch
 
+from chunkstore.device.device_ipc import TensorDigest, keyed_run_sums
 from chunkstore.errors import ChecksumMismatch
 from chunkstore.protocol import chunkstore_pb2 as pb
-from chunkstore.protocol.device_ipc import TensorDigest, keyed_run_sums
 from chunkstore.protocol.wire import MAX_RUNS, typed_error
 from chunkstore.transport.base import (
     Digest,

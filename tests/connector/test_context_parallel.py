@@ -29,6 +29,7 @@ import torch
 
 from chunkstore.client import ChunkStoreClient, LeasedEntry
 from chunkstore.connector_config import ConnectorConfig
+from chunkstore.device.device_ipc import keyed_run_sums
 from chunkstore.errors import InvalidRequest
 from chunkstore.kv.fingerprint import ModelFingerprint
 from chunkstore.kv.keys import KVLayout
@@ -36,7 +37,6 @@ from chunkstore.kv.keyspace import KeySpace
 from chunkstore.kv.rope import RotaryConfig
 from chunkstore.processes.daemon import RunningDaemon
 from chunkstore.protocol import chunkstore_pb2 as pb
-from chunkstore.protocol.device_ipc import keyed_run_sums
 from chunkstore.protocol.keyed_digest import keyed_sums
 from chunkstore.testing.entries import corrupt_entry, entry_key, random_kv
 from chunkstore_vllm.client_holder import DaemonLink

@@ -20,11 +20,11 @@ from chunkstore.client import ChunkStoreClient
 from chunkstore.daemon.auth import SERVICE
 from chunkstore.daemon.index import Index
 from chunkstore.daemon.pool import SharedMemoryPool
+from chunkstore.device.device_ipc import keyed_run_sums
 from chunkstore.errors import InvalidRequest, LeaseLapsed, NotFound
 from chunkstore.kv.entry import EntryLayout
 from chunkstore.protocol import chunkstore_pb2 as pb
 from chunkstore.protocol import chunkstore_pb2_grpc as pb_grpc
-from chunkstore.protocol.device_ipc import keyed_run_sums
 from chunkstore.protocol.wire import MAX_RUNS, typed_error
 from chunkstore.testing.entries import entry_key, random_kv
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from chunkstore.client import ChunkStoreClient, LeasedEntry
+from chunkstore.device.device_ipc import TensorDigest
 from chunkstore.errors import ChecksumMismatch, StoreError
-from chunkstore.protocol.device_ipc import TensorDigest
 from chunkstore.testing.entries import entry_key, random_kv
 
 HEADS, DIM, TOKENS = 2, 64, 200

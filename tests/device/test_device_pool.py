@@ -1,7 +1,7 @@
 """Device pools (``--device cuda|npu|fake``): one device allocation the daemon exports by IPC,
 opened once by each same-node worker process, entries as offsets into it, freed only after
 every importer closed. Across real processes: a real daemon, workers as child processes, on
-each ``pool_device`` (conftest.py): the CPU stand-in for a device (``protocol/fake_device.py``,
+each ``pool_device`` (conftest.py): the CPU stand-in for a device (``device/fake_device.py``,
 named FAKE) always, a real GPU / NPU where the host has one.
 
 The fake must refuse what the drivers refuse, or these tests would prove nothing: the first
@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from chunkstore.client import ChunkStoreClient
+from chunkstore.device.device_ipc import TensorDigest, keyed_run_sums, parse_device
+from chunkstore.device.device_runtime import IpcHandle
+from chunkstore.device.fake_device import ENV, FakeDeviceIPC
 from chunkstore.errors import ChecksumMismatch, DeviceError, InvalidRequest
 from chunkstore.processes.daemon import memory_dir, serve_env
-from chunkstore.protocol.device_ipc import TensorDigest, keyed_run_sums, parse_device
-from chunkstore.protocol.device_runtime import IpcHandle
-from chunkstore.protocol.fake_device import ENV, FakeDeviceIPC
 from chunkstore.protocol.keyed_digest import SumKey, keyed_sums, packed
 from chunkstore.testing.entries import entry_key, random_kv, wait_for
 
@@ -53,8 +53,8 @@ def handle_text(handle: IpcHandle) -> str:
 OPEN_AND_WAIT = """
 import sys
 from chunkstore.errors import DeviceError
-from chunkstore.protocol.device_runtime import IpcHandle
-from chunkstore.protocol.fake_device import FakeDeviceIPC
+from chunkstore.device.device_runtime import IpcHandle
+from chunkstore.device.fake_device import FakeDeviceIPC
 handle = {handle}
 ipc = FakeDeviceIPC()
 pool = ipc.open(handle, ipc.index_of(handle.device))
@@ -107,8 +107,8 @@ def test_the_fake_refuses_what_the_drivers_refuse(monkeypatch: pytest.MonkeyPatc
 
 TRY_OPEN = """
 from chunkstore.errors import DeviceError
-from chunkstore.protocol.device_runtime import IpcHandle
-from chunkstore.protocol.fake_device import FakeDeviceIPC
+from chunkstore.device.device_runtime import IpcHandle
+from chunkstore.device.fake_device import FakeDeviceIPC
 handle = {handle}
 try:
     FakeDeviceIPC().open(handle, 0)
@@ -369,7 +369,7 @@ def test_a_pool_that_cannot_be_pinned_is_used_pageable(
 
 
 EXPORT_AND_WAIT = """
-from chunkstore.protocol.fake_device import FakeDeviceIPC
+from chunkstore.device.fake_device import FakeDeviceIPC
 ipc = FakeDeviceIPC()
 pool = ipc.allocate(0, 1 << 16)
 print(ipc.export(pool).handle.decode().partition("|")[0], flush=True)

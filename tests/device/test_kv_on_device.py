@@ -15,6 +15,8 @@ import random
 import pytest
 import torch
 
+from chunkstore.device import device_ipc
+from chunkstore.device.device_ipc import DIGEST_PIECE, TensorDigest, gather_tensor
 from chunkstore.kv import writer
 from chunkstore.kv.attention import KeyBlock, attention_after_context, isolated_attention
 from chunkstore.kv.cache_layouts import (
@@ -30,8 +32,6 @@ from chunkstore.kv.remap import remap_keys
 from chunkstore.kv.rope import rotation_table
 from chunkstore.kv.segments import SegmentKind
 from chunkstore.kv.writer import write_chunk
-from chunkstore.protocol import device_ipc
-from chunkstore.protocol.device_ipc import DIGEST_PIECE, TensorDigest, gather_tensor
 from chunkstore.protocol.keyed_digest import MODULUS, SumKey, keyed_sums
 from chunkstore.testing.devices import DTYPES, ROTARY_VARIANTS, tolerance
 

@@ -1,4 +1,4 @@
-"""The Triton kernels (``kv/writer_triton``, ``protocol/gather_triton``) run by Triton's
+"""The Triton kernels (``kv/writer_triton``, ``device/gather_triton``) run by Triton's
 interpreter on CPU tensors, in a pytest process of their own that has TRITON_INTERPRET=1 from
 its start (``tests/test_interpreted.py`` starts it; the suite's own process skips them).
 

@@ -1,4 +1,4 @@
-"""The fused get (``chunkstore.protocol.gather_triton``) serves the bytes torch's gather serves
+"""The fused get (``chunkstore.device.gather_triton``) serves the bytes torch's gather serves
 and sums them to today's ``TensorDigest`` integers, so checksums stored before it stay valid:
 blocks in and out of order, block sizes above, below and not a multiple of its tile, lengths
 that end mid-tile and mid-block, digests already fed, entries of every KV dtype. Run on CPU
@@ -14,8 +14,8 @@ from types import ModuleType
 import pytest
 import torch
 
-from chunkstore.protocol import device_ipc
-from chunkstore.protocol.device_ipc import (
+from chunkstore.device import device_ipc
+from chunkstore.device.device_ipc import (
     TensorDigest,
     gather_tensor,
     scatter_tensors,
@@ -23,7 +23,7 @@ from chunkstore.protocol.device_ipc import (
 )
 from chunkstore.protocol.shm import extents
 
-KERNEL = "chunkstore.protocol.gather_triton"
+KERNEL = "chunkstore.device.gather_triton"
 TILE = 8192  # the kernel's own tile (gather_triton.TILE), restated: the layouts below straddle it
 
 

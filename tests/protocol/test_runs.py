@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from chunkstore.protocol import shm
-from chunkstore.protocol.device_ipc import (
+from chunkstore.device.device_ipc import (
     TensorDigest,
     gather_runs,
     keyed_run_sums,
     keyed_run_sums_torch,
 )
+from chunkstore.protocol import shm
 from chunkstore.protocol.keyed_digest import MODULUS, NO_LANES, SPAN, SumKey, keyed_sums
 
 BLOCK = 1000  # not a multiple of any run below: runs cross blocks

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
+from chunkstore.device.device_runtime import DeviceIPC, IpcHandle
 from chunkstore.errors import DeviceError
-from chunkstore.protocol.device_runtime import DeviceIPC, IpcHandle
 
 ENV = "FAKE_VISIBLE_DEVICES"
 DIRECTORY = Path("/dev/shm")

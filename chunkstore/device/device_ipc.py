@@ -35,9 +35,9 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from chunkstore.device.device_runtime import DeviceIPC, IpcHandle
+from chunkstore.device.fake_device import FakeDeviceIPC
 from chunkstore.errors import DeviceError, InvalidRequest
-from chunkstore.protocol.device_runtime import DeviceIPC, IpcHandle
-from chunkstore.protocol.fake_device import FakeDeviceIPC
 from chunkstore.protocol.keyed_digest import MODULUS, SPAN
 from chunkstore.protocol.shm import SUM_MODULUS as _MODULUS
 from chunkstore.protocol.shm import digest_of_sums, extents, gather_runs_summed
@@ -451,7 +451,7 @@ def fused_gather_for(device_type: str) -> FusedGather | None:
 
 def _load_fused_gather(device_type: str) -> FusedGather | None:
     try:
-        from chunkstore.protocol.gather_triton import gather_with_sums, self_check
+        from chunkstore.device.gather_triton import gather_with_sums, self_check
     except ImportError as exc:
         problem: str | None = f"triton unavailable ({exc})"
     else:
