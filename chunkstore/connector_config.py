@@ -18,7 +18,7 @@ from chunkstore.kv.fingerprint import is_mla
 from chunkstore.kv.keys import Isolation
 from chunkstore.kv.keyspace import DEFAULT_PREFIX_BLOCK_TOKENS
 from chunkstore.kv.layer_rotary import LayerRotary
-from chunkstore.kv.treatment import BackEnd, Policy, QualityConfig
+from chunkstore.policy.treatment import BackEnd, Policy, QualityConfig
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,7 @@ class ConnectorConfig:
 
     @property
     def policy(self) -> Policy:
-        """What a prompt's chunks get, on this back end (``chunkstore.kv.treatment``)."""
+        """What a prompt's chunks get, on this back end (``chunkstore.policy.treatment``)."""
         return Policy(self.quality, self.isolation_mode, self.virtual_gap, self.back_end)
 
 

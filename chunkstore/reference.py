@@ -32,7 +32,7 @@ from chunkstore.kv.masks import MaskForm, SegmentLayout, isolation_mask
 from chunkstore.kv.remap import remap_keys
 from chunkstore.kv.rope import RotaryConfig
 from chunkstore.kv.segments import Segment, SegmentKind
-from chunkstore.kv.treatment import BackEnd, QualityConfig, treat
+from chunkstore.policy.treatment import BackEnd, QualityConfig, treat
 
 
 @dataclass
@@ -471,7 +471,7 @@ def default_treatment(
     inband: bool = True,
 ) -> tuple[dict[int, range], dict[int, int], int]:
     """What the connector's defaults (or ``quality``) do with a prompt's chunks
-    (``chunkstore.kv.treatment``, the policy the connector runs; ``recompute``: its workers
+    (``chunkstore.policy.treatment``, the policy the connector runs; ``recompute``: its workers
     can recompute, not under tensor parallelism; ``inband``: the in-band hook runs, not for
     an MLA model or one whose layers rotate differently): segment index -> the offsets
     recomputed in it, segment index -> positions each chunk moves, and how many first

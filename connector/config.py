@@ -15,7 +15,7 @@ from chunkstore.connector_config import (
     model_rotary,
     within_model_limits,
 )
-from chunkstore.kv.treatment import BackEnd
+from chunkstore.policy.treatment import BackEnd
 
 
 def unsupported_parallelism(vllm_config: Any) -> str | None:

@@ -19,8 +19,8 @@ from chunkstore.errors import ChunkStoreError
 from chunkstore.kv.entry import EntryKind
 from chunkstore.kv.keys import digests_key, summary_key
 from chunkstore.kv.segments import Segment, SegmentKind
-from chunkstore.kv.selection import TransferParams
-from chunkstore.kv.treatment import Treatment
+from chunkstore.policy.selection import TransferParams
+from chunkstore.policy.treatment import Treatment
 
 from .cache_groups import NULL_BLOCK, CacheGroups
 from .client_holder import DaemonLink
@@ -101,7 +101,7 @@ class SchedulerSide:
         self.off = unsupported_parallelism(vllm_config) or self.groups.unsupported
         self.keys.say_if_refused(vllm_config.model_config.model)  # once: one scheduler
         # What the back end serves, decided once (``config.for_deployment``), decides the
-        # treatment (``chunkstore.kv.treatment``) and what is planned for the workers' hook.
+        # treatment (``chunkstore.policy.treatment``) and what is planned for the workers' hook.
         self.back_end = config.back_end
         self.policy = config.policy
         self.first_is_causal = self.policy.first_is_causal
@@ -177,7 +177,7 @@ class SchedulerSide:
     def _treat(
         self, request: Request, segments: list[Segment], params: TransferParams
     ) -> Treatment:
-        """What the request's chunks get (``chunkstore.kv.treatment``), its own choice
+        """What the request's chunks get (``chunkstore.policy.treatment``), its own choice
         (``kv_transfer_params``) first; malformed ones are ignored, said and counted."""
         treated = self.policy.treat(segments, params)
         if treated.ignored_params is not None:

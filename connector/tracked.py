@@ -25,7 +25,7 @@ class Tracked:
     mask, and from ``causal_start`` on tokens that attend causally to everything before
     them: the question, what is generated. ``recomputed``: the chunks (segment index ->
     offsets in it) whose KV the workers recompute, seeing everything before them, in the
-    step that computes the question (``chunkstore.kv.treatment``); they are looked up,
+    step that computes the question (``chunkstore.policy.treatment``); they are looked up,
     loaded and stored as isolated chunks all the same. ``shifts``: (start, end, shift) of
     each chunk the workers attend ``shift`` positions from where it stands, from the step
     that computes the question on (``relevant_last``: its keys re-rotated in the cache)."""

@@ -15,6 +15,8 @@ PACKAGES = {"chunkstore": ROOT / "chunkstore", "chunkstore_vllm": ROOT / "connec
 ALLOWED: list[tuple[str, tuple[str, ...] | None]] = [
     ("chunkstore.errors", ()),
     ("chunkstore.kv", ("chunkstore.kv", "chunkstore.errors")),
+    # The policy over the chunk math: what each chunk of a request gets.
+    ("chunkstore.policy", ("chunkstore.policy", "chunkstore.kv", "chunkstore.errors")),
     ("chunkstore.protocol", ("chunkstore.protocol", "chunkstore.kv", "chunkstore.errors")),
     # Device memory: runtimes, IPC pools and their kernels, over the shared layout and digest.
     (
@@ -49,10 +51,13 @@ ALLOWED: list[tuple[str, tuple[str, ...] | None]] = [
     ("chunkstore.prompts", ("chunkstore.kv", "chunkstore.errors")),
     # The connector's settings, which the router and the benches read too: the daemon's
     # default address, the chunk math and the policy.
-    ("chunkstore.connector_config", ("chunkstore.client", "chunkstore.kv", "chunkstore.errors")),
-    # The HF reference: the chunk math and the policy (chunkstore.kv.treatment), never the
+    (
+        "chunkstore.connector_config",
+        ("chunkstore.client", "chunkstore.policy", "chunkstore.kv", "chunkstore.errors"),
+    ),
+    # The HF reference: the chunk math and the policy (chunkstore.policy.treatment), never the
     # connector whose output it judges.
-    ("chunkstore.reference", ("chunkstore.kv", "chunkstore.errors")),
+    ("chunkstore.reference", ("chunkstore.policy", "chunkstore.kv", "chunkstore.errors")),
     # The front door: keys as the connector makes them, the daemons asked, never the
     # connector itself (it runs where vLLM does not).
     (
@@ -62,6 +67,7 @@ ALLOWED: list[tuple[str, tuple[str, ...] | None]] = [
             "chunkstore.prompts",
             "chunkstore.client",
             "chunkstore.protocol",
+            "chunkstore.policy",
             "chunkstore.kv",
             "chunkstore.errors",
         ),
@@ -88,6 +94,7 @@ ALLOWED: list[tuple[str, tuple[str, ...] | None]] = [
             "chunkstore_vllm",
             "chunkstore.client",
             "chunkstore.connector_config",
+            "chunkstore.policy",
             "chunkstore.kv",
             "chunkstore.errors",
             "chunkstore.ingest",

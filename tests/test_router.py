@@ -26,7 +26,7 @@ from chunkstore.client import ChunkStoreClient
 from chunkstore.kv.fingerprint import fingerprint_of_folder
 from chunkstore.kv.keys import Isolation
 from chunkstore.kv.segments import Segment, SegmentKind
-from chunkstore.kv.treatment import QualityConfig
+from chunkstore.policy.treatment import QualityConfig
 from chunkstore.processes.daemon import RunningDaemon, start_daemon
 from chunkstore.processes.router import RunningRouter
 from chunkstore.processes.vllm_probe import run_probe

@@ -20,8 +20,8 @@ import pytest
 
 from chunkstore.kv.keys import Isolation
 from chunkstore.kv.segments import Segment, SegmentKind
-from chunkstore.kv.treatment import QualityConfig
 from chunkstore.models import model_dir
+from chunkstore.policy.treatment import QualityConfig
 from chunkstore.processes.router import RunningRouter
 from chunkstore.processes.vllm_server import VllmServer
 from chunkstore.prompts import RagPrompts

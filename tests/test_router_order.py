@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from chunkstore.kv.keyspace import KeySpace
 from chunkstore.kv.segments import reordered_ids
-from chunkstore.kv.treatment import QualityConfig
+from chunkstore.policy.treatment import QualityConfig
 from chunkstore.prompts import RagPrompts
 from chunkstore.router import order
 

@@ -26,7 +26,7 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from chunkstore.kv.keyspace import KeySpace
-from chunkstore.kv.treatment import QualityConfig
+from chunkstore.policy.treatment import QualityConfig
 from chunkstore.processes.router import RunningRouter
 from chunkstore.processes.vllm_server import VllmServer
 from chunkstore.prompts import RagPrompts

@@ -24,7 +24,7 @@ from vllm.entrypoints.serve.tokenize.protocol import (
 )
 
 from chunkstore.kv.keyspace import KeySpace
-from chunkstore.kv.treatment import QualityConfig
+from chunkstore.policy.treatment import QualityConfig
 from chunkstore.prompts import RagPrompts
 from chunkstore.router import app, order
 from chunkstore.router.instances import Instance

@@ -75,8 +75,8 @@ from chunkstore.kv.segments import (
     reordered_ids,
     split_prompt,
 )
-from chunkstore.kv.treatment import BackEnd, QualityConfig, Treatment, relevant_order, treat
 from chunkstore.models import kv_bytes_per_token, resolve
+from chunkstore.policy.treatment import BackEnd, QualityConfig, Treatment, relevant_order, treat
 from chunkstore.processes.daemon import start_daemon
 from chunkstore.processes.vllm_probe import run_probe
 from chunkstore_vllm.config import ConnectorConfig, for_deployment, hook_limits
@@ -245,7 +245,7 @@ def treatment(
     hf_config: Any = None,
 ) -> tuple[Treatment, list[int]]:
     """What a method does with a prompt's chunks, as the connector decides it (the one
-    policy, ``chunkstore.kv.treatment``, with the settings it serves for the model of
+    policy, ``chunkstore.policy.treatment``, with the settings it serves for the model of
     ``hf_config``: ``served_config``), given the kv_transfer_params the bench sends with
     it; and the segment index of each chunk (chunk ``c`` is segment ``chunks[c]``)."""
     segments = split_prompt(prompt, sep)

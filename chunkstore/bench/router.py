@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from chunkstore.kv.keyspace import KeySpace
-from chunkstore.kv.treatment import QualityConfig
 from chunkstore.models import WORDS, resolve
+from chunkstore.policy.treatment import QualityConfig
 from chunkstore.router import order
 from chunkstore.router.tokens import TOKENIZE, Tokenizer
 

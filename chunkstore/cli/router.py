@@ -69,7 +69,7 @@ would refuse); cold chunks wait for a turn (--max-cold-in-flight) or are left to
 
 
 def run(args: argparse.Namespace) -> int:
-    from chunkstore.kv.treatment import QualityConfig
+    from chunkstore.policy.treatment import QualityConfig
     from chunkstore.router.app import RouterSettings
     from chunkstore.router.instances import parse_instance
     from chunkstore.router.limits import Limits

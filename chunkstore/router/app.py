@@ -41,8 +41,8 @@ from starlette.background import BackgroundTask
 
 from chunkstore.kv.keyspace import KeySpace, Plan
 from chunkstore.kv.segments import Segment, reordered_ids
-from chunkstore.kv.selection import TransferParams
-from chunkstore.kv.treatment import QualityConfig
+from chunkstore.policy.selection import TransferParams
+from chunkstore.policy.treatment import QualityConfig
 
 from . import disagg, fields, order
 from .access import Admission, Gate, Operators

@@ -25,8 +25,8 @@ from typing import Any
 
 from chunkstore.kv.keyspace import KeySpace
 from chunkstore.kv.segments import Segment, SegmentKind, chunk_places, reordered_ids
-from chunkstore.kv.selection import NAMED, TransferParams
-from chunkstore.kv.treatment import Policy, QualityConfig
+from chunkstore.policy.selection import NAMED, TransferParams
+from chunkstore.policy.treatment import Policy, QualityConfig
 
 
 def params_of(body: dict[str, Any]) -> TransferParams:

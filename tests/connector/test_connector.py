@@ -18,7 +18,7 @@ import pytest
 from chunkstore.client import ChunkStoreClient
 from chunkstore.connector_config import ConnectorConfig
 from chunkstore.kv.keys import Isolation
-from chunkstore.kv.selection import placed
+from chunkstore.policy.selection import placed
 from chunkstore.processes.daemon import RunningDaemon
 from chunkstore.processes.redis import RedisServer
 from chunkstore.processes.vllm_probe import run_probe

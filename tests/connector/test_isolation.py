@@ -17,9 +17,9 @@ from chunkstore.kv.entry import EntryKind, torch_dtype
 from chunkstore.kv.fingerprint import fingerprint_of_folder
 from chunkstore.kv.keys import Isolation, digests_key, segment_keys, summary_key
 from chunkstore.kv.segments import ChunkedPrompt
-from chunkstore.kv.selection import span
 from chunkstore.kv.sparse import EntryBlocks, digests_of, summary_tensors
-from chunkstore.kv.treatment import QualityConfig
+from chunkstore.policy.selection import span
+from chunkstore.policy.treatment import QualityConfig
 from chunkstore.processes.daemon import RunningDaemon
 from chunkstore.processes.vllm_probe import run_probe
 from chunkstore.reference import (

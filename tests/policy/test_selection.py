@@ -9,7 +9,8 @@ import pytest
 from chunkstore.bench.qa_cases import generate
 from chunkstore.connector_config import ConnectorConfig
 from chunkstore.kv.segments import Segment, SegmentKind
-from chunkstore.kv.selection import (
+from chunkstore.models import model_dir
+from chunkstore.policy.selection import (
     RECOMPUTE_FLOOR,
     RECOMPUTE_SHARE,
     BadTransferParams,
@@ -24,7 +25,6 @@ from chunkstore.kv.selection import (
     select,
     span,
 )
-from chunkstore.models import model_dir
 
 
 def test_bm25_ranks_the_chunk_sharing_the_questions_rare_tokens_first() -> None:

@@ -1,4 +1,4 @@
-"""The quality policy in one place (``chunkstore.kv.treatment``): what a prompt's chunks get,
+"""The quality policy in one place (``chunkstore.policy.treatment``): what a prompt's chunks get,
 in the order the connector applies it, on back ends with and without the in-band hook."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from chunkstore.kv.keys import Isolation
 from chunkstore.kv.segments import Segment, SegmentKind
-from chunkstore.kv.treatment import BackEnd, QualityConfig, relevant_order, treat
+from chunkstore.policy.treatment import BackEnd, QualityConfig, relevant_order, treat
 
 NONE = Isolation.NONE
 

@@ -38,8 +38,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from .keys import Isolation
-from .segments import Segment, SegmentKind
+from chunkstore.kv.keys import Isolation
+from chunkstore.kv.segments import Segment, SegmentKind
+
 from .selection import RECOMPUTE_BY, BadTransferParams, TransferParams, relevant, select
 
 # On Qwen2.5-Coder with 8 documents: at most the three BM25 ranks highest, those scoring at
