@@ -184,13 +184,7 @@ def project_sources() -> dict[str, tuple[str, bool]]:
 def test_imports_run_one_way() -> None:
     sources = project_sources()
     assert len(sources) > 40
-    assert [p for p in broken_rules(sources) if p.split()[0] not in NOT_MOVED_YET] == []
-
-
-# The modules that still import the connector, each to move out (issue 95): bench quality reads
-# how the connector serves a method on a model (for_deployment). The test fails on any other
-# module, and on one listed here that no longer does (take it off).
-NOT_MOVED_YET = {"chunkstore.bench.quality"}
+    assert broken_rules(sources) == []
 
 
 def test_chunkstore_imports_nothing_of_the_connector() -> None:
@@ -199,15 +193,15 @@ def test_chunkstore_imports_nothing_of_the_connector() -> None:
     it and is found through entry points."""
     sources = project_sources()
     known = set(sources)
-    found = {
-        module
-        for module, (source, is_package) in sources.items()
+    found = [
+        f"{module} imports {name}"
+        for module, (source, is_package) in sorted(sources.items())
         if _under(module, "chunkstore")
-        for name in imports_of(source, module, is_package, known)
+        for name in sorted(imports_of(source, module, is_package, known))
         if _under(name, "chunkstore_vllm")
-    }
+    ]
     assert len([m for m in sources if _under(m, "chunkstore")]) > 40
-    assert found == NOT_MOVED_YET
+    assert found == []
 
 
 def test_the_rule_check_catches_what_it_is_for() -> None:
