@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from chunkstore.connector_config import ConnectorConfig
 from chunkstore.errors import LayoutError
 
 from .cache_groups import CacheGroups
 from .client_holder import DaemonLink
 from .common import ChunkStoreMetadata, LoadsEnded
-from .config import ConnectorConfig, unsupported_parallelism
+from .config import unsupported_parallelism
 from .cpu_layout import CpuKVLayout
 from .device_layout import DeviceKVLayout, cache_access
 from .heads import RankHeads

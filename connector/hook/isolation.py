@@ -69,12 +69,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from chunkstore.connector_config import ConnectorConfig
 from chunkstore.kv.keys import Isolation
 from chunkstore.kv.layer_rotary import LayerRotary
 from chunkstore.kv.rope import RotaryConfig
 
 from ..common import RequestPlan
-from ..config import ConnectorConfig
 from ..cpu_layout import CpuKVLayout
 from ..sparse_reads import SparseReads
 from .recompute import Blend, IsolatedCopy, Recomputer
