@@ -136,17 +136,7 @@ class Loads:
         self._receiving |= receiving
         # vLLM's asynchronous loads start after the forward: no layer waits for them.
         self._overlap = self.config.overlap_layers and not receiving
-        loads = []
-        for plan in metadata.requests:
-            if plan.receiving and not plan.loads:  # vLLM waits for tokens nothing supplies
-                self._failed_requests.add(plan.req_id)
-            for item in plan.loads:
-                if item.sparse is None:
-                    loads.append((plan, item))
-                elif self.sparse is not None:  # read in the hook, layer by layer
-                    self.sparse.add(plan, item)
-                else:  # no hook to read it: vLLM computes it
-                    self._failed(plan, item)
+        loads = self._read_now(metadata)
         if not loads:
             return
         began = time.perf_counter()
@@ -185,6 +175,22 @@ class Loads:
         self.stats.add("load_seconds", read)
         if fetched:
             self._layer_loads = self._staged_writes(fetched)
+
+    def _read_now(self, metadata: ChunkStoreMetadata) -> list[tuple[RequestPlan, LoadItem]]:
+        """The step's loads read now, whole; a sparse one goes to the hook, which reads it
+        layer by layer (none: it fails, and vLLM computes it)."""
+        loads = []
+        for plan in metadata.requests:
+            if plan.receiving and not plan.loads:  # vLLM waits for tokens nothing supplies
+                self._failed_requests.add(plan.req_id)
+            for item in plan.loads:
+                if item.sparse is None:
+                    loads.append((plan, item))
+                elif self.sparse is not None:  # read in the hook, layer by layer
+                    self.sparse.add(plan, item)
+                else:  # no hook to read it: vLLM computes it
+                    self._failed(plan, item)
+        return loads
 
     def moved_by_load(self, req_id: str) -> dict[int, int] | None:
         """The chunks of a request this step's loads put where they are attended (start ->

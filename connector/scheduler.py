@@ -9,15 +9,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from chunkstore.client import LeasedEntry
 from chunkstore.connector_config import ConnectorConfig
-from chunkstore.errors import ChunkStoreError
 from chunkstore.kv.entry import EntryKind
-from chunkstore.kv.keys import digests_key, summary_key
 from chunkstore.kv.segments import Segment, SegmentKind
 from chunkstore.policy.selection import TransferParams
 from chunkstore.policy.treatment import Treatment
@@ -31,12 +26,13 @@ from .common import (
     LoadsEnded,
     RequestPlan,
     SaveItem,
-    SparseSource,
 )
 from .config import decode_context_parallel, unsupported_parallelism
-from .keys import ModelKeys, SegmentPlan
+from .keys import ModelKeys
+from .leases import Held, Leases
 from .metrics import ConnectorStats
 from .prefix_cache import keep_roles_apart
+from .sparse_plan import SparsePlan
 from .tracked import Tracked, causal_start
 
 if TYPE_CHECKING:  # vLLM's types at the boundary, for the type checker only
@@ -46,15 +42,6 @@ if TYPE_CHECKING:  # vLLM's types at the boundary, for the type checker only
     from vllm.v1.request import Request
 
 log = logging.getLogger("chunkstore.connector")
-
-
-@dataclass
-class Held:
-    """Leases one request holds, in the daemon session they were taken in."""
-
-    session: str
-    leases: dict[int, LeasedEntry] = field(default_factory=dict)  # segment index -> lease
-    extra: list[LeasedEntry] = field(default_factory=list)  # summaries, digests (sparse)
 
 
 class SchedulerSide:
@@ -77,9 +64,6 @@ class SchedulerSide:
         # vLLM's scheduler blocks: under decode context parallelism virtual blocks of a
         # rank's block size times the group's (vllm/v1/core/single_type_kv_cache_manager.py:108)
         self.block_size = vllm_config.cache_config.block_size * decode_context_parallel(vllm_config)
-        # Each decode context-parallel rank reads only its part of an entry, checked with the
-        # group's parts against the entry's summed checksum (``Loads._read_held``)
-        self.summed = decode_context_parallel(vllm_config) > 1
         transfer = vllm_config.kv_transfer_config
         role = getattr(transfer, "kv_role", None)
         self.producer, self.consumer = role == "kv_producer", role == "kv_consumer"
@@ -94,9 +78,9 @@ class SchedulerSide:
             )
         self._tracked: dict[str, Tracked | None] = {}  # None: nothing to look up
         self._loads: dict[str, list[LoadItem]] = {}
-        self._held: dict[str, Held] = {}
         self.stats = ConnectorStats()
         self.link = DaemonLink(config, "chunkstore-scheduler", self.stats)
+        self.leases = Leases(self.link, self.stats, decode_context_parallel(vllm_config) > 1)
         self._warned_prefix_cache = False
         self.off = unsupported_parallelism(vllm_config) or self.groups.unsupported
         self.keys.say_if_refused(vllm_config.model_config.model)  # once: one scheduler
@@ -106,6 +90,7 @@ class SchedulerSide:
         self.policy = config.policy
         self.first_is_causal = self.policy.first_is_causal
         self.fills_gaps = config.fill_gaps and self.back_end.inband and self.back_end.recompute
+        self.sparse = SparsePlan(config, self.back_end, self.stats, self.leases)
         if self.off:
             log.warning(
                 "chunkstore: %s; the connector stays off (every request computed)", self.off
@@ -119,60 +104,66 @@ class SchedulerSide:
             prompt = list(request.prompt_token_ids or [])
             segments, refused = self.keys.served_segments(prompt)
             self.stats.add("rotary_refused_prompts", refused)
-            tracked = None
             salt = getattr(request, "cache_salt", None) or ""
             if segments and segments[0].kind is SegmentKind.SYS:  # a separator: chunked
                 self.stats.add("chunked_prompts")
-                # The request's own choices, parsed once.
-                params = TransferParams.parse(getattr(request, "kv_transfer_params", None))
-                treated = self._treat(request, segments, params)
-                causal = causal_start(segments)
-                recomputed = dict(treated.recomputed)
-                if not self.back_end.inband:  # relevant chunks standing last: vLLM's to compute
-                    causal = min(causal, treated.computed_from(segments) or causal)
-                    recomputed = {}
-                plans = self.keys.plan(segments, salt)
-                cacheable = [
-                    plan
-                    for plan in plans
-                    if len(plan.segment) >= self.config.min_chunk_tokens
-                    and plan.segment.end <= causal
-                ]
-                short = sum(len(p.segment) < self.config.min_chunk_tokens for p in plans)
-                self.stats.add("short_segments", short)
-                moves = tuple(
-                    (segments[i].start, segments[i].end, d)
-                    for i, d in sorted(treated.shifts.items())
-                )
-                tracked = Tracked(
-                    segments,
-                    cacheable,
-                    causal,
-                    recomputed=recomputed,
-                    shifts=moves,
-                    first_tokens=treated.first_tokens,
-                    sparse_threshold=self._sparse_share(request, params, "sparse_threshold"),
-                    sparse_candidates=self._sparse_share(request, params, "sparse_candidates"),
-                )
+                self._tracked[req_id] = self._track_chunked(request, segments, salt)
             else:
                 self.stats.add("unchunked_prompts")
-                if segments and self.prefix_tokens:
-                    size = self.prefix_tokens
-                    tracked = Tracked(
-                        segments,
-                        self.keys.prefix_plan(prompt, salt, size),
-                        0,
-                        request=request,
-                        salt=salt,
-                        tail=self.keys.prefix_tail(prompt[:-1], salt, size)
-                        if self.consumer
-                        else None,
-                        save_tail=self.keys.prefix_tail(prompt, salt, size)
-                        if self.producer
-                        else None,
-                    )
-            self._tracked[req_id] = tracked
+                self._tracked[req_id] = self._track_plain(request, segments, prompt, salt)
         return self._tracked[req_id]
+
+    def _track_chunked(self, request: Request, segments: list[Segment], salt: str) -> Tracked:
+        """A chunked prompt: its treatment, the chunks stored (those before the causal part,
+        long enough) and the moves, recomputes and sparse shares it asks for."""
+        # The request's own choices, parsed once.
+        params = TransferParams.parse(getattr(request, "kv_transfer_params", None))
+        treated = self._treat(request, segments, params)
+        causal = causal_start(segments)
+        recomputed = dict(treated.recomputed)
+        if not self.back_end.inband:  # relevant chunks standing last: vLLM's to compute
+            causal = min(causal, treated.computed_from(segments) or causal)
+            recomputed = {}
+        plans = self.keys.plan(segments, salt)
+        cacheable = [
+            plan
+            for plan in plans
+            if len(plan.segment) >= self.config.min_chunk_tokens and plan.segment.end <= causal
+        ]
+        self.stats.add(
+            "short_segments", sum(len(p.segment) < self.config.min_chunk_tokens for p in plans)
+        )
+        moves = tuple(
+            (segments[i].start, segments[i].end, d) for i, d in sorted(treated.shifts.items())
+        )
+        return Tracked(
+            segments,
+            cacheable,
+            causal,
+            recomputed=recomputed,
+            shifts=moves,
+            first_tokens=treated.first_tokens,
+            sparse_threshold=self.sparse.share(request.request_id, params, "sparse_threshold"),
+            sparse_candidates=self.sparse.share(request.request_id, params, "sparse_candidates"),
+        )
+
+    def _track_plain(
+        self, request: Request, segments: list[Segment], prompt: list[int], salt: str
+    ) -> Tracked | None:
+        """A plain prompt: its prefix blocks, and the part block a consumer looks up and a
+        producer stores (None: no segments, or ``prefix_block_tokens`` 0)."""
+        if not (segments and self.prefix_tokens):
+            return None
+        size = self.prefix_tokens
+        return Tracked(
+            segments,
+            self.keys.prefix_plan(prompt, salt, size),
+            0,
+            request=request,
+            salt=salt,
+            tail=self.keys.prefix_tail(prompt[:-1], salt, size) if self.consumer else None,
+            save_tail=self.keys.prefix_tail(prompt, salt, size) if self.producer else None,
+        )
 
     def _treat(
         self, request: Request, segments: list[Segment], params: TransferParams
@@ -200,7 +191,7 @@ class SchedulerSide:
         if tracked is None or not tracked.chunked:
             return
         private = tracked.first_changed(tracked.first_tokens, self.first_is_causal)
-        sparse = self._sparse_eligible(tracked)
+        sparse = self.sparse.eligible(tracked)
         if sparse:  # loaded sparse, their blocks hold what was not read: never shared
             private = min(sparse[0][0], private if private is not None else sparse[0][0])
         if keep_roles_apart(request, tracked.causal_start, self.block_size, private):
@@ -213,43 +204,12 @@ class SchedulerSide:
             self._warned_prefix_cache = True
         request.skip_reading_prefix_cache = True
 
-    def _sparse_share(self, request: Request, params: TransferParams, name: str) -> float:
-        """The request's ``name`` (``sparse_threshold`` or ``sparse_candidates``: its
-        ``kv_transfer_params``', else the connector's); a malformed one is ignored, said and
-        counted."""
-        default = float(getattr(self.config, name))
-        why = params.why_ignored(name)
-        if why is not None:
-            log.warning(
-                "chunkstore: request %s: kv_transfer_params ignored: %s", request.request_id, why
-            )
-            self.stats.add("bad_transfer_params")
-            return default
-        value = getattr(params, name)
-        if value is None:
-            return default
-        if value and not (self.back_end.inband and self.config.sparse_summary_tokens):
-            log.warning(
-                "chunkstore: request %s: %s ignored: sparse loads need the in-band hook "
-                "and sparse_summary_tokens > 0",
-                request.request_id,
-                name,
-            )
-            return 0.0
-        return float(value)
-
-    def _sparse_eligible(self, tracked: Tracked) -> list[tuple[int, int]]:
-        """The request's chunks that are loaded sparse if stored with their summaries."""
-        if not tracked.sparse_threshold:
-            return []
-        return tracked.sparse_eligible(self.config.sparse_summary_tokens)
-
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         """Lease every stored segment (one batch call); keep the leases of the hit run past
         vLLM's own prefix hits, which the workers will load."""
         began = time.perf_counter()
         req_id = request.request_id
-        self._release(req_id)  # asked again: the request was not scheduled last time
+        self.leases.release(req_id)  # asked again: the request was not scheduled last time
         if self.off or req_id in self._failed_loads:
             return 0  # (an async load that failed: vLLM computes the request whole)
         tracked = self._track(request)
@@ -262,7 +222,9 @@ class SchedulerSide:
             if not tracked.chunked:
                 tracked.present = []  # nothing to look up: what it generates may fill a block
             return 0
-        held = self._acquire(segments, EntryKind.CHUNK if tracked.chunked else EntryKind.PREFIX)
+        held = self.leases.acquire(
+            segments, EntryKind.CHUNK if tracked.chunked else EntryKind.PREFIX
+        )
         self.stats.add("lookup_seconds", time.perf_counter() - began)
         if not held.session:
             return 0  # no daemon: compute, and plan no saves it could not take either
@@ -274,8 +236,8 @@ class SchedulerSide:
         # vLLM must compute at least the last token.
         hit_end = min(hit_end, request.num_prompt_tokens - 1)
         tracked.present = [index in held.leases for index in range(len(tracked.cacheable))]
-        self._held[req_id] = held
-        self._keep(
+        self.leases.hold(req_id, held)
+        self.leases.keep(
             req_id,
             lambda i: (
                 segments[i].segment.start < hit_end
@@ -313,59 +275,6 @@ class SchedulerSide:
                 break
         return hit_end, gaps
 
-    def _acquire(self, segments: list[SegmentPlan], kind: str) -> Held:
-        client = self.link.get()
-        if client is None:
-            self.stats.add("daemon_unreachable")
-            return Held("")
-        try:
-            entries = client.acquire(
-                [s.key for s in segments], [len(s.segment) for s in segments], kind, self.summed
-            )
-        except ChunkStoreError as err:
-            self.link.trouble("lookup", err)
-            self.stats.add("daemon_unreachable")
-            return Held("")
-        looked_up = sum(len(s.segment) for s in segments)
-        self.stats.add("lookups")
-        self.stats.add("lookup_tokens", looked_up)
-        if kind == EntryKind.PREFIX:
-            self.stats.add("prefix_lookup_tokens", looked_up)
-        leases = {i: entry for i, entry in enumerate(entries) if entry is not None}
-        return Held(client.session, leases)
-
-    def _keep(self, req_id: str, wanted: Callable[[int], bool]) -> None:
-        """Release the request's leases on segments ``wanted`` rejects."""
-        held = self._held.get(req_id)
-        if held is None:
-            return
-        dropped = {i: lease for i, lease in held.leases.items() if not wanted(i)}
-        for index in dropped:
-            del held.leases[index]
-        self._release_leases(held.session, list(dropped.values()))
-
-    def _release(self, req_id: str, shm_bytes_read: int = 0) -> None:
-        held = self._held.pop(req_id, None)
-        if held is not None:
-            leases = [*held.leases.values(), *held.extra]
-            self._release_leases(held.session, leases, shm_bytes_read)
-        elif shm_bytes_read and (client := self.link.get()) is not None:
-            # vLLM frees a request (request_finished: leases gone) before it hands over the
-            # workers' output of the same step, so a load whose request ended in that step (a
-            # one-token answer) reports its bytes here, with no lease left.
-            self._release_leases(client.session, [], shm_bytes_read)
-
-    def _release_leases(
-        self, session: str, leases: list[LeasedEntry], shm_bytes_read: int = 0
-    ) -> None:
-        client = self.link.get()
-        if not (leases or shm_bytes_read) or client is None or client.session != session:
-            return  # leases of a session that ended went with it
-        try:
-            client.release([lease.lease_id for lease in leases], shm_bytes_read)
-        except ChunkStoreError as err:
-            self.link.trouble("release", err)
-
     @property
     def loads_async(self) -> bool:
         """Whether loads are asked for asynchronously: under vLLM's hybrid KV-cache manager,
@@ -387,7 +296,7 @@ class SchedulerSide:
             self._received.discard(req_id)
             return
         tracked = self._tracked.get(req_id)
-        held = self._held.get(req_id)
+        held = self.leases.get(req_id)
         if tracked is not None:
             supplied = tracked.local_computed + max(num_external_tokens, 0)
             prompt = len(request.prompt_token_ids or [])
@@ -398,7 +307,7 @@ class SchedulerSide:
             if num_external_tokens <= 0:
                 tracked.gaps = []
         if tracked is None or held is None or num_external_tokens <= 0:
-            self._release(req_id)
+            self.leases.release(req_id)
             if self.loads_async and num_external_tokens > 0:  # vLLM waits: it fails them
                 self._loads[req_id] = []
                 self._receiving[req_id] = tables
@@ -414,9 +323,9 @@ class SchedulerSide:
                 offset = lo - plan.segment.start
                 loads.append(LoadItem(plan.key, offset, lo, hi - lo, lease, held.session, prefix))
         loaded = {item.key for item in loads}
-        self._keep(req_id, lambda i: tracked.looked_up[i].key in loaded)
+        self.leases.keep(req_id, lambda i: tracked.looked_up[i].key in loaded)
         if not prefix:
-            loads = self._sparse_loads(tracked, held, loads)
+            loads = self.sparse.loads(tracked, held, loads)
         self._loads[req_id] = loads
         if self.loads_async:  # planned in the next metadata, the request not scheduled
             computed = tracked.local_computed + num_external_tokens
@@ -425,55 +334,6 @@ class SchedulerSide:
         self.stats.add("hit_tokens", num_external_tokens)
         if prefix:
             self.stats.add("prefix_hit_tokens", num_external_tokens)
-
-    def _sparse_loads(self, tracked: Tracked, held: Held, loads: list[LoadItem]) -> list[LoadItem]:
-        """The loads of whole chunks that may load sparse (``_sparse_eligible``) and have
-        a summary and digests stored beside them, made sparse (their leases held with the
-        request's until it ends: the workers read them at its question)."""
-        eligible = set(self._sparse_eligible(tracked))
-        wanted = [
-            i
-            for i, item in enumerate(loads)
-            if (item.actual_start, item.actual_start + item.num_tokens) in eligible
-            and item.entry_offset == 0
-            and item.num_tokens == item.lease.layout.num_tokens
-        ]
-        tracked.sparse = ()
-        if not wanted:
-            return loads
-        block = self.config.sparse_block
-        keys = [
-            k
-            for i in wanted
-            for k in (
-                summary_key(loads[i].key, block),
-                digests_key(loads[i].key, block, loads[i].lease.checksum),
-            )
-        ]
-        client = self.link.get()
-        if client is None or client.session != held.session:
-            return loads
-        try:
-            found = client.acquire(keys, entry_kind=EntryKind.SUMMARY)
-        except ChunkStoreError as err:
-            self.link.trouble("lookup of summaries", err)
-            return loads
-        held.extra += [lease for lease in found if lease is not None]
-        loads = list(loads)
-        sparse = []
-        for n, i in enumerate(wanted):
-            summary, digests = found[2 * n], found[2 * n + 1]
-            if summary is None or digests is None:
-                continue
-            item = loads[i]
-            source = SparseSource(
-                summary, digests, block, tracked.sparse_threshold, tracked.sparse_candidates
-            )
-            loads[i] = replace(item, sparse=source)
-            sparse.append((item.actual_start, item.actual_start + item.num_tokens))
-        tracked.sparse = tuple(sparse)
-        self.stats.add("sparse_chunks", len(sparse))
-        return loads
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ChunkStoreMetadata:
         """Each scheduled request's loads (first step, or the step that resumes it after a
@@ -606,11 +466,9 @@ class SchedulerSide:
             for req_id, shm_bytes in ended.shm_bytes.items():
                 tracked = self._tracked.get(req_id)
                 if tracked is not None and tracked.sparse:  # read at its question: kept
-                    held = self._held.get(req_id)
-                    if held is not None:
-                        self._release_leases(held.session, [], shm_bytes)
+                    self.leases.count_read(req_id, shm_bytes)
                     continue
-                self._release(req_id, shm_bytes)
+                self.leases.release(req_id, shm_bytes)
 
     def _saves(self, tracked: Tracked, computed_end: int) -> list[SaveItem]:
         """Segments not stored yet that vLLM has computed by the end of this step under
@@ -654,11 +512,10 @@ class SchedulerSide:
         self._failed_loads.discard(request.request_id)
         self._received.discard(request.request_id)
         self._receiving.pop(request.request_id, None)
-        self._release(request.request_id)
+        self.leases.release(request.request_id)
         self._tracked.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
 
     def shutdown(self) -> None:
-        for req_id in list(self._held):
-            self._release(req_id)
+        self.leases.release_all()
         self.link.close()
