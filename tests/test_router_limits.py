@@ -20,7 +20,7 @@ import pytest
 
 from chunkstore.kv.keyspace import KeySpace, Plan
 from chunkstore.processes.router import RunningRouter
-from chunkstore.router import app, limits
+from chunkstore.router import app, limits, prompt_ids
 from chunkstore.router.instances import Instance
 
 
@@ -200,7 +200,7 @@ def test_a_big_body_is_read_and_planned_off_the_event_loop(
     thread's hand-off would cost more than it saves."""
     keys = KeySpace.for_model(tiny_model_dir, "float32")
     where: dict[str, list[bool]] = {"parse": [], "plan": [], "tokens": []}
-    parse, plan, token_ids = limits.parse_body, KeySpace.plan, app._token_ids
+    parse, plan, token_ids = limits.parse_body, KeySpace.plan, prompt_ids._token_ids
 
     def parse_body(raw: bytes) -> dict:
         where["parse"].append(threading.current_thread() is threading.main_thread())
@@ -216,7 +216,7 @@ def test_a_big_body_is_read_and_planned_off_the_event_loop(
 
     monkeypatch.setattr(app, "parse_body", parse_body)
     monkeypatch.setattr(KeySpace, "plan", plan_of)
-    monkeypatch.setattr(app, "_token_ids", tokens_of)
+    monkeypatch.setattr(prompt_ids, "_token_ids", tokens_of)
     router = app.Router(app.RouterSettings(keys, [Instance(upstream, "unix:/nowhere")]))
 
     async def ask(ids: list[int] | str) -> int:
