@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http.cookiejar
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from chunkstore.kv.keyspace import KeySpace, Plan
+from chunkstore.kv.keyspace import KeySpace
 from chunkstore.policy.treatment import QualityConfig
 
 from . import disagg, fields
@@ -51,7 +51,7 @@ from .prompts import PromptReader, admit
 from .proof import Prover
 from .relevant import RelevantLast
 from .requests import Refused, error
-from .stores import Stores, Unasked
+from .stores import Stores
 from .tokens import Tokenizer
 from .upstream import GONE, Hold, Unreachable, Upstream, as_response
 
@@ -184,7 +184,8 @@ class Router:
         if prompts and self.relevant is not None:
             ask, prompts = await self.relevant.reorder(first, ask, prompts)
             plans = await self.relevant.loaded(ask, prompts)
-        stored, present = await self._stored(candidates, plans)
+        daemons = self.instances.daemons(candidates)
+        stored, present = await self.stores.held(daemons, plans, self.metrics)
         choice = self.instances.choose(candidates, stored)
         instance = choice.instance
         self.metrics.routed.labels(instance.url, choice.reason).inc()
@@ -205,28 +206,6 @@ class Router:
             held.release()
             raise
         return reply, Routed(choice, warmed)
-
-    async def _stored(
-        self, candidates: Sequence[Instance], plans: list[Plan]
-    ) -> tuple[dict[str, int], dict[str, list[list[bool]]]]:
-        """Per daemon of the candidates: the request's tokens it holds, and which pieces (a
-        daemon that cannot be asked is absent from both)."""
-        keys = [p.key for plan in plans for p in plan.pieces]
-        if not keys:
-            return {}, {}
-        daemons = self.instances.daemons(candidates)
-        answers = await asyncio.gather(*(self.stores.lookup(d, keys) for d in daemons))
-        stored: dict[str, int] = {}
-        present: dict[str, list[list[bool]]] = {}
-        for daemon, found in zip(daemons, answers, strict=True):
-            if isinstance(found, Unasked):
-                self.metrics.fallbacks.labels(found.value).inc()
-                continue
-            flags = iter(found)
-            present[daemon] = [[next(flags) for _ in plan.pieces] for plan in plans]
-            pieces = [p for plan in plans for p in plan.pieces]
-            stored[daemon] = sum(p.tokens for p, f in zip(pieces, found, strict=True) if f)
-        return stored, present
 
     # -- the rest -----------------------------------------------------------------------
 

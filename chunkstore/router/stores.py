@@ -19,6 +19,9 @@ from enum import Enum
 
 from chunkstore.client import ChunkStoreClient
 from chunkstore.errors import ChunkStoreError
+from chunkstore.kv.keyspace import Plan
+
+from .metrics import RouterMetrics
 
 log = logging.getLogger("chunkstore.router")
 
@@ -48,6 +51,27 @@ class Stores:
         if self._resting(address):
             return Unasked.SKIPPED
         return await asyncio.to_thread(self._lookup, address, list(keys))
+
+    async def held(
+        self, daemons: list[str], plans: list[Plan], metrics: RouterMetrics
+    ) -> tuple[dict[str, int], dict[str, list[list[bool]]]]:
+        """Per daemon: the request's tokens it holds, and which pieces (a daemon that cannot
+        be asked is absent from both, counted in ``fallbacks``)."""
+        keys = [p.key for plan in plans for p in plan.pieces]
+        if not keys:
+            return {}, {}
+        answers = await asyncio.gather(*(self.lookup(d, keys) for d in daemons))
+        stored: dict[str, int] = {}
+        present: dict[str, list[list[bool]]] = {}
+        for daemon, found in zip(daemons, answers, strict=True):
+            if isinstance(found, Unasked):
+                metrics.fallbacks.labels(found.value).inc()
+                continue
+            flags = iter(found)
+            present[daemon] = [[next(flags) for _ in plan.pieces] for plan in plans]
+            pieces = [p for plan in plans for p in plan.pieces]
+            stored[daemon] = sum(p.tokens for p, f in zip(pieces, found, strict=True) if f)
+        return stored, present
 
     def _resting(self, address: str) -> bool:
         failed = self._failed_at.get(address)
