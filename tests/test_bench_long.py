@@ -10,7 +10,7 @@ import torch
 
 from chunkstore.bench import qa_cases
 from chunkstore.bench.long_reference import LongReference
-from chunkstore.bench.quality import QUESTION_TEXT, SYS_TEXT
+from chunkstore.bench.quality_prompts import QUESTION_TEXT, SYS_TEXT
 from chunkstore.reference import HFReference
 
 

@@ -14,19 +14,17 @@ import pytest
 
 from chunkstore.bench import qa_cases
 from chunkstore.bench.qa_cases import generate
-from chunkstore.bench.quality import (
+from chunkstore.bench.quality_methods import hook_limits_of, parse_method
+from chunkstore.bench.quality_methods import treatment as treat_as_the_bench
+from chunkstore.bench.quality_prompts import (
     CHATML,
     COMPLETION,
-    _Prompts,
-    _prompts,
+    Prompts,
+    build_prompts,
     cases_digest,
-    cpu_kind,
-    hook_limits_of,
-    parse_method,
     prompt_format,
-    wilson,
 )
-from chunkstore.bench.quality import treatment as treat_as_the_bench
+from chunkstore.bench.quality_scores import cpu_kind, wilson
 from chunkstore.kv.segments import split_prompt
 from chunkstore.models import model_dir
 
@@ -321,7 +319,7 @@ def test_the_bench_reads_which_chunks_a_method_recomputes_or_moves_as_the_connec
     # after chunk 3), which vLLM computes there; the ranking renamed with the prompt.
     router = parse_method("inband_isolation=0+order=relevant")
     assert router == {"inband_isolation": False, "order": "relevant"}
-    sent = _Prompts([prompt], [ranking], [], []).ordered(router, sep)
+    sent = Prompts([prompt], [ranking], [], []).ordered(router, sep)
     assert sent.qa_rankings == [[2, 1, 3, 0]]  # chunks 0, 2, 3, 1 in their new places
     treated, chunks = treat_as_the_bench(router, sent.qa[0], sep, sent.qa_rankings[0])
     assert {chunks.index(i) for i in treated.recomputed} == {2, 3} and not treated.shifts
@@ -375,7 +373,7 @@ def test_a_model_without_a_chat_template_gets_completion_prompts_its_bos_first()
     assert fmt.answer(" Paris\nQuestion: Where does Bo live?\nAnswer: Rome") == "Paris"
     cases = generate(2, seed=0, docs_per_case=2, filler=1)
     sep = base.encode("##", add_special_tokens=False)
-    for prompt in _prompts(base, sep, cases, 1, fmt).qa:
+    for prompt in build_prompts(base, sep, cases, 1, fmt).qa:
         assert prompt[0] == base.bos_token_id and base.bos_token_id not in prompt[1:]
         assert str(base.decode(prompt[1:])).startswith(qa_cases.SYS)
         assert str(base.decode(prompt)).endswith("\nAnswer:")

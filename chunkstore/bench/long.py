@@ -54,7 +54,8 @@ from chunkstore.bench.long_reference import (
     parse_methods,
 )
 from chunkstore.bench.long_vllm import vllm_answers, vllm_ceiling
-from chunkstore.bench.quality import QUESTION_TEXT, SYS_TEXT, wilson
+from chunkstore.bench.quality_prompts import QUESTION_TEXT, SYS_TEXT
+from chunkstore.bench.quality_scores import wilson
 from chunkstore.models import resolve
 from chunkstore.reference import HFReference
 

@@ -14,7 +14,8 @@ from typing import Any
 
 from chunkstore.bench import qa_cases
 from chunkstore.bench.long_reference import FULL, REFINE, UNION
-from chunkstore.bench.quality import QUESTION_TEXT, SYS_TEXT, wilson
+from chunkstore.bench.quality_prompts import QUESTION_TEXT, SYS_TEXT
+from chunkstore.bench.quality_scores import wilson
 from chunkstore.models import resolve
 
 BOUND_REPEATS, BOUND_DECODE = 3, 32
@@ -90,7 +91,7 @@ def vllm_answers(
     over ``sparse_whole_bytes``)."""
     from transformers import AutoTokenizer
 
-    from chunkstore.bench.quality import SEPARATOR
+    from chunkstore.bench.quality_prompts import SEPARATOR
 
     folder = resolve(args.model)
     tok: Any = AutoTokenizer.from_pretrained(folder)
@@ -143,7 +144,7 @@ def _served(
 ) -> list[dict[str, Any]]:
     """The prompts through one vLLM with the connector over a daemon of its own (``shortest``:
     the shortest document's tokens, which its sparse summary may not pass)."""
-    from chunkstore.bench.quality import SEPARATOR
+    from chunkstore.bench.quality_prompts import SEPARATOR
     from chunkstore.processes.daemon import start_daemon
     from chunkstore.processes.vllm_probe import run_probe
 

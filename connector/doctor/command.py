@@ -46,9 +46,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _methods(text: str) -> Any:
-    from chunkstore.bench import quality
+    from chunkstore.bench import quality_methods
 
-    return quality.parse_methods(text)
+    return quality_methods.parse_methods(text)
 
 
 def add_commands(commands: Any) -> None:

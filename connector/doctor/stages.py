@@ -412,7 +412,7 @@ def verdict(exact: dict[str, Any] | None, rows: list[dict[str, Any]]) -> dict[st
 
 def _setting(row: dict[str, Any]) -> dict[str, Any]:
     """The ``--kv-transfer-config`` of a method's row (the defaults where it has none)."""
-    from chunkstore.bench.quality import connector_settings
+    from chunkstore.bench.quality_methods import connector_settings
 
     return {
         "kv_connector": "ChunkStoreConnector",
@@ -455,10 +455,12 @@ def run(args: argparse.Namespace) -> int:
         progress.stage(f"exactness: worst logprob differences {json.dumps(worst)}")
         rows: list[dict[str, Any]] = []
         if args.answers and report["exactness"]["ok"]:
-            from chunkstore.bench import quality
+            from chunkstore.bench import quality, quality_prompts
 
             if not args.questions:
-                cases, _ = quality.cases_of_length(args, tokenizer, args.doc_tokens, args.split)
+                cases, _ = quality_prompts.cases_of_length(
+                    args, tokenizer, args.doc_tokens, args.split
+                )
             report["reproduce"] = _bench_command(args, model)
             labels = {"split": "user" if args.questions else args.split}
             for row in quality.evaluate(
