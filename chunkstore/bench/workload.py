@@ -239,7 +239,8 @@ def _chunkstore_way(
             setup.model, way_dir, connector, setup.max_len, extra=APC_FLAG, env=CPU_ENV
         )
         try:
-            with _front(way, server.url, daemon.unix, setup.model, way_dir) as (url, router):
+            front = _front(way, server.url, daemon.unix, setup.model, way_dir, connector)
+            with front as (url, router):
                 figures = send(url, str(setup.model), setup.trace, setup.prompts, args)
                 if router is not None:
                     figures["router"] = router_figures(router)
@@ -267,16 +268,19 @@ def _chunkstore_way(
 
 @contextlib.contextmanager
 def _front(
-    way: Way, instance: str, daemon: str, model: Path, way_dir: Path
+    way: Way, instance: str, daemon: str, model: Path, way_dir: Path, connector: dict[str, Any]
 ) -> Iterator[tuple[str, RunningRouter | None]]:
-    """Where a way's requests go: the instance, or a ``chunkstore router`` before it."""
+    """Where a way's requests go: the instance, or a ``chunkstore router`` before it, on the
+    instance's own settings (``connector``: its kv_connector_extra_config)."""
     if not way.router:
         yield instance, None
         return
     from chunkstore.processes.router import RunningRouter
 
     router = RunningRouter(
-        way_dir / "router", "--instance", instance, "--address", daemon, "--model", model
+        way_dir / "router",
+        *("--instance", instance, "--address", daemon, "--model", model),
+        *("--connector-config", json.dumps(connector)),
     )
     try:
         yield router.url, router
