@@ -125,10 +125,11 @@ class SchedulerSide:
             causal = min(causal, treated.computed_from(segments) or causal)
             recomputed = {}
         plans = self.keys.plan(segments, salt)
+        # (without the hook, a chunk vLLM computes from its span on loads up to it)
         cacheable = [
             plan
             for plan in plans
-            if len(plan.segment) >= self.config.min_chunk_tokens and plan.segment.end <= causal
+            if len(plan.segment) >= self.config.min_chunk_tokens and plan.segment.start < causal
         ]
         self.stats.add(
             "short_segments", sum(len(p.segment) < self.config.min_chunk_tokens for p in plans)
@@ -233,6 +234,8 @@ class SchedulerSide:
         tail = len(tracked.cacheable)  # the part block's index, if it has one
         if tail in held.leases and segments[tail].segment.start == hit_end:
             hit_end = segments[tail].segment.end
+        if tracked.chunked:  # loaded up to where vLLM computes (a chunk's span, hook off)
+            hit_end = min(hit_end, tracked.causal_start)
         # vLLM must compute at least the last token.
         hit_end = min(hit_end, request.num_prompt_tokens - 1)
         tracked.present = [index in held.leases for index in range(len(tracked.cacheable))]

@@ -32,7 +32,13 @@ from chunkstore.processes.router import RunningRouter
 from chunkstore.processes.vllm_probe import run_probe
 from chunkstore.processes.vllm_server import VllmServer
 from chunkstore.prompts import RagPrompts
-from chunkstore.reference import KV, HFReference, default_treatment, relative_error
+from chunkstore.reference import (
+    KV,
+    HFReference,
+    default_reference,
+    default_treatment,
+    relative_error,
+)
 from chunkstore.router import order
 from chunkstore.router.tokens import Tokenizer
 from chunkstore.testing.prometheus import (
@@ -276,6 +282,65 @@ def test_relevant_documents_are_sent_last_and_computed_there(stand, tmp_path) ->
         assert 'chunkstore_router_reordered_total{shape="completion"} 2.0' in counts
         assert 'chunkstore_router_reordered_total{shape="chat"} 1.0' in counts
         assert 'chunkstore_router_order_kept_total{why="chat_text"} 0.0' in counts
+    finally:
+        router.stop()
+
+
+LONG_DOCS = [
+    "The harbour town grew around a small fishing fleet. Its old market still opens every "
+    "Saturday, selling bread, cheese, honey and wool from the farms in the hills. In winter "
+    "the ferry runs twice a day, and in summer every hour, carrying walkers and cyclists to "
+    "the islands across the bay, where the lighthouse keepers once lived.",
+    "The observatory stands on a dry plateau far from any city lights. Its main telescope "
+    "has a mirror eight metres wide, polished for three years before it was installed. The "
+    "astronomers there discovered the comet Halvard in 1987, naming it after the engineer "
+    "who built the dome. Visitors may tour the control room on clear evenings in autumn.",
+    "The river valley is known for its orchards of apples, pears and plums. Each spring the "
+    "blossom draws crowds from the capital, and the growers open their barns for tastings of "
+    "cider and fruit brandy. A narrow railway follows the river, stopping at every village, "
+    "and its steam engine is restored by volunteers every few years.",
+]
+
+
+def test_the_first_relevant_document_is_computed_from_its_span_on(stand, tmp_path) -> None:
+    """Documents long enough that the first relevant one's span (``hookless_from``, the
+    default) starts inside it: its tokens before the span are sent cold and load (the
+    router sends that document cold too), vLLM computes from the span on. cached ==
+    where the treatment says vLLM computes from, cold as warm, and the answer is the HF
+    reference's for that KV (fp32): the loaded tokens isolated, the rest causal."""
+    router = RunningRouter(
+        tmp_path / "router",
+        *("--instance", stand.vllm.url, "--address", stand.daemon.unix, "--model", stand.model),
+    )
+    question = "Which comet did the astronomers at the observatory discover in 1987?"
+    prompts = RagPrompts.for_model(stand.model, RAG_SYS)
+    keys = dataclasses.replace(prompts.key_space, separator_text=prompts.sep_text)
+    found = order.new_order(keys, QualityConfig(), prompts.token_ids(LONG_DOCS, question))
+    assert found is not None
+    sent = prompts.segments([LONG_DOCS[i - 1] for i in found[1]], question)
+    ids = [t for seg in sent for t in seg.token_ids]
+    start = order.computed_from(keys, QualityConfig(), ids)
+    assert start is not None
+    inside = [i for i, seg in enumerate(sent) if seg.start < start < seg.end]
+    assert inside, "the span starts at a document's first token: nothing here tests it"
+    body = {"model": str(stand.model), "prompt": prompts.text(LONG_DOCS, question)}
+    body |= {"max_tokens": 8, "temperature": 0.0, "logprobs": 20}
+    body |= {"return_tokens_as_token_ids": True}
+    try:
+        replies = []
+        for _ in ("cold", "warm"):
+            reply = httpx.post(f"{router.url}/v1/completions", json=body, headers=AUTH, timeout=300)
+            assert reply.status_code == 200, reply.text
+            replies.append((reply.json(), reply.headers))
+        (cold, cold_headers), (warm, warm_headers) = replies
+        assert cold_headers["x-chunkstore-cold-chunks"] == f"sent={inside[0]} joined=0 failed=0"
+        assert cached(cold) == cached(warm) == start
+        reference = default_reference(
+            HFReference.load(stand.model), sent, Isolation.SYS, inband=False
+        )
+        for reply in (cold, warm):
+            assert reply["choices"][0]["text"] == cold["choices"][0]["text"]
+            assert_logprobs_match(first_token(choice(reply)), reference.logits[-1])
     finally:
         router.stop()
 

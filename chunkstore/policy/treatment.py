@@ -71,6 +71,11 @@ DEFAULT_RELEVANT_SPAN_MIN_TOKENS = 32
 # leaves each chunk an attention sink): on the 1.5B at ~46 tokens the spans answer 24 of 24
 # with 4 of them, 22 without (23 with windows of at least 40 tokens).
 DEFAULT_RELEVANT_FIRST_TOKENS = 4
+# Without the hook, vLLM computes from the first relevant chunk's span on, not the whole
+# chunk: on bench workload's trace (3 documents a request) 165 tokens a request where from
+# the chunk's start is 191 (docs/benchmarks.md, "RAG traffic").
+HOOKLESS_FROM = ("span", "chunk")
+DEFAULT_HOOKLESS_FROM = "span"
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,10 @@ class QualityConfig:
     relevant_span_min_tokens: int = DEFAULT_RELEVANT_SPAN_MIN_TOKENS
     # ... and then the first N tokens of every other chunk too (0: not).
     relevant_first_tokens: int = DEFAULT_RELEVANT_FIRST_TOKENS
+    # Without the hook, where vLLM computes the prompt from one token on: from the first
+    # relevant chunk's span (``span``: that chunk's tokens before it loaded, as the hook
+    # would leave them) or from its first token (``chunk``).
+    hookless_from: str = DEFAULT_HOOKLESS_FROM
 
     def __post_init__(self) -> None:
         counts = [
@@ -115,6 +124,10 @@ class QualityConfig:
             raise ValueError(
                 "relevant_last moves chunks, recompute_chunks and recompute_tokens recompute "
                 "them where they stand: choose one (set relevant_last to 0 to recompute)"
+            )
+        if self.hookless_from not in HOOKLESS_FROM:
+            raise ValueError(
+                f"hookless_from must be {' or '.join(HOOKLESS_FROM)}, not {self.hookless_from!r}"
             )
         if self.recompute_by not in RECOMPUTE_BY:
             raise ValueError(
@@ -195,8 +208,8 @@ class Treatment:
 
     def computed_from(self, segments: Sequence[Segment]) -> int | None:
         """Without the hook: the position from which vLLM computes the prompt (the
-        ``recomputed`` chunks, which stand last), None where everything is loaded."""
-        return min((segments[i].start for i in self.recomputed), default=None)
+        ``recomputed`` tokens, which stand last), None where everything is loaded."""
+        return min((segments[i].start + r.start for i, r in self.recomputed.items()), default=None)
 
 
 NOTHING = Treatment({}, {})
@@ -339,7 +352,8 @@ def _without_hook(
     """``relevant_last`` where only a prefix loads: the relevant chunks recomputed whole that
     stand last already (a trailing run of them, just before the question) are left to vLLM,
     which computes them seeing everything before; nothing moves where it stands, nothing
-    else is recomputed."""
+    else is recomputed. With ``hookless_from`` ``span``, the first of them from its span
+    (``relevant``'s, the hook's) on: its tokens before that load isolated."""
     picks = functools.partial(
         relevant,
         segments,
@@ -361,7 +375,24 @@ def _without_hook(
             break
         tail.append(i)
     computed = {i: range(len(segments[i])) for i in sorted(tail)}
-    return Treatment(computed, {}, tuple(last), frozenset(computed), 0, causal, ignored)
+    if computed and quality.hookless_from == "span":
+        first = min(computed)
+        spans, _, _ = relevant(
+            segments,
+            quality.relevant_last,
+            quality.relevant_recompute_tokens,
+            params if ignored is None else None,
+            first_is_causal=causal,
+            min_score=quality.relevant_min_score,
+            span_tokens=quality.relevant_span_tokens,
+            recompute_share=quality.relevant_recompute_share,
+            span_min=quality.relevant_span_min_tokens,
+            first_tokens=quality.relevant_first_tokens,
+        )
+        if first in spans:  # its tokens before the span loaded, as the hook leaves them
+            computed[first] = range(spans[first].start, len(segments[first]))
+    exact = frozenset(i for i, r in computed.items() if r.start == 0)
+    return Treatment(computed, {}, tuple(last), exact, 0, causal, ignored)
 
 
 def relevant_order(

@@ -88,7 +88,9 @@ class RelevantLast:
 
     async def loaded(self, ask: Asked, prompts: list[Prompt]) -> list[Plan]:
         """The prompts' pieces the instance loads: sent in their relevant order, the
-        relevant chunks standing last are computed there, not loaded (nor sent cold)."""
+        relevant chunks standing last are computed there, not loaded (nor sent cold), but
+        for the first one's tokens before its span (``hookless_from``), which load: that
+        one is sent cold too, so a cold request is served as a warm one."""
         keys, quality, params = self.keys, self.quality, ask.params
 
         def loaded(ids: list[int], plan: Plan) -> Plan:
@@ -98,6 +100,6 @@ class RelevantLast:
             end = order.computed_from(keys, quality, ids, params) if plan.chunked else None
             if end is None:
                 return plan
-            return Plan(tuple(p for p in plan.pieces if p.segment.end <= end), True)
+            return Plan(tuple(p for p in plan.pieces if p.segment.start < end), True)
 
         return list(await off_loop(ask.heavy, lambda: [loaded(*p) for p in prompts]))

@@ -114,6 +114,28 @@ def test_without_the_hook_relevant_chunks_standing_last_are_left_to_vllm() -> No
     assert scored == [2, 3, 4, 1]
 
 
+def test_without_the_hook_vllm_computes_from_the_first_relevant_chunks_span() -> None:
+    """``hookless_from`` ``span`` (the default): the first of the relevant chunks standing
+    last is computed from its span on (the hook's, ``relevant``), its tokens before that
+    load; the ones after it whole; ``chunk``: from its first token."""
+    hookless = BackEnd(inband=False)
+    body = [7] * 60 + [42] * 2 + [7] * 38  # a relevant chunk of 100, its match 60 in
+    short = [42] + [9] * 29  # the most relevant (BM25 favours the short one)
+    sent = prompt([7] * 100, [8] * 100, body, short, question=[42])  # in the router's order
+    treated = treat(sent, QualityConfig(), back_end=hookless)
+    assert treated.last == (3, 4) and not treated.shifts
+    # Its span is the hook's (each pick at least 32 tokens around the match) ...
+    assert treat(sent, QualityConfig()).recomputed == {3: range(52, 84), 4: range(30)}
+    # ... and vLLM computes from there: the rest of it, the chunk after, the question.
+    assert treated.recomputed == {3: range(52, 100), 4: range(30)} and treated.exact == {4}
+    assert treated.computed_from(sent) == sent[3].start + 52
+    whole = treat(sent, QualityConfig(hookless_from="chunk"), back_end=hookless)
+    assert whole.recomputed == {3: range(100), 4: range(30)}
+    assert whole.computed_from(sent) == sent[3].start
+    with pytest.raises(ValueError, match="hookless_from must be span or chunk"):
+        QualityConfig(hookless_from="token")
+
+
 def test_the_chunk_right_after_sys_is_never_recomputed_where_it_is_causal_already() -> None:
     # Named alone: its isolated KV is its causal KV, nothing is left of the request's
     # choice, and the defaults decide (the connector's behaviour since the choice was
