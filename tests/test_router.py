@@ -335,6 +335,7 @@ def test_the_first_relevant_document_is_computed_from_its_span_on(stand, tmp_pat
         (cold, cold_headers), (warm, warm_headers) = replies
         assert cold_headers["x-chunkstore-cold-chunks"] == f"sent={inside[0]} joined=0 failed=0"
         assert cached(cold) == cached(warm) == start
+        assert int(warm_headers["x-chunkstore-stored-tokens"]) == start  # what loads of it
         reference = default_reference(
             HFReference.load(stand.model), sent, Isolation.SYS, inband=False
         )

@@ -40,10 +40,12 @@ class Piece:
     segment: Segment
     key: bytes
     alone: tuple[int, ...] | None = None
+    loads: int | None = None  # its first tokens that load, where vLLM computes the rest
 
     @property
     def tokens(self) -> int:
-        return len(self.segment)
+        """Its tokens a request loads: all, or its ``loads``."""
+        return len(self.segment) if self.loads is None else self.loads
 
 
 @dataclass(frozen=True)

@@ -100,6 +100,9 @@ class RelevantLast:
             end = order.computed_from(keys, quality, ids, params) if plan.chunked else None
             if end is None:
                 return plan
-            return Plan(tuple(p for p in plan.pieces if p.segment.start < end), True)
+            kept = [p for p in plan.pieces if p.segment.start < end]
+            if kept and kept[-1].segment.end > end:  # loaded up to its span
+                kept[-1] = dataclasses.replace(kept[-1], loads=end - kept[-1].segment.start)
+            return Plan(tuple(kept), True)
 
         return list(await off_loop(ask.heavy, lambda: [loaded(*p) for p in prompts]))
