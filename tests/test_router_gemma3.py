@@ -73,9 +73,11 @@ def test_the_router_sends_gemma3s_relevant_document_last_and_answers_as_hf(
     sent = prompts.segments([DOCS[i - 1] for i in found[1]], QUESTION)
     sent_ids = [t for seg in sent for t in seg.token_ids]
     assert order.sent_ids(keys, QualityConfig(), ids) == sent_ids
-    start = order.computed_from(keys, QualityConfig(), sent_ids)
-    tail = next(i for i, seg in enumerate(sent) if seg.start == start)
-    assert tail == len(sent) - 2  # the others load; the Nile's and the question computed
+    loaded = order.computed_from(keys, QualityConfig(), sent_ids)
+    assert loaded is not None
+    tail = next(i for i, seg in enumerate(sent) if seg.start <= loaded < seg.end)
+    # The others load, the Nile's from its span on (hookless_from) computed with the question.
+    assert tail == len(sent) - 2
 
     flags = ("--enable-prompt-tokens-details", "--no-enable-prefix-caching")
     vllm = VllmServer(
@@ -100,14 +102,19 @@ def test_the_router_sends_gemma3s_relevant_document_last_and_answers_as_hf(
             assert reply.status_code == 200, reply.text
             replies.append((reply.json(), reply.headers))
         (cold, cold_headers), (warm, warm_headers) = replies
-        assert cold_headers["x-chunkstore-cold-chunks"] == f"sent={tail - 1} joined=0 failed=0"
+        # Every document sent cold, the Nile's too where its tokens before its span load.
+        cold_sent = tail if loaded > sent[tail].start else tail - 1
+        assert cold_headers["x-chunkstore-cold-chunks"] == f"sent={cold_sent} joined=0 failed=0"
         assert warm_headers["x-chunkstore-cold-chunks"] == "sent=0 joined=0 failed=0"
-        loaded = sent[tail].start
         for reply in (cold, warm):
             assert reply["usage"]["prompt_tokens"] == len(ids)  # <bos> where it adds one
             assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == loaded
-        rest = [t for seg in sent[tail:] for t in seg.token_ids]
-        assembled = [*sent[:tail], Segment(SegmentKind.QUESTION, loaded, tuple(rest))]
+        # Its head's isolated KV is that of a chunk of those tokens alone (causal).
+        head = sent[tail].token_ids[: loaded - sent[tail].start]
+        rest = sent_ids[loaded:]
+        assembled = [*sent[:tail], Segment(SegmentKind.CHUNK, sent[tail].start, head)]
+        assembled = [s for s in assembled if len(s)]  # no head where it is computed whole
+        assembled.append(Segment(SegmentKind.QUESTION, loaded, tuple(rest)))
         reference = HFReference.load(model).assembled_cache(assembled, Isolation.SYS)
         for reply in (cold, warm):
             assert reply["choices"][0]["text"] == cold["choices"][0]["text"]
