@@ -285,18 +285,7 @@ class Policy:
             exact = frozenset(chunks[i] for i in chosen)
             return Treatment(recomputed, {}, (), exact, quality.recompute_tokens, causal, ignored)
         up_to = quality.relevant_recompute_tokens if back_end.recompute else 0
-        picks = functools.partial(
-            relevant,
-            segments,
-            quality.relevant_last,
-            up_to,
-            first_is_causal=causal,
-            min_score=quality.relevant_min_score,
-            span_tokens=quality.relevant_span_tokens,
-            recompute_share=quality.relevant_recompute_share,
-            span_min=quality.relevant_span_min_tokens,
-            first_tokens=quality.relevant_first_tokens,
-        )
+        picks = _hook_picks(segments, quality, up_to, causal)
         try:
             recomputed, shifts, last = picks(params)
         except BadTransferParams as err:
@@ -347,6 +336,25 @@ def treat(
     return Policy(quality, isolation, virtual_gap, back_end).treat(segments, params)
 
 
+def _hook_picks(
+    segments: Sequence[Segment], quality: QualityConfig, up_to: int, causal: bool
+) -> functools.partial[tuple[dict[int, range], dict[int, int], list[int]]]:
+    """``relevant`` with the hook's settings (its picks and their spans), given the
+    request's params."""
+    return functools.partial(
+        relevant,
+        segments,
+        quality.relevant_last,
+        up_to,
+        first_is_causal=causal,
+        min_score=quality.relevant_min_score,
+        span_tokens=quality.relevant_span_tokens,
+        recompute_share=quality.relevant_recompute_share,
+        span_min=quality.relevant_span_min_tokens,
+        first_tokens=quality.relevant_first_tokens,
+    )
+
+
 def _without_hook(
     segments: Sequence[Segment], quality: QualityConfig, causal: bool, params: TransferParams
 ) -> Treatment:
@@ -378,18 +386,8 @@ def _without_hook(
     computed = {i: range(len(segments[i])) for i in sorted(tail)}
     if computed and quality.hookless_from == "span":
         first = min(computed)
-        spans, _, _ = relevant(
-            segments,
-            quality.relevant_last,
-            quality.relevant_recompute_tokens,
-            params if ignored is None else None,
-            first_is_causal=causal,
-            min_score=quality.relevant_min_score,
-            span_tokens=quality.relevant_span_tokens,
-            recompute_share=quality.relevant_recompute_share,
-            span_min=quality.relevant_span_min_tokens,
-            first_tokens=quality.relevant_first_tokens,
-        )
+        picks = _hook_picks(segments, quality, quality.relevant_recompute_tokens, causal)
+        spans, _, _ = picks(params if ignored is None else None)
         if first in spans:  # its tokens before the span loaded, as the hook leaves them
             computed[first] = range(spans[first].start, len(segments[first]))
     exact = frozenset(i for i, r in computed.items() if r.start == 0)
