@@ -137,6 +137,19 @@ def cached(reply: dict[str, Any]) -> int:
     return int(reply["usage"]["prompt_tokens_details"]["cached_tokens"])
 
 
+def cold_then_warm(
+    router: RunningRouter, body: dict[str, Any]
+) -> list[tuple[dict[str, Any], httpx.Headers]]:
+    """The same completion sent twice through the router: the cold reply, then the warm one,
+    each with its headers."""
+    replies = []
+    for _ in ("cold", "warm"):
+        reply = httpx.post(f"{router.url}/v1/completions", json=body, headers=AUTH, timeout=300)
+        assert reply.status_code == 200, reply.text
+        replies.append((reply.json(), reply.headers))
+    return replies
+
+
 def choice(reply: dict[str, Any]) -> SimpleNamespace:
     """A completions choice in the form ``first_token`` reads (the raw JSON's)."""
     raw = reply["choices"][0]
@@ -253,12 +266,7 @@ def test_relevant_documents_are_sent_last_and_computed_there(stand, tmp_path) ->
     body = {"model": str(stand.model), "prompt": prompts.text(docs, question), "max_tokens": 8}
     body |= {"temperature": 0.0, "logprobs": 20, "return_tokens_as_token_ids": True}
     try:
-        replies = []
-        for _ in ("cold", "warm"):
-            reply = httpx.post(f"{router.url}/v1/completions", json=body, headers=AUTH, timeout=300)
-            assert reply.status_code == 200, reply.text
-            replies.append((reply.json(), reply.headers))
-        (cold, cold_headers), (warm, warm_headers) = replies
+        (cold, cold_headers), (warm, warm_headers) = cold_then_warm(router, body)
         assert cold_headers["x-chunkstore-cold-chunks"] == f"sent={tail - 1} joined=0 failed=0"
         assert warm_headers["x-chunkstore-cold-chunks"] == "sent=0 joined=0 failed=0"
         assert cached(cold) == cached(warm) == loaded
@@ -323,16 +331,11 @@ def test_the_first_relevant_document_is_computed_from_its_span_on(stand, tmp_pat
     assert start is not None
     inside = [i for i, seg in enumerate(sent) if seg.start < start < seg.end]
     assert inside, "the span starts at a document's first token: nothing here tests it"
-    body = {"model": str(stand.model), "prompt": prompts.text(LONG_DOCS, question)}
+    body: dict[str, Any] = {"model": str(stand.model), "prompt": prompts.text(LONG_DOCS, question)}
     body |= {"max_tokens": 8, "temperature": 0.0, "logprobs": 20}
     body |= {"return_tokens_as_token_ids": True}
     try:
-        replies = []
-        for _ in ("cold", "warm"):
-            reply = httpx.post(f"{router.url}/v1/completions", json=body, headers=AUTH, timeout=300)
-            assert reply.status_code == 200, reply.text
-            replies.append((reply.json(), reply.headers))
-        (cold, cold_headers), (warm, warm_headers) = replies
+        (cold, cold_headers), (warm, warm_headers) = cold_then_warm(router, body)
         assert cold_headers["x-chunkstore-cold-chunks"] == f"sent={inside[0]} joined=0 failed=0"
         assert cached(cold) == cached(warm) == start
         assert int(warm_headers["x-chunkstore-stored-tokens"]) == start  # what loads of it
