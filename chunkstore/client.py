@@ -308,18 +308,26 @@ class ChunkStoreClient(CheckedReads):
         values: torch.Tensor | None,
         virtual_start: int,
         entry_kind: str = "chunk",
+        hold: float = 0.0,
     ) -> int | None:
         """``put``, returning the checksum the daemon committed the entry under (what a
         lease on it carries), or None if the key is stored (or being stored) already.
+        ``hold`` > 0: the daemon keeps the entry from eviction until its first read, or
+        for ``hold`` seconds (at most its lease TTL; not where held entries would pass half
+        its pool): for a prompt sent only to store its chunks for a request that follows.
 
         Raises: as ``put``.
         """
         layout = layout_of(keys, values, virtual_start, entry_kind)
-        return self._put(key, layout, [keys] + ([values] if values is not None else []))
+        tensors = [keys] + ([values] if values is not None else [])
+        return self._put(key, layout, tensors, hold)
 
-    def put_packed(self, key: bytes, layout: EntryLayout, blocks: torch.Tensor) -> bool:
+    def put_packed(
+        self, key: bytes, layout: EntryLayout, blocks: torch.Tensor, hold: float = 0.0
+    ) -> bool:
         """Store an entry held as a serving engine's cache blocks (``layout.packing`` names
-        their layout; ``blocks``: exactly ``layout.nbytes`` bytes, in the stored dtype).
+        their layout; ``blocks``: exactly ``layout.nbytes`` bytes, in the stored dtype);
+        ``hold``: as ``put_checksummed``'s.
 
         Raises:
             InvalidRequest: a layout with no packing, or blocks that do not hold it.
@@ -331,9 +339,11 @@ class ChunkStoreClient(CheckedReads):
         nbytes = blocks.numel() * blocks.element_size()
         if blocks.dtype != torch_dtype(layout.dtype) or nbytes != layout.nbytes:
             raise InvalidRequest(f"{nbytes} bytes of {blocks.dtype} do not hold layout {layout}")
-        return self._put(key, layout, [blocks]) is not None
+        return self._put(key, layout, [blocks], hold) is not None
 
-    def _put(self, key: bytes, layout: EntryLayout, tensors: list[torch.Tensor]) -> int | None:
+    def _put(
+        self, key: bytes, layout: EntryLayout, tensors: list[torch.Tensor], hold: float = 0.0
+    ) -> int | None:
         transport = self._session.transport
         outgoing = transport.stage(tensors)
         try:
@@ -359,7 +369,10 @@ class ChunkStoreClient(CheckedReads):
             self._session.call(
                 self.stub.Commit,
                 lambda _: pb.CommitRequest(
-                    session_id=session, reservation_id=reply.reservation_id, checksum=checksum
+                    session_id=session,
+                    reservation_id=reply.reservation_id,
+                    checksum=checksum,
+                    hold_ms=min(round(hold * 1000), 0xFFFFFFFF),
                 ),
                 retry=False,
             )

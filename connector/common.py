@@ -54,6 +54,7 @@ class SaveItem:
     num_tokens: int
     isolated: bool = False
     prefix: bool = False  # an exact prefix block (counted apart from chunks)
+    hold: float = 0.0  # seconds the daemon holds it from eviction until read (hold_s)
 
 
 @dataclass(frozen=True)

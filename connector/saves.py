@@ -133,14 +133,16 @@ class Saves:
                 # Moved this step: its keys stand ``shift`` further on.
                 virtual_start = item.start + shifts.get(item.start, 0)
                 kind = EntryKind.PREFIX if item.prefix else EntryKind.CHUNK
-                checksum = client.put_checksummed(item.key, keys, values, virtual_start, kind)
+                checksum = client.put_checksummed(
+                    item.key, keys, values, virtual_start, kind, hold=item.hold
+                )
                 stored = checksum is not None
                 long = kind == EntryKind.CHUNK and self.summaries.wanted(item.num_tokens)
                 if checksum is not None and long and values is not None:  # not MLA's latent
                     self._save_summary(client, item.key, checksum, keys, values, virtual_start)
             else:
                 assert packed is not None
-                stored = client.put_packed(item.key, *packed)
+                stored = client.put_packed(item.key, *packed, hold=item.hold)
         except ChunkStoreError as err:
             self.stats.add("save_failures")
             self.link.trouble(f"save of {item.key.hex()[:12]}", err)

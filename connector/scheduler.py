@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from chunkstore.connector_config import ConnectorConfig
 from chunkstore.kv.entry import EntryKind
 from chunkstore.kv.segments import Segment, SegmentKind
-from chunkstore.policy.selection import TransferParams
+from chunkstore.policy.selection import HOLD, TransferParams
 from chunkstore.policy.treatment import Treatment
 
 from .cache_groups import NULL_BLOCK, CacheGroups
@@ -146,6 +146,7 @@ class SchedulerSide:
             first_tokens=treated.first_tokens,
             sparse_threshold=self.sparse.share(request.request_id, params, "sparse_threshold"),
             sparse_candidates=self.sparse.share(request.request_id, params, "sparse_candidates"),
+            hold=self._hold(request, params),
         )
 
     def _track_plain(
@@ -165,6 +166,16 @@ class SchedulerSide:
             tail=self.keys.prefix_tail(prompt[:-1], salt, size) if self.consumer else None,
             save_tail=self.keys.prefix_tail(prompt, salt, size) if self.producer else None,
         )
+
+    def _hold(self, request: Request, params: TransferParams) -> float:
+        """The request's ``hold_s``; a malformed one is ignored, said and counted."""
+        why = params.why_ignored(HOLD)
+        if why is not None:
+            log.warning(
+                "chunkstore: request %s: kv_transfer_params ignored: %s", request.request_id, why
+            )
+            self.stats.add("bad_transfer_params")
+        return params.hold_s
 
     def _treat(
         self, request: Request, segments: list[Segment], params: TransferParams
@@ -502,6 +513,7 @@ class SchedulerSide:
                         len(seg),
                         not causal_is_isolated,
                         seg.kind is SegmentKind.PREFIX,
+                        tracked.hold,
                     )
                 )
         tail = tracked.save_tail

@@ -64,6 +64,7 @@ class Tracked:
     sparse: tuple[tuple[int, int], ...] = ()
     sparse_threshold: float = 0.0  # its own (kv_transfer_params) or the connector's; 0: off
     sparse_candidates: float = 0.0  # the same; 0: the summaries' bound chooses alone
+    hold: float = 0.0  # kv_transfer_params' hold_s: what it stores is held until read
 
     @property
     def looked_up(self) -> list[SegmentPlan]:

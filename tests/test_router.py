@@ -162,10 +162,18 @@ def test_a_cold_request_is_answered_as_a_warm_one_with_every_chunk_loaded(stand)
     segments = prompts.segments(docs, QUESTION)
     loaded_all = segments[-1].start  # sys and every document
 
+    before = stand.daemon.scrape()
     cold, headers = stand.complete(prompts.text(docs, QUESTION))
     assert headers["x-chunkstore-cold-chunks"] == "sent=4 joined=0 failed=0"
     assert headers["x-chunkstore-route"] == "only"
     assert cached(cold) == loaded_all
+    # The cold chunks' prompts asked the daemon to hold what they stored (hold_s), and the
+    # request's own lookup ended each hold: none lapsed, none is held still.
+    after = stand.daemon.scrape()
+    read = 'chunkstore_holds_total{outcome="read"}'
+    assert after[read] - before[read] in (4, 5)  # the documents (and sys, if new)
+    assert after["chunkstore_held_entries"] == 0
+    assert after['chunkstore_holds_total{outcome="lapsed"}'] == 0
 
     warm, headers = stand.complete(prompts.text(docs, QUESTION))
     assert headers["x-chunkstore-cold-chunks"] == "sent=0 joined=0 failed=0"

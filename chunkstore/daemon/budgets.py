@@ -37,10 +37,11 @@ class Budgets:
 
     def place(self, entry: Entry) -> None:
         """Keep the eviction order to the evictable entries: after any change to an entry's
-        pins, leases or spill, in it (ranked as of now) exactly when it is committed,
-        unpinned, unleased and not being written to disk."""
+        pins, leases, hold or spill, in it (ranked as of now) exactly when it is committed,
+        unpinned, unleased, not held and not being written to disk."""
         writing = entry.spill is Spill.WRITING
-        evictable = not (entry.leases or entry.pinned or entry.evicted or writing)
+        held = entry.leases or entry.pinned or entry.held_until
+        evictable = not (held or entry.evicted or writing)
         order = self.orders.get(entry.tenant)
         if evictable and (order is None or entry.key not in order):
             if order is None:

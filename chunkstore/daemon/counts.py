@@ -43,6 +43,8 @@ class IndexStats:
     # By tenant ("" the shared namespace): entries, bytes, held_bytes, quota_bytes,
     # reserved_bytes, lookups, hits, lookup_tokens, hit_tokens, evictions.
     tenants: dict[str, dict[str, int]] = field(default_factory=dict)
+    held_entries: int = 0  # committed with a hold (Commit's hold_ms), not yet read
+    holds: dict[str, int] = field(default_factory=dict)  # ended by outcome; refused
 
 
 class Counts:
@@ -51,6 +53,7 @@ class Counts:
         self.kinds: dict[str, Counter[str]] = {kind: Counter() for kind in ENTRY_KINDS}
         self.tenants: dict[str, Counter[str]] = {"": Counter()}
         self.evictions: Counter[str] = Counter()  # by reason
+        self.holds: Counter[str] = Counter()  # ended, by outcome; refused (Commit's hold_ms)
 
     def looked_up(
         self, found: Sequence[bool], num_tokens: Sequence[int], entry_kind: str, tenant: str

@@ -58,6 +58,7 @@ class EntryTable:
         self.draining = False
         self._entries: dict[bytes, Entry] = {}
         self._pinned = 0
+        self._holds: dict[bytes, Entry] = {}  # committed with a hold, not yet leased
         self.policy = make_policy(eviction)
         self.holders = Sessions(lease_ttl, max_sessions, clock, free=pool.free)
         self.budgets = Budgets(self.policy, pool.block_size)
@@ -74,8 +75,36 @@ class EntryTable:
     def _lease(self, session_id: str, entry: Entry) -> tuple[Lease, Entry]:
         lease = self.holders.add_lease(session_id, entry)
         entry.leases += 1
+        if entry.held_until:  # read: what it was held for
+            self._end_hold(entry, "read")
         self.budgets.place(entry)  # out of the eviction order; ranked again when free
         return lease, entry
+
+    def _hold(self, entry: Entry, seconds: float) -> None:
+        """Keep a just committed entry from eviction until its first lease, or ``seconds``
+        (at most the lease TTL). Not held where held entries would pass half the pool: a
+        hold is a hint, never a way to fill the pool."""
+        held = sum(len(e.blocks) for e in self._holds.values())
+        if (held + len(entry.blocks)) * 2 > self.pool.num_blocks:
+            self.counts.holds["refused"] += 1
+            return
+        entry.held_until = self.holders.clock() + min(seconds, self.holders.lease_ttl)
+        self._holds[entry.key] = entry
+
+    def _end_hold(self, entry: Entry, outcome: str) -> None:
+        """The entry's hold ends (``outcome``: read, lapsed, evicted); callers place it."""
+        entry.held_until = 0.0
+        del self._holds[entry.key]
+        self.counts.holds[outcome] += 1
+
+    def _lapse_holds(self) -> int:
+        """End the holds past their time: their entries join the eviction order."""
+        now = self.holders.clock()
+        lapsed = [e for e in self._holds.values() if e.held_until <= now]
+        for entry in lapsed:
+            self._end_hold(entry, "lapsed")
+            self.budgets.place(entry)
+        return len(lapsed)
 
     def _queue_spill(self, entry: Entry, bounded: bool = True) -> None:
         """Queue a committed entry for the disk tier (lock held), unless the tier holds it."""
@@ -149,6 +178,8 @@ class EntryTable:
         self.counts.evicted(entry, reason)
         self.budgets.held[entry.tenant] -= len(entry.blocks)  # even while leases read it
         entry.evicted = True
+        if entry.held_until:  # an admin's eviction: a hold never keeps one
+            self._end_hold(entry, "evicted")
         self.budgets.place(entry)
         if entry.pinned:
             self._pinned -= 1

@@ -93,7 +93,8 @@ class Index(DiskMoves):
             self.holders.unquarantine(session)
 
     def expire(self) -> int:
-        """Reclaim leases and reservations whose holder stopped renewing them, and sessions
+        """Reclaim leases and reservations whose holder stopped renewing them, end the holds
+        past their time, and end sessions
         that hold nothing, have no heartbeat stream open and were silent for a TTL. The blocks
         of an expired reservation whose session still has a stream open are quarantined, not
         freed: its writer is paused, not dead, and may copy into them when it resumes. Returns
@@ -106,7 +107,7 @@ class Index(DiskMoves):
                 self._drop_lease(lease)
             for session_id in self.holders.idle():
                 self.end_session(session_id)
-            return len(reservations) + len(leases)
+            return len(reservations) + len(leases) + self._lapse_holds()
 
     # Reads --------------------------------------------------------------------------------
 
@@ -221,10 +222,12 @@ class Index(DiskMoves):
         claimed_checksum: int,
         streamed: bool = False,
         verify: bool | None = None,
+        hold: float = 0.0,
     ) -> Entry:
         """Make a reservation readable. With ``verify`` (default: ``verify_commits``) the
         pool's bytes are hashed and must match the writer's checksum; a mismatch aborts the
-        reservation."""
+        reservation. ``hold`` > 0: the entry is not evicted until its first lease or for
+        ``hold`` seconds (``_hold``)."""
         held = self.reservation(session_id, reservation_id)  # sealed outside the lock
         seal = self.pool.seal(held.blocks, held.nbytes)
         with self.lock:
@@ -252,6 +255,8 @@ class Index(DiskMoves):
                 tenant=reservation.tenant,
                 seal=seal,
             )
+            if hold > 0:
+                self._hold(entry, hold)
             self._add(entry)
             self._evict_to_watermark()
             return entry
@@ -430,6 +435,8 @@ class Index(DiskMoves):
                 lookup_tokens=counts.total["lookup_tokens"],
                 hit_tokens=counts.total["hit_tokens"],
                 evictions=dict(counts.evictions),
+                held_entries=len(self._holds),
+                holds=dict(counts.holds),
                 draining=self.draining,
                 blocks_quarantined=holders.quarantined_blocks,
                 kinds=counts.by_kind(),

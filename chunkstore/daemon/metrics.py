@@ -67,11 +67,22 @@ class IndexCollector:
         for reason in ("capacity", "quota", "watermark", "admin", "clear", "corrupt"):
             evictions.add_metric([self.node, reason], s.evictions.get(reason, 0))
         yield evictions
+        holds = CounterMetricFamily(
+            f"{PREFIX}_holds",
+            "Holds of committed entries (Commit's hold_ms, the router's cold chunks): ended by "
+            "their first read, lapsed, evicted by an admin; refused (held entries at half "
+            "the pool)",
+            labels=["node", "outcome"],
+        )
+        for outcome in ("read", "lapsed", "evicted", "refused"):
+            holds.add_metric([self.node, outcome], s.holds.get(outcome, 0))
+        yield holds
         gauges = {
             "pool_bytes_used": ("Pool bytes held by entries and reservations", s.bytes_used),
             "pool_bytes_capacity": ("Pool size in bytes", s.bytes_capacity),
             "entries": ("Committed entries", s.entries),
             "pinned_entries": ("Pinned entries", s.pinned_entries),
+            "held_entries": ("Entries held from eviction until their first read", s.held_entries),
             "active_leases": ("Leases held by readers", s.active_leases),
             "active_reservations": ("Reservations being written", s.active_reservations),
             "sessions": ("Client sessions", s.sessions),

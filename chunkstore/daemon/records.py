@@ -37,6 +37,8 @@ class Entry:
     spill: Spill = Spill.NONE
     tenant: str = ""  # whose namespace it is in ("" shared; tenants.py)
     rank: float = 0.0  # its place in the eviction order, set when it became evictable
+    # Held from eviction until its first lease or this clock time (Commit's hold_ms; 0: not)
+    held_until: float = 0.0
     seal: tuple[int, int] | None = None  # a device pool's, at commit (``Pool.seal``)
     # Its lease message less the lease's id and key (service.py's Acquire), made at its first
     # lease and copied for each: its layout, bytes, blocks and checksum never change.

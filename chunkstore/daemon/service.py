@@ -281,7 +281,11 @@ class ChunkStoreService(pb_grpc.ChunkStoreServicer):
         reservation = self.index.reservation(request.session_id, request.reservation_id)
         streamed = reservation.written > 0
         entry = self.index.commit(
-            request.session_id, request.reservation_id, request.checksum, streamed=streamed
+            request.session_id,
+            request.reservation_id,
+            request.checksum,
+            streamed=streamed,
+            hold=request.hold_ms / 1000,
         )
         if not streamed:
             self.metrics.bytes.labels("shm", "write").inc(entry.nbytes)

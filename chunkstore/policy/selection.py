@@ -133,6 +133,7 @@ def span(question: Sequence[int], chunks: Sequence[Sequence[int]], index: int, w
 NAMED = ("recompute_chunks", "chunk_scores")
 KEEP_ORDER = "keep_order"  # the application forbids reordering its chunks
 SPARSE_SHARES = ("sparse_threshold", "sparse_candidates")  # its own sparse loads
+HOLD = "hold_s"  # what it stores is kept from eviction until read, at most this long
 
 
 @dataclass(frozen=True)
@@ -141,8 +142,11 @@ class TransferParams:
     where the request comes in: the connector's scheduler, the policy and the router read
     this, never the request's dict. Its keys: ``recompute_chunks`` (the chunks to recompute,
     by index) or ``chunk_scores`` (a score per chunk, higher = more relevant),
-    ``keep_order`` (the router sends the prompt as it came), and ``sparse_threshold`` /
-    ``sparse_candidates`` (its own shares of the attention, 0 to 1). A malformed one is left
+    ``keep_order`` (the router sends the prompt as it came), ``sparse_threshold`` /
+    ``sparse_candidates`` (its own shares of the attention, 0 to 1) and ``hold_s`` (seconds
+    the daemon keeps the entries it stores from eviction until their first read, at most
+    its lease TTL: a prompt sent only to store its chunks for a request that follows, as
+    the router's cold chunks are). A malformed one is left
     out, and ``ignored`` says why (the caller logs and counts it); other keys (another
     connector's) are not read."""
 
@@ -151,6 +155,7 @@ class TransferParams:
     keep_order: bool = False
     sparse_threshold: float | None = None
     sparse_candidates: float | None = None
+    hold_s: float = 0.0
     ignored: tuple[tuple[str, str], ...] = ()  # (key, why it was left out)
 
     @classmethod
@@ -193,12 +198,17 @@ class TransferParams:
                 ignored.append((name, why))
                 value = None
             shares[name] = None if value is None else float(value)
+        hold = raw.get(HOLD, 0.0)
+        if isinstance(hold, bool) or not isinstance(hold, int | float) or not 0 <= hold < 1e6:
+            ignored.append((HOLD, f"{HOLD} is seconds, 0 or more, not {hold!r}"))
+            hold = 0.0
         return cls(
             named,
             scored,
             raw.get(KEEP_ORDER) is True,
             shares["sparse_threshold"],
             shares["sparse_candidates"],
+            float(hold),
             tuple(ignored),
         )
 

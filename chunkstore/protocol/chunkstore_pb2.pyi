@@ -155,14 +155,16 @@ class ReserveReply(_message.Message):
     def __init__(self, reservation_id: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("session_id", "reservation_id", "checksum")
+    __slots__ = ("session_id", "reservation_id", "checksum", "hold_ms")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    HOLD_MS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     reservation_id: int
     checksum: int
-    def __init__(self, session_id: _Optional[str] = ..., reservation_id: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+    hold_ms: int
+    def __init__(self, session_id: _Optional[str] = ..., reservation_id: _Optional[int] = ..., checksum: _Optional[int] = ..., hold_ms: _Optional[int] = ...) -> None: ...
 
 class CommitReply(_message.Message):
     __slots__ = ()

@@ -11,6 +11,12 @@ pool is full, the save failed) is counted and reported, and the request computes
 as it would have without the router. Nothing is ever served that the connector did not
 store.
 
+Held until read: each prompt asks the connector (``kv_transfer_params`` ``hold_s``) to commit
+what it stores with a hold, so the daemon does not evict it before the request it was sent
+for loads it (the first read ends the hold; at most ``HOLD_S``, or the daemon's lease TTL).
+Without it the worth policy ranks a chunk read once lowest, and at a quarter of the working
+set the saves of the same engine steps evicted 66 of 285 (docs/benchmarks.md).
+
 Bounded (``limits.Limits``): at most ``max_cold_in_flight`` prefills on their way at once,
 all requests together (the rest wait their turn), and at most ``max_cold_per_client`` chunks
 sent or waited for by one client at a time; a request past its client's share computes the
@@ -35,6 +41,11 @@ from .metrics import RouterMetrics
 from .stores import Stores, Unasked
 
 log = logging.getLogger("chunkstore.router")
+
+# Seconds a cold chunk is held in the daemon for its request (the daemon caps it at its
+# lease TTL, 30 s by default): its request is sent once every cold prefill answered, and
+# waits its turn in vLLM's queue behind the ones before it.
+HOLD_S = 30.0
 
 
 @dataclass
@@ -162,6 +173,7 @@ class ColdChunks:
         headers: dict[str, str],
     ) -> bool:
         body: dict[str, object] = {"prompt": list(prompt), "max_tokens": 1, "temperature": 0.0}
+        body["kv_transfer_params"] = {"hold_s": HOLD_S}
         if model:
             body["model"] = model
         if salt:

@@ -57,7 +57,9 @@ def test_the_heap_order_heads_what_a_sort_of_the_live_entries_heads() -> None:
     assert len(order._heap) <= 2 * len(live) + 65  # stale items do not pile up
 
 
-def fill(index: Index, key: bytes, tokens: int, start: int = 0, kind: str = "chunk") -> None:
+def fill(
+    index: Index, key: bytes, tokens: int, start: int = 0, kind: str = "chunk", hold: float = 0.0
+) -> None:
     session = index.open_session("t")
     lay = layout(tokens, start, kind)
     reservation = index.reserve(session, key, lay, lay.nbytes)
@@ -65,6 +67,7 @@ def fill(index: Index, key: bytes, tokens: int, start: int = 0, kind: str = "chu
         session,
         reservation.id,
         checksum(index.pool.region(), reservation.blocks, BLOCK, lay.nbytes),
+        hold=hold,
     )
     index.end_session(session)
 
@@ -96,6 +99,45 @@ def test_a_hot_entry_outlives_a_scan_by_worth_and_not_by_recency(
     # Recency: the hot entry was released before the scan began, so it went first. Worth:
     # read five times, it outranks entries read once (until aging catches up with it).
     assert present(index, hot) == (eviction == "worth")
+    pool.close()
+
+
+def test_a_held_entry_outlives_pressure_until_its_first_read_or_its_time(tmp_path: Path) -> None:
+    """Commit's hold (the router's cold chunks): a fresh entry read once ranks lowest by
+    worth, so the saves of the same moment evict it before the request it was stored for
+    reads it. Held, it is not evicted until its first lease, or its time (at most the
+    lease TTL); never more than half the pool is held."""
+    now = [0.0]
+    pool = SharedMemoryPool(BLOCK, 8, directory=tmp_path)
+    index = Index(
+        pool, lease_ttl=5.0, high_watermark=1.0, low_watermark=1.0, eviction="worth",
+        clock=lambda: now[0],
+    )  # fmt: skip
+    for i in range(8):  # a pool of entries read three times each
+        fill(index, entry_key(i), 16)
+        read(index, [entry_key(i)], times=3)
+    fill(index, entry_key(100), 16)  # read once, not held: the next save evicts it
+    fill(index, entry_key(101), 16)
+    assert not present(index, entry_key(100))
+    fill(index, entry_key(200), 16, hold=60.0)  # held (for the lease TTL's 5 s at most)
+    for i in range(300, 306):
+        fill(index, entry_key(i), 16)
+    assert present(index, entry_key(200)) and index.stats().held_entries == 1
+    read(index, [entry_key(200)])  # its first read ends the hold
+    assert index.stats().holds == {"read": 1} and index.stats().held_entries == 0
+    fill(index, entry_key(200 + 1), 16, hold=60.0)
+    now[0] = 4.9
+    index.expire()
+    assert index.stats().held_entries == 1
+    now[0] = 5.0  # the lease TTL: the hold lapses, and the entry is evictable as any other
+    index.expire()
+    assert index.stats().holds == {"read": 1, "lapsed": 1}
+    for i in range(400, 408):
+        fill(index, entry_key(i), 16)
+    assert not present(index, entry_key(201))
+    for i in range(500, 506):  # half the pool held at most: the fifth is stored, not held
+        fill(index, entry_key(i), 16, hold=60.0)
+    assert index.stats().held_entries == 4 and index.stats().holds["refused"] == 2
     pool.close()
 
 
@@ -131,5 +173,17 @@ def test_a_daemon_runs_the_worth_policy_and_refuses_an_unknown_one(serve, tmp_pa
             assert client.put(entry_key(i), *random_kv(21, seed=i), virtual_start=0)
         assert client.stats().evictions["capacity"] == 3
         assert client.lookup([entry_key(0)]) != [None]  # the hot one stayed
+        # Committed with a hold (hold_ms, over the socket), a fresh entry outlives the
+        # saves after it until it is read.
+        held = random_kv(21, seed=20)
+        assert client.put_checksummed(entry_key(20), *held, virtual_start=0, hold=30.0)
+        for i in range(21, 31):
+            assert client.put(entry_key(i), *random_kv(21, seed=i), virtual_start=0)
+        assert client.lookup([entry_key(20), entry_key(21)]) == [21, None]
+        assert daemon.scrape()["chunkstore_held_entries"] == 1
+        assert client.get(entry_key(20)) is not None
+        counts = daemon.scrape()
+        assert counts["chunkstore_held_entries"] == 0
+        assert counts['chunkstore_holds_total{outcome="read"}'] == 1
     with pytest.raises(RuntimeError, match="--eviction: one of lru, worth"):
         start_daemon(tmp_path / "bad", "--eviction", "lfu", timeout=20)

@@ -14,6 +14,7 @@ from chunkstore.policy.selection import (
     RECOMPUTE_FLOOR,
     RECOMPUTE_SHARE,
     BadTransferParams,
+    TransferParams,
     bm25_scores,
     by_score,
     choose,
@@ -71,6 +72,16 @@ def test_the_requests_choice_comes_first_and_a_malformed_one_is_refused() -> Non
     for params in bad:
         with pytest.raises(BadTransferParams):
             select([3], chunks, "relevance", 1, params=params)
+
+
+def test_hold_s_is_seconds_and_a_malformed_one_is_left_out_alone() -> None:
+    assert TransferParams.parse({"hold_s": 30}).hold_s == 30.0
+    assert TransferParams.parse({}).hold_s == 0.0
+    for bad in (-1, "30", True, float("nan"), float("inf")):
+        params = TransferParams.parse({"hold_s": bad, "keep_order": True})
+        assert params.hold_s == 0.0 and params.keep_order  # the rest still read
+        assert "hold_s is seconds" in (params.why_ignored("hold_s") or "")
+        assert params.why_ignored("recompute_chunks") is None
 
 
 def test_the_most_relevant_chunks_go_last_the_most_relevant_nearest_the_question() -> None:
