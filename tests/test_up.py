@@ -78,6 +78,10 @@ def test_a_pool_dev_shm_cannot_hold_is_refused_with_the_sizes() -> None:
     assert "/dev/shm has" in err or "memory available" in err, err
 
 
+def test_a_disk_size_without_a_disk_dir_is_a_usage_error() -> None:
+    assert "set --disk-dir too" in refused("--disk-size", "1G", "--port", "0")
+
+
 def test_the_router_listens_on_ipv6_as_up_starts_it(tmp_path: Path, tiny_model_dir: Path) -> None:
     """`up --host ::1` passes its checks; the router it starts then listens there (any
     answer to /health: no instance behind it here)."""

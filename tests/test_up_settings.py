@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,7 @@ def test_the_router_and_the_connector_decide_alike_from_one_setting(tiny_model_d
             *(sys.executable, "-m", "chunkstore.cli", "up", "--model", str(tiny_model_dir)),
             *("--port", "0", "--max-model-len", "4096", "--workdir", str(work / "up")),
             *("--connector-config", json.dumps(SETTINGS)),
+            *("--disk-dir", str(work / "disk")),
         ],
         stdout=subprocess.PIPE,
         stderr=(work / "up.log").open("w"),
@@ -102,6 +104,11 @@ def test_the_router_and_the_connector_decide_alike_from_one_setting(tiny_model_d
             apart = [defaults.loaded(ids, f"control-{i}") for i, ids in enumerate(forward)]
         assert all(router <= connector for router, connector in apart), apart
         assert any(router < connector for router, connector in apart), apart
+        # up's daemon has the disk tier it was given: what it stored is written there too.
+        deadline = time.monotonic() + 60
+        while not list((work / "disk").rglob("*.entry")) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert list((work / "disk").rglob("*.entry")), (work / "up.log").read_text()[-3000:]
     finally:
         if control is not None:
             control.stop()

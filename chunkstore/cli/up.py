@@ -47,6 +47,9 @@ def run(args: argparse.Namespace) -> int:
     if args.instances < 1:
         print("chunkstore up: --instances must be at least 1", file=sys.stderr)
         return 2
+    if args.disk_size and not args.disk_dir:
+        print("chunkstore up: --disk-size sizes the disk tier: set --disk-dir too", file=sys.stderr)
+        return 2
     try:
         args.connector = _connector(args.connector_config)
     except (OSError, ValueError) as err:
@@ -121,9 +124,13 @@ def _start(
     folder = work / "daemon"
     folder.mkdir(parents=True, exist_ok=True)
     folder.chmod(0o700)
+    disk: tuple[str, ...] = ("--disk-dir", args.disk_dir) if args.disk_dir else ()
+    if args.disk_size:
+        disk += ("--disk-size", args.disk_size)
     daemon = start_daemon(
         folder,
         *("--tcp", "", "--metrics", ""),
+        *disk,
         pool_bytes=args.pool_bytes,
         block_size=1 << 20,
         shm_dir=SHM,
@@ -132,7 +139,8 @@ def _start(
     stack.callback(daemon.stop)
     _say(
         f"the daemon (pid {daemon.process.pid}): a pool of {args.pool_bytes >> 20} MiB in "
-        f"{SHM}, on {daemon.unix} alone (this user's)"
+        f"{SHM}{f', a disk tier in {args.disk_dir}' if args.disk_dir else ''}, on "
+        f"{daemon.unix} alone (this user's)"
     )
     watched: list[tuple[str, Any]] = [("the daemon", daemon.process)]
     # One string, every part: the instances' connectors and the router alike.
@@ -258,6 +266,18 @@ def add_commands(commands: Any) -> None:
         default=1 << 30,
         help="the daemon's pool in bytes, in /dev/shm (1 GiB: ~23,000 tokens of SmolLM2's "
         "fp32 KV); up refuses to start where /dev/shm or the memory cannot hold it",
+    )
+    up.add_argument(
+        "--disk-dir",
+        default="",
+        help="the daemon's disk tier here (chunkstore serve --disk-dir: what the pool evicts "
+        "is read back from it; kept across runs); default: none, memory only",
+    )
+    up.add_argument(
+        "--disk-size",
+        default="",
+        help="bytes the disk tier may use, e.g. 50G (default: half the free space of "
+        "--disk-dir's filesystem)",
     )
     up.add_argument(
         "--max-model-len", type=int, default=8192, help="vLLM's context per request (8192)"
