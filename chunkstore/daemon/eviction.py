@@ -184,9 +184,9 @@ class Worth(Policy):
 
     def evicted(self, entry: Ranked) -> None:
         # Half of GDSF's clock: the read history ages on its own (it halves), and aging both
-        # at full rate forgot popular entries too soon (on generated Zipf traces,
-        # docs/benchmarks.md: +3.7-4.0 points over LRU at a quarter of the working set at
-        # full rate, +5.1-6.9 at half; popularity that shifts halfway: +4.0 still).
+        # at full rate forgot popular entries too soon on generated Zipf traces (when the
+        # rate was chosen; what is kept is worth against LRU at this rate:
+        # docs/benchmarks.md, "RAG traffic").
         self.inflation = max(self.inflation, AGING * entry.rank)
 
 
