@@ -94,11 +94,10 @@ class Index(DiskMoves):
 
     def expire(self) -> int:
         """Reclaim leases and reservations whose holder stopped renewing them, end the holds
-        past their time, and end sessions
-        that hold nothing, have no heartbeat stream open and were silent for a TTL. The blocks
-        of an expired reservation whose session still has a stream open are quarantined, not
-        freed: its writer is paused, not dead, and may copy into them when it resumes. Returns
-        how many things went."""
+        past their time, and end sessions that hold nothing, have no heartbeat stream open
+        and were silent for a TTL. The blocks of an expired reservation whose session still
+        has a stream open are quarantined, not freed: its writer is paused, not dead, and may
+        copy into them when it resumes. Returns how many things went."""
         with self.lock:
             reservations, leases = self.holders.expired()
             for reservation in reservations:
