@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
+import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from chunkstore.bench.cpu import tree_seconds
 from chunkstore.bench.workload import connector_settings, spill_rules
 from chunkstore.bench.workload_replay import furthest_next_use_hit_rate, replay_hit_rate
 from chunkstore.bench.workload_trace import Trace, make_trace, prompt_text, write_dataset
@@ -101,6 +106,13 @@ def test_bench_workload_through_vllm_serve_on_the_tiny_model(tmp_path: Path) -> 
     for figure in (*figures, "tpot_s"):
         assert worth[figure] > 0, figure
     assert worth["pool_bytes"] >= worth["working_set_bytes"]
+    # Where each way's CPU went a request, by process tree, over its traffic alone.
+    assert set(apc["cpu_ms_per_request"]) == {"vllm", "client"}
+    assert set(worth["cpu_ms_per_request"]) == {"vllm", "daemon", "client"}
+    assert set(routed["cpu_ms_per_request"]) == {"vllm", "daemon", "router", "client"}
+    for row in (apc, worth, routed):
+        assert row["cpu_ms_per_request"]["vllm"] > 0 < row["cpu_ms_per_request"]["client"]
+    assert routed["cpu_ms_per_request"]["router"] > 0
     # The warm percentiles leave out the first fifth of the trace (the cold start).
     assert 0 < worth["ttft_p50_warm_s"] <= worth["ttft_p99_warm_s"]
     # Each way's TTFTs a request, in trace order, beside the figures (not in them).
@@ -144,3 +156,25 @@ def test_spill_rules_are_checked_before_any_way_runs() -> None:
     assert rules(0.5, "commit,read-again") == ["commit", "read-again"]
     with pytest.raises(SystemExit, match="--spills sometimes: not a spill rule"):
         rules(0.5, "commit,sometimes")
+
+
+def test_cpu_counts_a_process_tree_descendants_included() -> None:
+    # A shell whose child burns ~0.6 s of CPU and then sleeps: the shell's own is ~0, the
+    # tree's is the child's.
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass\n"
+    shell = subprocess.Popen(["sh", "-c", f"{sys.executable} -c '{burn}time.sleep(30)'; true"])
+    try:
+        deadline = time.monotonic() + 30
+        while tree_seconds({"shell": shell.pid})["shell"] < 0.5:
+            assert time.monotonic() < deadline, "the grandchild's CPU was never counted"
+            time.sleep(0.1)
+        assert tree_seconds({"shell": shell.pid})["shell"] < 5
+        assert _stats_of(shell.pid) < 0.2  # the shell itself did not burn it
+    finally:
+        shell.kill()
+        shell.wait()
+
+
+def _stats_of(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -20,7 +20,9 @@ token's arrival), are sent to:
 Per way: ``prompt_hit_rate`` (prompt tokens vLLM did not compute: its prefix cache's hits
 and what chunkstore supplied, over all), ``store_hit_rate`` (the daemon's, of the chunk
 tokens looked up: what the policies compete on), TTFT p50/p90/p99, TPOT, request
-throughput; and ``throughput_vs_apc``, ``ttft_p50_vs_apc``, ``ttft_p99_vs_apc`` (APC's TTFT
+throughput, ``cpu_ms_per_request`` (CPU over the traffic a request: vLLM's processes, the
+daemon, the router, the bench's own client: they share the host's cores); and
+``throughput_vs_apc``, ``ttft_p50_vs_apc``, ``ttft_p99_vs_apc`` (APC's TTFT
 over the way's: above 1 is faster); ``*_warm`` TTFTs leave out the first fifth of the
 trace, the cold start (``ttft_p99_warm_vs_apc``). With ``--disk-share``, each way's daemon
 has a disk tier too, once per ``--spills`` rule (``serve --spill``): the way reports the disk
@@ -46,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from chunkstore.bench.cpu import cpu_per_request
 from chunkstore.bench.workload_replay import furthest_next_use_hit_rate, replay, replay_hit_rate
 from chunkstore.bench.workload_trace import Trace, make_trace, prompt_text, write_dataset
 from chunkstore.bench.workload_traffic import prompt_hit_rate, router_figures, scrape, send
@@ -87,7 +90,10 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             setup.model, work / "apc", None, setup.max_len, extra=APC_FLAG, env=CPU_ENV
         )
         try:
-            apc = send(server.url, str(setup.model), setup.trace, setup.prompts, args)
+            cpu: dict[str, Any] = {}
+            with cpu_per_request({"vllm": server.process.pid}, len(setup.prompts), cpu):
+                apc = send(server.url, str(setup.model), setup.trace, setup.prompts, args)
+            apc |= cpu
             apc["prompt_hit_rate"] = prompt_hit_rate(scrape(server.url))
         finally:
             server.stop()
@@ -241,7 +247,13 @@ def _chunkstore_way(
         try:
             front = _front(way, server.url, daemon.unix, setup.model, way_dir, connector)
             with front as (url, router):
-                figures = send(url, str(setup.model), setup.trace, setup.prompts, args)
+                pids = {"vllm": server.process.pid, "daemon": daemon.process.pid}
+                if router is not None:
+                    pids["router"] = router.process.pid
+                cpu: dict[str, Any] = {}
+                with cpu_per_request(pids, len(setup.prompts), cpu):
+                    figures = send(url, str(setup.model), setup.trace, setup.prompts, args)
+                figures |= cpu
                 if router is not None:
                     figures["router"] = router_figures(router)
             figures["prompt_hit_rate"] = prompt_hit_rate(scrape(server.url))

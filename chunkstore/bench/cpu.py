@@ -1,0 +1,61 @@
+"""CPU time a bench's processes spent over its traffic, each with its descendants (vLLM's
+API server and its EngineCore), read from /proc: where a way's CPU goes a request, on a host
+where they all share the same few cores."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+from collections.abc import Iterator
+from pathlib import Path
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _stats(proc: Path) -> dict[int, tuple[int, float]]:
+    """Each live process: its parent and its own CPU seconds (user + system)."""
+    found = {}
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            text = (entry / "stat").read_text()
+        except OSError:  # gone since the listing
+            continue
+        fields = text[text.rindex(")") + 2 :].split()  # after "pid (comm) "
+        found[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / TICK)
+    return found
+
+
+def tree_seconds(pids: dict[str, int], proc: Path = Path("/proc")) -> dict[str, float]:
+    """CPU seconds of each named process and its live descendants."""
+    stats = _stats(proc)
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _) in stats.items():
+        children.setdefault(parent, []).append(pid)
+    out = {}
+    for name, root in pids.items():
+        total, todo = 0.0, [root]
+        while todo:
+            pid = todo.pop()
+            total += stats.get(pid, (0, 0.0))[1]
+            todo.extend(children.get(pid, ()))
+        out[name] = total
+    return out
+
+
+def _own() -> float:
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
+
+
+@contextlib.contextmanager
+def cpu_per_request(pids: dict[str, int], requests: int, into: dict[str, object]) -> Iterator[None]:
+    """Around the traffic: ``into["cpu_ms_per_request"]``, each named process tree's CPU
+    milliseconds over the block a request, and the bench's own client's (``client``)."""
+    before, mine = tree_seconds(pids), _own()
+    yield
+    after = tree_seconds(pids)
+    spent = {name: after[name] - before[name] for name in pids} | {"client": _own() - mine}
+    into["cpu_ms_per_request"] = {k: round(1000 * v / requests, 1) for k, v in spent.items()}
