@@ -115,6 +115,9 @@ def test_bench_workload_through_vllm_serve_on_the_tiny_model(tmp_path: Path) -> 
     assert routed["cpu_ms_per_request"]["router"] > 0
     # The warm percentiles leave out the first fifth of the trace (the cold start).
     assert 0 < worth["ttft_p50_warm_s"] <= worth["ttft_p99_warm_s"]
+    # A request's whole time: its first token and then its decodes.
+    for row in (apc, worth, routed):
+        assert row["ttft_p50_s"] < row["latency_p50_s"] <= row["latency_p99_s"]
     # Each way's TTFTs a request, in trace order, beside the figures (not in them).
     lines = (tmp_path / "ttfts.jsonl").read_text().splitlines()
     ttfts = {row["way"]: row["ttfts_s"] for row in map(json.loads, lines)}

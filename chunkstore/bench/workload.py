@@ -19,14 +19,14 @@ token's arrival), are sent to:
   prompt, then loaded by its request): compare its requests/s and TTFTs, not its hit rates.
 Per way: ``prompt_hit_rate`` (prompt tokens vLLM did not compute: its prefix cache's hits
 and what chunkstore supplied, over all), ``store_hit_rate`` (the daemon's, of the chunk
-tokens looked up: what the policies compete on), TTFT p50/p90/p99, TPOT, request
-throughput, ``cpu_ms_per_request`` (CPU over the traffic a request: vLLM's processes, the
-daemon, the router, the bench's own client: they share the host's cores); and
-``throughput_vs_apc``, ``ttft_p50_vs_apc``, ``ttft_p99_vs_apc`` (APC's TTFT
-over the way's: above 1 is faster); ``*_warm`` TTFTs leave out the first fifth of the
-trace, the cold start (``ttft_p99_warm_vs_apc``). With ``--disk-share``, each way's daemon
-has a disk tier too, once per ``--spills`` rule (``serve --spill``): the way reports the disk
-bytes written a request and the bytes the tier served.
+tokens looked up: what the policies compete on), TTFT p50/p90/p99, TPOT, a request's whole
+time (``latency_p50_s``, p99), request throughput, ``cpu_ms_per_request`` (CPU over the
+traffic a request: vLLM's processes, the daemon, the router, the bench's own client: they
+share the host's cores); and ``throughput_vs_apc``, ``ttft_p50_vs_apc``,
+``ttft_p99_vs_apc`` (APC's TTFT over the way's: above 1 is faster); ``*_warm`` TTFTs leave
+out the first fifth of the trace, the cold start (``ttft_p99_warm_vs_apc``). With
+``--disk-share``, each way's daemon has a disk tier too, once per ``--spills`` rule (``serve
+--spill``): the way reports the disk bytes written a request and the bytes the tier served.
 Before them, the trace replayed through the daemon's own index at ``--curve`` pool shares
 for each policy and for furthest-next-use (Belady's offline rule: the headroom above them):
 the hit-rate curve to size a pool by (``--curve-only``: just that, in seconds); with
