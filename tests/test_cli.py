@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -222,6 +228,44 @@ def test_bench_store_tier_disk_json(tmp_path: Path) -> None:
         assert row[figure] > 0
     assert row["disk_read_vs_device"] > 0 and row["disk_write_vs_device"] > 0
     assert not list(tmp_path.iterdir())  # its files went with it
+
+
+def test_a_bench_sent_sigterm_stops_the_processes_it_started(tmp_path: Path) -> None:
+    """A timeout's SIGTERM to a bench unwinds it as Ctrl-C does: the daemon it started (in
+    a process group of its own) goes with it, not left beside the next run."""
+    args = ("--tokens", "64", "--layers", "2", "--readers", "1", "--reader-seconds", "120")
+    command = [sys.executable, "-m", "chunkstore.cli", "bench", "store", "--json", *args]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as bench:
+        deadline = time.monotonic() + 120
+        while not (started := _descendants(bench.pid)) or bench.poll() is not None:
+            assert bench.poll() is None and time.monotonic() < deadline, "no daemon started"
+            time.sleep(0.2)
+        time.sleep(1.0)
+        started = _descendants(bench.pid)
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=60) == 128 + signal.SIGTERM
+    left = []
+    for pid in started:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 0)
+            left.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" "))
+    assert not left, left
+
+
+def _descendants(root: int) -> list[int]:
+    """The live processes below ``root`` (from /proc)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError):
+            stat = (entry / "stat").read_text()
+            parents[int(entry.name)] = int(stat[stat.rindex(")") + 2 :].split()[1])
+    found, todo = [], [root]
+    while todo:
+        above = todo.pop()
+        below = [pid for pid, parent in parents.items() if parent == above]
+        found += below
+        todo += below
+    return found
 
 
 def test_bench_store_against_mooncake_store_and_redis() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import signal
 import sys
 from importlib.metadata import entry_points
 from typing import Any
@@ -62,16 +63,28 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
         print("  ".join(str(row.get(c, "")).ljust(w) for c, w in zip(columns, widths, strict=True)))
 
 
+def _stopped(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run(args: argparse.Namespace) -> int:
+    # SIGTERM (a timeout's, a `kill`) unwinds as Ctrl-C does: each bench's `with` and
+    # `finally` stop the daemons, vLLM servers and routers it started, in their own process
+    # groups, which a signal to the bench alone would otherwise leave running.
+    signal.signal(signal.SIGTERM, _stopped)
     if getattr(args, "plot", ""):
         from chunkstore.bench.plot import pyplot
 
         pyplot()  # matplotlib missing: said now, not after the run
     rows = []
-    for row in _bench_module(args.name).run(args):
-        if args.json:
-            print(json.dumps(row), flush=True)
-        rows.append(row)
+    produced = iter(_bench_module(args.name).run(args))
+    try:
+        for row in produced:
+            if args.json:
+                print(json.dumps(row), flush=True)
+            rows.append(row)
+    finally:  # a bench interrupted between rows unwinds now, not when (if) it is collected
+        getattr(produced, "close", lambda: None)()
     if not args.json:
         _print_table(rows)
     if getattr(args, "plot", ""):

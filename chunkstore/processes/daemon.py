@@ -231,14 +231,19 @@ def start_daemon(
     )
     deadline = time.monotonic() + timeout
     assert process.stdout is not None
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line:
-            break
-        if line.startswith("{"):
-            ready = json.loads(line)
-            if ready.get("event") == "ready":
-                return RunningDaemon(process, ready, workdir)
+    try:
+        while time.monotonic() < deadline:
+            line = process.stdout.readline()
+            if not line:
+                break
+            if line.startswith("{"):
+                ready = json.loads(line)
+                if ready.get("event") == "ready":
+                    return RunningDaemon(process, ready, workdir)
+    except BaseException:  # a signal's exception while it starts: nothing left running
+        process.kill()
+        process.wait()
+        raise
     process.kill()
     process.wait()
     raise RuntimeError(
