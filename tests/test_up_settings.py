@@ -123,15 +123,11 @@ def test_the_settings_are_given_once_as_the_connector_takes_them(tiny_model_dir:
     from chunkstore.testing.cli import chunkstore
 
     model = ("--instance", "http://127.0.0.1:9", "--model", str(tiny_model_dir), "--port", "0")
-    for flag, value in (("--isolation", "none"), ("--virtual-gap", "8")):
+    for flag, value in (("--isolation", "none"), ("--virtual-gap", "8"), ("--separator", "##")):
         done = chunkstore("router", *model, flag, value, timeout=120)
         assert done.returncode == 2 and "give them in --connector-config" in done.stderr
     done = chunkstore("router", *model, "--connector-config", "[1]", timeout=120)
     assert done.returncode == 2 and "must be a JSON object" in done.stderr, done.stderr
-    done = chunkstore(
-        "router", *model, "--separator", "##", "--connector-config", '{"separator": "@@"}'
-    )
-    assert done.returncode == 2 and "give it once" in done.stderr, done.stderr
     for config, says in (("{oops", "is not JSON"), ('{"address": "unix:/x"}', "leave it out")):
         done = chunkstore("up", "--port", "0", "--connector-config", config, timeout=120)
         assert done.returncode == 2 and says in done.stderr, done.stderr

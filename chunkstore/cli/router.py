@@ -81,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
         print("chunkstore router: --instance, or --prefill and --decode: not both", file=sys.stderr)
         return 2
     try:
-        connector = connector_config(args.connector_config, _moved_flags(args))
+        _refuse_moved_flags(args)
+        connector = connector_config(args.connector_config)
         quality = QualityConfig.from_extra(connector)  # the connector's, as it reads them
         operator_token = operator_token_of(args.operator_token)
         limits = Limits(**{name: getattr(args, name) for name in LIMITS})
@@ -115,8 +116,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 # The connector's settings the router once took as flags of its own: each is a key of
-# --connector-config now (the flag is refused, or, for --separator, still read until the
-# benches that pass it move).
+# --connector-config now, and the flag is refused saying so.
 MOVED_FLAGS = {
     "separator": "--separator",
     "isolation": "--isolation",
@@ -125,30 +125,20 @@ MOVED_FLAGS = {
 }
 
 
-def _moved_flags(args: argparse.Namespace) -> dict[str, Any]:
-    """The moved flags given: --separator as the connector-config key it is (said once),
-    the others refused (ValueError)."""
-    given = {k: getattr(args, k) for k in MOVED_FLAGS if getattr(args, k, None) is not None}
-    refused = sorted(MOVED_FLAGS[k] for k in given if k != "separator")
-    if refused:
-        raise ValueError(
-            f"{', '.join(refused)}: the connector's settings; give them in --connector-config "
-            "(the instances' kv_connector_extra_config JSON, e.g. "
-            '\'{"isolation": "sys", "virtual_gap": 0}\')'
-        )
+def _refuse_moved_flags(args: argparse.Namespace) -> None:
+    """ValueError where a moved flag is given."""
+    given = sorted(flag for k, flag in MOVED_FLAGS.items() if getattr(args, k, None) is not None)
     if given:
-        print(
-            "chunkstore router: --separator is deprecated: give the instances' "
-            "kv_connector_extra_config as --connector-config ('{\"separator\": ...}')",
-            file=sys.stderr,
+        raise ValueError(
+            f"{', '.join(given)}: the connector's settings; give them in --connector-config "
+            "(the instances' kv_connector_extra_config JSON, e.g. "
+            '\'{"separator": "##", "isolation": "sys"}\')'
         )
-    return given
 
 
-def connector_config(text: str, flags: dict[str, Any] | None = None) -> dict[str, Any]:
+def connector_config(text: str) -> dict[str, Any]:
     """--connector-config: the instances' kv_connector_extra_config, a JSON object or @FILE
-    holding one; ``flags``: keys given by a deprecated flag, refused where the JSON says
-    otherwise (ValueError, OSError)."""
+    holding one (ValueError, OSError)."""
     if text.startswith("@"):
         text = Path(text[1:]).read_text()
     try:
@@ -157,12 +147,6 @@ def connector_config(text: str, flags: dict[str, Any] | None = None) -> dict[str
         raise ValueError(f"--connector-config is not JSON: {err}") from None
     if not isinstance(config, dict):
         raise ValueError("--connector-config must be a JSON object (kv_connector_extra_config)")
-    for key, value in (flags or {}).items():
-        if config.setdefault(key, value) != value:
-            raise ValueError(
-                f"--{key.replace('_', '-')} {value!r} and --connector-config's {key} "
-                f"{config[key]!r} differ: give it once, in --connector-config"
-            )
     return config
 
 
@@ -343,7 +327,7 @@ def _add_key_arguments(router: argparse.ArgumentParser) -> None:
         "order (relevant_last, relevant_min_score, ...) follow it; its other keys are the "
         "connector's alone ({}: the connector's defaults)",
     )
-    for flag in MOVED_FLAGS.values():  # moved into --connector-config: see _moved_flags
+    for flag in MOVED_FLAGS.values():  # moved into --connector-config: refused
         router.add_argument(flag, default=None, help=argparse.SUPPRESS)
 
 
