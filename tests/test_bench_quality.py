@@ -316,13 +316,17 @@ def test_the_bench_reads_which_chunks_a_method_recomputes_or_moves_as_the_connec
     isolated = {"recompute_chunks": 0, "relevant_last": 0}
     assert treatment(isolated, prompt, sep, ranking) == ({}, [], 0)
     # As behind the router, without the hook: sent with the relevant chunks last (chunk 1
-    # after chunk 3), which vLLM computes there; the ranking renamed with the prompt.
+    # after chunk 3), the last of which vLLM computes there (chunk 3 before it loads); the
+    # ranking renamed with the prompt.
     router = parse_method("inband_isolation=0+order=relevant")
     assert router == {"inband_isolation": False, "order": "relevant"}
     sent = Prompts([prompt], [ranking], [], []).ordered(router, sep)
     assert sent.qa_rankings == [[2, 1, 3, 0]]  # chunks 0, 2, 3, 1 in their new places
     treated, chunks = treat_as_the_bench(router, sent.qa[0], sep, sent.qa_rankings[0])
-    assert {chunks.index(i) for i in treated.recomputed} == {2, 3} and not treated.shifts
+    assert {chunks.index(i) for i in treated.recomputed} == {3} and not treated.shifts
+    both = router | {"hookless_from": "span"}
+    treated, chunks = treat_as_the_bench(both, sent.qa[0], sep, sent.qa_rankings[0])
+    assert {chunks.index(i) for i in treated.recomputed} == {2, 3}
     with pytest.raises(ValueError, match="order=relevant"):
         parse_method("order=first")
 

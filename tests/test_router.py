@@ -318,12 +318,13 @@ LONG_DOCS = [
 ]
 
 
-def test_the_first_relevant_document_is_computed_from_its_span_on(stand, tmp_path) -> None:
-    """Documents long enough that the first relevant one's span (``hookless_from``, the
-    default) starts inside it: its tokens before the span are sent cold and load (the
-    router sends that document cold too), vLLM computes from the span on. cached ==
-    where the treatment says vLLM computes from, cold as warm, and the answer is the HF
-    reference's for that KV (fp32): the loaded tokens isolated, the rest causal."""
+def test_the_last_relevant_document_is_computed_from_its_span_on(stand, tmp_path) -> None:
+    """Documents long enough that the last relevant one's span (``hookless_from`` ``last``,
+    the default) starts inside it: the documents before it and its tokens before the span
+    are sent cold and load (the router sends that document cold too), vLLM computes from
+    the span on. cached == where the treatment says vLLM computes from, cold as warm, and
+    the answer is the HF reference's for that KV (fp32): the loaded tokens isolated, the
+    rest causal."""
     router = RunningRouter(
         tmp_path / "router",
         *("--instance", stand.vllm.url, "--address", stand.daemon.unix, "--model", stand.model),
@@ -339,6 +340,7 @@ def test_the_first_relevant_document_is_computed_from_its_span_on(stand, tmp_pat
     assert start is not None
     inside = [i for i, seg in enumerate(sent) if seg.start < start < seg.end]
     assert inside, "the span starts at a document's first token: nothing here tests it"
+    assert inside == [len(sent) - 2]  # the last document, just before the question
     body: dict[str, Any] = {"model": str(stand.model), "prompt": prompts.text(LONG_DOCS, question)}
     body |= {"max_tokens": 8, "temperature": 0.0, "logprobs": 20}
     body |= {"return_tokens_as_token_ids": True}

@@ -71,12 +71,15 @@ DEFAULT_RELEVANT_SPAN_MIN_TOKENS = 32
 # leaves each chunk an attention sink): on the 1.5B at ~46 tokens the spans answer 24 of 24
 # with 4 of them, 22 without (23 with windows of at least 40 tokens).
 DEFAULT_RELEVANT_FIRST_TOKENS = 4
-# Without the hook, vLLM computes from the first relevant chunk's span on, not the whole
-# chunk: with bench workload's trace all stored, 200 prompt tokens a request where from the
-# chunk's start is 226, 1.41x vLLM's prefix caching's requests/s against 1.19x; held out
-# on Qwen2.5-Coder 0.5B 22 and 20 of 24 against 21 and 20 (docs/benchmarks.md, "RAG traffic").
-HOOKLESS_FROM = ("span", "chunk")
-DEFAULT_HOOKLESS_FROM = "span"
+# Without the hook, vLLM computes from the last relevant chunk's span on (``last``), the
+# relevant chunks before it loaded where they now stand: with bench workload's trace all
+# stored, 150 prompt tokens a request where from the first one's span (``span``) is 200 and
+# from its first token (``chunk``) 226: 1.72x vLLM's prefix caching's requests/s against
+# 1.28-1.41x and 1.19x; held out on Qwen2.5-Coder 0.5B every case answered as from the
+# first one's span (21 and 20 of 24; from its first token 21 and 20, its span 22 and 20 the
+# day it was chosen) (docs/benchmarks.md, "RAG traffic").
+HOOKLESS_FROM = ("last", "span", "chunk")
+DEFAULT_HOOKLESS_FROM = "last"
 
 
 @dataclass(frozen=True)
@@ -108,9 +111,10 @@ class QualityConfig:
     relevant_span_min_tokens: int = DEFAULT_RELEVANT_SPAN_MIN_TOKENS
     # ... and then the first N tokens of every other chunk too (0: not).
     relevant_first_tokens: int = DEFAULT_RELEVANT_FIRST_TOKENS
-    # Without the hook, where vLLM computes the prompt from one token on: from the first
-    # relevant chunk's span (``span``: that chunk's tokens before it loaded, as the hook
-    # would leave them) or from its first token (``chunk``).
+    # Without the hook, where vLLM computes the prompt from one token on: from the last
+    # relevant chunk's span (``last``: the others before it loaded), from the first one's
+    # span (``span``: that chunk's tokens before it loaded, as the hook would leave them) or
+    # from its first token (``chunk``).
     hookless_from: str = DEFAULT_HOOKLESS_FROM
 
     def __post_init__(self) -> None:
@@ -361,8 +365,9 @@ def _without_hook(
     """``relevant_last`` where only a prefix loads: the relevant chunks recomputed whole that
     stand last already (a trailing run of them, just before the question) are left to vLLM,
     which computes them seeing everything before; nothing moves where it stands, nothing
-    else is recomputed. With ``hookless_from`` ``span``, the first of them from its span
-    (``relevant``'s, the hook's) on: its tokens before that load isolated."""
+    else is recomputed. With ``hookless_from`` ``last`` (the default) only the last of
+    them (the most relevant), from its span (``relevant``'s, the hook's) on: the others and
+    its tokens before that load isolated; ``span``: all of them, the first from its span."""
     picks = functools.partial(
         relevant,
         segments,
@@ -384,7 +389,9 @@ def _without_hook(
             break
         tail.append(i)
     computed = {i: range(len(segments[i])) for i in sorted(tail)}
-    if computed and quality.hookless_from == "span":
+    if computed and quality.hookless_from == "last":  # the others before it load
+        computed = {max(computed): computed[max(computed)]}
+    if computed and quality.hookless_from in ("span", "last"):
         first = min(computed)
         picks = _hook_picks(segments, quality, quality.relevant_recompute_tokens, causal)
         spans, _, _ = picks(params if ignored is None else None)

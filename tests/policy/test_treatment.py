@@ -94,7 +94,8 @@ def test_chunks_named_or_counted_are_recomputed_where_they_stand() -> None:
 def test_without_the_hook_relevant_chunks_standing_last_are_left_to_vllm() -> None:
     """Only a prefix loads: the relevant chunks recomputed whole that stand last already are
     computed by vLLM (``computed_from``); one standing elsewhere cannot move, so stays
-    loaded; put last (``relevant_order``, as the router sends it) both are computed."""
+    loaded; put last (``relevant_order``, as the router sends it) the last of them is
+    computed, the one before it loaded (``hookless_from`` ``last``; ``span``: both)."""
     hookless = BackEnd(inband=False)
     treated = treat(RAG, QualityConfig(), back_end=hookless)
     assert treated.last == (4, 2) and not treated.shifts
@@ -104,8 +105,11 @@ def test_without_the_hook_relevant_chunks_standing_last_are_left_to_vllm() -> No
     assert order == [1, 3, 4, 2]  # the others in prompt order, the most relevant last
     sent = prompt(*(RAG[i].token_ids for i in order), question=[42])
     there = treat(sent, QualityConfig(), back_end=hookless)
-    assert there.recomputed == {3: range(3), 4: range(4)} and there.last == (3, 4)
-    assert there.computed_from(sent) == sent[3].start
+    assert there.recomputed == {4: range(4)} and there.last == (3, 4)
+    assert there.computed_from(sent) == sent[4].start
+    both = treat(sent, QualityConfig(hookless_from="span"), back_end=hookless)
+    assert both.recomputed == {3: range(3), 4: range(4)} and both.last == (3, 4)
+    assert both.computed_from(sent) == sent[3].start
     assert relevant_order(sent, QualityConfig()) is None  # in its order already
     # Nothing relevant, or relevant_last 0: everything loads.
     assert treat(RAG, QualityConfig(relevant_last=0), back_end=hookless).computed_from(RAG) is None
@@ -114,25 +118,30 @@ def test_without_the_hook_relevant_chunks_standing_last_are_left_to_vllm() -> No
     assert scored == [2, 3, 4, 1]
 
 
-def test_without_the_hook_vllm_computes_from_the_first_relevant_chunks_span() -> None:
-    """``hookless_from`` ``span`` (the default): the first of the relevant chunks standing
-    last is computed from its span on (the hook's, ``relevant``), its tokens before that
-    load; the ones after it whole; ``chunk``: from its first token."""
+def test_without_the_hook_vllm_computes_from_the_last_relevant_chunks_span() -> None:
+    """``hookless_from`` ``last`` (the default): only the last of the relevant chunks
+    standing last is computed, from its span on (the hook's, ``relevant``), the others and
+    its tokens before the span load; ``span``: the first of them from its span, the ones
+    after it whole; ``chunk``: the first from its first token."""
     hookless = BackEnd(inband=False)
     body = [7] * 60 + [42] * 2 + [7] * 38  # a relevant chunk of 100, its match 60 in
     short = [42] + [9] * 29  # the most relevant (BM25 favours the short one)
     sent = prompt([7] * 100, [8] * 100, body, short, question=[42])  # in the router's order
-    treated = treat(sent, QualityConfig(), back_end=hookless)
-    assert treated.last == (3, 4) and not treated.shifts
     # Its span is the hook's (each pick at least 32 tokens around the match) ...
     assert treat(sent, QualityConfig()).recomputed == {3: range(52, 84), 4: range(30)}
-    # ... and vLLM computes from there: the rest of it, the chunk after, the question.
-    assert treated.recomputed == {3: range(52, 100), 4: range(30)} and treated.exact == {4}
-    assert treated.computed_from(sent) == sent[3].start + 52
+    last = treat(sent, QualityConfig(), back_end=hookless)
+    assert last.recomputed == {4: range(30)} and last.last == (3, 4) and last.exact == {4}
+    assert last.computed_from(sent) == sent[4].start and not last.shifts
+    longer = prompt([7] * 100, short, body, question=[42])  # the last one in part
+    assert treat(longer, QualityConfig(), back_end=hookless).recomputed == {3: range(52, 100)}
+    # ... from the first one's span: the rest of it, the chunk after, the question.
+    span = treat(sent, QualityConfig(hookless_from="span"), back_end=hookless)
+    assert span.recomputed == {3: range(52, 100), 4: range(30)} and span.exact == {4}
+    assert span.computed_from(sent) == sent[3].start + 52
     whole = treat(sent, QualityConfig(hookless_from="chunk"), back_end=hookless)
     assert whole.recomputed == {3: range(100), 4: range(30)}
     assert whole.computed_from(sent) == sent[3].start
-    with pytest.raises(ValueError, match="hookless_from must be span or chunk"):
+    with pytest.raises(ValueError, match="hookless_from must be last or span or chunk"):
         QualityConfig(hookless_from="token")
 
 
