@@ -82,14 +82,18 @@ def test_bench_router_measures_the_two_instances(nodes, tiny_model_dir) -> None:
     assert list(rows) == ["cold", "warm", "placement"]
     for row in rows.values():
         assert row["router_p50_s"] > 0 and row["straight_p50_s"] > 0
-        ratio = row["router_p50_s"] / row["straight_p50_s"]
-        assert row["router_vs_straight"] == pytest.approx(ratio, abs=0.01)
+        assert_ratio(row["router_vs_straight"], row["router_p50_s"], row["straight_p50_s"])
     # Warm, against the text as written too (its relevant documents loaded where they stand).
     warm = rows["warm"]
-    assert warm["router_vs_text"] == pytest.approx(
-        warm["router_p50_s"] / warm["text_p50_s"], abs=0.01
-    )
+    assert_ratio(warm["router_vs_text"], warm["router_p50_s"], warm["text_p50_s"])
     assert rows["placement"]["placed"] == 1.0
+
+
+def assert_ratio(shown: float, over: float, under: float) -> None:
+    """``shown`` is ``over / under`` as the bench rounds them: each time to 4 decimals and
+    the ratio to 3, which moves it most where the times are a few milliseconds."""
+    ratio = over / under
+    assert abs(shown - ratio) <= ratio * (0.5e-4 / over + 0.5e-4 / under) + 0.5e-3 + 1e-9
 
 
 def test_requests_go_where_their_chunks_are_and_around_a_dead_instance(
