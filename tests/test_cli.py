@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from chunkstore import __version__
+from chunkstore.bench.cpu import processes, tree
 from chunkstore.models import (
     DEFAULT_MODELS,
     MODELS,
@@ -237,11 +238,11 @@ def test_a_bench_sent_sigterm_stops_the_processes_it_started(tmp_path: Path) -> 
     command = [sys.executable, "-m", "chunkstore.cli", "bench", "store", "--json", *args]
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as bench:
         deadline = time.monotonic() + 120
-        while not (started := _descendants(bench.pid)) or bench.poll() is not None:
+        while not (started := tree(bench.pid, processes())[1:]) or bench.poll() is not None:
             assert bench.poll() is None and time.monotonic() < deadline, "no daemon started"
             time.sleep(0.2)
         time.sleep(1.0)
-        started = _descendants(bench.pid)
+        started = tree(bench.pid, processes())[1:]
         bench.send_signal(signal.SIGTERM)
         assert bench.wait(timeout=60) == 128 + signal.SIGTERM
     left = []
@@ -250,22 +251,6 @@ def test_a_bench_sent_sigterm_stops_the_processes_it_started(tmp_path: Path) -> 
             os.kill(pid, 0)
             left.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" "))
     assert not left, left
-
-
-def _descendants(root: int) -> list[int]:
-    """The live processes below ``root`` (from /proc)."""
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        with contextlib.suppress(OSError, ValueError):
-            stat = (entry / "stat").read_text()
-            parents[int(entry.name)] = int(stat[stat.rindex(")") + 2 :].split()[1])
-    found, todo = [], [root]
-    while todo:
-        above = todo.pop()
-        below = [pid for pid, parent in parents.items() if parent == above]
-        found += below
-        todo += below
-    return found
 
 
 def test_bench_store_against_mooncake_store_and_redis() -> None:

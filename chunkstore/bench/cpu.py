@@ -13,7 +13,7 @@ from pathlib import Path
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def _stats(proc: Path) -> dict[int, tuple[int, float]]:
+def processes(proc: Path = Path("/proc")) -> dict[int, tuple[int, float]]:
     """Each live process: its parent and its own CPU seconds (user + system)."""
     found = {}
     for entry in proc.iterdir():
@@ -28,21 +28,23 @@ def _stats(proc: Path) -> dict[int, tuple[int, float]]:
     return found
 
 
+def tree(root: int, stats: dict[int, tuple[int, float]]) -> list[int]:
+    """``root`` and its live descendants in ``stats`` (``processes``), root first."""
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(child for child, (parent, _) in stats.items() if parent == pid)
+    return found
+
+
 def tree_seconds(pids: dict[str, int], proc: Path = Path("/proc")) -> dict[str, float]:
     """CPU seconds of each named process and its live descendants."""
-    stats = _stats(proc)
-    children: dict[int, list[int]] = {}
-    for pid, (parent, _) in stats.items():
-        children.setdefault(parent, []).append(pid)
-    out = {}
-    for name, root in pids.items():
-        total, todo = 0.0, [root]
-        while todo:
-            pid = todo.pop()
-            total += stats.get(pid, (0, 0.0))[1]
-            todo.extend(children.get(pid, ()))
-        out[name] = total
-    return out
+    stats = processes(proc)
+    return {
+        name: sum(stats.get(pid, (0, 0.0))[1] for pid in tree(root, stats))
+        for name, root in pids.items()
+    }
 
 
 def _own() -> float:

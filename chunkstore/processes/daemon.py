@@ -231,21 +231,20 @@ def start_daemon(
     )
     deadline = time.monotonic() + timeout
     assert process.stdout is not None
+    ready = None
     try:
-        while time.monotonic() < deadline:
+        while ready is None and time.monotonic() < deadline:
             line = process.stdout.readline()
             if not line:
                 break
-            if line.startswith("{"):
-                ready = json.loads(line)
-                if ready.get("event") == "ready":
-                    return RunningDaemon(process, ready, workdir)
-    except BaseException:  # a signal's exception while it starts: nothing left running
-        process.kill()
-        process.wait()
-        raise
-    process.kill()
-    process.wait()
+            said = json.loads(line) if line.startswith("{") else {}
+            ready = said if said.get("event") == "ready" else None
+    finally:  # not ready, or a signal's exception while it starts: nothing left running
+        if ready is None:
+            process.kill()
+            process.wait()
+    if ready is not None:
+        return RunningDaemon(process, ready, workdir)
     raise RuntimeError(
         f"chunkstore serve did not become ready: {(workdir / 'daemon.log').read_text()}"
     )
